@@ -1,0 +1,74 @@
+# fastcoll: `make test` and `make bench` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+TORCH_CPU  := torch==2.13.0
+TORCH_CUDA := torch==2.14.1
+DEPS   := numpy pybind11 ninja "setuptools>=64" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib
+EXTRAS := mmengine==0.10.7 pytorch-lightning==2.6.6
+CSRC   := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
+# The CUDA build check: a second environment with a CUDA build of torch.
+CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
+CUDA_HOME ?= /usr/local/cuda
+PYTEST_ARGS ?=
+
+.PHONY: all setup build test bench bench-quick gpu-check cmake-test cuda-build-check clean
+
+all: test
+
+$(VENV)/.deps-stamp: Makefile
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(TORCH_CPU) $(DEPS)
+	$(VPY) -m pip install -q $(TORCH_CPU) $(EXTRAS) || echo "fastcoll: optional framework packages did not install; their tests will skip"
+	touch $@
+
+setup: $(VENV)/.deps-stamp
+
+$(VENV)/.build-stamp: $(VENV)/.deps-stamp setup.py pyproject.toml $(CSRC)
+	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(VPY) -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i, indent=1)); assert i['extension'], 'extension not built'"
+	touch $@
+
+build: $(VENV)/.build-stamp
+
+test: build
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench: build
+	$(VPY) -m fastcoll.bench all
+
+bench-quick: build
+	$(VPY) -m fastcoll.bench all --quick
+
+# C++ unit test of the CPU kernels through CMake + ctest, against the venv's torch.
+cmake-test: build
+	cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$($(VPY) -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build build/cmake -j2
+	cd build/cmake && ctest --output-on-failure
+
+# Builds the CUDA kernels (sm_80, sm_90) against torch 2.14.1+cu130 and imports them; no GPU needed.
+cuda-build-check:
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.14.1')" 2>/dev/null || \
+	  $(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy ninja "setuptools>=64" wheel
+	rm -rf build/cuda-check && mkdir -p build/cuda-check
+	NV=$$($(CUDA_VENV)/bin/python -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13"))'); \
+	  CUDA_HOME=$(CUDA_HOME) FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="8.0;9.0" MAX_JOBS=2 \
+	  CPATH=$$NV/include:$$CPATH LIBRARY_PATH=$$NV/lib:$$LIBRARY_PATH \
+	  $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib
+	cp -r fastcoll/*.py fastcoll/bench fastcoll/integrations build/cuda-check/lib/fastcoll/
+	cd build/cuda-check/lib && $(CUDA_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i, indent=1)); assert i['cuda_kernels'], i"
+
+# On a machine whose python already has a CUDA build of torch (the GPU machine):
+# build in place with the CUDA kernels, run the CUDA tests and the GPU benchmarks.
+gpu-check:
+	FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" $(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) -c "import fastcoll, json; print(json.dumps(fastcoll.build_info(), indent=1))"
+	$(PYTHON) -m pytest -q -m cuda tests $(PYTEST_ARGS)
+	$(PYTHON) -m fastcoll.bench ops --device cuda
+	$(PYTHON) -m fastcoll.bench ddp --device cuda
+
+clean:
+	rm -rf build *.egg-info fastcoll/*.so $(VENV)/.build-stamp

@@ -1,0 +1,36 @@
+"""fastcoll: fused multi-tensor gradient synchronization for PyTorch data parallelism."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _loader, ops
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """How this fastcoll was built and what it is running on.
+
+    Returns:
+        A dict with the torch version, whether the C++ extension and its CUDA
+        kernels are compiled in, the compiler, the CUDA version and arch list
+        the kernels were built for, and why the fallback is in use (if it is).
+    """
+    info = {
+        "fastcoll": __version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "extension": _loader._C is not None,
+        "cuda_kernels": False,
+        "compiler": None,
+        "cuda_version": None,
+        "cuda_arch_list": [],
+        "fallback_reason": _loader.FALLBACK_REASON,
+    }
+    if _loader._C is not None:
+        info.update(_loader._C.build_info())
+    return info
+
+
+__all__ = ["ops", "build_info", "__version__"]
