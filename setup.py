@@ -43,7 +43,7 @@ def _want_cuda() -> bool:
 def _extension():
     use_cuda = _want_cuda()
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3"]  # torch.utils.cpp_extension picks the C++ standard its headers need
     define_macros = [("FASTCOLL_COMPILER", f'"{_compiler_name()}"')]
     if use_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
@@ -53,7 +53,7 @@ def _extension():
             ("FASTCOLL_CUDA_ARCHS", f'"{os.environ["TORCH_CUDA_ARCH_LIST"]}"'),
         ]
         ext_cls = CUDAExtension
-        extra = {"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]}
+        extra = {"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]}
     else:
         ext_cls = CppExtension
         extra = {"cxx": cxx_flags}

@@ -1,0 +1,152 @@
+// Op schemas and the argument checks shared by every device.
+//
+// The schemas here must match fastcoll/_loader.py SCHEMAS (the pure-PyTorch
+// fallback registers the same ones when this library is not built).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+
+#include "fastcoll.h"
+
+
+namespace fastcoll {
+
+namespace {
+
+// The name Python prints for a dtype (float32, int64, bool, ...).
+std::string dtype_name(at::ScalarType t) {
+  return std::string(c10::getDtypeNames(t).first);
+}
+
+bool is_supported(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+void check_dtype(const at::Tensor& t, const std::string& what) {
+  TORCH_CHECK_TYPE(
+      is_supported(t.scalar_type()), "fastcoll: ", what, " has dtype ", dtype_name(t.scalar_type()),
+      "; supported dtypes are float32, float16, bfloat16 and float64");
+}
+
+void check_strided(const at::Tensor& t, const std::string& what) {
+  TORCH_CHECK_TYPE(
+      t.layout() == at::kStrided, "fastcoll: ", what, " has layout ", t.layout(),
+      "; only strided (dense) tensors are supported");
+}
+
+std::string shape_str(at::IntArrayRef a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.size(); ++i) {
+    s += std::to_string(a[i]);
+    if (a.size() == 1 || i + 1 < a.size()) s += ", ";
+  }
+  if (a.size() == 1) s.pop_back();
+  return s + ")";
+}
+
+}  // namespace
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kHalf: return 1;
+    case at::kBFloat16: return 2;
+    case at::kDouble: return 3;
+    default: TORCH_CHECK(false, "fastcoll: unsupported dtype ", t);
+  }
+}
+
+std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& flat, bool pack) {
+  const std::string flat_name = pack ? "out" : "flat";
+  TORCH_CHECK_VALUE(!tensors.empty(), "fastcoll: tensors is empty; pass at least one tensor");
+  check_strided(flat, flat_name);
+  check_dtype(flat, flat_name);
+  TORCH_CHECK_VALUE(
+      flat.dim() == 1 && flat.is_contiguous(), "fastcoll: ", flat_name,
+      " must be a 1-D contiguous tensor, got shape ", shape_str(flat.sizes()), " with strides ",
+      shape_str(flat.strides()));
+
+  std::vector<int64_t> offsets;
+  offsets.reserve(tensors.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const std::string what = "tensors[" + std::to_string(i) + "]";
+    check_strided(t, what);
+    TORCH_CHECK(
+        t.device() == flat.device(), "fastcoll: ", what, " is on ", t.device(), " but ", flat_name,
+        " is on ", flat.device());
+    check_dtype(t, what);
+    TORCH_CHECK_VALUE(
+        t.numel() <= 1 || t.is_non_overlapping_and_dense(), "fastcoll: ", what, " (shape ",
+        shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
+        ") is not dense and non-overlapping; make it .contiguous() first");
+    offsets.push_back(total);
+    total += t.numel();
+  }
+  TORCH_CHECK_VALUE(
+      total == flat.numel(), "fastcoll: the tensors hold ", total, " elements in total but ", flat_name,
+      " has ", flat.numel());
+
+  // Aliasing. A tensor sitting exactly in its own slot of the flat buffer is an
+  // in-place scale and is allowed; any other overlap would read overwritten data.
+  const auto flat_lo = reinterpret_cast<uintptr_t>(flat.data_ptr());
+  const auto flat_hi = flat_lo + flat.numel() * flat.element_size();
+  const int64_t fsize = flat.element_size();
+  std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> ranges;
+  ranges.reserve(tensors.size());
+  std::vector<Segment> segments;
+  segments.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const auto hi = lo + t.numel() * t.element_size();
+    if (lo < flat_hi && flat_lo < hi) {
+      const bool in_slot = t.scalar_type() == flat.scalar_type() && lo == flat_lo + offsets[i] * fsize;
+      TORCH_CHECK_VALUE(
+          in_slot, "fastcoll: tensors[", i, "] overlaps ", flat_name, " outside its own slot (elements ",
+          offsets[i], "..", offsets[i] + t.numel(), "); the op would read overwritten data");
+    }
+    ranges.emplace_back(lo, hi, i);
+    char* slot = static_cast<char*>(flat.data_ptr()) + offsets[i] * fsize;
+    Segment s;
+    s.numel = t.numel();
+    s.flat_offset = offsets[i];
+    if (pack) {
+      s.src = t.data_ptr();
+      s.dst = slot;
+      s.src_dtype = t.scalar_type();
+      s.dst_dtype = flat.scalar_type();
+    } else {
+      s.src = slot;
+      s.dst = t.data_ptr();
+      s.src_dtype = flat.scalar_type();
+      s.dst_dtype = t.scalar_type();
+    }
+    segments.push_back(s);
+  }
+  if (!pack && ranges.size() > 1) {
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t k = 0; k + 1 < ranges.size(); ++k) {
+      if (std::get<0>(ranges[k + 1]) < std::get<1>(ranges[k])) {
+        const size_t a = std::min(std::get<2>(ranges[k]), std::get<2>(ranges[k + 1]));
+        const size_t b = std::max(std::get<2>(ranges[k]), std::get<2>(ranges[k + 1]));
+        TORCH_CHECK_VALUE(
+            false, "fastcoll: tensors[", a, "] and tensors[", b,
+            "] overlap in memory; destinations must be distinct");
+      }
+    }
+  }
+  return segments;
+}
+
+}  // namespace fastcoll
+
+TORCH_LIBRARY(fastcoll, m) {
+  m.def("flatten_scale(Tensor[] tensors, Tensor(a!) out, float scale=1.0) -> ()");
+  m.def("unflatten_scale(Tensor flat, Tensor(a!)[] tensors, float scale=1.0) -> ()");
+}

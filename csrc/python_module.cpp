@@ -1,0 +1,47 @@
+// The Python module fastcoll._C. Importing it loads this shared library, whose
+// static initializers run the TORCH_LIBRARY registrations of every op file.
+#include <torch/extension.h>
+
+#include <string>
+
+#ifdef FASTCOLL_WITH_CUDA
+#include <cuda.h>
+#endif
+
+#ifndef FASTCOLL_COMPILER
+#define FASTCOLL_COMPILER "unknown"
+#endif
+
+namespace {
+
+py::dict build_info() {
+  py::dict info;
+  info["extension"] = true;
+  info["compiler"] = FASTCOLL_COMPILER;
+#ifdef FASTCOLL_WITH_CUDA
+  info["cuda_kernels"] = true;
+  info["cuda_version"] = std::to_string(CUDA_VERSION / 1000) + "." + std::to_string((CUDA_VERSION % 1000) / 10);
+  std::string archs = FASTCOLL_CUDA_ARCHS;
+  py::list arch_list;
+  size_t start = 0;
+  while (start <= archs.size()) {
+    size_t end = archs.find_first_of("; ", start);
+    if (end == std::string::npos) end = archs.size();
+    if (end > start) arch_list.append(archs.substr(start, end - start));
+    start = end + 1;
+  }
+  info["cuda_arch_list"] = arch_list;
+#else
+  info["cuda_kernels"] = false;
+  info["cuda_version"] = py::none();
+  info["cuda_arch_list"] = py::list();
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastcoll's compiled kernels; importing this module registers torch.ops.fastcoll.*";
+  m.def("build_info", &build_info, "How the extension was built");
+}
