@@ -32,6 +32,9 @@ std::vector<Segment> plan_segments(
     const at::Tensor& flat,
     bool pack);
 
+// CPU inner loop: copies n elements from src to dst, multiplied by scale and cast.
+using CopyFn = void (*)(const void* src, void* dst, int64_t n, double scale);
+
 // Small integer code of a supported dtype (float32=0, float16=1, bfloat16=2, float64=3).
 int dtype_code(at::ScalarType t);
 
