@@ -58,15 +58,26 @@ def _load() -> None:
         _register_reference()
 
 
+def _check_devices(tensors, flat, flat_name: str) -> None:
+    # A list mixing meta and real tensors dispatches to the fake kernels; they
+    # must still reject it rather than silently doing nothing.
+    for i, t in enumerate(tensors):
+        if t.device != flat.device:
+            raise RuntimeError(f"fastcoll: tensors[{i}] is on {t.device} but {flat_name} is on {flat.device}")
+
+
 def _register_fakes() -> None:
     # Both ops only mutate their outputs and return nothing, so the fake
-    # (meta) kernels have nothing to compute; they let torch.compile trace them.
+    # (meta) kernels have nothing to compute beyond the device check; they
+    # let torch.compile trace the ops.
     @torch.library.register_fake("fastcoll::flatten_scale")
     def _flatten_scale_fake(tensors, out, scale=1.0):
+        _check_devices(tensors, out, "out")
         return None
 
     @torch.library.register_fake("fastcoll::unflatten_scale")
     def _unflatten_scale_fake(flat, tensors, scale=1.0):
+        _check_devices(tensors, flat, "flat")
         return None
 
 
