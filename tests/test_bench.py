@@ -1,0 +1,93 @@
+"""Smoke tests of the benchmark CLI, so that it does not rot between benchmark runs.
+
+The numbers are never checked (the targets are printed, not asserted): only
+that the ops benchmark runs end to end with a tiny configuration and writes
+well-formed JSON and a chart, and that the bucket layouts are DDP's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fastcoll.bench import __main__ as cli
+from fastcoll.bench import common
+from fastcoll.bench import ops as bench_ops
+
+
+def test_ops_smoke_run(tmp_path, capsys):
+    path = tmp_path / "ops.json"
+    rc = cli.main(["ops", "--smoke", "--threads", "1", "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "fastcoll ops" in out and "fused/floor" in out
+
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "ops"
+    assert data["machine"]["torch"] and "fastcoll_build" in data["machine"]
+    assert data["config"]["smoke"] and data["config"]["threads"] == [1]
+    rows = data["results"]
+    assert {r["kind"] for r in rows} == {"model", "synthetic"}
+    for r in rows:
+        assert set(r["methods"]) == set(bench_ops.METHODS)
+        for st in r["methods"].values():
+            assert st["median_s"] > 0 and st["q1_s"] <= st["median_s"] <= st["q3_s"] and st["n"] == 3
+        assert r["ratios"]["fused/floor"] > 0 and r["ratios"]["per-param/fused"] > 0
+    resnet = [r for r in rows if r["model"] == "resnet50"]
+    assert resnet and set(resnet[0]["targets"]) == {"fused/floor", "per-param/fused"}
+    assert all(t["pass"] in (True, False) for t in resnet[0]["targets"].values())
+    assert path.with_suffix(".png").stat().st_size > 1000
+
+
+def test_ddp_bucket_assignment():
+    MiB = common.MiB
+    params = [("a", (MiB // 4,)), ("b", (3 * MiB // 4,)), ("c", (MiB // 8,)), ("d", (MiB // 8,)), ("e", (2 * MiB,))]
+    # reverse order e, d, c, b, a; float32: e is 8 MiB (closes the first, 1 MiB bucket by itself)
+    buckets = bench_ops.ddp_buckets(params, element_size=4, first_cap=MiB, cap=3 * MiB)
+    assert [b["names"] for b in buckets] == [["e"], ["d", "c", "b"], ["a"]]
+    assert [b["cap"] for b in buckets] == [MiB, 3 * MiB, 3 * MiB]
+    assert buckets[1]["bytes"] == 4 * MiB  # closes once its size reaches the cap, not before exceeding it
+
+
+def test_model_buckets_cover_every_parameter():
+    shapes = bench_ops.load_model_shapes()
+    expected = {"resnet50": 25_557_032, "gpt2_small": 124_439_808, "bert_base": 109_482_240}
+    for model, numel in expected.items():
+        buckets = bench_ops.ddp_buckets(shapes[model])
+        assert sum(len(b["names"]) for b in buckets) == len(shapes[model])
+        assert sum(sum(math.prod(s) for s in b["shapes"]) for b in buckets) == numel
+        assert buckets[0]["names"][0] == shapes[model][-1][0]  # reverse parameter order
+        for b in buckets[:-1]:
+            assert b["bytes"] >= b["cap"]
+    layouts, skipped = bench_ops.model_layouts(quick=True)
+    assert sorted(l.model for l in layouts) == sorted(expected)
+    assert all(l.nbytes >= bench_ops.BUCKET_CAP for l in layouts)
+
+
+def test_cli_arguments(capsys):
+    args = cli.build_parser().parse_args(["all", "--threads", "all", "--quick", "--device", "cpu"])
+    assert args.command == "all" and args.threads == "all" and args.quick and not args.smoke
+    assert common.thread_counts(args) == [common.available_cpus()]
+    assert common.thread_counts(cli.build_parser().parse_args(["ops", "--threads", "3"])) == [3]
+    assert common.thread_counts(cli.build_parser().parse_args(["ops"])) == sorted({1, common.available_cpus()})
+    for bad in (["ops", "--threads", "0"], ["ops", "--threads", "x"], ["nope"], ["ops", "--device", "tpu"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(bad)
+    assert "--smoke" not in cli.build_parser().format_help()
+    sub = cli._args_for(cli.build_parser().parse_args(["all", "--json", "/tmp/r.json"]), "ops")
+    assert sub.command == "ops" and sub.json == "/tmp/r_ops.json"
+
+
+def test_missing_benchmark_module_is_reported(capsys):
+    assert cli._load("no_such_benchmark") is None
+    assert "not available" in capsys.readouterr().out
+
+
+def test_timing_helpers():
+    samples = common.measure(lambda: sum(range(100)), warmup=1, reps=5, target_s=1e-4)
+    assert len(samples) == 5 and all(s > 0 for s in samples)
+    st = common.summarize([3.0, 1.0, 2.0, 4.0])
+    assert st["median_s"] == 2.5 and st["q1_s"] <= st["median_s"] <= st["q3_s"] and st["n"] == 4
+    assert common.fmt_time(2e-6).endswith("µs") and common.fmt_time(2e-3).endswith("ms")
