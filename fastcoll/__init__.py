@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _loader, ops
+from .ddp import DDP, DistributedDataParallel
 
 __version__ = "0.1.0"
 
@@ -33,4 +34,34 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["ops", "build_info", "__version__"]
+__all__ = ["ops", "build_info", "__version__", "DDP", "DistributedDataParallel"]
+
+from .dist import (  # noqa: E402  (distributed helpers; see fastcoll.dist)
+    all_reduce_dict,
+    allreduce_grads,
+    collect_results,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_dist,
+    is_distributed,
+    is_module_wrapper,
+    rank_zero_only,
+    reduce_mean,
+    synchronize,
+)
+
+__all__ += [
+    "all_reduce_dict",
+    "allreduce_grads",
+    "collect_results",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_dist",
+    "is_distributed",
+    "is_module_wrapper",
+    "rank_zero_only",
+    "reduce_mean",
+    "synchronize",
+]

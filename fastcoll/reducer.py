@@ -1,0 +1,747 @@
+"""The gradient reducer behind :class:`fastcoll.DDP`.
+
+Life of one synchronized iteration::
+
+    forward (DDP)   prepare_for_forward()   raise if the previous backward left
+                                            buckets unreduced; rebuild the
+                                            layout once (rank 0's order wins)
+                    prepare_for_backward()  arm the hooks; find unused params
+    backward        post-accumulate-grad hook per parameter -> _on_grad()
+                      first hook: queue _on_backward_end on the engine, mark
+                      the unused parameters ready
+                      bucket complete -> _advance() launches every complete
+                      bucket in index order: _launch() packs it with one fused
+                      flatten_scale (scale = 1/divisor) and starts an async
+                      all-reduce
+    end of backward _on_backward_end() -> _finalize(): wait for each bucket,
+                    one fused unflatten_scale per bucket into the gradients
+
+Collectives are issued in exactly this order on every rank: [layout broadcast
+(once)], then per backward: bucket 0, 1, ..., B-1, then the used-parameter
+all-reduce (only when unused parameters are tracked). The buffer broadcast of
+the forward is issued by :class:`fastcoll.DDP` before the module runs. All
+bucket collectives go through :meth:`Reducer._launch`; all their results come
+back through :meth:`Reducer._finalize` -> :meth:`Reducer._unpack`.
+
+Extension points (for comm hooks, join and low-precision communication):
+
+* ``Reducer.divisor``: the run-time divisor folded into the pack (default: the
+  process group's size).
+* :meth:`Reducer._pack` takes the scale explicitly, so a scale-free pack is
+  ``self._pack(bucket, 1.0)``.
+* :meth:`Reducer._communicate` turns a packed bucket into a handle whose
+  ``wait()`` completes the reduction; :meth:`Reducer._collect` turns the
+  handle into the reduced flat tensor (any floating dtype, bucket numel) that
+  :meth:`Reducer._unpack` writes back, casting on the way.
+* :class:`Bucket` carries the flat buffer, the parameter-shaped views of it
+  and GradBucket-style accessors.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from ._reference import SUPPORTED_DTYPES, is_dense
+from .bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
+
+__all__ = ["Bucket", "Reducer", "broadcast_coalesced", "find_tensors"]
+
+
+class Bucket:
+    """A group of same-(device, dtype) parameters reduced with one collective.
+
+    Attributes:
+        pos: Index of the bucket in reduction order.
+        count: Number of buckets in the layout (for :meth:`is_last`).
+        param_indices: Reducer parameter indices, in bucket (packing) order.
+        params: The parameters, in bucket order.
+        names: Their qualified names.
+        device, dtype: Of every parameter and of ``flat``.
+        numel: Total elements; ``offsets[i]`` is parameter i's first element in ``flat``.
+        flat: The 1-D contiguous bucket buffer.
+        views: Views of ``flat`` shaped and strided like each parameter.
+        view_ptrs: ``data_ptr()`` of each view (alias test for gradient_as_bucket_view).
+        expected: Hook firings that complete the bucket in one iteration.
+        pending: Hook firings still missing in the current iteration.
+        work: Handle of the in-flight reduction, or None.
+    """
+
+    __slots__ = (
+        "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
+        "flat", "views", "view_ptrs", "expected", "pending", "work",
+    )  # fmt: skip
+
+    def __init__(self, pos: int, count: int, param_indices: List[int], params: List[torch.Tensor], names: List[str]):
+        self.pos = pos
+        self.count = count
+        self.param_indices = param_indices
+        self.params = params
+        self.names = names
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        self.offsets: List[int] = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.flat = torch.empty(total, dtype=self.dtype, device=self.device)
+        self.views = ops.bucket_views(self.flat, params)
+        self.view_ptrs = [v.data_ptr() for v in self.views]
+        self.expected = len(params)
+        self.pending = 0
+        self.work: Any = None
+
+    # GradBucket-style accessors (torch's comm hooks duck-type these).
+    def index(self) -> int:
+        """Position of this bucket in reduction order."""
+        return self.pos
+
+    def is_last(self) -> bool:
+        """True for the last bucket reduced in an iteration."""
+        return self.pos == self.count - 1
+
+    def buffer(self) -> torch.Tensor:
+        """The flat 1-D bucket buffer."""
+        return self.flat
+
+    def gradients(self) -> List[torch.Tensor]:
+        """Parameter-shaped views of :meth:`buffer`, in :meth:`parameters` order."""
+        return self.views
+
+    def parameters(self) -> List[torch.Tensor]:
+        """The bucket's parameters."""
+        return self.params
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the flat buffer in bytes."""
+        return self.numel * self.flat.element_size()
+
+
+def find_tensors(obj: Any) -> List[torch.Tensor]:
+    """All tensors inside ``obj``: nested lists, tuples (incl. namedtuples), dicts, sets and dataclasses."""
+    out: List[torch.Tensor] = []
+    stack = [obj]
+    seen = set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "__dataclass_fields__") and not isinstance(o, type):
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
+    return out
+
+
+def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
+    """Maximal [start, stop) index ranges where ``present`` is true."""
+    runs = []
+    start = None
+    for i, ok in enumerate(present):
+        if ok and start is None:
+            start = i
+        elif not ok and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(present)))
+    return runs
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+    group_src: int = 0,
+    cap_bytes: int = 250 * 1024 * 1024,
+) -> None:
+    """Broadcast ``tensors`` in place from group rank ``group_src``, a few large messages at a time.
+
+    Floating-point tensors are packed per (device, dtype) with the fused
+    :func:`fastcoll.ops.flatten_scale` on the source rank and unpacked with
+    :func:`fastcoll.ops.unflatten_scale` on the others; tensors of other dtypes
+    (``num_batches_tracked`` and the like) travel together as raw bytes.
+    Messages are capped at ``cap_bytes``. Every rank must pass tensors of the
+    same shapes and dtypes in the same order.
+
+    Args:
+        tensors: Tensors to overwrite with the source rank's values (dense,
+            mutually non-overlapping; pass ``param.detach()`` for parameters).
+        group: Process group (None: the default group).
+        group_src: Source rank within ``group``.
+        cap_bytes: Largest message size in bytes.
+    """
+    if dist.get_world_size(group) == 1 or not tensors:
+        return
+    is_src = dist.get_rank(group) == group_src
+    groups: Dict[Tuple[str, Any], List[List[torch.Tensor]]] = {}
+    sizes: Dict[Tuple[str, Any], int] = {}
+    for t in tensors:
+        fused = t.dtype in SUPPORTED_DTYPES and is_dense(t)
+        key = (str(t.device), t.dtype if fused else None)
+        chunks = groups.setdefault(key, [[]])
+        nbytes = t.numel() * t.element_size()
+        if chunks[-1] and sizes[key] + nbytes > cap_bytes:
+            chunks.append([])
+            sizes[key] = 0
+        chunks[-1].append(t)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    with torch.no_grad():
+        for (device, dtype), chunks in groups.items():
+            for chunk in chunks:
+                if dtype is not None:
+                    n = ops.total_numel(chunk)
+                    if n == 0:
+                        continue
+                    flat = torch.empty(n, dtype=dtype, device=device)
+                    if is_src:
+                        ops.flatten_scale(chunk, flat, 1.0)
+                    dist.broadcast(flat, group=group, group_src=group_src)
+                    if not is_src:
+                        ops.unflatten_scale(flat, chunk, 1.0)
+                else:
+                    nbytes = [t.numel() * t.element_size() for t in chunk]
+                    if sum(nbytes) == 0:
+                        continue
+                    if is_src:
+                        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in chunk])
+                    else:
+                        flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+                    dist.broadcast(flat, group=group, group_src=group_src)
+                    if not is_src:
+                        for t, part in zip(chunk, flat.split(nbytes)):
+                            if t.numel():
+                                t.copy_(part.view(t.dtype).view(t.shape))
+
+
+def _remove_handles(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[threading.Lock]) -> Callable:
+    # The hook holds the reducer weakly so a dropped DDP wrapper does not keep
+    # reducing gradients of a module that has been re-wrapped.
+    if lock is None:
+
+        def hook(_param: torch.Tensor) -> None:
+            r = ref()
+            if r is not None and r._expect_hooks:
+                r._on_grad(idx)
+
+    else:
+
+        def hook(_param: torch.Tensor) -> None:
+            r = ref()
+            if r is not None and r._expect_hooks:
+                with lock:
+                    r._on_grad(idx)
+
+    return hook
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for a list of parameters.
+
+    Args:
+        params: Parameters to reduce (requires_grad, dense, floating, one device type).
+        names: Qualified name of each parameter, for messages and :meth:`bucket_info`.
+        process_group: Group to reduce over (None: default group).
+        bucket_cap_bytes: Byte cap of every bucket but the first of each (device, dtype).
+        first_bucket_bytes: Byte cap of the first bucket of each (device, dtype).
+        find_unused_parameters: Traverse the autograd graph from the outputs
+            each iteration and mark unreached parameters ready.
+        gradient_as_bucket_view: Make ``param.grad`` a view into its bucket.
+        static_graph: The set of used parameters and the number of times each
+            one's gradient is accumulated never change: learn them in the first
+            iteration (reduced at the end of backward) and skip the traversal
+            afterwards.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        bucket_cap_bytes: int = 25 * 1024 * 1024,
+        first_bucket_bytes: int = 1024 * 1024,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+    ):
+        self.params: List[torch.Tensor] = list(params)
+        self.names: List[str] = list(names)
+        n = len(self.params)
+        if n == 0:
+            raise ValueError("fastcoll.Reducer: no parameters to reduce")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        #: Run-time divisor folded into the pack: gradients are averaged over this many ranks.
+        self.divisor: float = float(self.world_size)
+        self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.first_bucket_bytes = int(first_bucket_bytes)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.static_graph = bool(static_graph)
+        self._specs = [ParamSpec.of(p) for p in self.params]
+        self._index_of_id = {id(p): i for i, p in enumerate(self.params)}
+        self._comm_device = self.params[0].device
+
+        # Per-iteration state.
+        self._expect_hooks = False
+        self._callback_queued = False
+        self._require_finalize = False
+        self._unused_marked = False
+        self._next_bucket = 0
+        self._num_iterations = 0  # completed synchronized backwards
+        self._static_first = self.static_graph
+        self._expected_counts: List[int] = [1] * n
+        self._remaining: List[int] = [1] * n
+        self._unused: List[int] = []
+        self._track_used = False
+        self._local_used = bytearray(n)
+        self._used_work: Any = None
+        self._used_tensor: Optional[torch.Tensor] = None
+        self._global_used: Optional[List[bool]] = None
+        self._static_used: Optional[List[bool]] = None  # static_graph: global use learned in iteration 1
+        self._hook_counts: List[int] = [0] * n
+        self._learn_static_use = False
+
+        # Layout rebuild bookkeeping: record the ready order of the first
+        # synchronized backward, rebuild once at the next forward.
+        self._record_order = self._may_rebuild()
+        self._order: List[int] = []
+        self._pending_order: Optional[List[int]] = None
+        self._rebuilt = False
+
+        self.buckets: List[Bucket] = []
+        self._param_bucket: List[Optional[Bucket]] = [None] * n
+        self._install_layout(assign_buckets(self._specs, reverse_registration_order(n), self.first_bucket_bytes, self.bucket_cap_bytes))
+
+        devices = {p.device for p in self.params}
+        lock = threading.Lock() if len(devices) > 1 else None  # hooks of several devices run on several threads
+        ref = weakref.ref(self)
+        self._handles: List[Any] = [p.register_post_accumulate_grad_hook(_make_hook(ref, i, lock)) for i, p in enumerate(self.params)]
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+
+    # ------------------------------------------------------------------ layout
+
+    def _may_rebuild(self) -> bool:
+        # A dynamic graph (find_unused without static_graph) does not have one
+        # ready order to learn from.
+        return self.static_graph or not self.find_unused_parameters
+
+    def _install_layout(self, layout: List[List[int]]) -> None:
+        """Allocate buckets for ``layout`` (lists of parameter indices, in reduction order)."""
+        old_buckets = self.buckets
+        buckets = [Bucket(pos, len(layout), idxs, [self.params[i] for i in idxs], [self.names[i] for i in idxs]) for pos, idxs in enumerate(layout)]
+        for b in buckets:
+            b.expected = sum(self._expected_counts[i] for i in b.param_indices)
+            for i in b.param_indices:
+                self._param_bucket[i] = b
+        if self.gradient_as_bucket_view:
+            # Gradients move into the new bucket storage (also on construction).
+            with torch.no_grad():
+                for b in buckets:
+                    for p, v in zip(b.params, b.views):
+                        g = p.grad
+                        if g is not None and g.data_ptr() != v.data_ptr():
+                            v.copy_(g)
+                            p.grad = v
+        self.buckets = buckets
+        del old_buckets
+
+    def layout(self) -> List[List[int]]:
+        """The current buckets as lists of parameter indices, in reduction order."""
+        return [list(b.param_indices) for b in self.buckets]
+
+    def bucket_info(self) -> List[Dict[str, Any]]:
+        """Each bucket's index, parameter names, dtype, device, numel and bytes, in reduction order."""
+        return [
+            {
+                "index": b.pos,
+                "names": list(b.names),
+                "dtype": b.dtype,
+                "device": b.device,
+                "numel": b.numel,
+                "bytes": b.nbytes,
+            }
+            for b in self.buckets
+        ]
+
+    def rebuild_buckets(self) -> bool:
+        """Rebuild the layout from the recorded ready order, once; rank 0's order wins.
+
+        Collective (a broadcast) when a rebuild is pending; every rank has one
+        pending after the same iteration, since the order is recorded during
+        the first synchronized backward.
+
+        Returns:
+            True if a rebuild took place (even one that kept the layout).
+        """
+        if self._rebuilt or self._pending_order is None:
+            return False
+        n = len(self.params)
+        order = order_from_ready(self._pending_order, n)
+        self._pending_order = None
+        self._rebuilt = True
+        if self.world_size > 1:
+            t = torch.tensor(order, dtype=torch.int64, device=self._comm_device)
+            dist.broadcast(t, group=self.process_group, group_src=0)
+            order = t.tolist()
+        layout = assign_buckets(self._specs, order, self.first_bucket_bytes, self.bucket_cap_bytes)
+        if layout != self.layout():
+            self._install_layout(layout)
+        return True
+
+    # ---------------------------------------------------------------- forward
+
+    def set_static_graph(self) -> None:
+        """Switch to static-graph mode; only before the first synchronized iteration."""
+        if self._num_iterations > 0:
+            raise RuntimeError("fastcoll.DDP: static_graph can only be enabled before the first iteration")
+        self.static_graph = True
+        self._static_first = True
+        self._record_order = self._may_rebuild()
+
+    def prepare_for_forward(self) -> None:
+        """Start of a forward that may be followed by a synchronized backward.
+
+        Raises:
+            RuntimeError: if the previous synchronized backward left some
+                parameters without gradients, naming them.
+        """
+        if self._require_finalize:
+            self._raise_unfinished()
+        self.rebuild_buckets()
+
+    def prepare_for_backward(self, outputs: Optional[Any] = None) -> None:
+        """Arm the hooks for the next backward.
+
+        Args:
+            outputs: The forward's output (any nesting); searched for
+                parameters that cannot receive a gradient when unused
+                parameters are being found dynamically; ignored otherwise.
+        """
+        if self.closed:
+            return
+        n = len(self.params)
+        self._expect_hooks = True
+        self._callback_queued = False  # a backward that raised never ran its callback
+        self._unused_marked = False
+        self._next_bucket = 0
+        for b in self.buckets:
+            b.pending = b.expected
+            b.work = None
+        self._remaining = self._expected_counts[:]
+        self._track_used = self.find_unused_parameters and not self.static_graph or self._static_first
+        if self._track_used:
+            self._local_used = bytearray(n)
+        self._used_work = None
+        self._global_used = self._static_used
+        if self._static_first:
+            self._hook_counts = [0] * n
+        if self._record_order:
+            self._order = []
+        if self.find_unused_parameters and not self.static_graph:
+            self._unused = self._search_unused(outputs)
+        else:
+            self._unused = []
+
+    def _search_unused(self, outputs: Any) -> List[int]:
+        """Indices of parameters not reachable from ``outputs`` through the autograd graph."""
+        index = self._index_of_id
+        n = len(self.params)
+        used = bytearray(n)
+        found = 0
+        stack = []
+        for t in find_tensors(outputs):
+            if t.grad_fn is not None:
+                stack.append(t.grad_fn)
+            elif t.requires_grad:
+                i = index.get(id(t))
+                if i is not None and not used[i]:
+                    used[i] = 1
+                    found += 1
+        seen = set()
+        while stack and found < n:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                i = index.get(id(var))
+                if i is not None and not used[i]:
+                    used[i] = 1
+                    found += 1
+                continue
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and nxt not in seen:
+                    stack.append(nxt)
+        return [i for i in range(n) if not used[i]]
+
+    # --------------------------------------------------------------- backward
+
+    def _on_grad(self, idx: int) -> None:
+        """Hook body: parameter ``idx``'s gradient has been accumulated."""
+        if not self._callback_queued:
+            self._start_backward()
+        if self._static_first:
+            self._hook_counts[idx] += 1
+            if self._record_order:
+                self._order.append(idx)
+            return
+        rem = self._remaining[idx]
+        if rem <= 0:
+            self._raise_marked_twice(idx)
+        self._remaining[idx] = rem - 1
+        if self._track_used:
+            self._local_used[idx] = 1
+        if self._record_order and rem == 1:
+            self._order.append(idx)
+        b = self._param_bucket[idx]
+        b.pending -= 1
+        if b.pending == 0 and b.pos == self._next_bucket:
+            self._advance()
+
+    def _start_backward(self) -> None:
+        self._callback_queued = True
+        self._require_finalize = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if not self._unused_marked:
+            self._unused_marked = True
+            for idx in self._unused:
+                self._remaining[idx] = 0
+                self._param_bucket[idx].pending -= 1
+            if not self._static_first:
+                self._advance()
+
+    def _advance(self) -> None:
+        """Launch, in index order, every complete bucket not launched yet."""
+        buckets = self.buckets
+        i = self._next_bucket
+        nb = len(buckets)
+        while i < nb and buckets[i].pending == 0:
+            self._next_bucket = i + 1
+            self._launch(buckets[i])
+            i += 1
+        if i == nb and self._track_used and self._used_work is None:
+            self._launch_used_map()
+
+    def _launch(self, b: Bucket) -> None:
+        """Pack bucket ``b`` and start its reduction: the only place bucket collectives are issued."""
+        self._pack(b, 1.0 / self.divisor)
+        b.work = self._communicate(b) if b.numel > 0 else None
+
+    def _communicate(self, b: Bucket) -> Any:
+        """Start reducing the packed ``b.flat``; returns a handle with ``wait()``."""
+        if self.world_size == 1:
+            return None
+        return dist.all_reduce(b.flat, group=self.process_group, async_op=True)
+
+    def _collect(self, b: Bucket) -> torch.Tensor:
+        """Wait for ``b``'s reduction; returns the reduced flat tensor."""
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        return b.flat
+
+    def _launch_used_map(self) -> None:
+        used = torch.frombuffer(self._local_used, dtype=torch.uint8) if len(self._local_used) else torch.zeros(0, dtype=torch.uint8)
+        self._used_tensor = used.to(device=self._comm_device, dtype=torch.int32)
+        if self.world_size > 1:
+            self._used_work = dist.all_reduce(self._used_tensor, group=self.process_group, async_op=True)
+        else:
+            self._used_work = True
+
+    def _pack(self, b: Bucket, scale: float) -> None:
+        """Write the bucket's gradients times ``scale`` into ``b.flat`` (missing gradients as zeros)."""
+        params = b.params
+        grads = [p.grad for p in params]
+        complete = True
+        for g in grads:
+            if g is None:
+                complete = False
+                break
+        if self.gradient_as_bucket_view:
+            ptrs = b.view_ptrs
+            views = b.views
+            for i, g in enumerate(grads):
+                if g is not None and g.data_ptr() != ptrs[i]:
+                    v = views[i]
+                    if g.stride() != v.stride() and g.numel() > 1:
+                        with torch.no_grad():
+                            v.copy_(g)  # layout differs from the parameter's: copy elementwise
+                        grads[i] = v
+                    params[i].grad = v
+        if complete:
+            if b.numel:
+                ops.flatten_scale(grads, b.flat, scale)
+            return
+        flat = b.flat
+        offsets = b.offsets
+        with torch.no_grad():
+            for i, g in enumerate(grads):
+                if g is None:
+                    flat[offsets[i] : offsets[i] + params[i].numel()].zero_()
+            for start, stop in _runs([g is not None for g in grads]):
+                lo = offsets[start]
+                hi = offsets[stop] if stop < len(offsets) else b.numel
+                if hi > lo:
+                    ops.flatten_scale(grads[start:stop], flat[lo:hi], scale)
+
+    def _unpack(self, b: Bucket, src: torch.Tensor, scale: float = 1.0) -> None:
+        """Write the reduced flat ``src`` (times ``scale``) back into the bucket's gradients.
+
+        Gradients of parameters unused on every rank are left as they are.
+        ``src`` may be ``b.flat`` or another tensor with ``b.numel`` elements
+        of any supported dtype.
+        """
+        if b.numel == 0:
+            return
+        params = b.params
+        gused = self._global_used
+        if self.gradient_as_bucket_view:
+            if src is not b.flat:
+                ops.unflatten_scale(src, [b.flat], scale)
+            elif scale != 1.0:
+                ops.flatten_scale([b.flat], b.flat, scale)
+            for i, p in enumerate(params):
+                if p.grad is None and (gused is None or gused[b.param_indices[i]]):
+                    p.grad = b.views[i]
+            return
+        grads = [p.grad for p in params]
+        complete = gused is None
+        if complete:
+            for g in grads:
+                if g is None:
+                    complete = False
+                    break
+        if complete:
+            ops.unflatten_scale(src, grads, scale)
+            return
+        keep = []
+        for i, p in enumerate(params):
+            used = gused is None or gused[b.param_indices[i]]
+            if used and grads[i] is None:
+                p.grad = grads[i] = torch.empty_like(p, memory_format=torch.preserve_format, requires_grad=False)
+            keep.append(used)
+        offsets = b.offsets
+        for start, stop in _runs(keep):
+            lo = offsets[start]
+            hi = offsets[stop] if stop < len(offsets) else b.numel
+            if hi > lo:
+                ops.unflatten_scale(src[lo:hi], grads[start:stop], scale)
+
+    def _on_backward_end(self) -> None:
+        """Engine callback at the end of a backward in which hooks fired."""
+        self._callback_queued = False
+        if self._static_first:
+            self._finish_static_first_iteration()
+        if self._next_bucket < len(self.buckets):
+            return  # some gradients are missing: reported at the next forward
+        self._finalize()
+
+    def _finish_static_first_iteration(self) -> None:
+        counts = self._hook_counts
+        self._static_first = False
+        self._expected_counts = list(counts)
+        for i, c in enumerate(counts):
+            if c:
+                self._local_used[i] = 1
+        for b in self.buckets:
+            b.pending = 0
+        self._advance()
+        for b in self.buckets:
+            b.expected = sum(counts[i] for i in b.param_indices)
+        self._learn_static_use = True
+
+    def _finalize(self) -> None:
+        if self._used_work is not None:
+            if self._used_work is not True:
+                self._used_work.wait()
+            self._global_used = [c > 0 for c in self._used_tensor.tolist()]
+            if self._learn_static_use:
+                self._learn_static_use = False
+                self._static_used = None if all(self._global_used) else self._global_used
+        for b in self.buckets:
+            self._unpack(b, self._collect(b))
+        self._used_work = None
+        self._expect_hooks = False
+        self._require_finalize = False
+        self._num_iterations += 1
+        if self._record_order:
+            self._record_order = False
+            self._pending_order = self._order
+            self._order = []
+
+    # ----------------------------------------------------------------- errors
+
+    def _raise_marked_twice(self, idx: int) -> None:
+        if idx in self._unused:
+            why = (
+                "it was not reachable from the forward outputs (find_unused_parameters marked it unused), "
+                "yet it received a gradient: return every tensor the loss depends on from forward"
+            )
+        else:
+            why = (
+                "its gradient was accumulated more than once in one backward (a parameter used in several "
+                "reentrant backward passes, e.g. activation checkpointing with use_reentrant=True, or "
+                "several backward calls per iteration); use static_graph=True if the pattern is the same "
+                "every iteration, or no_sync() for all but the last backward"
+            )
+        raise RuntimeError(f"fastcoll.DDP: parameter '{self.names[idx]}' was marked ready twice in one iteration: {why}.")
+
+    def unfinished_names(self) -> List[str]:
+        """Names of parameters whose gradients are still missing in the current iteration."""
+        if self._static_first:
+            return []
+        return [self.names[i] for i, r in enumerate(self._remaining) if r > 0]
+
+    def _raise_unfinished(self) -> None:
+        names = self.unfinished_names()
+        shown = ", ".join(names[:50]) + (f", ... ({len(names)} in all)" if len(names) > 50 else "")
+        raise RuntimeError(
+            "fastcoll.DDP: the previous iteration's gradient reduction did not finish, because these "
+            f"parameters received no gradient in its backward: {shown}. Either pass "
+            "find_unused_parameters=True to DDP (parameters that take no part in some forward passes are "
+            "then handled, at the cost of a graph traversal per iteration), or make sure every parameter "
+            "contributes to the loss in every iteration (all forward outputs used in the loss)."
+        )
+
+    # ---------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        """Remove the autograd hooks and release the bucket buffers.
+
+        Gradients that are views of a bucket keep that storage alive; they stay valid.
+        """
+        self._finalizer()
+        self._expect_hooks = False
+        self._require_finalize = False
+        self._record_order = False
+        self._pending_order = None
+        self._rebuilt = True
+        self.buckets = []
+        self._param_bucket = [None] * len(self.params)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return not self._finalizer.alive

@@ -1,0 +1,677 @@
+"""fastcoll.DDP against torch DDP and against one process on the global batch.
+
+Every multi-rank check runs through ``multiproc.run_ranks`` (gloo, 1 thread
+per rank, hard timeout). To keep the file fast, each spawned run performs a
+group of related checks; assertion messages say which one failed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import io
+import tempfile
+import time
+import types
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import ddp_models as M
+import fastcoll
+from fastcoll import bucketing
+from multiproc import run_ranks
+
+STEPS = 4
+LR, MOMENTUM = 0.1, 0.9
+
+# (model, fastcoll.DDP kwargs, options). Torch DDP gets the same kwargs minus first_bucket_mb.
+PARITY_CONFIGS = [
+    ("mlp", {}, {}),
+    ("mlp", {"bucket_cap_mb": 1e-6, "first_bucket_mb": 1e-6}, {"one_param_per_bucket": True}),
+    ("mlp", {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002}, {"set_to_none": False}),
+    ("mlp", {"gradient_as_bucket_view": True}, {}),
+    ("mlp", {"static_graph": True, "bucket_cap_mb": 0.002}, {}),
+    ("convbn", {}, {}),
+    ("convbn_cl", {"gradient_as_bucket_view": True, "bucket_cap_mb": 1e-6}, {"set_to_none": False}),
+    ("encoder", {"bucket_cap_mb": 0.01}, {}),
+    ("branchy", {"find_unused_parameters": True}, {}),
+    ("branchy", {"find_unused_parameters": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1e-6}, {"set_to_none": False}),
+    ("mixed", {"bucket_cap_mb": 1e-4}, {}),
+    ("tied", {"bucket_cap_mb": 1e-6}, {}),
+]
+
+
+def _tol(t: torch.Tensor, low_precision_model: bool = False) -> dict:
+    """Tolerance against the single-process run (different summation order; fp16/bf16 rounding)."""
+    if low_precision_model or t.dtype in (torch.float16, torch.bfloat16):
+        return {"rtol": 1e-2, "atol": 1e-2}
+    return {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _assert_grads_equal(a: nn.Module, b: nn.Module, what: str) -> None:
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        if p.grad is None or q.grad is None:
+            assert p.grad is None and q.grad is None, f"{what}: {n}.grad is {p.grad is None and 'None' or 'set'} vs torch {q.grad is None and 'None' or 'set'}"
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{what}: grad of {n}: {m}")
+
+
+def _assert_state_equal(a: nn.Module, b: nn.Module, what: str, tol: bool = False) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb), what
+    for k in sa:
+        kw = _tol(sa[k]) if tol and sa[k].is_floating_point() else {}
+        torch.testing.assert_close(sa[k], sb[k], **kw, msg=lambda m: f"{what}: {k}: {m}")
+
+
+def _grad_in_bucket(ddp: fastcoll.DDP) -> None:
+    """Every trainable parameter's .grad is its bucket view (gradient_as_bucket_view)."""
+    for b in ddp.reducer.buckets:
+        for p, v, name in zip(b.params, b.views, b.names):
+            if p.grad is not None:
+                assert p.grad.data_ptr() == v.data_ptr() and p.grad.stride() == v.stride(), f"{name}.grad is not its bucket view"
+
+
+def parity_worker(rank: int, world_size: int, configs) -> None:
+    for name, kwargs, opts in configs:
+        what = f"{name} {kwargs} {opts} (rank {rank}/{world_size})"
+        set_to_none = opts.get("set_to_none", True)
+        torch_kwargs = {k: v for k, v in kwargs.items() if k != "first_bucket_mb"}
+        # Rank-dependent initialization: init_sync must make every rank start from rank 0's.
+        model = M.build(name, seed=rank)
+        fast = fastcoll.DDP(copy.deepcopy(model), **kwargs)
+        ref = TorchDDP(copy.deepcopy(model), **torch_kwargs)
+        _assert_state_equal(fast, ref, what + " after construction")
+        of = torch.optim.SGD(fast.parameters(), lr=LR, momentum=MOMENTUM)
+        ot = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+        for step in range(STEPS):
+            x, y = M.global_batch(name, world_size, step)
+            xr, yr = M.chunk_of(x, rank), M.chunk_of(y, rank)
+            for mod, opt in ((fast, of), (ref, ot)):
+                opt.zero_grad(set_to_none=set_to_none)
+                M.loss_of(name, mod, xr, yr, rank, step).backward()
+            _assert_grads_equal(fast, ref, f"{what} step {step}")
+            if kwargs.get("gradient_as_bucket_view"):
+                _grad_in_bucket(fast)
+            of.step()
+            ot.step()
+        _assert_state_equal(fast, ref, what + " after training")
+        if opts.get("one_param_per_bucket"):
+            n = sum(1 for p in fast.parameters() if p.requires_grad)
+            assert len(fast.bucket_info()) == n, f"{what}: {len(fast.bucket_info())} buckets for {n} parameters"
+        if name == "branchy":
+            assert fast.module.never.weight.grad is None, f"{what}: globally unused parameter got a gradient"
+        if rank == 0:
+            single = M.reference_train(name, world_size, STEPS, LR, MOMENTUM, set_to_none)
+            for (n, p), (_, q) in zip(fast.module.named_parameters(), single.named_parameters()):
+                torch.testing.assert_close(p, q, **_tol(p, name == "mixed"), msg=lambda m: f"{what}: {n} vs single process: {m}")
+        fast.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parity_with_torch_ddp_and_single_process(world_size):
+    run_ranks(parity_worker, world_size, PARITY_CONFIGS, timeout=150)
+
+
+# --------------------------------------------------------------------------- features
+
+
+def _mlp_pair(rank, **kwargs):
+    model = M.build("mlp", 0)
+    torch_kwargs = {k: v for k, v in kwargs.items() if k != "first_bucket_mb"}
+    return fastcoll.DDP(copy.deepcopy(model), **kwargs), TorchDDP(copy.deepcopy(model), **torch_kwargs)
+
+
+def _other_rank_grad(t: torch.Tensor) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out[1 - dist.get_rank()]
+
+
+def _check_no_sync(rank, ws):
+    for view in (False, True):
+        fast, ref = _mlp_pair(rank, gradient_as_bucket_view=view, bucket_cap_mb=0.002)
+        what = f"no_sync(gradient_as_bucket_view={view})"
+        for it in range(2):
+            for mod in (fast, ref):
+                mod.zero_grad(set_to_none=(it == 0))
+                for micro in range(3):
+                    x, y = M.global_batch("mlp", ws, 10 * it + micro)
+                    xr, yr = M.chunk_of(x, rank), M.chunk_of(y, rank)
+                    if micro < 2:
+                        with mod.no_sync():
+                            M.loss_of("mlp", mod, xr, yr, rank, 0).backward()
+                        if mod is fast and micro == 1:
+                            g = fast.module.head.weight.grad
+                            assert not torch.equal(g, _other_rank_grad(g)), f"{what}: gradients were synchronized inside no_sync"
+                    else:
+                        M.loss_of("mlp", mod, xr, yr, rank, 0).backward()
+            _assert_grads_equal(fast, ref, f"{what} iteration {it}")
+            if view:
+                _grad_in_bucket(fast)
+        # The decision is taken at forward time, as in torch: forward inside, backward outside -> no sync.
+        fast.zero_grad()
+        x, y = M.global_batch("mlp", ws, 99)
+        with fast.no_sync():
+            loss = M.loss_of("mlp", fast, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, 0)
+        loss.backward()
+        g = fast.module.head.weight.grad
+        assert not torch.equal(g, _other_rank_grad(g)), f"{what}: backward after leaving no_sync synchronized a no_sync forward"
+        fast.require_backward_grad_sync = False  # the attribute no_sync() toggles, as frameworks use it
+        fast.zero_grad()
+        M.loss_of("mlp", fast, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, 0).backward()
+        g = fast.module.head.weight.grad
+        assert not torch.equal(g, _other_rank_grad(g)), f"{what}: require_backward_grad_sync=False still synchronized"
+        fast.close()
+
+
+def _check_checkpoint(rank, ws):
+    model = M.build("convbn", 0)
+    fast = fastcoll.DDP(copy.deepcopy(model))
+    ref = TorchDDP(copy.deepcopy(model))
+    x, y = M.global_batch("convbn", ws, 0)
+    for mod in (fast, ref):
+        M.loss_of("convbn", mod, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, 0).backward()
+    sd_fast, sd_ref = fast.state_dict(), ref.state_dict()
+    assert list(sd_fast) == list(sd_ref) and all(k.startswith("module.") for k in sd_fast), list(sd_fast)
+    # torch DDP checkpoint -> fastcoll.DDP and back, through torch.save/torch.load.
+    for src, dst_cls in ((ref, fastcoll.DDP), (fast, TorchDDP)):
+        buf = io.BytesIO()
+        torch.save(src.state_dict(), buf)
+        buf.seek(0)
+        dst = dst_cls(M.build("convbn", 7))
+        dst.load_state_dict(torch.load(buf))
+        _assert_state_equal(dst, src, f"load {type(src).__name__} checkpoint into {dst_cls.__name__}")
+        if isinstance(dst, fastcoll.DDP):
+            dst.close()
+    # .module's own state_dict loads into a bare model, as with torch DDP.
+    bare = M.build("convbn", 3)
+    bare.load_state_dict(fast.module.state_dict())
+    fast.close()
+
+
+def _check_bucket_info_and_rebuild(rank, ws):
+    for view in (False, True):
+        what = f"reordered (gradient_as_bucket_view={view})"
+        fast, ref = (
+            fastcoll.DDP(M.build("reordered", 0), bucket_cap_mb=1e-6, gradient_as_bucket_view=view),
+            TorchDDP(M.build("reordered", 0), bucket_cap_mb=1e-6, gradient_as_bucket_view=view),
+        )
+        info = fast.bucket_info()
+        assert [b["names"] for b in info] == [[n] for n in ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias", "c.weight"]], info
+        assert [b["index"] for b in info] == list(range(6))
+        assert info[1]["bytes"] == 64 * 4 and info[1]["numel"] == 64
+        assert info[1]["dtype"] == torch.float32 and info[1]["device"] == torch.device("cpu")
+        for step in range(3):
+            x, y = M.global_batch("reordered", ws, step)
+            for mod in (fast, ref):
+                mod.zero_grad(set_to_none=not view)
+                M.loss_of("reordered", mod, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, step).backward()
+            _assert_grads_equal(fast, ref, f"{what} step {step}")
+            if view:
+                _grad_in_bucket(fast)
+        names = [b["names"][0] for b in fast.bucket_info()]
+        assert names[0].startswith("c.") and names[-1].startswith("a."), f"{what}: layout not rebuilt from ready order: {names}"
+        assert fast.reducer._rebuilt
+        fast.close()
+
+    # First bucket cap: one parameter in the first bucket, the rest together.
+    fast = fastcoll.DDP(M.build("reordered", 0), first_bucket_mb=1e-6)
+    assert [len(b["names"]) for b in fast.bucket_info()] == [1, 5]
+    fast.close()
+
+    # Rank 0's layout wins: make rank 1 observe another order; every rank must end with rank 0's.
+    fast, ref = _mlp_pair(rank, bucket_cap_mb=0.0004)
+    x, y = M.global_batch("mlp", ws, 0)
+    for step in range(3):
+        for mod in (fast, ref):
+            mod.zero_grad()
+            M.loss_of("mlp", mod, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, step).backward()
+        if step == 0:
+            expected = bucketing.assign_buckets(
+                fast.reducer._specs, bucketing.order_from_ready(fast.reducer._pending_order, len(fast.reducer.params)),
+                fast.first_bucket_bytes, fast.bucket_bytes_cap,
+            )
+            if rank == 1:
+                fast.reducer._pending_order = fast.reducer._pending_order[::-1]
+        _assert_grads_equal(fast, ref, f"rank-0 layout step {step}")
+    layouts = [None] * ws
+    dist.all_gather_object(layouts, fast.reducer.layout())
+    assert layouts[0] == layouts[1] == expected, f"ranks disagree on the rebuilt layout: {layouts}"
+    fast.close()
+
+
+Pair = namedtuple("Pair", "left right")
+
+
+@dataclasses.dataclass
+class DOut:
+    value: torch.Tensor
+    meta: str
+
+
+class Multi(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.last = None
+
+    def forward(self, x, kind="tuple"):
+        h = self.lin(x)
+        out = {"tuple": Pair(h, [h * 2, {"k": h}]), "dict": {"a": h, "b": (h, 3)}, "dc": DOut(h, "m")}[kind]
+        self.last = out
+        return out
+
+
+def _check_outputs_and_patching(rank, ws):
+    fast = fastcoll.DDP(Multi(), find_unused_parameters=True)
+    x = torch.randn(2, 4)
+    for kind in ("tuple", "dict", "dc"):
+        out = fast(x, kind=kind)
+        assert out is fast.module.last, f"{kind}: DDP did not return the module's output object unchanged"
+        t = {"tuple": lambda o: o.right[1]["k"], "dict": lambda o: o["b"][0], "dc": lambda o: o.value}[kind](out)
+        t.sum().backward()
+    # Lightning-style: patch forward on the module instance after wrapping.
+    inner = fast.module
+    inner.forward = types.MethodType(lambda self, x: self.lin(x) * 0 + 42.0, inner)
+    assert torch.all(fast(x) == 42.0), "DDP did not call the instance-patched forward"
+    fast.close()
+
+
+class WithBuffers(nn.Module):
+    def __init__(self, rank):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("fbuf", torch.full((3,), float(rank)))
+        self.register_buffer("ibuf", torch.full((2,), rank, dtype=torch.int64))
+        self.register_buffer("bbuf", torch.tensor([rank == 0, rank != 0]))
+        self.register_buffer("hbuf", torch.full((5,), float(rank), dtype=torch.float16))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _check_buffers_and_init_sync(rank, ws):
+    torch.manual_seed(rank)
+    m = WithBuffers(rank)
+    fast = fastcoll.DDP(m, init_sync=False, broadcast_buffers=False)
+    other = _other_rank_grad(m.lin.weight.detach())
+    assert not torch.equal(m.lin.weight, other) and m.fbuf[0].item() == rank, "init_sync=False synchronized"
+    fast(torch.randn(2, 4))
+    assert m.fbuf[0].item() == rank and m.ibuf[0].item() == rank, "broadcast_buffers=False broadcast buffers"
+    fast.close()
+
+    fast = fastcoll.DDP(m)  # init_sync: parameters and buffers from rank 0
+    assert torch.equal(m.lin.weight, _other_rank_grad(m.lin.weight.detach())), "init_sync did not synchronize parameters"
+    assert m.fbuf.tolist() == [0.0] * 3 and m.ibuf.tolist() == [0, 0] and m.bbuf.tolist() == [True, False] and m.hbuf.tolist() == [0.0] * 5
+    m.fbuf.fill_(rank + 5)
+    m.ibuf.fill_(rank + 5)
+    m.bbuf.fill_(rank == 1)
+    m.hbuf.fill_(rank + 5)
+    fast(torch.randn(2, 4)).sum().backward()
+    assert m.fbuf.tolist() == [5.0] * 3 and m.ibuf.tolist() == [5, 5] and m.bbuf.tolist() == [False, False] and m.hbuf.tolist() == [5.0] * 5, "buffers not broadcast from rank 0 before forward"
+    # As in torch: a forward after a non-synchronizing forward (no_grad) does not broadcast.
+    with torch.no_grad():
+        fast(torch.randn(2, 4))
+    assert fast.require_forward_param_sync is False
+    m.fbuf.fill_(rank + 7)
+    with torch.no_grad():
+        fast(torch.randn(2, 4))
+    assert m.fbuf[0].item() == rank + 7
+    fast.close()
+
+
+class UnusedLayer(nn.Module):
+    """Tensor output (torch DDP's static_graph does not synchronize its first iteration for dataclass outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.trunk(x)))
+
+
+def _check_static_graph_and_traversal(rank, ws):
+    torch.manual_seed(0)
+    model = UnusedLayer()
+    fast = fastcoll.DDP(copy.deepcopy(model), find_unused_parameters=True, static_graph=True, bucket_cap_mb=1e-6)
+    ref = TorchDDP(copy.deepcopy(model), find_unused_parameters=True, static_graph=True, bucket_cap_mb=1e-6)
+    assert fast.static_graph is True
+
+    def boom(outputs):
+        raise AssertionError("graph traversal ran under static_graph")
+
+    fast.reducer._search_unused = boom
+    for step in range(3):
+        x, y = M.global_batch("branchy", ws, step)
+        for mod in (fast, ref):
+            mod.zero_grad()
+            nn.functional.cross_entropy(mod(M.chunk_of(x, rank)), M.chunk_of(y, rank)).backward()
+        _assert_grads_equal(fast, ref, f"static_graph step {step}")
+        g = fast.module.head.weight.grad
+        assert torch.equal(g, _other_rank_grad(g)), f"static_graph step {step}: not synchronized"
+    assert fast.module.never.weight.grad is None
+    fast.close()
+
+    model = M.build("branchy", 0)
+    # Without static_graph the traversal runs every iteration.
+    fast = fastcoll.DDP(copy.deepcopy(model), find_unused_parameters=True)
+    calls = []
+    orig = fast.reducer._search_unused
+    fast.reducer._search_unused = lambda outputs: calls.append(1) or orig(outputs)
+    for step in range(2):
+        out = fast(torch.randn(2, 8))
+        out.logits.sum().backward()
+    assert len(calls) == 2, calls
+    fast.close()
+
+
+def _check_remove_hooks(rank, ws):
+    model = M.build("mlp", 0)
+    fast = fastcoll.DDP(model)
+    fast._remove_hooks()
+    assert fast.bucket_info() == []
+    x = torch.randn(4, 8) + rank
+    fast(x).sum().backward()
+    g = model.head.weight.grad
+    assert not torch.equal(g, _other_rank_grad(g)), "gradients synchronized after _remove_hooks()"
+    # Re-wrap the same module (frameworks do this between fits), dropping the old wrapper by GC.
+    fast2 = fastcoll.DDP(model)
+    ref = TorchDDP(copy.deepcopy(model))
+    del fast
+    gc.collect()
+    for mod in (fast2, ref):
+        mod.zero_grad()
+        mod(x).sum().backward()
+    _assert_grads_equal(fast2, ref, "re-wrapped module")
+    fast2.close()
+    # A wrapper dropped without close() removes its hooks when collected.
+    fast3 = fastcoll.DDP(model)
+    del fast3
+    gc.collect()
+    hooks = model.head.weight._post_accumulate_grad_hooks
+    assert not hooks, f"hooks left behind by a collected DDP: {hooks}"
+
+
+class Opaque:
+    def __init__(self, t):
+        self.t = t
+
+
+class HidesOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Opaque(self.lin(x))
+
+
+def _check_reduction_errors(rank, ws):
+    # No find_unused_parameters, unused parameters: the NEXT forward raises, naming them.
+    fast = fastcoll.DDP(M.build("branchy", 0), bucket_cap_mb=1e-6)
+    x = torch.randn(4, 8)
+    fast(x).logits.sum().backward()
+    with pytest.raises(RuntimeError) as err:
+        fast(x)
+    msg = str(err.value)
+    for n in ("never.weight", "never.bias", "sometimes.weight", "sometimes.bias"):
+        assert n in msg, msg
+    assert "trunk.weight" not in msg and "find_unused_parameters=True" in msg, msg
+    # Outputs hidden from the traversal: parameters are marked unused, then get gradients.
+    fast2 = fastcoll.DDP(HidesOutput(), find_unused_parameters=True)
+    with pytest.raises(RuntimeError, match="marked ready twice"):
+        fast2(x[:, :4]).t.sum().backward()
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.mid = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.last = nn.Linear(8, 3)
+
+    def forward(self, x, reentrant: bool):
+        h = torch.tanh(self.first(x))
+        h = torch.utils.checkpoint.checkpoint(self.mid, h, use_reentrant=reentrant)
+        return self.last(h)
+
+
+def _check_activation_checkpointing(rank, ws):
+    import torch.utils.checkpoint  # noqa: F401
+
+    for reentrant in (True, False):
+        torch.manual_seed(0)
+        model = Checkpointed()
+        fast = fastcoll.DDP(copy.deepcopy(model), bucket_cap_mb=1e-6)
+        ref = TorchDDP(copy.deepcopy(model), bucket_cap_mb=1e-6)
+        for step in range(2):
+            x, y = M.global_batch("mlp", ws, step)
+            for mod in (fast, ref):
+                mod.zero_grad()
+                out = mod(M.chunk_of(x, rank).requires_grad_(), reentrant=reentrant)
+                nn.functional.cross_entropy(out, M.chunk_of(y, rank)).backward()
+            _assert_grads_equal(fast, ref, f"checkpoint(use_reentrant={reentrant}) step {step}")
+        fast.close()
+
+
+def features_worker(rank, world_size):
+    for check in (
+        _check_no_sync,
+        _check_checkpoint,
+        _check_bucket_info_and_rebuild,
+        _check_outputs_and_patching,
+        _check_buffers_and_init_sync,
+        _check_static_graph_and_traversal,
+        _check_remove_hooks,
+        _check_activation_checkpointing,
+        _check_reduction_errors,
+    ):
+        try:
+            check(rank, world_size)
+        except BaseException as exc:
+            raise AssertionError(f"{check.__name__}: {type(exc).__name__}: {exc}") from exc
+
+
+def test_features():
+    run_ranks(features_worker, 2, timeout=120)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _expect(exc_type, match, fn):
+    with pytest.raises(exc_type, match=match):
+        fn()
+
+
+def bad_args_worker(rank, world_size):
+    mk = lambda: nn.Linear(4, 4)  # noqa: E731
+    _expect(ValueError, "bucket_cap_mb", lambda: fastcoll.DDP(mk(), bucket_cap_mb=0))
+    _expect(ValueError, "bucket_cap_mb", lambda: fastcoll.DDP(mk(), bucket_cap_mb=-1.0))
+    _expect(ValueError, "first_bucket_mb", lambda: fastcoll.DDP(mk(), first_bucket_mb=0))
+    _expect(RuntimeError, "requires a gradient", lambda: fastcoll.DDP(mk().requires_grad_(False)))
+    _expect(ValueError, "device_ids", lambda: fastcoll.DDP(mk(), device_ids=[0]))
+    _expect(ValueError, "device_ids", lambda: fastcoll.DDP(mk(), device_ids=[0, 1]))
+    _expect(ValueError, "output_device", lambda: fastcoll.DDP(mk(), output_device=0))
+
+    class TwoDevices(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2, device="meta")
+
+    _expect(ValueError, "one device type", lambda: fastcoll.DDP(TwoDevices()))
+    cplx = nn.Module()
+    cplx.w = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    _expect(TypeError, "complex64", lambda: fastcoll.DDP(cplx))
+    _expect(TypeError, "process_group", lambda: fastcoll.DDP(mk(), process_group="nccl"))
+    # A bad argument on one rank only: that rank raises it, the others say which rank failed; nobody hangs.
+    if rank == 1:
+        _expect(ValueError, "bucket_cap_mb", lambda: fastcoll.DDP(mk(), bucket_cap_mb=0))
+    else:
+        _expect(RuntimeError, "rank 1: ValueError.*bucket_cap_mb", lambda: fastcoll.DDP(mk()))
+    # The ranks are still in step: a good wrapper works.
+    good = fastcoll.DDP(mk())
+    good(torch.randn(2, 4) + rank).sum().backward()
+    g = good.module.weight.grad
+    assert torch.equal(g, _other_rank_grad(g))
+    good.close()
+    # Without a process group.
+    dist.destroy_process_group()
+    _expect(RuntimeError, "process group has not been initialized", lambda: fastcoll.DDP(mk()))
+
+
+def test_bad_arguments():
+    run_ranks(bad_args_worker, 2, timeout=60)
+
+
+def _variant(kind: str, odd: bool) -> nn.Module:
+    m = nn.Module()
+    m.l1 = nn.Linear(4, 4)
+    m.l2 = nn.Linear(4, 4)
+    if not odd:
+        return m
+    if kind == "shape":
+        m.l2 = nn.Linear(4, 5)
+    elif kind == "count":
+        m.l3 = nn.Linear(4, 4)
+    elif kind == "dtype":
+        m.l2 = m.l2.double()
+    elif kind == "name":
+        del m.l2
+        m.l2b = nn.Linear(4, 4)
+    elif kind == "stride":
+        m.l2.weight = nn.Parameter(m.l2.weight.detach().t().contiguous().t())
+    elif kind == "frozen":
+        m.l2.bias.requires_grad_(False)
+    return m
+
+
+MISMATCH_EXPECT = {
+    "shape": ["#2", "'l2.weight' shape (4, 4)", "'l2.weight' shape (5, 4)"],
+    "count": ["#4", "no such parameter (4 parameters in all)", "'l3.weight'"],
+    "dtype": ["#2", "dtype float32", "dtype float64"],
+    "name": ["#2", "'l2.weight'", "'l2b.weight'"],
+    "stride": ["#2", "stride (4, 1)", "stride (1, 4)"],
+    "frozen": ["#3", "requires_grad=True", "requires_grad=False"],
+}
+
+
+def mismatch_worker(rank, world_size):
+    odd_rank = world_size - 1
+    for kind, needles in MISMATCH_EXPECT.items():
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            fastcoll.DDP(_variant(kind, rank == odd_rank))
+        msg = str(err.value)
+        assert time.monotonic() - t0 < 10, f"{kind}: took {time.monotonic() - t0:.1f}s"
+        for needle in needles + ["differs across ranks", f"rank {odd_rank}:", "rank"]:
+            assert needle in msg, f"{kind}: {needle!r} not in {msg!r}"
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mismatched_models_raise_on_every_rank(world_size):
+    assert run_ranks(mismatch_worker, world_size, timeout=60, pg_timeout=20) == [True] * world_size
+
+
+# --------------------------------------------------------------------------- unit
+
+
+def test_bucket_assignment():
+    f32 = lambda n: bucketing.ParamSpec(n, 4, ("cpu", torch.float32))  # noqa: E731
+    f16 = lambda n: bucketing.ParamSpec(n, 2, ("cpu", torch.float16))  # noqa: E731
+    specs = [f32(10), f16(10), f32(10), f16(10), f32(10)]
+    order = bucketing.reverse_registration_order(5)
+    assert order == [4, 3, 2, 1, 0]
+    # first cap 40 bytes: one f32 param; later cap 80 bytes: two.
+    assert bucketing.assign_buckets(specs, order, 40, 80) == [[4], [3, 1], [2, 0]]
+    assert bucketing.assign_buckets(specs, order, 10**9, 10**9) == [[3, 1], [4, 2, 0]]
+    assert bucketing.assign_buckets(specs, order, 1, 1) == [[4], [3], [2], [1], [0]]
+    assert bucketing.order_from_ready([2, 2, 0], 5) == [2, 0, 4, 3, 1]
+    with pytest.raises(ValueError):
+        bucketing.assign_buckets(specs, [0, 1], 1, 1)
+    with pytest.raises(ValueError):
+        bucketing.assign_buckets(specs, order, 0, 1)
+
+
+def test_not_initialized_and_signature():
+    import inspect
+
+    params = list(inspect.signature(fastcoll.DDP).parameters.values())
+    assert [p.name for p in params] == [
+        "module", "device_ids", "output_device", "dim", "broadcast_buffers", "process_group", "bucket_cap_mb",
+        "find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph", "init_sync",
+        "first_bucket_mb",
+    ]  # fmt: skip
+    assert params[-1].kind is inspect.Parameter.KEYWORD_ONLY and params[-1].default == 1.0
+    assert fastcoll.DistributedDataParallel is fastcoll.DDP
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="not been initialized"):
+            fastcoll.DDP(nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _cuda_parity(rank, world_size, configs, device_ids):
+    torch.cuda.set_device(0)
+    for name, kwargs, opts in configs:
+        what = f"cuda {name} {kwargs}"
+        model = M.build(name, seed=rank).cuda()
+        torch_kwargs = {k: v for k, v in kwargs.items() if k != "first_bucket_mb"}
+        fast = fastcoll.DDP(copy.deepcopy(model), device_ids=device_ids, **kwargs)
+        ref = TorchDDP(copy.deepcopy(model), device_ids=device_ids, **torch_kwargs)
+        of = torch.optim.SGD(fast.parameters(), lr=LR, momentum=MOMENTUM)
+        ot = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+        for step in range(STEPS):
+            x, y = M.global_batch(name, world_size, step)
+            xr, yr = M.chunk_of(x, rank).cuda(), M.chunk_of(y, rank).cuda()
+            for mod, opt in ((fast, of), (ref, ot)):
+                opt.zero_grad(set_to_none=opts.get("set_to_none", True))
+                M.loss_of(name, mod, xr, yr, rank, step).backward()
+                opt.step()
+        torch.cuda.synchronize()
+        _assert_state_equal(fast, ref, what, tol=True)
+        fast.close()
+
+
+CUDA_CONFIGS = [
+    ("mlp", {"bucket_cap_mb": 0.002}, {}),
+    ("convbn_cl", {"gradient_as_bucket_view": True, "bucket_cap_mb": 1e-6}, {"set_to_none": False}),
+    ("branchy", {"find_unused_parameters": True}, {}),
+    ("mixed", {}, {}),
+]
+
+
+def nccl_worker(rank, world_size):
+    store = dist.FileStore(tempfile.mktemp(prefix="fastcoll_nccl_"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        _cuda_parity(0, 1, CUDA_CONFIGS, [0])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_cuda_nccl_one_rank():
+    run_ranks(nccl_worker, 1, init_pg=False, timeout=240)
+
+
+def gloo_cuda_worker(rank, world_size):
+    _cuda_parity(rank, world_size, CUDA_CONFIGS, None)
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_on_gloo_two_ranks():
+    run_ranks(gloo_cuda_worker, 2, timeout=240)
