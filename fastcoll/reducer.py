@@ -11,17 +11,23 @@ Life of one synchronized iteration::
                       the unused parameters ready
                       bucket complete -> _advance() launches every complete
                       bucket in index order: _launch() packs it with one fused
-                      flatten_scale (scale = 1/divisor) and starts an async
-                      all-reduce
-    end of backward _on_backward_end() -> _finalize(): wait for each bucket,
-                    one fused unflatten_scale per bucket into the gradients
+                      flatten_scale (scale = 1/divisor, cast to the wire dtype
+                      with comm_dtype) and starts an async all-reduce; with a
+                      comm hook it packs with scale 1 and calls the hook
+    end of backward _on_backward_end() -> _finalize(): wait for each bucket
+                    (or its hook's future), one fused unflatten_scale per
+                    bucket into the gradients (casting from the wire dtype)
 
 Collectives are issued in exactly this order on every rank: [layout broadcast
-(once)], then per backward: bucket 0, 1, ..., B-1, then the used-parameter
-all-reduce (only when unused parameters are tracked). The buffer broadcast of
-the forward is issued by :class:`fastcoll.DDP` before the module runs. All
-bucket collectives go through :meth:`Reducer._launch`; all their results come
-back through :meth:`Reducer._finalize` -> :meth:`Reducer._unpack`.
+(once)], then per backward: bucket 0, 1, ..., B-1 (or whatever the comm hook
+issues for each, in that order), then the used-parameter all-reduce (only when
+unused parameters are tracked). The buffer broadcast of the forward (and,
+under ``join()``, the join protocol's all-reduces) is issued by
+:class:`fastcoll.DDP` before the module runs. All bucket collectives go
+through :meth:`Reducer._launch`; all their results come back through
+:meth:`Reducer._finalize` -> :meth:`Reducer._unpack`. A rank that has joined
+(run out of inputs) issues the same backward collectives with zeros through
+:meth:`Reducer.replay_joined_backward`.
 
 Extension points (for comm hooks, join and low-precision communication):
 
@@ -34,7 +40,14 @@ Extension points (for comm hooks, join and low-precision communication):
   handle into the reduced flat tensor (any floating dtype, bucket numel) that
   :meth:`Reducer._unpack` writes back, casting on the way.
 * :class:`Bucket` carries the flat buffer, the parameter-shaped views of it
-  and GradBucket-style accessors.
+  and GradBucket-style accessors; it is the bucket object comm hooks get.
+
+Low-precision communication (``comm_dtype``): the division by ``divisor``
+happens in the pack, in float32, before the single rounding to the 16-bit
+wire dtype; the all-reduce then sums per-rank shares of the mean, so the
+result and every partial sum are bounded by the largest per-rank gradient
+magnitude: nothing overflows float16 while every rank's gradients are within
+its range (a naive sum-then-divide overflows at 65504 / world_size).
 """
 
 from __future__ import annotations
@@ -64,8 +77,11 @@ class Bucket:
         names: Their qualified names.
         device, dtype: Of every parameter and of ``flat``.
         numel: Total elements; ``offsets[i]`` is parameter i's first element in ``flat``.
-        flat: The 1-D contiguous bucket buffer.
+        flat: The 1-D contiguous bucket buffer (in the wire dtype when comm_dtype
+            narrows the bucket and gradients are not bucket views).
         views: Views of ``flat`` shaped and strided like each parameter.
+        comm: The buffer the all-reduce carries: ``flat`` itself, or (with
+            comm_dtype and gradient_as_bucket_view) a separate 16-bit buffer.
         view_ptrs: ``data_ptr()`` of each view (alias test for gradient_as_bucket_view).
         expected: Hook firings that complete the bucket in one iteration.
         pending: Hook firings still missing in the current iteration.
@@ -74,10 +90,19 @@ class Bucket:
 
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
-        "flat", "views", "view_ptrs", "expected", "pending", "work",
+        "flat", "views", "view_ptrs", "comm", "expected", "pending", "work", "_hook_buffer", "_hook_views",
     )  # fmt: skip
 
-    def __init__(self, pos: int, count: int, param_indices: List[int], params: List[torch.Tensor], names: List[str]):
+    def __init__(
+        self,
+        pos: int,
+        count: int,
+        param_indices: List[int],
+        params: List[torch.Tensor],
+        names: List[str],
+        wire_dtype: Optional[torch.dtype] = None,
+        separate_wire: bool = False,
+    ):
         self.pos = pos
         self.count = count
         self.param_indices = param_indices
@@ -91,12 +116,20 @@ class Bucket:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
-        self.flat = torch.empty(total, dtype=self.dtype, device=self.device)
+        # Without a separate wire buffer the flat buffer itself travels, in
+        # ``wire_dtype`` (gradients are packed into it with a cast).
+        flat_dtype = self.dtype if wire_dtype is None or separate_wire else wire_dtype
+        self.flat = torch.empty(total, dtype=flat_dtype, device=self.device)
         self.views = ops.bucket_views(self.flat, params)
         self.view_ptrs = [v.data_ptr() for v in self.views]
+        self.comm = self.flat
+        if wire_dtype is not None and separate_wire:
+            self.comm = torch.empty(total, dtype=wire_dtype, device=self.device)
         self.expected = len(params)
         self.pending = 0
         self.work: Any = None
+        self._hook_buffer: Optional[torch.Tensor] = None
+        self._hook_views: Optional[List[torch.Tensor]] = None
 
     # GradBucket-style accessors (torch's comm hooks duck-type these).
     def index(self) -> int:
@@ -108,21 +141,55 @@ class Bucket:
         return self.pos == self.count - 1
 
     def buffer(self) -> torch.Tensor:
-        """The flat 1-D bucket buffer."""
-        return self.flat
+        """The flat 1-D bucket buffer (the one given to :meth:`set_buffer`, if any, in the current hook call)."""
+        hb = self._hook_buffer
+        return self.flat if hb is None else hb
 
     def gradients(self) -> List[torch.Tensor]:
-        """Parameter-shaped views of :meth:`buffer`, in :meth:`parameters` order."""
-        return self.views
+        """Parameter-shaped views of :meth:`buffer`, in :meth:`parameters` order.
+
+        Writing into them writes into :meth:`buffer` (PowerSGD relies on this).
+        """
+        hb = self._hook_buffer
+        if hb is None:
+            return self.views
+        if self._hook_views is None:
+            self._hook_views = ops.bucket_views(hb, self.params)
+        return self._hook_views
 
     def parameters(self) -> List[torch.Tensor]:
         """The bucket's parameters."""
         return self.params
 
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace :meth:`buffer` (and the tensors :meth:`gradients` views) for the rest of this hook call.
+
+        As in torch's GradBucket, this changes what the accessors return; the
+        reduced gradients are whatever the hook's future returns.
+
+        Raises:
+            TypeError: ``buffer`` is not a tensor.
+            ValueError: ``buffer`` is not 1-D contiguous with the bucket's element count.
+        """
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"fastcoll.DDP: GradBucket.set_buffer expects a tensor, got {type(buffer).__name__}")
+        if buffer.dim() != 1 or buffer.numel() != self.numel or not buffer.is_contiguous():
+            raise ValueError(
+                f"fastcoll.DDP: GradBucket.set_buffer expects a 1-D contiguous tensor of {self.numel} elements "
+                f"(bucket {self.pos}), got shape {tuple(buffer.shape)} strides {tuple(buffer.stride())}"
+            )
+        self._hook_buffer = buffer
+        self._hook_views = None
+
     @property
     def nbytes(self) -> int:
-        """Size of the flat buffer in bytes."""
-        return self.numel * self.flat.element_size()
+        """Size of the bucket's gradients in bytes (in the parameters' dtype)."""
+        return self.numel * self.params[0].element_size()
+
+    @property
+    def comm_nbytes(self) -> int:
+        """Bytes each all-reduce of this bucket carries (in the wire dtype)."""
+        return self.numel * self.comm.element_size()
 
 
 def find_tensors(obj: Any) -> List[torch.Tensor]:
@@ -226,6 +293,29 @@ def broadcast_coalesced(
                                 t.copy_(part.view(t.dtype).view(t.shape))
 
 
+_COMM_DTYPES = (None, torch.float16, torch.bfloat16)
+
+
+def _check_comm_dtype(comm_dtype: Any) -> None:
+    if not any(comm_dtype is d for d in _COMM_DTYPES):
+        raise ValueError(f"fastcoll.DDP: comm_dtype must be None, torch.float16 or torch.bfloat16, got {comm_dtype!r}")
+
+
+def _hook_name(hook: Any) -> str:
+    name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None)
+    if name is None and hasattr(hook, "func"):  # functools.partial
+        name = f"partial({_hook_name(hook.func)})"
+    return repr(name or type(hook).__name__)
+
+
+def _describe_value(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a Tensor (shape {tuple(v.shape)}, dtype {v.dtype}, device {v.device})"
+    if isinstance(v, (list, tuple)):
+        return f"a {type(v).__name__} of {len(v)} element(s) ({', '.join(type(x).__name__ for x in v[:4])})"
+    return "None" if v is None else f"a {type(v).__module__}.{type(v).__qualname__}"
+
+
 def _remove_handles(handles: List[Any]) -> None:
     for h in handles:
         h.remove()
@@ -269,6 +359,12 @@ class Reducer:
             one's gradient is accumulated never change: learn them in the first
             iteration (reduced at the end of backward) and skip the traversal
             afterwards.
+        comm_dtype: None, ``torch.float16`` or ``torch.bfloat16``: buckets of a
+            wider dtype are packed (cast and scaled in one pass) into a buffer of
+            this dtype, all-reduced in it and unpacked (upcast) in one pass.
+            The 1/divisor scale is applied before the all-reduce, so the sum
+            of the ranks' contributions is the mean and cannot overflow
+            where the mean itself is representable.
     """
 
     def __init__(
@@ -282,6 +378,7 @@ class Reducer:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        comm_dtype: Optional[torch.dtype] = None,
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -298,6 +395,11 @@ class Reducer:
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
+        _check_comm_dtype(comm_dtype)
+        self.comm_dtype: Optional[torch.dtype] = comm_dtype
+        # Comm hook (torch's contract): called once per bucket per iteration, in index order.
+        self._hook: Optional[Callable] = None
+        self._hook_state: Any = None
         self._specs = [ParamSpec.of(p) for p in self.params]
         self._index_of_id = {id(p): i for i, p in enumerate(self.params)}
         self._comm_device = self.params[0].device
@@ -349,9 +451,10 @@ class Reducer:
     def _install_layout(self, layout: List[List[int]]) -> None:
         """Allocate buckets for ``layout`` (lists of parameter indices, in reduction order)."""
         old_buckets = self.buckets
-        buckets = [Bucket(pos, len(layout), idxs, [self.params[i] for i in idxs], [self.names[i] for i in idxs]) for pos, idxs in enumerate(layout)]
+        buckets = [self._new_bucket(pos, len(layout), idxs) for pos, idxs in enumerate(layout)]
         for b in buckets:
             b.expected = sum(self._expected_counts[i] for i in b.param_indices)
+            b.pending = b.expected
             for i in b.param_indices:
                 self._param_bucket[i] = b
         if self.gradient_as_bucket_view:
@@ -365,6 +468,23 @@ class Reducer:
                             p.grad = v
         self.buckets = buckets
         del old_buckets
+
+    def _new_bucket(self, pos: int, count: int, idxs: List[int]) -> Bucket:
+        params = [self.params[i] for i in idxs]
+        return Bucket(
+            pos, count, idxs, params, [self.names[i] for i in idxs],
+            wire_dtype=self._wire_dtype(params[0].dtype), separate_wire=self.gradient_as_bucket_view,
+        )  # fmt: skip
+
+    def _wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        """The all-reduce dtype of a bucket of ``dtype`` gradients (None: its own).
+
+        comm_dtype only ever narrows: buckets already 16-bit travel as they are.
+        """
+        c = self.comm_dtype
+        if c is None or dtype.itemsize <= c.itemsize:
+            return None
+        return c
 
     def layout(self) -> List[List[int]]:
         """The current buckets as lists of parameter indices, in reduction order."""
@@ -380,6 +500,8 @@ class Reducer:
                 "device": b.device,
                 "numel": b.numel,
                 "bytes": b.nbytes,
+                "comm_dtype": b.comm.dtype,
+                "comm_bytes": b.comm_nbytes,
             }
             for b in self.buckets
         ]
@@ -545,22 +667,140 @@ class Reducer:
             self._launch_used_map()
 
     def _launch(self, b: Bucket) -> None:
-        """Pack bucket ``b`` and start its reduction: the only place bucket collectives are issued."""
-        self._pack(b, 1.0 / self.divisor)
-        b.work = self._communicate(b) if b.numel > 0 else None
+        """Pack bucket ``b`` and start its reduction: the only place bucket collectives are issued.
+
+        Without a comm hook the pack folds in 1/divisor (and the cast to the
+        wire dtype); with one, the pack is scale-free and the hook divides.
+        """
+        if self._hook is None:
+            self._pack(b, 1.0 / self.divisor)
+            b.work = self._communicate(b) if b.numel > 0 else None
+        else:
+            self._pack(b, 1.0)
+            b.work = self._run_hook(b)
 
     def _communicate(self, b: Bucket) -> Any:
-        """Start reducing the packed ``b.flat``; returns a handle with ``wait()``."""
+        """Start reducing the packed ``b.comm``; returns a handle with ``wait()``."""
         if self.world_size == 1:
             return None
-        return dist.all_reduce(b.flat, group=self.process_group, async_op=True)
+        return dist.all_reduce(b.comm, group=self.process_group, async_op=True)
+
+    def _run_hook(self, b: Any) -> Any:
+        """Call the comm hook on bucket ``b``; returns its future (checked)."""
+        b._hook_buffer = None
+        b._hook_views = None
+        fut = self._hook(self._hook_state, b)
+        if not isinstance(fut, torch._C.Future):
+            raise TypeError(
+                f"fastcoll.DDP: the comm hook {_hook_name(self._hook)} returned {_describe_value(fut)} for bucket "
+                f"{b.pos}; a comm hook must return a torch.futures.Future whose value is the reduced bucket "
+                "(one tensor with the bucket's number of elements), e.g. "
+                "dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])"
+            )
+        return fut
 
     def _collect(self, b: Bucket) -> torch.Tensor:
         """Wait for ``b``'s reduction; returns the reduced flat tensor."""
-        if b.work is not None:
-            b.work.wait()
-            b.work = None
-        return b.flat
+        w = b.work
+        if w is None:
+            return b.comm
+        b.work = None
+        if self._hook is None:
+            w.wait()
+            return b.comm
+        return self._hook_result(b, w.wait())
+
+    def _hook_result(self, b: Bucket, value: Any) -> torch.Tensor:
+        """The comm hook's future value as a flat tensor for :meth:`_unpack`, checked."""
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if (
+            not isinstance(value, torch.Tensor)
+            or not value.is_floating_point()
+            or value.numel() != b.numel
+            or value.device != b.device
+        ):
+            raise TypeError(
+                f"fastcoll.DDP: the comm hook {_hook_name(self._hook)} completed bucket {b.pos} with "
+                f"{_describe_value(value)}; expected one floating-point tensor of {b.numel} elements on {b.device} "
+                "(or a list holding exactly one)"
+            )
+        flat = b.flat
+        if value is flat or (value.dtype == flat.dtype and value.data_ptr() == flat.data_ptr() and value.is_contiguous()):
+            return flat
+        return value.reshape(-1) if value.is_contiguous() else value.contiguous().reshape(-1)
+
+    # -------------------------------------------------------- configuration
+
+    def _check_idle(self, what: str) -> None:
+        if self._callback_queued or self._require_finalize:
+            raise RuntimeError(f"fastcoll.DDP: cannot {what} while a backward pass is being reduced; do it between iterations")
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Install ``hook`` (already validated by :class:`fastcoll.DDP`); between iterations only."""
+        self._check_idle("register a comm hook")
+        if self.comm_dtype is not None:
+            raise RuntimeError("fastcoll.DDP: a comm hook cannot be combined with comm_dtype")
+        self._hook = hook
+        self._hook_state = state
+
+    def set_comm_dtype(self, comm_dtype: Optional[torch.dtype]) -> None:
+        """Change the wire dtype (reallocates the bucket buffers, keeping the layout); between iterations only."""
+        _check_comm_dtype(comm_dtype)
+        self._check_idle("change comm_dtype")
+        if comm_dtype is not None and self._hook is not None:
+            raise RuntimeError("fastcoll.DDP: comm_dtype cannot be combined with a comm hook")
+        if comm_dtype == self.comm_dtype:
+            return
+        self.comm_dtype = comm_dtype
+        if not self.closed:
+            self._install_layout(self.layout())
+
+    # ----------------------------------------------------------------- join
+
+    def replay_joined_backward(self) -> None:
+        """On a rank that has run out of inputs: issue one synchronized backward's collectives with zeros.
+
+        Same collectives, same order as :meth:`_advance` on the ranks still
+        training: one per bucket in index order (an all-reduce of zeros in the
+        wire dtype, skipping empty buckets, or the comm hook called on a
+        bucket of zeros), then the used-parameter all-reduce when this
+        iteration tracks it. This rank's gradients are left untouched. The
+        per-iteration state advances as after a real synchronized backward
+        (static-graph learning, the ready order for the one-time rebuild), so
+        every rank agrees on what the next iteration issues.
+        """
+        pending = []
+        for b in self.buckets:
+            if self._hook is not None:
+                z = Bucket(b.pos, b.count, b.param_indices, b.params, b.names)
+                z.flat.zero_()
+                pending.append(self._run_hook(z))
+            elif b.numel > 0 and self.world_size > 1:
+                z = torch.zeros(b.numel, dtype=b.comm.dtype, device=b.device)
+                pending.append(dist.all_reduce(z, group=self.process_group, async_op=True))
+        track_used = self.find_unused_parameters and not self.static_graph or self._static_first
+        used = None
+        if track_used:
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self._comm_device)
+            if self.world_size > 1:
+                pending.append(dist.all_reduce(used, group=self.process_group, async_op=True))
+        for w in pending:
+            w.wait()
+        if self._static_first:
+            self._static_first = False
+            global_used = [c > 0 for c in used.tolist()] if used is not None else [True] * len(self.params)
+            self._static_used = None if all(global_used) else global_used
+            self._expected_counts = [1 if u else 0 for u in global_used]
+            for b in self.buckets:
+                b.expected = sum(self._expected_counts[i] for i in b.param_indices)
+        self._num_iterations += 1
+        if self._record_order:
+            # No gradients arrived here: this rank's "ready order" is the default
+            # one (rank 0's order wins at the rebuild anyway).
+            self._record_order = False
+            self._pending_order = []
+            self._order = []
 
     def _launch_used_map(self) -> None:
         used = torch.frombuffer(self._local_used, dtype=torch.uint8) if len(self._local_used) else torch.zeros(0, dtype=torch.uint8)
@@ -571,7 +811,7 @@ class Reducer:
             self._used_work = True
 
     def _pack(self, b: Bucket, scale: float) -> None:
-        """Write the bucket's gradients times ``scale`` into ``b.flat`` (missing gradients as zeros)."""
+        """Write the bucket's gradients times ``scale`` into ``b.comm`` (missing gradients as zeros), casting to its dtype."""
         params = b.params
         grads = [p.grad for p in params]
         complete = True
@@ -579,9 +819,11 @@ class Reducer:
             if g is None:
                 complete = False
                 break
+        in_place = False  # every gradient already is its view of b.comm, and scale 1: nothing to write
         if self.gradient_as_bucket_view:
             ptrs = b.view_ptrs
             views = b.views
+            in_place = scale == 1.0 and b.comm is b.flat
             for i, g in enumerate(grads):
                 if g is not None and g.data_ptr() != ptrs[i]:
                     v = views[i]
@@ -589,12 +831,14 @@ class Reducer:
                         with torch.no_grad():
                             v.copy_(g)  # layout differs from the parameter's: copy elementwise
                         grads[i] = v
+                    else:
+                        in_place = False  # the pack below copies g into its view
                     params[i].grad = v
         if complete:
-            if b.numel:
-                ops.flatten_scale(grads, b.flat, scale)
+            if b.numel and not in_place:
+                ops.flatten_scale(grads, b.comm, scale)
             return
-        flat = b.flat
+        flat = b.comm
         offsets = b.offsets
         with torch.no_grad():
             for i, g in enumerate(grads):
