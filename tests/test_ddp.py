@@ -119,6 +119,21 @@ def test_parity_with_torch_ddp_and_single_process(world_size):
     run_ranks(parity_worker, world_size, PARITY_CONFIGS, timeout=150)
 
 
+def _early_pack_worker(rank, world_size, configs):
+    import fastcoll.reducer as R
+
+    # Every parameter of the test models takes the CPU early-pack path.
+    probe = R.Reducer([torch.nn.Parameter(torch.ones(1))], ["probe"])
+    assert probe._eager_slots[0] is not None, "FASTCOLL_EARLY_PACK_MIN_NUMEL=1 did not enable early packing"
+    probe.close()
+    parity_worker(rank, world_size, configs)
+
+
+def test_parity_with_early_packing_of_every_gradient():
+    """The same parity checks with every CPU gradient packed as soon as it is final."""
+    run_ranks(_early_pack_worker, 2, PARITY_CONFIGS, timeout=150, env={"FASTCOLL_EARLY_PACK_MIN_NUMEL": "1"})
+
+
 # --------------------------------------------------------------------------- features
 
 
