@@ -43,7 +43,10 @@ def _want_cuda() -> bool:
 def _extension():
     use_cuda = _want_cuda()
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx_flags = ["-O3"]  # torch.utils.cpp_extension picks the C++ standard its headers need
+    # torch.utils.cpp_extension picks the C++ standard its headers need. OpenMP
+    # is what makes at::parallel_for parallel (without it, it runs serially);
+    # at run time the process shares torch's own libgomp.
+    cxx_flags = ["-O3", "-fopenmp"]
     define_macros = [("FASTCOLL_COMPILER", f'"{_compiler_name()}"')]
     if use_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
@@ -71,6 +74,7 @@ def _extension():
         include_dirs=[os.path.join(HERE, "csrc")],
         define_macros=define_macros,
         extra_compile_args=extra,
+        extra_link_args=["-fopenmp"],
     )
 
 

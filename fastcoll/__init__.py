@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from . import _loader, ops
+from . import _loader, dist, ops
 from .ddp import DDP, DistributedDataParallel
+from .dist import (
+    all_reduce_dict,
+    allreduce_grads,
+    collect_results,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_dist,
+    is_distributed,
+    is_module_wrapper,
+    rank_zero_only,
+    reduce_mean,
+    synchronize,
+)
+from .reducer import Bucket as GradBucket
 
 __version__ = "0.1.0"
 
@@ -34,33 +49,23 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["ops", "build_info", "__version__", "DDP", "DistributedDataParallel"]
-
-from .dist import (  # noqa: E402  (distributed helpers; see fastcoll.dist)
-    all_reduce_dict,
-    allreduce_grads,
-    collect_results,
-    get_local_rank,
-    get_rank,
-    get_world_size,
-    init_dist,
-    is_distributed,
-    is_module_wrapper,
-    rank_zero_only,
-    reduce_mean,
-    synchronize,
-)
-
-__all__ += [
+__all__ = [
+    "DDP",
+    "DistributedDataParallel",
+    "GradBucket",
+    "__version__",
     "all_reduce_dict",
     "allreduce_grads",
+    "build_info",
     "collect_results",
+    "dist",
     "get_local_rank",
     "get_rank",
     "get_world_size",
     "init_dist",
     "is_distributed",
     "is_module_wrapper",
+    "ops",
     "rank_zero_only",
     "reduce_mean",
     "synchronize",
