@@ -192,7 +192,6 @@ def hook_parity_worker(rank, world_size, configs):
         wire = _record_wire(fast)
         of = torch.optim.SGD(fast.parameters(), lr=LR, momentum=MOMENTUM)
         ot = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
-        local = None
         for step in range(STEPS):
             x, y = M.global_batch(name, world_size, step)
             xr, yr = M.chunk_of(x, rank), M.chunk_of(y, rank)

@@ -28,7 +28,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -416,3 +416,32 @@ def num_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+# ---------------------------------------------------------------------------
+# Rank processes of the multi-rank benchmarks (ddp, dist)
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def rank_process_group(rank: int, world_size: int, store_path: str, threads: int, backend: str = "gloo", timeout_s: int = 600):
+    """Inside a spawned benchmark rank: set its threads, join the group over a FileStore, tear it down after."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def save_rank_rows(rank: int, out_path: str, rows: List[Dict[str, Any]]) -> None:
+    """Rank 0 writes the measured rows (and which op implementation ran) for the parent to read."""
+    if rank != 0:
+        return
+    from .. import ops
+
+    with open(out_path, "w") as f:
+        json.dump({"rows": rows, "implementation": ops.implementation()}, f)

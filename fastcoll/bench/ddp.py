@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import datetime
 import gc
 import inspect
 import json
@@ -651,20 +650,15 @@ def _row(case, cfg, samples, info, checks, inner, nparams, numel) -> Dict[str, A
 
 
 def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], cases: List[Case], out_path: str, progress_q: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(cfg["threads"])
     device = cfg["device"]
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    store = dist.FileStore(store_path, ws)
-    dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=600))
 
     def tick(n: int) -> None:
         if rank == 0 and progress_q is not None:
             progress_q.put(("advance", n))
 
-    try:
+    with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
         if not cfg["smoke"]:
             _warm_up_code_paths(device)
         gc.collect()
@@ -674,13 +668,7 @@ def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], cases: Lis
             if rank == 0 and progress_q is not None:
                 progress_q.put(("describe", f"ddp: {case.title}"))
             rows.append(bench_case(case, rank, cfg, tick))
-        if rank == 0:
-            from .. import ops
-
-            with open(out_path, "w") as f:
-                json.dump({"rows": rows, "implementation": ops.implementation()}, f)
-    finally:
-        dist.destroy_process_group()
+        common.save_rank_rows(rank, out_path, rows)
 
 
 # ---------------------------------------------------------------------------

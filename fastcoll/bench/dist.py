@@ -34,7 +34,6 @@ the table shows medians and each method's time relative to fastcoll's
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pickle
@@ -242,20 +241,8 @@ def _row(function: str, case: str, samples: Dict[str, List[float]], checks: Dict
 
 
 def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], out_path: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(cfg["threads"])
-    store = dist.FileStore(store_path, ws)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=300))
-    try:
-        rows = _bench_dicts(rank, ws, cfg) + _bench_grads(rank, ws, cfg)
-        if rank == 0:
-            from .. import ops
-
-            with open(out_path, "w") as f:
-                json.dump({"rows": rows, "implementation": ops.implementation()}, f)
-    finally:
-        dist.destroy_process_group()
+    with common.rank_process_group(rank, ws, store_path, cfg["threads"], "gloo", timeout_s=300):
+        common.save_rank_rows(rank, out_path, _bench_dicts(rank, ws, cfg) + _bench_grads(rank, ws, cfg))
 
 
 # ---------------------------------------------------------------------------
