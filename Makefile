@@ -12,7 +12,7 @@ CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
 CUDA_HOME ?= /usr/local/cuda
 PYTEST_ARGS ?=
 
-.PHONY: all setup build test bench bench-quick gpu-check cmake-test cuda-build-check clean
+.PHONY: all setup build test bench bench-quick gpu-wheels gpu-check cmake-test cuda-build-check clean
 
 all: test
 
@@ -61,9 +61,20 @@ cuda-build-check:
 	cp -r fastcoll/*.py fastcoll/bench fastcoll/integrations build/cuda-check/lib/fastcoll/
 	cd build/cuda-check/lib && $(CUDA_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i, indent=1)); assert i['cuda_kernels'], i"
 
+# Wheels of the test and table tools for the GPU machine (Python 3.12, no package
+# index there): `make gpu-wheels` here, then carry .gpu-wheels to the GPU machine.
+GPU_PY ?= 3.12
+GPU_WHEELS := pytest pytest-timeout hypothesis expecttest rich ninja
+gpu-wheels: $(VENV)/.deps-stamp
+	$(VPY) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	  --platform any -d .gpu-wheels $(GPU_WHEELS)
+
 # On a machine whose python already has a CUDA build of torch (the GPU machine):
 # build in place with the CUDA kernels, run the CUDA tests and the GPU benchmarks.
+# Installs carried wheels from .gpu-wheels first when that folder exists.
 gpu-check:
+	if [ -d .gpu-wheels ]; then $(PYTHON) -m pip install -q --no-index --find-links .gpu-wheels $(GPU_WHEELS); fi
 	FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" $(PYTHON) setup.py -q build_ext --inplace
 	$(PYTHON) -c "import fastcoll, json; print(json.dumps(fastcoll.build_info(), indent=1))"
 	$(PYTHON) -m pytest -q -m cuda tests $(PYTEST_ARGS)
