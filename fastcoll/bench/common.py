@@ -28,7 +28,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,17 @@ def repo_root() -> Path:
     if (here / "benchmarks").is_dir():
         return here
     return Path.cwd()
+
+
+def model_shapes() -> Dict[str, List[Tuple[str, Tuple[int, ...]]]]:
+    """Parameter names and shapes, in registration order, of ResNet-50, GPT-2 small and BERT-base.
+
+    Read from ``model_shapes.json`` shipped inside this package, so the
+    benchmarks run from a clean clone or an installed wheel alike.
+    """
+    with open(Path(__file__).with_name("model_shapes.json")) as f:
+        raw = json.load(f)
+    return {k: [(name, tuple(shape)) for name, shape in v] for k, v in raw.items() if not k.startswith("_")}
 
 
 def out_dir() -> Path:

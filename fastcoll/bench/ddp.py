@@ -30,7 +30,7 @@ gradients equal torch DDP's (checked once, after the warm-up steps).
 Models: an MLP of 96 small layers (192 parameters, one bucket), a conv net with
 BatchNorm (buffers broadcast every step), a 4-layer transformer encoder
 (48 parameters, two buckets), and two synthetic models holding parameters of
-ResNet-50's and GPT-2 small's shapes (``benchmarks/model_shapes.json``) whose
+ResNet-50's and GPT-2 small's shapes (``fastcoll/bench/model_shapes.json``) whose
 forward is ``sum_i p_i.sum() * x_i``: one read of every parameter, so their
 step is dominated by writing the gradients and synchronizing them.
 
@@ -186,10 +186,9 @@ class ModelSpec:
 
 
 def load_shapes(model: str) -> Tuple[List[str], List[Tuple[int, ...]]]:
-    """Parameter names and shapes of ``model`` from benchmarks/model_shapes.json, in registration order."""
-    with open(common.repo_root() / "benchmarks" / "model_shapes.json") as f:
-        entries = json.load(f)[model]
-    return [n for n, _ in entries], [tuple(s) for _, s in entries]
+    """Parameter names and shapes of ``model`` (see :func:`common.model_shapes`), in registration order."""
+    entries = common.model_shapes()[model]
+    return [n for n, _ in entries], [s for _, s in entries]
 
 
 def build_storage(spec: ModelSpec, device: str) -> Optional[List[torch.Tensor]]:

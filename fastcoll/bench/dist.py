@@ -7,7 +7,7 @@ Two ranks on gloo over loopback (a FileStore in a temporary directory), spawned
 by the benchmark itself, time side by side:
 
 ``allreduce_grads`` on the gradients of ResNet-50 (parameter shapes from
-``benchmarks/model_shapes.json``, float32, 25.6 M elements):
+``fastcoll/bench/model_shapes.json``, float32, 25.6 M elements):
 
 * ``fastcoll``: :func:`fastcoll.dist.allreduce_grads` (one fused flatten with
   the 1/world_size scale, one all-reduce, one fused unflatten; its 16-byte
@@ -68,10 +68,8 @@ def _threads_per_rank(args: Any) -> int:
 
 
 def load_shapes(model: str = MODEL) -> List[Sequence[int]]:
-    """Parameter shapes of ``model`` from benchmarks/model_shapes.json, in registration order."""
-    path = common.repo_root() / "benchmarks" / "model_shapes.json"
-    with open(path) as f:
-        return [tuple(shape) for _, shape in json.load(f)[model]]
+    """Parameter shapes of ``model`` (see :func:`common.model_shapes`), in registration order."""
+    return [shape for _, shape in common.model_shapes()[model]]
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ into denormals, which are slow on CPUs). Every method is checked to produce
 the same result before it is timed.
 
 Layouts: the 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base
-(``benchmarks/model_shapes.json``; buckets formed in reverse parameter order,
+(``fastcoll/bench/model_shapes.json``; buckets formed in reverse parameter order,
 the first with a 1 MiB cap and the rest with 25 MiB caps, each closing once its
 size reaches its cap, as torch DDP does when it rebuilds buckets in backward
 order), plus synthetic sweeps over the tensor count at a fixed total size, in
@@ -30,7 +30,6 @@ float32 and bfloat16.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,14 +93,9 @@ class Layout:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def model_shapes_path() -> Path:
-    return common.repo_root() / "benchmarks" / "model_shapes.json"
-
-
-def load_model_shapes(path: Optional[Path] = None) -> Dict[str, List[Tuple[str, Tuple[int, ...]]]]:
-    with open(path or model_shapes_path()) as f:
-        raw = json.load(f)
-    return {k: [(name, tuple(shape)) for name, shape in v] for k, v in raw.items() if not k.startswith("_")}
+def load_model_shapes() -> Dict[str, List[Tuple[str, Tuple[int, ...]]]]:
+    """See :func:`common.model_shapes`."""
+    return common.model_shapes()
 
 
 def ddp_buckets(
