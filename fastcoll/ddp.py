@@ -23,7 +23,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _compile_support
 from ._reference import SUPPORTED_DTYPES, is_dense
 from .bucketing import MIB
-from .reducer import Bucket, Reducer, _check_comm_dtype, _hook_name, broadcast_coalesced
+from .reducer import Bucket, CoalescedBroadcast, Reducer, _check_comm_dtype, _hook_name, broadcast_coalesced
 
 __all__ = ["DDP", "DistributedDataParallel"]
 
@@ -255,6 +255,7 @@ class DDP(nn.Module, Joinable):
         self.device = trainable[0][1].device
         self._params_to_sync = [p for _, p in named]
         self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+        self._buffer_broadcast = CoalescedBroadcast(self._buffers_to_sync, self.broadcast_bucket_size)
         if init_sync:
             states = [p.detach() for _, p in named]
             if self.broadcast_buffers:
@@ -391,7 +392,7 @@ class DDP(nn.Module, Joinable):
     def _sync_buffers(self, group_src: int = 0) -> None:
         """Broadcast the module's buffers from group rank ``group_src``."""
         with torch.no_grad():
-            broadcast_coalesced(self._buffers_to_sync, self.process_group, group_src, self.broadcast_bucket_size)
+            self._buffer_broadcast(self.process_group, group_src)
 
     # -------------------------------------------------------------------- join
 

@@ -66,7 +66,7 @@ from . import ops
 from ._reference import SUPPORTED_DTYPES, is_dense
 from .bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
 
-__all__ = ["Bucket", "Reducer", "broadcast_coalesced", "find_tensors"]
+__all__ = ["Bucket", "CoalescedBroadcast", "Reducer", "broadcast_coalesced", "find_tensors"]
 
 #: CPU gradients with at least this many elements are packed as soon as they
 #: are final, while still in cache (measured: ~25% less pack time on ResNet-50
@@ -240,69 +240,79 @@ def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
     return runs
 
 
+class CoalescedBroadcast:
+    """A fixed set of tensors broadcast in place from one rank, a few large messages at a time.
+
+    The grouping is worked out once: floating-point tensors per (device,
+    dtype), packed with the fused :func:`fastcoll.ops.flatten_scale` on the
+    source rank and unpacked with :func:`fastcoll.ops.unflatten_scale` on the
+    others; tensors of other dtypes (``num_batches_tracked`` and the like)
+    travel together as raw bytes. Messages are capped at ``cap_bytes``. Every
+    rank must build it from tensors of the same shapes and dtypes in the same
+    order. :class:`fastcoll.DDP` builds one for its buffers at construction and
+    runs it before every forward.
+
+    Args:
+        tensors: Tensors to overwrite with the source rank's values (dense,
+            mutually non-overlapping; pass ``param.detach()`` for parameters).
+        cap_bytes: Largest message size in bytes.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], cap_bytes: int = 250 * 1024 * 1024):
+        groups: Dict[Tuple[str, Any], List[List[torch.Tensor]]] = {}
+        sizes: Dict[Tuple[str, Any], int] = {}
+        for t in tensors:
+            fused = t.dtype in SUPPORTED_DTYPES and is_dense(t)
+            key = (str(t.device), t.dtype if fused else None)
+            chunks = groups.setdefault(key, [[]])
+            nbytes = t.numel() * t.element_size()
+            if chunks[-1] and sizes[key] + nbytes > cap_bytes:
+                chunks.append([])
+                sizes[key] = 0
+            chunks[-1].append(t)
+            sizes[key] = sizes.get(key, 0) + nbytes
+        #: (device, dtype or None for raw bytes, tensors, their byte sizes) per message.
+        self.messages: List[Tuple[str, Optional[torch.dtype], List[torch.Tensor], List[int]]] = []
+        for (device, dtype), chunks in groups.items():
+            for chunk in chunks:
+                nbytes = [t.numel() * t.element_size() for t in chunk]
+                if sum(nbytes):
+                    self.messages.append((device, dtype, chunk, nbytes))
+
+    def __call__(self, group: Optional[dist.ProcessGroup], group_src: int = 0) -> None:
+        """Broadcast from group rank ``group_src`` of ``group`` (None: the default group)."""
+        if not self.messages or dist.get_world_size(group) == 1:
+            return
+        is_src = dist.get_rank(group) == group_src
+        with torch.no_grad():
+            for device, dtype, chunk, nbytes in self.messages:
+                if dtype is not None:
+                    flat = torch.empty(sum(nbytes) // chunk[0].element_size(), dtype=dtype, device=device)
+                    if is_src:
+                        ops.flatten_scale(chunk, flat, 1.0)
+                    dist.broadcast(flat, group=group, group_src=group_src)
+                    if not is_src:
+                        ops.unflatten_scale(flat, chunk, 1.0)
+                    continue
+                if is_src:
+                    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in chunk])
+                else:
+                    flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+                dist.broadcast(flat, group=group, group_src=group_src)
+                if not is_src:
+                    for t, part in zip(chunk, flat.split(nbytes)):
+                        if t.numel():
+                            t.copy_(part.view(t.dtype).view(t.shape))
+
+
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor],
     group: Optional[dist.ProcessGroup],
     group_src: int = 0,
     cap_bytes: int = 250 * 1024 * 1024,
 ) -> None:
-    """Broadcast ``tensors`` in place from group rank ``group_src``, a few large messages at a time.
-
-    Floating-point tensors are packed per (device, dtype) with the fused
-    :func:`fastcoll.ops.flatten_scale` on the source rank and unpacked with
-    :func:`fastcoll.ops.unflatten_scale` on the others; tensors of other dtypes
-    (``num_batches_tracked`` and the like) travel together as raw bytes.
-    Messages are capped at ``cap_bytes``. Every rank must pass tensors of the
-    same shapes and dtypes in the same order.
-
-    Args:
-        tensors: Tensors to overwrite with the source rank's values (dense,
-            mutually non-overlapping; pass ``param.detach()`` for parameters).
-        group: Process group (None: the default group).
-        group_src: Source rank within ``group``.
-        cap_bytes: Largest message size in bytes.
-    """
-    if dist.get_world_size(group) == 1 or not tensors:
-        return
-    is_src = dist.get_rank(group) == group_src
-    groups: Dict[Tuple[str, Any], List[List[torch.Tensor]]] = {}
-    sizes: Dict[Tuple[str, Any], int] = {}
-    for t in tensors:
-        fused = t.dtype in SUPPORTED_DTYPES and is_dense(t)
-        key = (str(t.device), t.dtype if fused else None)
-        chunks = groups.setdefault(key, [[]])
-        nbytes = t.numel() * t.element_size()
-        if chunks[-1] and sizes[key] + nbytes > cap_bytes:
-            chunks.append([])
-            sizes[key] = 0
-        chunks[-1].append(t)
-        sizes[key] = sizes.get(key, 0) + nbytes
-    with torch.no_grad():
-        for (device, dtype), chunks in groups.items():
-            for chunk in chunks:
-                if dtype is not None:
-                    n = ops.total_numel(chunk)
-                    if n == 0:
-                        continue
-                    flat = torch.empty(n, dtype=dtype, device=device)
-                    if is_src:
-                        ops.flatten_scale(chunk, flat, 1.0)
-                    dist.broadcast(flat, group=group, group_src=group_src)
-                    if not is_src:
-                        ops.unflatten_scale(flat, chunk, 1.0)
-                else:
-                    nbytes = [t.numel() * t.element_size() for t in chunk]
-                    if sum(nbytes) == 0:
-                        continue
-                    if is_src:
-                        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in chunk])
-                    else:
-                        flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
-                    dist.broadcast(flat, group=group, group_src=group_src)
-                    if not is_src:
-                        for t, part in zip(chunk, flat.split(nbytes)):
-                            if t.numel():
-                                t.copy_(part.view(t.dtype).view(t.shape))
+    """Broadcast ``tensors`` in place from group rank ``group_src``, coalesced (see :class:`CoalescedBroadcast`)."""
+    CoalescedBroadcast(tensors, cap_bytes)(group, group_src)
 
 
 _COMM_DTYPES = (None, torch.float16, torch.bfloat16)

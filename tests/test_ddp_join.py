@@ -34,6 +34,17 @@ HALF = {"rtol": 2e-3, "atol": 2e-4}
 # --------------------------------------------------------------------------- divisor semantics
 
 
+def _uneven_grads(m, rank, divide):
+    """Rank r trains on r + 1 inputs of ones inside a join; returns the weight's gradient after each step."""
+    grads = []
+    with m.join(divide_by_initial_world_size=divide):
+        for _ in range(rank + 1):
+            m.zero_grad()
+            m(torch.ones(1)).sum().backward()
+            grads.append(m.module.weight.grad.item())
+    return grads
+
+
 def semantics_worker(rank, world_size):
     # rank 0: one input, rank 1: two; local gradient 1.0 (torch DDP measured: rank 1 sees
     # 1.0 then 0.5 by default, 1.0 then 1.0 with divide_by_initial_world_size=False).
@@ -42,24 +53,14 @@ def semantics_worker(rank, world_size):
         for cls in (fastcoll.DDP, TorchDDP):
             for view in (False, True):
                 m = cls(nn.Linear(1, 1, bias=False), gradient_as_bucket_view=view)
-                grads = []
-                with m.join(divide_by_initial_world_size=divide):
-                    for _ in range(rank + 1):
-                        m.zero_grad()
-                        m(torch.ones(1)).sum().backward()
-                        grads.append(m.module.weight.grad.item())
+                grads = _uneven_grads(m, rank, divide)
                 assert grads == expected[divide][rank], f"{cls.__name__} divide={divide} view={view} rank {rank}: {grads}"
                 if isinstance(m, fastcoll.DDP):
                     m.close()
     # comm_dtype uses the run-time divisor too.
     for divide in (True, False):
         m = fastcoll.DDP(nn.Linear(1, 1, bias=False), comm_dtype=torch.float16)
-        grads = []
-        with m.join(divide_by_initial_world_size=divide):
-            for _ in range(rank + 1):
-                m.zero_grad()
-                m(torch.ones(1)).sum().backward()
-                grads.append(m.module.weight.grad.item())
+        grads = _uneven_grads(m, rank, divide)
         assert grads == expected[divide][rank], f"comm_dtype divide={divide} rank {rank}: {grads}"
         # After the join, with every rank training again, the divisor is the world size.
         m.zero_grad()
