@@ -241,68 +241,112 @@ def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
 
 
 class CoalescedBroadcast:
-    """A fixed set of tensors broadcast in place from one rank, a few large messages at a time.
+    """A fixed set of tensors broadcast in place from one rank: one message per device.
 
-    The grouping is worked out once: floating-point tensors per (device,
-    dtype), packed with the fused :func:`fastcoll.ops.flatten_scale` on the
-    source rank and unpacked with :func:`fastcoll.ops.unflatten_scale` on the
-    others; tensors of other dtypes (``num_batches_tracked`` and the like)
-    travel together as raw bytes. Messages are capped at ``cap_bytes``. Every
-    rank must build it from tensors of the same shapes and dtypes in the same
-    order. :class:`fastcoll.DDP` builds one for its buffers at construction and
-    runs it before every forward.
+    The layout is worked out once. Every device's tensors travel as one byte
+    buffer (split only past ``cap_bytes``), so a model's buffers cost one
+    collective per forward whatever their dtypes: inside a message each dtype
+    has its own 16-byte-aligned section. Dense floating-point tensors are
+    packed into their section with one fused :func:`fastcoll.ops.flatten_scale`
+    on the source rank and unpacked with one :func:`fastcoll.ops.unflatten_scale`
+    on the others; the rest (``num_batches_tracked`` and the like) are copied
+    one by one. Every rank must build it from tensors of the same shapes and
+    dtypes in the same order. :class:`fastcoll.DDP` builds one for its buffers
+    at construction and runs it before every forward (the message buffers are
+    kept between calls).
 
     Args:
-        tensors: Tensors to overwrite with the source rank's values (dense,
-            mutually non-overlapping; pass ``param.detach()`` for parameters).
-        cap_bytes: Largest message size in bytes.
+        tensors: Tensors to overwrite with the source rank's values (mutually
+            non-overlapping; pass ``param.detach()`` for parameters).
+        cap_bytes: Largest message size in bytes (a single larger tensor gets
+            a message of its own).
+        keep_buffers: Allocate the message buffers once and reuse them.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], cap_bytes: int = 250 * 1024 * 1024):
-        groups: Dict[Tuple[str, Any], List[List[torch.Tensor]]] = {}
-        sizes: Dict[Tuple[str, Any], int] = {}
+    _ALIGN = 16
+
+    def __init__(self, tensors: Sequence[torch.Tensor], cap_bytes: int = 250 * 1024 * 1024, keep_buffers: bool = True):
+        per_device: Dict[torch.device, List[torch.Tensor]] = {}
         for t in tensors:
-            fused = t.dtype in SUPPORTED_DTYPES and is_dense(t)
-            key = (str(t.device), t.dtype if fused else None)
-            chunks = groups.setdefault(key, [[]])
-            nbytes = t.numel() * t.element_size()
-            if chunks[-1] and sizes[key] + nbytes > cap_bytes:
-                chunks.append([])
-                sizes[key] = 0
-            chunks[-1].append(t)
-            sizes[key] = sizes.get(key, 0) + nbytes
-        #: (device, dtype or None for raw bytes, tensors, their byte sizes) per message.
-        self.messages: List[Tuple[str, Optional[torch.dtype], List[torch.Tensor], List[int]]] = []
-        for (device, dtype), chunks in groups.items():
-            for chunk in chunks:
-                nbytes = [t.numel() * t.element_size() for t in chunk]
-                if sum(nbytes):
-                    self.messages.append((device, dtype, chunk, nbytes))
+            if t.numel():
+                per_device.setdefault(t.device, []).append(t)
+        #: Per message: (device, total bytes, fused sections, copied tensors). A fused
+        #: section is (byte offset, dtype, tensors); a copied tensor is (byte offset, tensor).
+        self.messages: List[Tuple[torch.device, int, List[Tuple[int, torch.dtype, List[torch.Tensor]]], List[Tuple[int, torch.Tensor]]]] = []
+        for device, ts in per_device.items():
+            chunk: List[torch.Tensor] = []
+            size = 0
+            for t in ts:
+                nbytes = t.numel() * t.element_size()
+                if chunk and size + nbytes > cap_bytes:
+                    self.messages.append(self._layout(device, chunk))
+                    chunk, size = [], 0
+                chunk.append(t)
+                size += nbytes
+            if chunk:
+                self.messages.append(self._layout(device, chunk))
+        self._keep = keep_buffers
+        #: Per message, once built: (byte buffer, [(section view, tensors) to fuse], [(section view, tensor) to copy]).
+        self._plans: Optional[List[Tuple[torch.Tensor, List[Tuple[torch.Tensor, List[torch.Tensor]]], List[Tuple[torch.Tensor, torch.Tensor]]]]] = None
+
+    @classmethod
+    def _layout(cls, device: torch.device, chunk: List[torch.Tensor]):
+        # Sections in order of first appearance: (dtype, fused) -> tensors.
+        sections: Dict[Tuple[torch.dtype, bool], List[torch.Tensor]] = {}
+        for t in chunk:
+            sections.setdefault((t.dtype, t.dtype in SUPPORTED_DTYPES and is_dense(t)), []).append(t)
+        fused: List[Tuple[int, torch.dtype, List[torch.Tensor]]] = []
+        copied: List[Tuple[int, torch.Tensor]] = []
+        offset = 0
+        for (dtype, is_fused), ts in sections.items():
+            offset = -(-offset // cls._ALIGN) * cls._ALIGN
+            if is_fused:
+                fused.append((offset, dtype, ts))
+                offset += sum(t.numel() for t in ts) * dtype.itemsize
+            else:
+                for t in ts:
+                    copied.append((offset, t))
+                    offset += t.numel() * dtype.itemsize
+        return device, offset, fused, copied
+
+    def _make_plans(self):
+        plans = []
+        for device, total, fused, copied in self.messages:
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+
+            def section(offset: int, dtype: torch.dtype, numel: int, buf: torch.Tensor = buf) -> torch.Tensor:
+                return buf[offset : offset + numel * dtype.itemsize].view(dtype)
+
+            plans.append((
+                buf,
+                [(section(o, dtype, sum(t.numel() for t in ts)), ts) for o, dtype, ts in fused],
+                [(section(o, t.dtype, t.numel()).view(t.shape), t) for o, t in copied],
+            ))  # fmt: skip
+        return plans
 
     def __call__(self, group: Optional[dist.ProcessGroup], group_src: int = 0) -> None:
         """Broadcast from group rank ``group_src`` of ``group`` (None: the default group)."""
         if not self.messages or dist.get_world_size(group) == 1:
             return
+        plans = self._plans
+        if plans is None:
+            plans = self._make_plans()
+            if self._keep:
+                self._plans = plans
         is_src = dist.get_rank(group) == group_src
         with torch.no_grad():
-            for device, dtype, chunk, nbytes in self.messages:
-                if dtype is not None:
-                    flat = torch.empty(sum(nbytes) // chunk[0].element_size(), dtype=dtype, device=device)
-                    if is_src:
-                        ops.flatten_scale(chunk, flat, 1.0)
-                    dist.broadcast(flat, group=group, group_src=group_src)
-                    if not is_src:
-                        ops.unflatten_scale(flat, chunk, 1.0)
-                    continue
+            for buf, fused, copied in plans:
                 if is_src:
-                    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in chunk])
-                else:
-                    flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
-                dist.broadcast(flat, group=group, group_src=group_src)
+                    for section, ts in fused:
+                        ops.flatten_scale(ts, section, 1.0)
+                    for section, t in copied:
+                        section.copy_(t)
+                dist.broadcast(buf, group=group, group_src=group_src)
                 if not is_src:
-                    for t, part in zip(chunk, flat.split(nbytes)):
-                        if t.numel():
-                            t.copy_(part.view(t.dtype).view(t.shape))
+                    for section, ts in fused:
+                        ops.unflatten_scale(section, ts, 1.0)
+                    for section, t in copied:
+                        t.copy_(section)
 
 
 def broadcast_coalesced(
@@ -312,7 +356,7 @@ def broadcast_coalesced(
     cap_bytes: int = 250 * 1024 * 1024,
 ) -> None:
     """Broadcast ``tensors`` in place from group rank ``group_src``, coalesced (see :class:`CoalescedBroadcast`)."""
-    CoalescedBroadcast(tensors, cap_bytes)(group, group_src)
+    CoalescedBroadcast(tensors, cap_bytes, keep_buffers=False)(group, group_src)
 
 
 _COMM_DTYPES = (None, torch.float16, torch.bfloat16)
