@@ -910,3 +910,27 @@ def test_cuda_one_kernel_per_direction_for_300_tensors(dtypes):
     for direction, names in (("flatten_scale", pack), ("unflatten_scale", unpack)):
         assert len(names) == 1, f"{direction} launched {len(names)} kernels for 300 tensors: {names[:5]}"
         assert "fastcoll" in names[0], f"{direction} launched {names[0]!r}, not a fastcoll kernel"
+
+
+@CUDA
+def test_cuda_graph_capture_is_refused_before_anything_runs():
+    """The chunk table is uploaded from host memory per call: capturing that would replay stale memory."""
+    if not fastcoll.build_info()["cuda_kernels"]:
+        pytest.skip("the CUDA kernels are not built")
+    tensors = [torch.randn(5, device="cuda"), torch.randn(3, device="cuda")]
+    flat = torch.full((8,), 7.0, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            for call in (lambda: ops.flatten_scale(tensors, flat, 0.5), lambda: ops.unflatten_scale(flat, tensors, 2.0)):
+                with pytest.raises(RuntimeError, match="CUDA graph capture"):
+                    call()
+        finally:
+            graph.capture_end()
+    torch.cuda.synchronize()
+    assert torch.equal(flat, torch.full((8,), 7.0, device="cuda")), "nothing may be written"
+    ops.flatten_scale(tensors, flat, 0.5)  # outside capture it works
+    torch.testing.assert_close(flat, torch.cat(tensors) * 0.5)

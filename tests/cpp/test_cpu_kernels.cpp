@@ -1,12 +1,17 @@
 // C++ test of the CPU kernels, reached through the dispatcher exactly as Python
-// reaches them. Each case compares against a float64 computation done here,
-// with the destination poisoned first. Exit code 0 = all passed.
+// reaches them, and of the CUDA kernel's chunk table and per-thread copy code
+// (csrc/cuda/copy_chunk.cuh) run on the CPU the way a launch runs them. Each
+// case compares against a float64 computation done here, with the destination
+// poisoned first. Exit code 0 = all passed.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdio>
+
+#include "cuda/copy_chunk.cuh"
+#include "fastcoll.h"
 #include <functional>
 #include <string>
 #include <vector>
@@ -123,6 +128,71 @@ void bad_inputs() {
   expect(at::equal(buf, at::arange(6, at::kFloat) * 2), "in-place scale");
 }
 
+// The CUDA kernel's work, run on the CPU: the same chunk table the launch
+// uploads, and every (block, thread) pair's share of it, one after another.
+// Tensors start at odd element offsets inside their storage so that source and
+// destination alignment varies (vector path, scalar fallback, heads and tails).
+void cuda_chunks_emulated(at::ScalarType src, at::ScalarType dst, double scale, int64_t chunk, int64_t nthreads) {
+  namespace cc = fastcoll::cuda_chunks;
+  const std::vector<int64_t> sizes = {1, 0, 7, 8, 9, 31, 33, 100, 3, 257, 1000, 5, 4099};
+  auto storage = at::randn({20000}, at::kDouble).to(src);
+  std::vector<at::Tensor> tensors;
+  int64_t pos = 1, total = 0;
+  for (auto n : sizes) {
+    tensors.push_back(storage.narrow(0, pos, n));
+    pos += n + 1 + (n % 3);  // gaps of 1..3 elements shift every alignment
+    total += n;
+  }
+  auto out_storage = at::full({total + 3}, NAN, at::TensorOptions().dtype(dst));
+  auto out = out_storage.narrow(0, 1 + (total % 2), total);  // misaligned flat buffer too
+  const std::string tag = std::string(c10::toString(src)) + "->" + c10::toString(dst) + " chunk " +
+      std::to_string(chunk) + " threads " + std::to_string(nthreads);
+
+  // Pack.
+  auto segments = fastcoll::plan_segments(tensors, out, /*pack=*/true);
+  std::vector<cc::ChunkDesc> table(cc::count_chunks(segments, chunk));
+  cc::write_chunks(segments, table.data(), chunk);
+  int64_t covered = 0;
+  for (const auto& d : table) {
+    expect(d.numel >= 1 && d.numel <= chunk, "chunk size in range: " + tag);
+    covered += d.numel;
+    for (int64_t tid = 0; tid < nthreads; ++tid) cc::run_chunk(d, scale, tid, nthreads);
+  }
+  expect(covered == total, "chunks cover every element: " + tag);
+  expect(!at::isnan(out_storage.narrow(0, out.storage_offset(), total)).any().item<bool>(), "pack wrote every element: " + tag);
+  expect(at::isnan(out_storage[0]).item<bool>() || out.storage_offset() == 0, "pack wrote nothing before out: " + tag);
+  expect(at::isnan(out_storage[-1]).item<bool>(), "pack wrote nothing after out: " + tag);
+  const double tol = tolerance(src) + tolerance(dst);
+  int64_t off = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t n = tensors[i].numel();
+    auto expected = tensors[i].to(at::kDouble) * scale;
+    expect(n == 0 || at::allclose(out.narrow(0, off, n).to(at::kDouble), expected, tol, tol),
+           "pack tensor " + std::to_string(i) + ": " + tag);
+    off += n;
+  }
+
+  // Unpack into fresh, poisoned, misaligned destinations of the source dtype.
+  auto back_storage = at::full({storage.numel()}, NAN, at::TensorOptions().dtype(src));
+  std::vector<at::Tensor> back;
+  for (auto& t : tensors) back.push_back(back_storage.narrow(0, t.storage_offset(), t.numel()));
+  auto useg = fastcoll::plan_segments(back, out, /*pack=*/false);
+  std::vector<cc::ChunkDesc> utable(cc::count_chunks(useg, chunk));
+  cc::write_chunks(useg, utable.data(), chunk);
+  for (const auto& d : utable)
+    for (int64_t tid = 0; tid < nthreads; ++tid) cc::run_chunk(d, 1.0 / scale, tid, nthreads);
+  int64_t written = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel() == 0) continue;
+    const double t2 = 2 * tol + tolerance(src);
+    expect(at::allclose(back[i].to(at::kDouble), tensors[i].to(at::kDouble), t2, t2),
+           "unpack tensor " + std::to_string(i) + ": " + tag);
+    written += tensors[i].numel();
+  }
+  // Only the destinations were written: the gaps between them stay poisoned.
+  expect(at::isnan(back_storage).sum().item<int64_t>() == back_storage.numel() - written, "unpack wrote only its tensors: " + tag);
+}
+
 }  // namespace
 
 int main() {
@@ -135,6 +205,13 @@ int main() {
     }
   }
   bad_inputs();
+  for (auto s : dtypes) {
+    for (auto d : dtypes) {
+      cuda_chunks_emulated(s, d, 0.5, fastcoll::cuda_chunks::kChunkElements, fastcoll::cuda_chunks::kThreads);
+      cuda_chunks_emulated(s, d, 1.0 / 3.0, 37, 3);  // many small chunks, strided thread loops
+      cuda_chunks_emulated(s, d, 3.0, 64, 5);
+    }
+  }
   std::printf("%d checks, %d failures\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

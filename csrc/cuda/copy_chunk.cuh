@@ -1,0 +1,176 @@
+// The per-chunk work of the CUDA kernel and its host-side chunk table.
+//
+// Written so that it also compiles as plain C++: nvcc builds it into the
+// kernel (flatten_scale_cuda.cu), and the C++ test (tests/cpp) runs the very
+// same code on the CPU, calling run_chunk once per (chunk, thread) the way a
+// launch would, to check the chunk table and the head / 16-byte vector / tail
+// split against a float64 reference without a GPU.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "fastcoll.h"
+
+#if defined(__CUDACC__)
+#define FASTCOLL_HOST_DEVICE __host__ __device__ __forceinline__
+#define FASTCOLL_UNROLL _Pragma("unroll")
+#else
+#define FASTCOLL_HOST_DEVICE inline
+#define FASTCOLL_UNROLL
+#endif
+
+namespace fastcoll {
+namespace cuda_chunks {
+
+constexpr int kThreads = 256;               // threads per block (one block per chunk)
+constexpr int64_t kChunkElements = 16384;   // elements per chunk, at most
+constexpr int kUnroll = 4;                  // independent loads in flight per thread
+
+// One block's work: `numel` elements from address `src` to address `dst`.
+struct ChunkDesc {
+  int64_t src;    // address of the first source element
+  int64_t dst;    // address of the first destination element
+  int64_t numel;  // elements in this chunk, 1..kChunkElements
+  int64_t kinds;  // dtype_code(src) * 4 + dtype_code(dst)
+};
+static_assert(sizeof(ChunkDesc) == 4 * sizeof(int64_t), "ChunkDesc is sent as int64 words");
+
+// Number of chunks the segments are cut into.
+inline int64_t count_chunks(const std::vector<Segment>& segments, int64_t chunk_elements = kChunkElements) {
+  int64_t n = 0;
+  for (const auto& s : segments) n += (s.numel + chunk_elements - 1) / chunk_elements;
+  return n;
+}
+
+// Writes count_chunks(segments) descriptors to `out`, in flat order.
+inline void write_chunks(const std::vector<Segment>& segments, ChunkDesc* out, int64_t chunk_elements = kChunkElements) {
+  int64_t c = 0;
+  for (const auto& s : segments) {
+    const int64_t kinds = dtype_code(s.src_dtype) * 4 + dtype_code(s.dst_dtype);
+    const int64_t src_size = c10::elementSize(s.src_dtype);
+    const int64_t dst_size = c10::elementSize(s.dst_dtype);
+    for (int64_t start = 0; start < s.numel; start += chunk_elements) {
+      out[c].src = reinterpret_cast<int64_t>(s.src) + start * src_size;
+      out[c].dst = reinterpret_cast<int64_t>(s.dst) + start * dst_size;
+      out[c].numel = std::min(chunk_elements, s.numel - start);
+      out[c].kinds = kinds;
+      ++c;
+    }
+  }
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// float math, or double when either side is double.
+template <typename S, typename D>
+using opmath_t = std::conditional_t<std::is_same_v<S, double> || std::is_same_v<D, double>, double, float>;
+
+template <typename S, typename D, typename M>
+FASTCOLL_HOST_DEVICE D convert_scale(S x, M scale) {
+  return static_cast<D>(static_cast<M>(x) * scale);
+}
+
+// Thread `tid` of `nthreads` handles elements tid, tid + nthreads, ... of [0, n).
+template <typename S, typename D, typename M>
+FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int64_t n, M scale, int64_t tid, int64_t nthreads) {
+  for (int64_t base = tid; base < n; base += kUnroll * nthreads) {
+    S in[kUnroll];
+FASTCOLL_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * nthreads;
+      if (i < n) in[u] = src[i];
+    }
+FASTCOLL_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * nthreads;
+      if (i < n) dst[i] = convert_scale<S, D, M>(in[u], scale);
+    }
+  }
+}
+
+// One thread's share of a chunk: a scalar head up to the source's 16-byte
+// boundary, 16-byte vectors when the destination is then aligned too, a scalar
+// tail; a scalar loop over everything when source and destination are not
+// co-aligned. Every thread computes the same split, so each element is
+// written by exactly one thread.
+template <typename S, typename D, typename M>
+FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int64_t n, M scale, int64_t tid, int64_t nthreads) {
+  constexpr int kWidest = sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D);
+  constexpr int kVec = 16 / kWidest;
+  constexpr uintptr_t kSrcAlign = kVec * sizeof(S);
+  constexpr uintptr_t kDstAlign = kVec * sizeof(D);
+  const auto src_addr = reinterpret_cast<uintptr_t>(src);
+  const auto dst_addr = reinterpret_cast<uintptr_t>(dst);
+  int64_t head = static_cast<int64_t>(((kSrcAlign - src_addr % kSrcAlign) % kSrcAlign) / sizeof(S));
+  if (head > n) head = n;
+  if ((dst_addr + head * sizeof(D)) % kDstAlign != 0) {
+    scalar_range<S, D, M>(src, dst, n, scale, tid, nthreads);
+    return;
+  }
+  scalar_range<S, D, M>(src, dst, head, scale, tid, nthreads);
+  const int64_t nvec = (n - head) / kVec;
+  const auto* vsrc = reinterpret_cast<const Pack<S, kVec>*>(src + head);
+  auto* vdst = reinterpret_cast<Pack<D, kVec>*>(dst + head);
+  for (int64_t base = tid; base < nvec; base += kUnroll * nthreads) {
+    Pack<S, kVec> in[kUnroll];
+FASTCOLL_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * nthreads;
+      if (i < nvec) in[u] = vsrc[i];
+    }
+FASTCOLL_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * nthreads;
+      if (i < nvec) {
+        Pack<D, kVec> out;
+FASTCOLL_UNROLL
+        for (int k = 0; k < kVec; ++k) out.v[k] = convert_scale<S, D, M>(in[u].v[k], scale);
+        vdst[i] = out;
+      }
+    }
+  }
+  const int64_t done = head + nvec * kVec;
+  scalar_range<S, D, M>(src + done, dst + done, n - done, scale, tid, nthreads);
+}
+
+template <typename S, typename D>
+FASTCOLL_HOST_DEVICE void run_typed(const ChunkDesc& d, double scale, int64_t tid, int64_t nthreads) {
+  using M = opmath_t<S, D>;
+  copy_chunk<S, D, M>(
+      reinterpret_cast<const S*>(d.src), reinterpret_cast<D*>(d.dst), d.numel, static_cast<M>(scale), tid, nthreads);
+}
+
+// Codes follow fastcoll::dtype_code: float32=0, float16=1, bfloat16=2, float64=3.
+template <typename S>
+FASTCOLL_HOST_DEVICE void run_from(const ChunkDesc& d, int dst_code, double scale, int64_t tid, int64_t nthreads) {
+  switch (dst_code) {
+    case 0: run_typed<S, float>(d, scale, tid, nthreads); break;
+    case 1: run_typed<S, c10::Half>(d, scale, tid, nthreads); break;
+    case 2: run_typed<S, c10::BFloat16>(d, scale, tid, nthreads); break;
+    case 3: run_typed<S, double>(d, scale, tid, nthreads); break;
+  }
+}
+
+// Thread `tid` of `nthreads`' part of chunk `d`.
+FASTCOLL_HOST_DEVICE void run_chunk(const ChunkDesc& d, double scale, int64_t tid, int64_t nthreads) {
+  const int src_code = static_cast<int>(d.kinds >> 2);
+  const int dst_code = static_cast<int>(d.kinds & 3);
+  switch (src_code) {
+    case 0: run_from<float>(d, dst_code, scale, tid, nthreads); break;
+    case 1: run_from<c10::Half>(d, dst_code, scale, tid, nthreads); break;
+    case 2: run_from<c10::BFloat16>(d, dst_code, scale, tid, nthreads); break;
+    case 3: run_from<double>(d, dst_code, scale, tid, nthreads); break;
+  }
+}
+
+}  // namespace cuda_chunks
+}  // namespace fastcoll
