@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 TORCH_CPU  := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
 DEPS   := numpy pybind11 ninja "setuptools>=64" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib
-EXTRAS := mmengine==0.10.7 pytorch-lightning==2.6.6
+EXTRAS := mmengine==0.10.7 pytorch-lightning==2.6.6 lightning==2.6.6
 CSRC   := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
 # The CUDA build check: a second environment with a CUDA build of torch.
 CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv

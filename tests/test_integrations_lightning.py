@@ -1,10 +1,15 @@
 """fastcoll in PyTorch Lightning (Trainer) and Lightning Fabric, on 2 gloo CPU processes.
 
+Every run-based test runs once per Lightning distribution that is installed: the
+standalone packages (``pytorch_lightning`` + ``lightning_fabric``) and the
+unified package (``lightning.pytorch`` + ``lightning.fabric``); a distribution
+that is not installed skips its parameter.
+
 Lightning starts its extra processes by re-running the script, so the training
 lives in this file's ``__main__`` part and runs as a standalone script
-(``python tests/test_integrations_lightning.py --out DIR``), once, in a
-subprocess with a timeout; each rank writes what it saw to DIR and the tests
-below check it:
+(``python tests/test_integrations_lightning.py --dist DIST --out DIR``), once per
+distribution, in a subprocess with a timeout; each rank writes what it saw to
+DIR and the tests below check it:
 
 * Trainer(strategy="fastcoll_ddp", accumulate_grad_batches=2): weights identical
   on both ranks and equal to the same run with strategy="ddp" (torch DDP);
@@ -13,11 +18,17 @@ below check it:
   hooks) and none left after teardown.
 * Fabric(strategy="fastcoll_ddp") with no_backward_sync: the same comparison,
   and the saved checkpoint's model keys carry no "module." prefix and load back.
+
+Importing the integration with one distribution hidden (``sys.modules[name] =
+None``, in a subprocess) registers only the other one; with both hidden it
+raises the ImportError that says what to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +38,11 @@ import torch
 
 N_SAMPLES, BATCH, WORLD = 32, 4, 2
 STRATEGIES = ("fastcoll_ddp", "ddp")
+# distribution -> (Trainer package, Fabric package, prefix of fastcoll's strategy class names)
+DISTS = {
+    "pytorch_lightning": ("pytorch_lightning", "lightning_fabric", ""),
+    "lightning": ("lightning.pytorch", "lightning.fabric", "Unified"),
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -50,11 +66,13 @@ def _hook_count(module) -> int:
     return sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
 
 
-def _run_trainer(out_dir: str) -> None:
-    import pytorch_lightning as pl
+def _run_trainer(out_dir: str, dist: str) -> None:
     import torch.nn.functional as F
 
-    import fastcoll.integrations.lightning  # noqa: F401  (registers "fastcoll_ddp")
+    import fastcoll.integrations.lightning as fl  # registers "fastcoll_ddp"
+
+    trainer_pkg, _, prefix = DISTS[dist]
+    pl = importlib.import_module(trainer_pkg)
 
     class LitModel(pl.LightningModule):
         def __init__(self):
@@ -158,8 +176,7 @@ def _run_trainer(out_dir: str) -> None:
     # (Lightning's own DDPStrategy only registers hooks on CUDA).
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from fastcoll.integrations.lightning import FastCollDDPStrategy
-
+    FastCollDDPStrategy = getattr(fl, f"{prefix}FastCollDDPStrategy")
     calls = []
 
     def counting_allreduce_hook(state, bucket):
@@ -183,11 +200,12 @@ def _run_trainer(out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"trainer_rank{rank}.pt"))
 
 
-def _run_fabric(out_dir: str) -> None:
+def _run_fabric(out_dir: str, dist: str) -> None:
     import torch.nn.functional as F
-    from lightning_fabric import Fabric
 
     import fastcoll.integrations.lightning  # noqa: F401
+
+    Fabric = importlib.import_module(DISTS[dist][1]).Fabric
 
     results = {}
     for strategy in STRATEGIES:
@@ -215,6 +233,7 @@ def _run_fabric(out_dir: str) -> None:
         results[strategy] = dict(
             weights={k: v.detach().clone() for k, v in model.state_dict().items()},
             wrapper=type(model._forward_module).__name__,
+            strategy_cls=type(fabric.strategy).__name__,
             flags=flags,
             reloaded=reloaded,
         )
@@ -225,10 +244,11 @@ def _run_fabric(out_dir: str) -> None:
 def _main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--dist", choices=sorted(DISTS), required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    _run_trainer(args.out)
-    _run_fabric(args.out)
+    _run_trainer(args.out, args.dist)
+    _run_fabric(args.out, args.dist)
 
 
 # --------------------------------------------------------------------------- #
@@ -236,18 +256,29 @@ def _main() -> None:
 # --------------------------------------------------------------------------- #
 
 
+def _require(dist: str) -> None:
+    """Skip unless the distribution's Trainer and Fabric packages import."""
+    for package in DISTS[dist][:2]:
+        pytest.importorskip(
+            package,
+            reason=f"{package} is not installed (pip install 'fastcoll[lightning]'; `make test` installs it)",
+        )
+
+
+@pytest.fixture(scope="module", params=sorted(DISTS))
+def dist(request):
+    _require(request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    pytest.importorskip(
-        "pytorch_lightning",
-        reason="PyTorch Lightning is not installed (pip install 'fastcoll[lightning]'; `make test` installs it)",
-    )
-    out = tmp_path_factory.mktemp("lightning")
+def run_dir(dist, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"lightning_{dist}")
     env = dict(os.environ, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
     env.pop("LOCAL_RANK", None)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--out", str(out)],
+        [sys.executable, os.path.abspath(__file__), "--dist", dist, "--out", str(out)],
         env=env,
         cwd=str(out),
         capture_output=True,
@@ -272,7 +303,7 @@ def _assert_equal_weights(a: dict, b: dict, what: str, exact: bool = True) -> No
 
 
 @pytest.mark.timeout(300)
-def test_trainer_fastcoll_ddp_matches_torch_ddp(run_dir):
+def test_trainer_fastcoll_ddp_matches_torch_ddp(run_dir, dist):
     ranks = _load(run_dir, "trainer")
     for strategy in STRATEGIES:
         for fit in range(2):
@@ -289,7 +320,7 @@ def test_trainer_fastcoll_ddp_matches_torch_ddp(run_dir):
             exact=False,
         )
     fc = ranks[0]["fastcoll_ddp"]
-    assert fc["trainer_wrapper"] == "FastCollDDPStrategy"
+    assert fc["trainer_wrapper"] == f"{DISTS[dist][2]}FastCollDDPStrategy"
     assert fc["wrappers_in_step"] == ["DDP"]  # training_step ran inside fastcoll.DDP's forward
     assert ranks[0]["ddp"]["wrappers_in_step"] == ["DistributedDataParallel"]
     # the wrapper is gone after teardown (the bare LightningModule is back)
@@ -337,9 +368,10 @@ def test_trainer_accumulation_skips_sync_and_hooks_are_not_doubled(run_dir):
 
 
 @pytest.mark.timeout(300)
-def test_fabric_no_backward_sync_and_checkpoint(run_dir):
+def test_fabric_no_backward_sync_and_checkpoint(run_dir, dist):
     ranks = _load(run_dir, "fabric")
     for res in ranks:
+        assert res["fastcoll_ddp"]["strategy_cls"] == f"{DISTS[dist][2]}FastCollFabricStrategy"
         assert res["fastcoll_ddp"]["wrapper"] == "DDP"  # fastcoll.DDP
         assert res["ddp"]["wrapper"] == "DistributedDataParallel"
         for strategy in STRATEGIES:
@@ -357,25 +389,91 @@ def test_fabric_no_backward_sync_and_checkpoint(run_dir):
         _assert_equal_weights(ckpt["model"], ranks[0][strategy]["weights"], f"fabric {strategy}: checkpoint")
 
 
-def test_registered_and_bad_kwargs():
-    pytest.importorskip(
-        "pytorch_lightning",
-        reason="PyTorch Lightning is not installed (pip install 'fastcoll[lightning]'; `make test` installs it)",
-    )
-    from lightning_fabric.strategies import STRATEGY_REGISTRY
-    from pytorch_lightning.strategies import StrategyRegistry
+@pytest.mark.parametrize("dist", sorted(DISTS))
+def test_registered_and_bad_kwargs(dist):
+    _require(dist)
+    trainer_pkg, fabric_pkg, prefix = DISTS[dist]
+    trainer_registry = importlib.import_module(f"{trainer_pkg}.strategies").StrategyRegistry
+    fabric_registry = importlib.import_module(f"{fabric_pkg}.strategies").STRATEGY_REGISTRY
 
     from fastcoll.integrations import lightning as fl
 
-    assert StrategyRegistry.get("fastcoll_ddp").__class__ is fl.FastCollDDPStrategy
-    assert STRATEGY_REGISTRY.get("fastcoll_ddp").__class__ is fl.FastCollFabricStrategy
-    assert StrategyRegistry.get("fastcoll_ddp_find_unused_parameters_true")._ddp_kwargs == {"find_unused_parameters": True}
-    assert "ddp" in StrategyRegistry and "ddp" in STRATEGY_REGISTRY  # untouched
-    import importlib
+    trainer_cls, fabric_cls = fl.STRATEGY_CLASSES[dist]
+    assert trainer_cls is getattr(fl, f"{prefix}FastCollDDPStrategy")
+    assert fabric_cls is getattr(fl, f"{prefix}FastCollFabricStrategy")
+    # built on this distribution's own base classes (the other's would be rejected by its Trainer / Fabric)
+    assert issubclass(trainer_cls, importlib.import_module(f"{trainer_pkg}.strategies").DDPStrategy)
+    assert issubclass(fabric_cls, importlib.import_module(f"{fabric_pkg}.strategies").DDPStrategy)
+    assert trainer_registry.get("fastcoll_ddp").__class__ is trainer_cls
+    assert fabric_registry.get("fastcoll_ddp").__class__ is fabric_cls
+    assert trainer_registry.get("fastcoll_ddp_find_unused_parameters_true")._ddp_kwargs == {"find_unused_parameters": True}
+    assert fabric_registry.get("fastcoll_ddp_find_unused_parameters_true")._ddp_kwargs == {"find_unused_parameters": True}
+    assert "ddp" in trainer_registry and "ddp" in fabric_registry  # untouched
 
     importlib.reload(fl)  # registering twice is fine
+    assert trainer_registry.get("fastcoll_ddp").__class__ is fl.STRATEGY_CLASSES[dist][0]
     with pytest.raises(TypeError, match="not_a_ddp_argument"):
         fl._wrap(torch.nn.Linear(2, 2), None, {"not_a_ddp_argument": 1})
+
+
+_PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    sys.modules[name] = None  # as if not installed: importing it raises ModuleNotFoundError
+try:
+    import fastcoll.integrations.lightning as fl
+except ImportError as exc:
+    print(json.dumps({"error": str(exc)}))
+    raise SystemExit(0)
+registered = {}
+for dist, (trainer_pkg, fabric_pkg) in {"pytorch_lightning": ("pytorch_lightning", "lightning_fabric"),
+                                        "lightning": ("lightning.pytorch", "lightning.fabric")}.items():
+    try:
+        trainer_registry = importlib.import_module(trainer_pkg + ".strategies").StrategyRegistry
+        fabric_registry = importlib.import_module(fabric_pkg + ".strategies").STRATEGY_REGISTRY
+    except ImportError:
+        continue
+    registered[dist] = ["fastcoll_ddp" in trainer_registry, "fastcoll_ddp" in fabric_registry]
+missing = {}
+for name in ("FastCollDDPStrategy", "UnifiedFastCollDDPStrategy"):
+    try:
+        getattr(fl, name)
+    except AttributeError as exc:
+        missing[name] = str(exc)
+print(json.dumps({"dists": list(fl.STRATEGY_CLASSES), "all": fl.__all__, "registered": registered, "missing": missing}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "hidden, installed",
+    [
+        (("lightning",), "pytorch_lightning"),
+        (("pytorch_lightning", "lightning_fabric"), "lightning"),
+        (("pytorch_lightning", "lightning_fabric", "lightning"), None),
+    ],
+    ids=["standalone_only", "unified_only", "neither"],
+)
+def test_registers_only_installed_distributions(hidden, installed):
+    if installed is not None:
+        _require(installed)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *hidden], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if installed is None:
+        assert "needs PyTorch Lightning" in res["error"] and "fastcoll[lightning]" in res["error"], res
+        return
+    other = "lightning" if installed == "pytorch_lightning" else "pytorch_lightning"
+    prefix, other_prefix = DISTS[installed][2], DISTS[other][2]
+    assert res["dists"] == [installed], res
+    assert res["registered"] == {installed: [True, True]}, res  # the hidden one could not even be imported
+    assert f"{prefix}FastCollDDPStrategy" in res["all"] and f"{other_prefix}FastCollDDPStrategy" not in res["all"], res
+    assert f"{prefix}FastCollDDPStrategy" not in res["missing"], res
+    assert f"`{other}` package" in res["missing"][f"{other_prefix}FastCollDDPStrategy"], res
 
 
 if __name__ == "__main__":
