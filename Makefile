@@ -80,6 +80,7 @@ gpu-check:
 	$(PYTHON) -m pytest -q -m cuda tests $(PYTEST_ARGS)
 	$(PYTHON) -m fastcoll.bench ops --device cuda
 	$(PYTHON) -m fastcoll.bench ddp --device cuda
+	if [ -n "$$OUT" ]; then cp benchmarks/out/*_cuda.* "$$OUT"/; fi  # the device tool brings $$OUT back
 
 clean:
 	rm -rf build *.egg-info fastcoll/*.so $(VENV)/.build-stamp
