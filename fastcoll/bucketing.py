@@ -8,7 +8,8 @@ each (device, dtype) group fills an open bucket until it reaches its byte cap
 (the first bucket of a group has the small ``first_cap_bytes`` so that
 communication starts early in backward; later ones have ``cap_bytes``). The
 parameter that crosses the cap still joins the bucket, so a tiny cap gives one
-parameter per bucket.
+parameter per bucket. A parameter with sparse gradients always has a bucket
+of its own.
 
 This module is pure bookkeeping (no tensors are allocated, nothing is
 communicated), so every rank that feeds it the same inputs gets the same
@@ -36,16 +37,19 @@ class ParamSpec:
         element_size: Bytes per element.
         key: Grouping key; parameters share a bucket only when keys are equal
             (in practice ``(device, dtype)``).
+        sparse: The parameter gets sparse gradients (``nn.Embedding(sparse=True)``):
+            it always has a bucket of its own, as in torch DDP.
     """
 
     numel: int
     element_size: int
     key: Hashable
+    sparse: bool = False
 
     @classmethod
-    def of(cls, p: torch.Tensor) -> "ParamSpec":
+    def of(cls, p: torch.Tensor, sparse: bool = False) -> "ParamSpec":
         """The spec of tensor ``p``, keyed by its (device, dtype)."""
-        return cls(p.numel(), p.element_size(), (str(p.device), p.dtype))
+        return cls(p.numel(), p.element_size(), (str(p.device), p.dtype), sparse)
 
 
 def reverse_registration_order(n: int) -> List[int]:
@@ -110,6 +114,9 @@ def assign_buckets(
     done: List[List[int]] = []
     for idx in order:
         spec = specs[idx]
+        if spec.sparse:
+            done.append([idx])
+            continue
         members, size, cap = open_buckets.get(spec.key, ([], 0, first_cap_bytes))
         members.append(idx)
         size += spec.numel * spec.element_size

@@ -262,6 +262,10 @@ class DDP(nn.Module, Joinable):
                 states += [b.detach() for b in self._buffers_to_sync]
             broadcast_coalesced(states, self.process_group, 0, self.broadcast_bucket_size)
 
+        # As in torch DDP: the weights of embeddings built with sparse=True get sparse gradients.
+        sparse_ids = {
+            id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        }
         self.reducer = Reducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],
@@ -271,6 +275,7 @@ class DDP(nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             comm_dtype=comm_dtype,
+            sparse_params=[i for i, (_, p) in enumerate(trainable) if id(p) in sparse_ids],
         )
         self.comm_dtype = comm_dtype
         if comm_dtype is not None:

@@ -96,12 +96,14 @@ class Bucket:
         expected: Hook firings that complete the bucket in one iteration.
         pending: Hook firings still missing in the current iteration.
         work: Handle of the in-flight reduction, or None.
+        sparse: The bucket holds one parameter with sparse gradients; its
+            gradient is all-reduced as it is (``flat`` is empty, ``views`` too).
     """
 
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
         "flat", "views", "view_ptrs", "comm", "expected", "pending", "work", "_hook_buffer", "_hook_views",
-        "n_packed",
+        "n_packed", "sparse",
     )  # fmt: skip
 
     def __init__(
@@ -113,8 +115,10 @@ class Bucket:
         names: List[str],
         wire_dtype: Optional[torch.dtype] = None,
         separate_wire: bool = False,
+        sparse: bool = False,
     ):
         self.pos = pos
+        self.sparse = sparse
         self.count = count
         self.param_indices = param_indices
         self.params = params
@@ -128,13 +132,15 @@ class Bucket:
             total += p.numel()
         self.numel = total
         # Without a separate wire buffer the flat buffer itself travels, in
-        # ``wire_dtype`` (gradients are packed into it with a cast).
-        flat_dtype = self.dtype if wire_dtype is None or separate_wire else wire_dtype
-        self.flat = torch.empty(total, dtype=flat_dtype, device=self.device)
-        self.views = ops.bucket_views(self.flat, params)
+        # ``wire_dtype`` (gradients are packed into it with a cast). A sparse
+        # bucket (one parameter with sparse gradients) has no flat buffer: its
+        # gradient itself is all-reduced, in its own dtype.
+        flat_dtype = self.dtype if wire_dtype is None or separate_wire or sparse else wire_dtype
+        self.flat = torch.empty(0 if sparse else total, dtype=flat_dtype, device=self.device)
+        self.views = [] if sparse else ops.bucket_views(self.flat, params)
         self.view_ptrs = [v.data_ptr() for v in self.views]
         self.comm = self.flat
-        if wire_dtype is not None and separate_wire:
+        if wire_dtype is not None and separate_wire and not sparse:
             self.comm = torch.empty(total, dtype=wire_dtype, device=self.device)
         self.expected = len(params)
         self.pending = 0
@@ -367,6 +373,13 @@ def _check_comm_dtype(comm_dtype: Any) -> None:
         raise ValueError(f"fastcoll.DDP: comm_dtype must be None, torch.float16 or torch.bfloat16, got {comm_dtype!r}")
 
 
+def _empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``p`` with no rows (an embedding's layout: one sparse dimension)."""
+    indices = torch.empty((1, 0), dtype=torch.long, device=p.device)
+    values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
+
+
 def _hook_name(hook: Any) -> str:
     name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None)
     if name is None and hasattr(hook, "func"):  # functools.partial
@@ -431,6 +444,10 @@ class Reducer:
             The 1/divisor scale is applied before the all-reduce, so the sum
             of the ranks' contributions is the mean and cannot overflow
             where the mean itself is representable.
+        sparse_params: Indices of parameters whose gradients are sparse
+            (``nn.Embedding(sparse=True)`` weights): each gets a bucket of its
+            own and its gradient is scaled and all-reduced as a sparse tensor
+            (gloo), as torch DDP does.
     """
 
     def __init__(
@@ -445,6 +462,7 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         comm_dtype: Optional[torch.dtype] = None,
+        sparse_params: Sequence[int] = (),
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -466,7 +484,10 @@ class Reducer:
         # Comm hook (torch's contract): called once per bucket per iteration, in index order.
         self._hook: Optional[Callable] = None
         self._hook_state: Any = None
-        self._specs = [ParamSpec.of(p) for p in self.params]
+        self._sparse = bytearray(n)
+        for i in sparse_params:
+            self._sparse[i] = 1
+        self._specs = [ParamSpec.of(p, bool(self._sparse[i])) for i, p in enumerate(self.params)]
         self._index_of_id = {id(p): i for i, p in enumerate(self.params)}
         self._comm_device = self.params[0].device
 
@@ -528,7 +549,7 @@ class Reducer:
             # Gradients move into the new bucket storage (also on construction).
             with torch.no_grad():
                 for b in buckets:
-                    for p, v in zip(b.params, b.views):
+                    for p, v in zip(b.params, b.views):  # none for a sparse bucket
                         g = p.grad
                         if g is not None and g.data_ptr() != v.data_ptr():
                             v.copy_(g)
@@ -550,7 +571,7 @@ class Reducer:
         self._eager_slots: List[Optional[torch.Tensor]] = [None] * n
         self._slot_pos: List[int] = [0] * n
         for b in self.buckets:
-            eligible = b.device.type == "cpu"
+            eligible = b.device.type == "cpu" and not b.sparse
             for k, i in enumerate(b.param_indices):
                 self._slot_pos[i] = k
                 numel = b.params[k].numel()
@@ -562,6 +583,7 @@ class Reducer:
         return Bucket(
             pos, count, idxs, params, [self.names[i] for i in idxs],
             wire_dtype=self._wire_dtype(params[0].dtype), separate_wire=self.gradient_as_bucket_view,
+            sparse=bool(self._sparse[idxs[0]]),
         )  # fmt: skip
 
     def _wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -589,7 +611,8 @@ class Reducer:
                 "numel": b.numel,
                 "bytes": b.nbytes,
                 "comm_dtype": b.comm.dtype,
-                "comm_bytes": b.comm_nbytes,
+                "comm_bytes": b.nbytes if b.sparse else b.comm_nbytes,  # sparse: at most, when every row is sent
+                "sparse": b.sparse,
             }
             for b in self.buckets
         ]
@@ -764,6 +787,9 @@ class Reducer:
         Without a comm hook the pack folds in 1/divisor (and the cast to the
         wire dtype); with one, the pack is scale-free and the hook divides.
         """
+        if b.sparse:
+            b.work = self._launch_sparse(b)
+            return
         self._pack(b, self._pack_scale())
         if self._hook is None:
             b.work = self._communicate(b) if b.numel > 0 else None
@@ -836,6 +862,12 @@ class Reducer:
         self._check_idle("register a comm hook")
         if self.comm_dtype is not None:
             raise RuntimeError("fastcoll.DDP: a comm hook cannot be combined with comm_dtype")
+        sparse = [self.names[i] for i in range(len(self.params)) if self._sparse[i]]
+        if sparse:
+            raise RuntimeError(
+                f"fastcoll.DDP: comm hooks are not supported with sparse gradients (parameter '{sparse[0]}' belongs "
+                "to an nn.Embedding/EmbeddingBag with sparse=True); use sparse=False or no comm hook"
+            )
         self._hook = hook
         self._hook_state = state
 
@@ -867,7 +899,11 @@ class Reducer:
         """
         pending = []
         for b in self.buckets:
-            if self._hook is not None:
+            if b.sparse:
+                if self.world_size > 1:
+                    z = _empty_sparse_grad(b.params[0])
+                    pending.append(dist.all_reduce(z, group=self.process_group, async_op=True))
+            elif self._hook is not None:
                 z = Bucket(b.pos, b.count, b.param_indices, b.params, b.names)
                 z.flat.zero_()
                 pending.append(self._run_hook(z))
@@ -896,6 +932,36 @@ class Reducer:
             self._record_order = False
             self._pending_order = []
             self._order = []
+
+    def _launch_sparse(self, b: Bucket) -> Tuple[Any, torch.Tensor]:
+        """Scale the sparse gradient of ``b``'s parameter by 1/divisor and start its all-reduce.
+
+        A parameter that got no gradient contributes an empty sparse tensor, so
+        every rank still issues the collective.
+        """
+        p, name = b.params[0], b.names[0]
+        g = p.grad
+        if g is None:
+            g = _empty_sparse_grad(p)
+        elif not g.is_sparse:
+            raise RuntimeError(
+                f"fastcoll.DDP: parameter '{name}' belongs to an nn.Embedding/EmbeddingBag with sparse=True but its "
+                f"gradient has layout {g.layout}; keep sparse=True for the module's lifetime or wrap it again"
+            )
+        with torch.no_grad():
+            reduced = g.coalesce() * (1.0 / self.divisor)
+        # (handle, tensor the all-reduce overwrites in place); no handle on one rank.
+        return (dist.all_reduce(reduced, group=self.process_group, async_op=True) if self.world_size > 1 else None, reduced)
+
+    def _finish_sparse(self, b: Bucket) -> None:
+        """Wait for ``b``'s sparse all-reduce and make its result the parameter's gradient."""
+        work, reduced = b.work
+        b.work = None
+        if work is not None:
+            work.wait()
+        if self._global_used is not None and not self._global_used[b.param_indices[0]]:
+            return  # unused on every rank: the gradient stays as it was
+        b.params[0].grad = reduced
 
     def _launch_used_map(self) -> None:
         used = torch.frombuffer(self._local_used, dtype=torch.uint8) if len(self._local_used) else torch.zeros(0, dtype=torch.uint8)
@@ -1049,7 +1115,10 @@ class Reducer:
                 self._learn_static_use = False
                 self._static_used = None if all(self._global_used) else self._global_used
         for b in self.buckets:
-            self._unpack(b, self._collect(b))
+            if b.sparse:
+                self._finish_sparse(b)
+            else:
+                self._unpack(b, self._collect(b))
         self._used_work = None
         self._expect_hooks = False
         self._require_finalize = False

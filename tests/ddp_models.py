@@ -136,6 +136,19 @@ class Reordered(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+class SparseEmb(nn.Module):
+    """Embeddings with sparse gradients (an Embedding and an EmbeddingBag) feeding a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6, sparse=True)
+        self.bag = nn.EmbeddingBag(20, 6, mode="mean", sparse=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.emb(x).mean(1), self.bag(x)], dim=1))
+
+
 BUILDERS = {
     "mlp": MLP,
     "convbn": ConvBN,
@@ -145,6 +158,7 @@ BUILDERS = {
     "mixed": Mixed,
     "tied": Tied,
     "reordered": Reordered,
+    "sparse": SparseEmb,
 }
 PER_CHUNK = {"convbn", "convbn_cl", "branchy"}
 
@@ -171,6 +185,8 @@ def global_batch(name: str, world_size: int, step: int) -> Tuple[torch.Tensor, t
     elif name == "tied":
         x = torch.randint(0, 10, (n,), generator=g)
         return x, torch.randint(0, 10, (n,), generator=g)
+    elif name == "sparse":
+        x = torch.randint(0, 20, (n, 4), generator=g)  # rows differ across ranks, some repeat
     else:
         x = torch.randn(n, 8, generator=g)
     return x, torch.randint(0, 3, (n,), generator=g)

@@ -7,6 +7,7 @@ group of related checks; assertion messages say which one failed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -44,6 +45,8 @@ PARITY_CONFIGS = [
     ("branchy", {"find_unused_parameters": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1e-6}, {"set_to_none": False}),
     ("mixed", {"bucket_cap_mb": 1e-4}, {}),
     ("tied", {"bucket_cap_mb": 1e-6}, {}),
+    ("sparse", {}, {}),
+    ("sparse", {"gradient_as_bucket_view": True, "bucket_cap_mb": 1e-6}, {"set_to_none": False}),
 ]
 
 
@@ -691,3 +694,91 @@ def gloo_cuda_worker(rank, world_size):
 @pytest.mark.cuda
 def test_cuda_tensors_on_gloo_two_ranks():
     run_ranks(gloo_cuda_worker, 2, timeout=240)
+
+
+class _RareSparse(nn.Module):
+    """A sparse embedding used every step and one (``rare``) used only on some ranks, never at step 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6, sparse=True)
+        self.rare = nn.Embedding(20, 6, sparse=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x, use_rare: bool):
+        h = self.emb(x).mean(1)
+        if use_rare:
+            h = h + self.rare(x).mean(1)
+        return self.head(h)
+
+
+def _sparse_worker(rank, ws):
+    # Layout: every sparse parameter in a bucket of its own, flagged in bucket_info.
+    torch.manual_seed(0)
+    model = _RareSparse()
+    fast = fastcoll.DDP(copy.deepcopy(model), find_unused_parameters=True)
+    info = fast.bucket_info()
+    sparse_buckets = [b["names"] for b in info if b["sparse"]]
+    assert sorted(sparse_buckets) == [["emb.weight"], ["rare.weight"]], info
+    # A sparse embedding only some ranks use (find_unused_parameters): averaged over all ranks,
+    # untouched when no rank uses it; compared with one process on the per-rank losses.
+    single = copy.deepcopy(model)
+    of = torch.optim.SGD(fast.parameters(), lr=LR, momentum=MOMENTUM)
+    os_ = torch.optim.SGD(single.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(STEPS):
+        x, y = M.global_batch("sparse", ws, step)
+        of.zero_grad(set_to_none=True)
+        os_.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(fast(M.chunk_of(x, rank), M.uses_sometimes(rank, step)), M.chunk_of(y, rank)).backward()
+        losses = [nn.functional.cross_entropy(single(M.chunk_of(x, r), M.uses_sometimes(r, step)), M.chunk_of(y, r)) for r in range(ws)]
+        (sum(losses) / ws).backward()
+        for (n, p), (_, q) in zip(fast.module.named_parameters(), single.named_parameters()):
+            if q.grad is None:
+                assert p.grad is None, f"step {step}: {n} unused on every rank but got a gradient"
+            else:
+                assert p.grad is not None and p.grad.is_sparse == q.grad.is_sparse, f"step {step}: {n}"
+                gp, gq = (p.grad.coalesce(), q.grad.coalesce()) if q.grad.is_sparse else (p.grad, q.grad)
+                torch.testing.assert_close(gp, gq, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: grad of {n}: {m}")
+        of.step()
+        os_.step()
+    for (n, p), (_, q) in zip(fast.module.named_parameters(), single.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n} after training: {m}")
+    # Comm hooks cannot take sparse buckets: a clear error naming the parameter.
+    with pytest.raises(RuntimeError, match="sparse gradients.*emb.weight"):
+        fast.register_comm_hook(None, lambda state, bucket: None)
+    fast.close()
+
+    # no_sync accumulation of sparse gradients, against torch DDP.
+    fast = fastcoll.DDP(M.build("sparse", 0))
+    ref = TorchDDP(M.build("sparse", 0))
+    for mod in (fast, ref):
+        for micro in range(3):
+            x, y = M.global_batch("sparse", ws, 20 + micro)
+            ctx = mod.no_sync() if micro < 2 else contextlib.nullcontext()
+            with ctx:
+                M.loss_of("sparse", mod, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, 0).backward()
+    _assert_grads_equal(fast, ref, "sparse no_sync accumulation")
+    fast.close()
+
+    # join() with uneven inputs: a joined rank replays the sparse all-reduce with an empty gradient.
+    fast = fastcoll.DDP(M.build("sparse", 0))
+    local = M.build("sparse", 0)
+    steps = 3 if rank == 0 else 1
+    with fast.join():
+        for step in range(steps):
+            x, y = M.global_batch("sparse", ws, 30 + step)
+            fast.zero_grad(set_to_none=True)
+            M.loss_of("sparse", fast, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, 0).backward()
+            if rank == 0 and step > 0:  # rank 1 has joined: the average is rank 0's gradient / 2
+                local.zero_grad(set_to_none=True)
+                M.loss_of("sparse", local, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, 0).backward()
+                for (n, p), (_, q) in zip(fast.module.named_parameters(), local.named_parameters()):
+                    expected = (q.grad.coalesce() if q.grad.is_sparse else q.grad) / ws
+                    got = p.grad.coalesce() if p.grad.is_sparse else p.grad
+                    torch.testing.assert_close(got, expected, msg=lambda m: f"join step {step}: {n}: {m}")
+    fast.close()
+
+
+def test_sparse_gradients():
+    """nn.Embedding / EmbeddingBag(sparse=True): own buckets, find_unused_parameters, no_sync, join, comm hook refusal."""
+    run_ranks(_sparse_worker, 2, timeout=90)
