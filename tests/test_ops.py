@@ -913,24 +913,41 @@ def test_cuda_one_kernel_per_direction_for_300_tensors(dtypes):
 
 
 @CUDA
-def test_cuda_graph_capture_is_refused_before_anything_runs():
-    """The chunk table is uploaded from host memory per call: capturing that would replay stale memory."""
+def test_cuda_graph_capture():
+    """Up to 512 chunks the chunk table is the kernel's argument: capturable, and a replay reads the inputs anew.
+
+    Past that the table is uploaded from host memory per call, so capture is refused before anything runs.
+    """
     if not fastcoll.build_info()["cuda_kernels"]:
         pytest.skip("the CUDA kernels are not built")
-    tensors = [torch.randn(5, device="cuda"), torch.randn(3, device="cuda")]
-    flat = torch.full((8,), 7.0, device="cuda")
+    small = [torch.randn(5, device="cuda"), torch.randn(70000, device="cuda")]  # 1 + 5 chunks
+    flat = torch.full((70005,), 7.0, device="cuda")
+    back = [torch.zeros_like(t) for t in small]
+    many = [torch.randn(3, device="cuda") for _ in range(600)]  # 600 chunks
+    many_flat = torch.full((1800,), 7.0, device="cuda")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph.capture_begin()
         try:
-            for call in (lambda: ops.flatten_scale(tensors, flat, 0.5), lambda: ops.unflatten_scale(flat, tensors, 2.0)):
+            ops.flatten_scale(small, flat, 0.5)
+            ops.unflatten_scale(flat, back, 4.0)
+            for call in (lambda: ops.flatten_scale(many, many_flat, 0.5), lambda: ops.unflatten_scale(many_flat, many, 2.0)):
                 with pytest.raises(RuntimeError, match="CUDA graph capture"):
                     call()
         finally:
             graph.capture_end()
     torch.cuda.synchronize()
-    assert torch.equal(flat, torch.full((8,), 7.0, device="cuda")), "nothing may be written"
-    ops.flatten_scale(tensors, flat, 0.5)  # outside capture it works
-    torch.testing.assert_close(flat, torch.cat(tensors) * 0.5)
+    assert torch.equal(many_flat, torch.full((1800,), 7.0, device="cuda")), "a refused call may write nothing"
+    for _ in range(2):  # each replay packs the inputs' current values
+        for t in small:
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(flat, torch.cat(small) * 0.5)
+        for b, t in zip(back, small):
+            torch.testing.assert_close(b, t * 2.0)
+    ops.flatten_scale(many, many_flat, 0.5)  # outside capture the large table works
+    torch.testing.assert_close(many_flat, torch.cat(many) * 0.5)

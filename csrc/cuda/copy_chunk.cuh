@@ -29,7 +29,7 @@ namespace fastcoll {
 namespace cuda_chunks {
 
 constexpr int kThreads = 256;               // threads per block (one block per chunk)
-constexpr int64_t kChunkElements = 16384;   // elements per chunk, at most
+constexpr int64_t kChunkElements = 16384;   // elements per chunk, at most (per-chunk math is 32-bit)
 constexpr int kUnroll = 4;                  // independent loads in flight per thread
 
 // One block's work: `numel` elements from address `src` to address `dst`.
@@ -79,19 +79,21 @@ FASTCOLL_HOST_DEVICE D convert_scale(S x, M scale) {
   return static_cast<D>(static_cast<M>(x) * scale);
 }
 
+// Per-chunk index math is 32-bit (a chunk has at most kChunkElements elements),
+// which keeps the kernel's register count down.
 // Thread `tid` of `nthreads` handles elements tid, tid + nthreads, ... of [0, n).
 template <typename S, typename D, typename M>
-FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int64_t n, M scale, int64_t tid, int64_t nthreads) {
-  for (int64_t base = tid; base < n; base += kUnroll * nthreads) {
+FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int n, M scale, int tid, int nthreads) {
+  for (int base = tid; base < n; base += kUnroll * nthreads) {
     S in[kUnroll];
 FASTCOLL_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * nthreads;
+      const int i = base + u * nthreads;
       if (i < n) in[u] = src[i];
     }
 FASTCOLL_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * nthreads;
+      const int i = base + u * nthreads;
       if (i < n) dst[i] = convert_scale<S, D, M>(in[u], scale);
     }
   }
@@ -103,33 +105,33 @@ FASTCOLL_UNROLL
 // co-aligned. Every thread computes the same split, so each element is
 // written by exactly one thread.
 template <typename S, typename D, typename M>
-FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int64_t n, M scale, int64_t tid, int64_t nthreads) {
+FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int n, M scale, int tid, int nthreads) {
   constexpr int kWidest = sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D);
   constexpr int kVec = 16 / kWidest;
   constexpr uintptr_t kSrcAlign = kVec * sizeof(S);
   constexpr uintptr_t kDstAlign = kVec * sizeof(D);
   const auto src_addr = reinterpret_cast<uintptr_t>(src);
   const auto dst_addr = reinterpret_cast<uintptr_t>(dst);
-  int64_t head = static_cast<int64_t>(((kSrcAlign - src_addr % kSrcAlign) % kSrcAlign) / sizeof(S));
+  int head = static_cast<int>(((kSrcAlign - src_addr % kSrcAlign) % kSrcAlign) / sizeof(S));
   if (head > n) head = n;
   if ((dst_addr + head * sizeof(D)) % kDstAlign != 0) {
     scalar_range<S, D, M>(src, dst, n, scale, tid, nthreads);
     return;
   }
   scalar_range<S, D, M>(src, dst, head, scale, tid, nthreads);
-  const int64_t nvec = (n - head) / kVec;
+  const int nvec = (n - head) / kVec;
   const auto* vsrc = reinterpret_cast<const Pack<S, kVec>*>(src + head);
   auto* vdst = reinterpret_cast<Pack<D, kVec>*>(dst + head);
-  for (int64_t base = tid; base < nvec; base += kUnroll * nthreads) {
+  for (int base = tid; base < nvec; base += kUnroll * nthreads) {
     Pack<S, kVec> in[kUnroll];
 FASTCOLL_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * nthreads;
+      const int i = base + u * nthreads;
       if (i < nvec) in[u] = vsrc[i];
     }
 FASTCOLL_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * nthreads;
+      const int i = base + u * nthreads;
       if (i < nvec) {
         Pack<D, kVec> out;
 FASTCOLL_UNROLL
@@ -138,20 +140,20 @@ FASTCOLL_UNROLL
       }
     }
   }
-  const int64_t done = head + nvec * kVec;
+  const int done = head + nvec * kVec;
   scalar_range<S, D, M>(src + done, dst + done, n - done, scale, tid, nthreads);
 }
 
 template <typename S, typename D>
-FASTCOLL_HOST_DEVICE void run_typed(const ChunkDesc& d, double scale, int64_t tid, int64_t nthreads) {
+FASTCOLL_HOST_DEVICE void run_typed(const ChunkDesc& d, double scale, int tid, int nthreads) {
   using M = opmath_t<S, D>;
   copy_chunk<S, D, M>(
-      reinterpret_cast<const S*>(d.src), reinterpret_cast<D*>(d.dst), d.numel, static_cast<M>(scale), tid, nthreads);
+      reinterpret_cast<const S*>(d.src), reinterpret_cast<D*>(d.dst), static_cast<int>(d.numel), static_cast<M>(scale), tid, nthreads);
 }
 
 // Codes follow fastcoll::dtype_code: float32=0, float16=1, bfloat16=2, float64=3.
 template <typename S>
-FASTCOLL_HOST_DEVICE void run_from(const ChunkDesc& d, int dst_code, double scale, int64_t tid, int64_t nthreads) {
+FASTCOLL_HOST_DEVICE void run_from(const ChunkDesc& d, int dst_code, double scale, int tid, int nthreads) {
   switch (dst_code) {
     case 0: run_typed<S, float>(d, scale, tid, nthreads); break;
     case 1: run_typed<S, c10::Half>(d, scale, tid, nthreads); break;
@@ -161,7 +163,7 @@ FASTCOLL_HOST_DEVICE void run_from(const ChunkDesc& d, int dst_code, double scal
 }
 
 // Thread `tid` of `nthreads`' part of chunk `d`.
-FASTCOLL_HOST_DEVICE void run_chunk(const ChunkDesc& d, double scale, int64_t tid, int64_t nthreads) {
+FASTCOLL_HOST_DEVICE void run_chunk(const ChunkDesc& d, double scale, int tid, int nthreads) {
   const int src_code = static_cast<int>(d.kinds >> 2);
   const int dst_code = static_cast<int>(d.kinds & 3);
   switch (src_code) {

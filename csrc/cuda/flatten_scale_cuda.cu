@@ -2,13 +2,23 @@
 //
 // One launch per call, whatever the number of tensors. The host cuts every
 // segment into chunks of at most kChunkElements elements and writes one small
-// descriptor per chunk (source, destination, length, dtype pair) into pinned
-// memory; it is copied to the device on the current stream and each block
+// descriptor per chunk (source, destination, length, dtype pair); each block
 // handles one chunk. Work is thus split in proportion to bytes: a huge
 // embedding gets many blocks, a bias gets one. Inside a chunk, 16-byte vector
 // loads/stores are used when source and destination are co-aligned, with a
 // scalar head and tail; otherwise a scalar loop (copy_chunk.cuh, which the C++
 // test also runs on the CPU). No host synchronization.
+//
+// How the chunk table reaches the device:
+// * up to 512 chunks (a 25 MiB bucket is about 400-450; 120 with a CUDA
+//   driver or toolkit older than 12.1): as the
+//   kernel argument itself, read in place from the parameter space
+//   (__grid_constant__): no upload, nothing to wait for, and safe to capture
+//   in a CUDA graph;
+// * more: through pinned memory and an async copy on the current stream (the
+//   caching host allocator keeps the pinned block alive until the copy has
+//   run); refused under CUDA graph capture, where a replay would read reused
+//   host memory.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -28,31 +38,71 @@ namespace {
 using cuda_chunks::ChunkDesc;
 using cuda_chunks::kThreads;
 
-__global__ void __launch_bounds__(kThreads) multi_tensor_copy_scale_kernel(const ChunkDesc* descs, double scale) {
-  cuda_chunks::run_chunk(descs[blockIdx.x], scale, threadIdx.x, blockDim.x);
+// Kernel arguments may total 4 KiB, or 32764 bytes with CUDA 12.1+ (toolkit and
+// driver) on sm_70+.
+constexpr int kSmallTable = 32;
+constexpr int kMidTable = 120;  // 3840 bytes + the scale: within the classic 4 KiB
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+constexpr int kLargeTable = 512;  // 16 KiB
+#else
+constexpr int kLargeTable = kMidTable;
+#endif
+
+template <int N>
+struct InlineTable {
+  ChunkDesc chunks[N];
+};
+static_assert(sizeof(InlineTable<kMidTable>) + sizeof(double) <= 4096, "the mid table must fit in 4 KiB of arguments");
+static_assert(sizeof(InlineTable<kLargeTable>) + sizeof(double) <= 32764, "the large table must fit in the argument space");
+
+// The largest table this process may pass as an argument (the driver must be 12.1+ for more than 4 KiB).
+int64_t max_inline_chunks() {
+  static const int64_t limit = [] {
+    int driver = 0;
+    return cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010 ? kLargeTable : kMidTable;
+  }();
+  return limit;
+}
+
+template <int N>
+__global__ void __launch_bounds__(kThreads) copy_scale_inline_kernel(const __grid_constant__ InlineTable<N> table, double scale) {
+  cuda_chunks::run_chunk(table.chunks[blockIdx.x], scale, threadIdx.x, blockDim.x);
+}
+
+__global__ void __launch_bounds__(kThreads) copy_scale_table_kernel(const ChunkDesc* chunks, double scale) {
+  cuda_chunks::run_chunk(chunks[blockIdx.x], scale, threadIdx.x, blockDim.x);
+}
+
+template <int N>
+void launch_inline(const std::vector<Segment>& segments, int64_t nchunks, double scale, cudaStream_t stream) {
+  InlineTable<N> table;
+  cuda_chunks::write_chunks(segments, table.chunks);
+  copy_scale_inline_kernel<N><<<static_cast<unsigned int>(nchunks), kThreads, 0, stream>>>(table, scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void run_plan_cuda(const std::vector<Segment>& segments, const at::Tensor& flat, double scale, const char* op) {
   if (segments.empty()) return;
   c10::cuda::CUDAGuard guard(flat.device());
-  // The chunk table is read from host memory when the copy below runs; a
-  // captured graph would replay that copy from memory reused long since.
-  TORCH_CHECK(
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-      "fastcoll.", op, ": not supported inside CUDA graph capture (its chunk table is uploaded from host memory "
-      "on every call); run it outside torch.cuda.graph(...)");
   const int64_t nchunks = cuda_chunks::count_chunks(segments);
   TORCH_CHECK(nchunks <= INT_MAX, "fastcoll.", op, ": ", nchunks, " chunks exceed one launch's grid; split the bucket");
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t inline_limit = max_inline_chunks();
+  if (nchunks <= kSmallTable) return launch_inline<kSmallTable>(segments, nchunks, scale, stream);
+  if (nchunks <= kMidTable) return launch_inline<kMidTable>(segments, nchunks, scale, stream);
+  if (nchunks <= inline_limit) return launch_inline<kLargeTable>(segments, nchunks, scale, stream);
 
-  // Descriptors go through pinned memory and an async copy on the current
-  // stream; the caching host allocator keeps the pinned block alive until the
-  // copy has run, so nothing here waits for the device.
+  TORCH_CHECK(
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+      "fastcoll.", op, ": not supported inside CUDA graph capture for more than ", inline_limit,
+      " chunks (this call has ", nchunks, "; a chunk is up to ", cuda_chunks::kChunkElements,
+      " elements of one tensor): its chunk table is then uploaded from host memory on every call; use smaller "
+      "buckets or run it outside torch.cuda.graph(...)");
   auto host = at::empty({nchunks * 4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   cuda_chunks::write_chunks(segments, reinterpret_cast<ChunkDesc*>(host.data_ptr<int64_t>()));
-  auto device_desc = host.to(flat.device(), /*non_blocking=*/true);
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  multi_tensor_copy_scale_kernel<<<static_cast<unsigned int>(nchunks), kThreads, 0, stream>>>(
-      reinterpret_cast<const ChunkDesc*>(device_desc.data_ptr<int64_t>()), scale);
+  auto device_table = host.to(flat.device(), /*non_blocking=*/true);
+  copy_scale_table_kernel<<<static_cast<unsigned int>(nchunks), kThreads, 0, stream>>>(
+      reinterpret_cast<const ChunkDesc*>(device_table.data_ptr<int64_t>()), scale);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
