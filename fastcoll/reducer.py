@@ -249,99 +249,77 @@ def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
 class CoalescedBroadcast:
     """A fixed set of tensors broadcast in place from one rank: one message per device.
 
-    The layout is worked out once. Every device's tensors travel as one byte
-    buffer (split only past ``cap_bytes``), so a model's buffers cost one
-    collective per forward whatever their dtypes: inside a message each dtype
+    Worked out once, at construction: every device's tensors travel as one
+    byte buffer (split only past ``cap_bytes``), so a model's buffers cost one
+    collective per forward whatever their dtypes; inside a message each dtype
     has its own 16-byte-aligned section. Dense floating-point tensors are
     packed into their section with one fused :func:`fastcoll.ops.flatten_scale`
     on the source rank and unpacked with one :func:`fastcoll.ops.unflatten_scale`
     on the others; the rest (``num_batches_tracked`` and the like) are copied
     one by one. Every rank must build it from tensors of the same shapes and
     dtypes in the same order. :class:`fastcoll.DDP` builds one for its buffers
-    at construction and runs it before every forward (the message buffers are
-    kept between calls).
+    at construction and runs it before every forward, reusing the messages.
 
     Args:
         tensors: Tensors to overwrite with the source rank's values (mutually
             non-overlapping; pass ``param.detach()`` for parameters).
         cap_bytes: Largest message size in bytes (a single larger tensor gets
             a message of its own).
-        keep_buffers: Allocate the message buffers once and reuse them.
     """
 
     _ALIGN = 16
 
-    def __init__(self, tensors: Sequence[torch.Tensor], cap_bytes: int = 250 * 1024 * 1024, keep_buffers: bool = True):
+    def __init__(self, tensors: Sequence[torch.Tensor], cap_bytes: int = 250 * 1024 * 1024):
         per_device: Dict[torch.device, List[torch.Tensor]] = {}
         for t in tensors:
             if t.numel():
                 per_device.setdefault(t.device, []).append(t)
-        #: Per message: (device, total bytes, fused sections, copied tensors). A fused
-        #: section is (byte offset, dtype, tensors); a copied tensor is (byte offset, tensor).
-        self.messages: List[Tuple[torch.device, int, List[Tuple[int, torch.dtype, List[torch.Tensor]]], List[Tuple[int, torch.Tensor]]]] = []
+        #: Per message: (byte buffer, [(section view, tensors) packed with one fused call], [(section view, tensor) copied]).
+        self.messages: List[Tuple[torch.Tensor, List[Tuple[torch.Tensor, List[torch.Tensor]]], List[Tuple[torch.Tensor, torch.Tensor]]]] = []
         for device, ts in per_device.items():
             chunk: List[torch.Tensor] = []
             size = 0
             for t in ts:
                 nbytes = t.numel() * t.element_size()
                 if chunk and size + nbytes > cap_bytes:
-                    self.messages.append(self._layout(device, chunk))
+                    self.messages.append(self._message(device, chunk))
                     chunk, size = [], 0
                 chunk.append(t)
                 size += nbytes
             if chunk:
-                self.messages.append(self._layout(device, chunk))
-        self._keep = keep_buffers
-        #: Per message, once built: (byte buffer, [(section view, tensors) to fuse], [(section view, tensor) to copy]).
-        self._plans: Optional[List[Tuple[torch.Tensor, List[Tuple[torch.Tensor, List[torch.Tensor]]], List[Tuple[torch.Tensor, torch.Tensor]]]]] = None
+                self.messages.append(self._message(device, chunk))
 
     @classmethod
-    def _layout(cls, device: torch.device, chunk: List[torch.Tensor]):
+    def _message(cls, device: torch.device, chunk: List[torch.Tensor]):
         # Sections in order of first appearance: (dtype, fused) -> tensors.
         sections: Dict[Tuple[torch.dtype, bool], List[torch.Tensor]] = {}
         for t in chunk:
             sections.setdefault((t.dtype, t.dtype in SUPPORTED_DTYPES and is_dense(t)), []).append(t)
-        fused: List[Tuple[int, torch.dtype, List[torch.Tensor]]] = []
-        copied: List[Tuple[int, torch.Tensor]] = []
+        layout: List[Tuple[int, torch.dtype, List[torch.Tensor], bool]] = []  # (byte offset, dtype, tensors, fused)
         offset = 0
         for (dtype, is_fused), ts in sections.items():
             offset = -(-offset // cls._ALIGN) * cls._ALIGN
+            for group in [ts] if is_fused else [[t] for t in ts]:
+                layout.append((offset, dtype, group, is_fused))
+                offset += sum(t.numel() for t in group) * dtype.itemsize
+        buf = torch.empty(offset, dtype=torch.uint8, device=device)
+        fused: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []
+        copied: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for o, dtype, group, is_fused in layout:
+            section = buf[o : o + sum(t.numel() for t in group) * dtype.itemsize].view(dtype)
             if is_fused:
-                fused.append((offset, dtype, ts))
-                offset += sum(t.numel() for t in ts) * dtype.itemsize
+                fused.append((section, group))
             else:
-                for t in ts:
-                    copied.append((offset, t))
-                    offset += t.numel() * dtype.itemsize
-        return device, offset, fused, copied
-
-    def _make_plans(self):
-        plans = []
-        for device, total, fused, copied in self.messages:
-            buf = torch.empty(total, dtype=torch.uint8, device=device)
-
-            def section(offset: int, dtype: torch.dtype, numel: int, buf: torch.Tensor = buf) -> torch.Tensor:
-                return buf[offset : offset + numel * dtype.itemsize].view(dtype)
-
-            plans.append((
-                buf,
-                [(section(o, dtype, sum(t.numel() for t in ts)), ts) for o, dtype, ts in fused],
-                [(section(o, t.dtype, t.numel()).view(t.shape), t) for o, t in copied],
-            ))  # fmt: skip
-        return plans
+                copied.append((section.view(group[0].shape), group[0]))
+        return buf, fused, copied
 
     def __call__(self, group: Optional[dist.ProcessGroup], group_src: int = 0) -> None:
         """Broadcast from group rank ``group_src`` of ``group`` (None: the default group)."""
         if not self.messages or dist.get_world_size(group) == 1:
             return
-        plans = self._plans
-        if plans is None:
-            plans = self._make_plans()
-            if self._keep:
-                self._plans = plans
         is_src = dist.get_rank(group) == group_src
         with torch.no_grad():
-            for buf, fused, copied in plans:
+            for buf, fused, copied in self.messages:
                 if is_src:
                     for section, ts in fused:
                         ops.flatten_scale(ts, section, 1.0)
@@ -362,7 +340,7 @@ def broadcast_coalesced(
     cap_bytes: int = 250 * 1024 * 1024,
 ) -> None:
     """Broadcast ``tensors`` in place from group rank ``group_src``, coalesced (see :class:`CoalescedBroadcast`)."""
-    CoalescedBroadcast(tensors, cap_bytes, keep_buffers=False)(group, group_src)
+    CoalescedBroadcast(tensors, cap_bytes)(group, group_src)
 
 
 _COMM_DTYPES = (None, torch.float16, torch.bfloat16)

@@ -34,7 +34,7 @@ def _tensors(rank: int, round_: int = 0):
     ]
 
 
-def _check_broadcast(rank: int, world_size: int, cap_bytes: int, src: int, keep: bool):
+def _check_broadcast(rank: int, world_size: int, cap_bytes: int, src: int):
     import torch.distributed as dist
 
     from fastcoll.reducer import CoalescedBroadcast
@@ -50,8 +50,8 @@ def _check_broadcast(rank: int, world_size: int, cap_bytes: int, src: int, keep:
     try:
         mine = _tensors(rank)
         before_strides = [t.stride() for t in mine]
-        bc = CoalescedBroadcast(mine, cap_bytes, keep_buffers=keep)
-        for round_ in range(2):  # a kept plan is reused
+        bc = CoalescedBroadcast(mine, cap_bytes)
+        for round_ in range(2):  # the messages are reused
             if round_:
                 for t, new in zip(mine, _tensors(rank, round_)):  # fresh per-rank values, in place
                     t.copy_(new)
@@ -67,14 +67,14 @@ def _check_broadcast(rank: int, world_size: int, cap_bytes: int, src: int, keep:
 
 @pytest.mark.parametrize("src", [0, 1])
 def test_one_message_for_mixed_dtypes(src):
-    counts = run_ranks(_check_broadcast, 2, 1 << 30, src, True)
+    counts = run_ranks(_check_broadcast, 2, 1 << 30, src)
     for calls, messages in counts:
         assert messages == 1
         assert calls == 2  # two rounds, one collective each
 
 
 def test_cap_splits_into_messages_and_one_shot_helper():
-    counts = run_ranks(_check_broadcast, 3, 64, 2, False)
+    counts = run_ranks(_check_broadcast, 3, 64, 2)
     for calls, messages in counts:
         assert messages > 1
         assert calls == 2 * messages
