@@ -35,6 +35,11 @@ std::vector<Segment> plan_segments(
 // CPU inner loop: copies n elements from src to dst, multiplied by scale and cast.
 using CopyFn = void (*)(const void* src, void* dst, int64_t n, double scale);
 
+// CPU calls that write at least this many bytes use non-temporal (cache-
+// bypassing) stores; FASTCOLL_CPU_STREAM_MIN_BYTES sets the initial value.
+int64_t cpu_stream_min_bytes();
+void set_cpu_stream_min_bytes(int64_t nbytes);
+
 // Small integer code of a supported dtype (float32=0, float16=1, bfloat16=2, float64=3).
 int dtype_code(at::ScalarType t);
 

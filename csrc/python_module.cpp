@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "fastcoll.h"
+
 #ifdef FASTCOLL_WITH_CUDA
 #include <cuda.h>
 #endif
@@ -18,6 +20,7 @@ py::dict build_info() {
   py::dict info;
   info["extension"] = true;
   info["compiler"] = FASTCOLL_COMPILER;
+  info["cpu_stream_min_bytes"] = fastcoll::cpu_stream_min_bytes();
 #ifdef FASTCOLL_WITH_CUDA
   info["cuda_kernels"] = true;
   info["cuda_version"] = std::to_string(CUDA_VERSION / 1000) + "." + std::to_string((CUDA_VERSION % 1000) / 10);
@@ -44,4 +47,8 @@ py::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastcoll's compiled kernels; importing this module registers torch.ops.fastcoll.*";
   m.def("build_info", &build_info, "How the extension was built");
+  m.def("_cpu_stream_min_bytes", &fastcoll::cpu_stream_min_bytes,
+        "CPU calls writing at least this many bytes use non-temporal stores");
+  m.def("_set_cpu_stream_min_bytes", &fastcoll::set_cpu_stream_min_bytes,
+        "Set the non-temporal store threshold of the CPU kernels (bytes written per call; tests use 0)");
 }

@@ -17,6 +17,7 @@ its results are also compared bit for bit with the reference's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -42,26 +43,48 @@ CUDA = pytest.mark.cuda
 # ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _cpu_streaming(enabled: bool):
+    """With ``enabled``: every CPU kernel call uses its non-temporal-store path (threshold 0 bytes)."""
+    if not enabled:
+        yield
+        return
+    if not extension_active():
+        pytest.skip("the streaming-store path is part of the compiled extension")
+    from fastcoll import _C
+
+    saved = _C._cpu_stream_min_bytes()
+    _C._set_cpu_stream_min_bytes(0)
+    try:
+        yield
+    finally:
+        _C._set_cpu_stream_min_bytes(saved)
+
+
 @dataclass(frozen=True)
 class Impl:
     name: str
 
     def flatten(self, tensors, out, scale=1.0):
-        if self.name == "ops":
-            ret = ops.flatten_scale(tensors, out, scale)
+        if self.name.startswith("ops"):
+            with _cpu_streaming(self.name == "ops_streaming"):
+                ret = ops.flatten_scale(tensors, out, scale)
             assert ret is out
         else:
             _reference.flatten_scale(tensors, out, scale)
 
     def unflatten(self, flat, tensors, scale=1.0):
-        if self.name == "ops":
-            assert ops.unflatten_scale(flat, tensors, scale) is None
+        if self.name.startswith("ops"):
+            with _cpu_streaming(self.name == "ops_streaming"):
+                assert ops.unflatten_scale(flat, tensors, scale) is None
         else:
             _reference.unflatten_scale(flat, tensors, scale)
 
 
-IMPLS = [Impl("ops"), Impl("reference")]
-IMPL_IDS = ["ops", "reference"]
+# "ops_streaming": the compiled ops with the CPU kernels' non-temporal stores
+# forced on (they are used by default only for calls writing >= 16 MiB).
+IMPLS = [Impl("ops"), Impl("ops_streaming"), Impl("reference")]
+IMPL_IDS = ["ops", "ops_streaming", "reference"]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 impl_param = pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)

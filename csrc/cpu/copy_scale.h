@@ -3,14 +3,26 @@
 // (copy_scale_avx2.cpp); flatten_scale_cpu.cpp picks one at run time. Each
 // includer defines FASTCOLL_CPU_NS (and, for AVX2, CPU_CAPABILITY) first, so
 // the two builds never share a symbol.
+//
+// The AVX2 build also has streaming variants, for calls that write more than
+// the caches hold: their 32-byte stores bypass the cache (non-temporal), so
+// the destination's lines are not first read from memory only to be
+// overwritten. That removes a third of the memory traffic of a large copy.
+// The baseline build's "streaming" variants are its regular loops.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <tuple>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 
 #include "fastcoll.h"
@@ -40,6 +52,12 @@ struct FloatPair<float> {
     a.store(p);
     b.store(p + FVec::size());
   }
+#if defined(CPU_CAPABILITY_AVX2)
+  static inline void stream(float* p, const FVec& a, const FVec& b) {  // p 32-byte aligned
+    _mm256_stream_ps(p, a);
+    _mm256_stream_ps(p + FVec::size(), b);
+  }
+#endif
 };
 
 template <typename R>  // c10::Half or c10::BFloat16
@@ -50,18 +68,58 @@ struct ReducedFloatPair {
   static inline void store(R* p, const FVec& a, const FVec& b) {
     at::vec::convert_from_float<R>(a, b).store(p);
   }
+#if defined(CPU_CAPABILITY_AVX2)
+  static inline void stream(R* p, const FVec& a, const FVec& b) {  // p 32-byte aligned
+    const __m256i v = at::vec::convert_from_float<R>(a, b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+  }
+#endif
 };
 template <>
 struct FloatPair<c10::Half> : ReducedFloatPair<c10::Half> {};
 template <>
 struct FloatPair<c10::BFloat16> : ReducedFloatPair<c10::BFloat16> {};
 
-template <typename S, typename D>
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kCanStream = true;
+
+inline bool aligned32(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 31) == 0;
+}
+
+// memcpy with non-temporal 32-byte stores.
+inline void stream_copy_bytes(const char* src, char* dst, int64_t nbytes) {
+  int64_t i = 0;
+  const int64_t head = std::min<int64_t>(nbytes, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+  std::memcpy(dst, src, head);
+  i = head;
+  for (; i + 64 <= nbytes; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+  }
+  std::memcpy(dst + i, src + i, nbytes - i);
+  _mm_sfence();
+}
+#else
+constexpr bool kCanStream = false;
+#endif
+
+// kStream: non-temporal stores (see the top of this file); only meaningful in the AVX2 build.
+template <typename S, typename D, bool kStream>
 void copy_scale(const S* src, D* dst, int64_t n, double scale) {
   constexpr bool kHasDouble = std::is_same_v<S, double> || std::is_same_v<D, double>;
   if constexpr (std::is_same_v<S, D>) {
     if (scale == 1.0) {  // x * 1 is exact: a plain copy gives the same bits
-      if (src != dst) std::memcpy(dst, src, n * sizeof(S));
+      if (src == dst) return;
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kStream) {
+        stream_copy_bytes(reinterpret_cast<const char*>(src), reinterpret_cast<char*>(dst), n * int64_t(sizeof(S)));
+        return;
+      }
+#endif
+      std::memcpy(dst, src, n * sizeof(S));
       return;
     }
   }
@@ -75,6 +133,21 @@ void copy_scale(const S* src, D* dst, int64_t n, double scale) {
     constexpr int64_t kStep = 2 * FVec::size();
     const FVec vscale(fscale);
     int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kStream) {
+      // Scalar head up to the destination's 32-byte boundary (one step of kStep
+      // elements is 32 bytes of 16-bit or 64 of 32-bit output).
+      for (; i < n && !aligned32(dst + i); ++i) {
+        dst[i] = static_cast<D>(static_cast<float>(src[i]) * fscale);
+      }
+      for (; i + kStep <= n; i += kStep) {
+        FVec a, b;
+        FloatPair<S>::load(src + i, a, b);
+        FloatPair<D>::stream(dst + i, a * vscale, b * vscale);
+      }
+      _mm_sfence();
+    }
+#endif
     for (; i + kStep <= n; i += kStep) {
       FVec a, b;
       FloatPair<S>::load(src + i, a, b);
@@ -86,17 +159,19 @@ void copy_scale(const S* src, D* dst, int64_t n, double scale) {
   }
 }
 
-template <typename S, typename D>
+template <typename S, typename D, bool kStream>
 void copy_scale_erased(const void* src, void* dst, int64_t n, double scale) {
-  copy_scale<S, D>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale);
+  copy_scale<S, D, kStream>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale);
 }
 
-CopyFn pick_copy(at::ScalarType src, at::ScalarType dst) {
+// The inner loop for one (source, destination) dtype pair; `streaming` asks
+// for non-temporal stores (honoured by the AVX2 build).
+CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming) {
   CopyFn fn = nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src, "fastcoll_cpu_src", [&] {
     using src_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst, "fastcoll_cpu_dst", [&] {
-      fn = &copy_scale_erased<src_t, scalar_t>;
+      fn = streaming && kCanStream ? &copy_scale_erased<src_t, scalar_t, true> : &copy_scale_erased<src_t, scalar_t, false>;
     });
   });
   return fn;

@@ -5,20 +5,44 @@
 // so a huge tensor is shared by all threads and many tiny ones are batched into
 // one thread's range. The inner loops (copy_scale.h) use at::vec, built for
 // AVX2 when the CPU has it; the multiply runs in float (double when either
-// side is double). Nothing is allocated beyond the plan.
+// side is double). A call that writes at least cpu_stream_min_bytes() (default
+// 16 MiB: source and destination together then exceed a typical last-level
+// cache) uses non-temporal stores. Nothing is allocated beyond the plan.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 
 #include "fastcoll.h"
 
 namespace fastcoll {
 namespace cpu_default {
-CopyFn pick_copy(at::ScalarType src, at::ScalarType dst);
+CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
 }
 namespace cpu_avx2 {
-CopyFn pick_copy(at::ScalarType src, at::ScalarType dst);
+CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
+}
+
+namespace {
+
+int64_t initial_stream_min_bytes() {
+  const char* env = std::getenv("FASTCOLL_CPU_STREAM_MIN_BYTES");
+  return env != nullptr && *env != '\0' ? std::atoll(env) : int64_t(16) << 20;
+}
+
+std::atomic<int64_t> stream_min_bytes{initial_stream_min_bytes()};
+
+}  // namespace
+
+int64_t cpu_stream_min_bytes() {
+  return stream_min_bytes.load(std::memory_order_relaxed);
+}
+
+void set_cpu_stream_min_bytes(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "fastcoll: the streaming-store threshold must be >= 0 bytes, got ", nbytes);
+  stream_min_bytes.store(nbytes, std::memory_order_relaxed);
 }
 
 namespace {
@@ -33,8 +57,8 @@ bool cpu_has_avx2() {
 #endif
 }
 
-CopyFn pick_copy(at::ScalarType src, at::ScalarType dst) {
-  return cpu_has_avx2() ? cpu_avx2::pick_copy(src, dst) : cpu_default::pick_copy(src, dst);
+CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming) {
+  return cpu_has_avx2() ? cpu_avx2::pick_copy(src, dst, streaming) : cpu_default::pick_copy(src, dst, streaming);
 }
 
 // Elements below which splitting across threads costs more than it saves.
@@ -42,9 +66,12 @@ constexpr int64_t kGrainElements = 32768;
 
 void run_plan(const std::vector<Segment>& segments, double scale) {
   if (segments.empty()) return;
+  int64_t written = 0;
+  for (const auto& s : segments) written += s.numel * int64_t(c10::elementSize(s.dst_dtype));
+  const bool streaming = written >= cpu_stream_min_bytes();
   std::vector<CopyFn> fns;
   fns.reserve(segments.size());
-  for (const auto& s : segments) fns.push_back(pick_copy(s.src_dtype, s.dst_dtype));
+  for (const auto& s : segments) fns.push_back(pick_copy(s.src_dtype, s.dst_dtype, streaming));
   const int64_t total = segments.back().flat_offset + segments.back().numel;
   at::parallel_for(0, total, kGrainElements, [&](int64_t begin, int64_t end) {
     // First segment whose range ends after `begin`.

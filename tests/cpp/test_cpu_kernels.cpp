@@ -128,12 +128,15 @@ void bad_inputs() {
   expect(at::equal(buf, at::arange(6, at::kFloat) * 2), "in-place scale");
 }
 
-// The CUDA kernel's work, run on the CPU: the same chunk table the launch
-// uploads, and every (block, thread) pair's share of it, one after another.
-// Tensors start at odd element offsets inside their storage so that source and
-// destination alignment varies (vector path, scalar fallback, heads and tails).
-void cuda_chunks_emulated(at::ScalarType src, at::ScalarType dst, double scale, int64_t chunk, int64_t nthreads) {
-  namespace cc = fastcoll::cuda_chunks;
+// Runs one direction of an op: pack (tensors -> flat) or unpack (flat -> tensors).
+using RunFn = std::function<void(const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale, bool pack)>;
+
+// A round trip through misaligned buffers: tensors start at odd element offsets
+// inside their storage and the flat buffer is offset too, so that source and
+// destination alignment varies (vector paths, scalar fallbacks, heads and
+// tails). Everything is poisoned first; neighbours of the destinations must
+// stay poisoned.
+void misaligned_round_trip(at::ScalarType src, at::ScalarType dst, double scale, const std::string& how, const RunFn& run) {
   const std::vector<int64_t> sizes = {1, 0, 7, 8, 9, 31, 33, 100, 3, 257, 1000, 5, 4099};
   auto storage = at::randn({20000}, at::kDouble).to(src);
   std::vector<at::Tensor> tensors;
@@ -144,21 +147,10 @@ void cuda_chunks_emulated(at::ScalarType src, at::ScalarType dst, double scale, 
     total += n;
   }
   auto out_storage = at::full({total + 3}, NAN, at::TensorOptions().dtype(dst));
-  auto out = out_storage.narrow(0, 1 + (total % 2), total);  // misaligned flat buffer too
-  const std::string tag = std::string(c10::toString(src)) + "->" + c10::toString(dst) + " chunk " +
-      std::to_string(chunk) + " threads " + std::to_string(nthreads);
+  auto out = out_storage.narrow(0, 1 + (total % 2), total);
+  const std::string tag = std::string(c10::toString(src)) + "->" + c10::toString(dst) + " " + how;
 
-  // Pack.
-  auto segments = fastcoll::plan_segments(tensors, out, /*pack=*/true);
-  std::vector<cc::ChunkDesc> table(cc::count_chunks(segments, chunk));
-  cc::write_chunks(segments, table.data(), chunk);
-  int64_t covered = 0;
-  for (const auto& d : table) {
-    expect(d.numel >= 1 && d.numel <= chunk, "chunk size in range: " + tag);
-    covered += d.numel;
-    for (int64_t tid = 0; tid < nthreads; ++tid) cc::run_chunk(d, scale, tid, nthreads);
-  }
-  expect(covered == total, "chunks cover every element: " + tag);
+  run(tensors, out, scale, /*pack=*/true);
   expect(!at::isnan(out_storage.narrow(0, out.storage_offset(), total)).any().item<bool>(), "pack wrote every element: " + tag);
   expect(at::isnan(out_storage[0]).item<bool>() || out.storage_offset() == 0, "pack wrote nothing before out: " + tag);
   expect(at::isnan(out_storage[-1]).item<bool>(), "pack wrote nothing after out: " + tag);
@@ -172,15 +164,10 @@ void cuda_chunks_emulated(at::ScalarType src, at::ScalarType dst, double scale, 
     off += n;
   }
 
-  // Unpack into fresh, poisoned, misaligned destinations of the source dtype.
   auto back_storage = at::full({storage.numel()}, NAN, at::TensorOptions().dtype(src));
   std::vector<at::Tensor> back;
   for (auto& t : tensors) back.push_back(back_storage.narrow(0, t.storage_offset(), t.numel()));
-  auto useg = fastcoll::plan_segments(back, out, /*pack=*/false);
-  std::vector<cc::ChunkDesc> utable(cc::count_chunks(useg, chunk));
-  cc::write_chunks(useg, utable.data(), chunk);
-  for (const auto& d : utable)
-    for (int64_t tid = 0; tid < nthreads; ++tid) cc::run_chunk(d, 1.0 / scale, tid, nthreads);
+  run(back, out, 1.0 / scale, /*pack=*/false);
   int64_t written = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].numel() == 0) continue;
@@ -189,8 +176,34 @@ void cuda_chunks_emulated(at::ScalarType src, at::ScalarType dst, double scale, 
            "unpack tensor " + std::to_string(i) + ": " + tag);
     written += tensors[i].numel();
   }
-  // Only the destinations were written: the gaps between them stay poisoned.
   expect(at::isnan(back_storage).sum().item<int64_t>() == back_storage.numel() - written, "unpack wrote only its tensors: " + tag);
+}
+
+// The CPU ops themselves (through the dispatcher).
+void cpu_op(const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale, bool pack) {
+  if (pack) {
+    flatten_op().call(tensors, flat, scale);
+  } else {
+    unflatten_op().call(flat, tensors, scale);
+  }
+}
+
+// The CUDA kernel's work, run on the CPU: the same chunk table the launch
+// passes, and every (block, thread) pair's share of it, one after another.
+RunFn cuda_chunks_emulated(int64_t chunk, int64_t nthreads) {
+  return [=](const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale, bool pack) {
+    namespace cc = fastcoll::cuda_chunks;
+    auto segments = fastcoll::plan_segments(tensors, flat, pack);
+    std::vector<cc::ChunkDesc> table(cc::count_chunks(segments, chunk));
+    cc::write_chunks(segments, table.data(), chunk);
+    int64_t covered = 0;
+    for (const auto& d : table) {
+      expect(d.numel >= 1 && d.numel <= chunk, "chunk size in range");
+      covered += d.numel;
+      for (int64_t tid = 0; tid < nthreads; ++tid) cc::run_chunk(d, scale, static_cast<int>(tid), static_cast<int>(nthreads));
+    }
+    expect(covered == flat.numel(), "chunks cover every element");
+  };
 }
 
 }  // namespace
@@ -205,13 +218,26 @@ int main() {
     }
   }
   bad_inputs();
+  namespace cc = fastcoll::cuda_chunks;
+  const int64_t default_stream_min = fastcoll::cpu_stream_min_bytes();
   for (auto s : dtypes) {
     for (auto d : dtypes) {
-      cuda_chunks_emulated(s, d, 0.5, fastcoll::cuda_chunks::kChunkElements, fastcoll::cuda_chunks::kThreads);
-      cuda_chunks_emulated(s, d, 1.0 / 3.0, 37, 3);  // many small chunks, strided thread loops
-      cuda_chunks_emulated(s, d, 3.0, 64, 5);
+      for (double scale : {0.5, 1.0}) {  // 1.0: the plain-copy paths
+        fastcoll::set_cpu_stream_min_bytes(default_stream_min);
+        misaligned_round_trip(s, d, scale, "cpu", cpu_op);
+        fastcoll::set_cpu_stream_min_bytes(0);  // every call with non-temporal stores
+        misaligned_round_trip(s, d, scale, "cpu streaming", cpu_op);
+      }
+      misaligned_round_trip(s, d, 0.5, "cuda emulated", cuda_chunks_emulated(cc::kChunkElements, cc::kThreads));
+      misaligned_round_trip(s, d, 1.0 / 3.0, "cuda emulated, chunk 37, 3 threads", cuda_chunks_emulated(37, 3));
+      misaligned_round_trip(s, d, 3.0, "cuda emulated, chunk 64, 5 threads", cuda_chunks_emulated(64, 5));
     }
   }
+  fastcoll::set_cpu_stream_min_bytes(0);  // the aligned round trips once more, streaming
+  for (auto s : dtypes) {
+    for (auto d : dtypes) round_trip(s, d, 0.25);
+  }
+  fastcoll::set_cpu_stream_min_bytes(default_stream_min);
   std::printf("%d checks, %d failures\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
