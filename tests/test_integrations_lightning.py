@@ -102,25 +102,27 @@ def _run_trainer(out_dir: str, dist: str) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+    def quiet_trainer(strategy, **kwargs):
+        """A one-epoch CPU Trainer on WORLD processes, without logger, checkpoints or progress output."""
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=strategy,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
+
     results = {}
     rank = None
     for strategy in STRATEGIES:
         model = LitModel()
         fits = []
         for _ in range(2):  # a second fit on the same module
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                devices=WORLD,
-                strategy=strategy,
-                accumulate_grad_batches=2,
-                max_epochs=1,
-                limit_val_batches=2,
-                num_sanity_val_steps=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-            )
+            trainer = quiet_trainer(strategy, accumulate_grad_batches=2, limit_val_batches=2, num_sanity_val_steps=0)
             loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH)
             trainer.fit(model, train_dataloaders=loader, val_dataloaders=loader)
             rank = trainer.global_rank
@@ -158,17 +160,7 @@ def _run_trainer(out_dir: str, dist: str) -> None:
 
     for strategy in STRATEGIES:
         model = ManualLit()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=WORLD,
-            strategy=strategy,
-            max_epochs=1,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = quiet_trainer(strategy, limit_val_batches=0)
         trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(_data(), batch_size=BATCH))
         results[f"manual_{strategy}"] = dict(weights={k: v.detach().clone() for k, v in model.state_dict().items()})
 
@@ -184,17 +176,7 @@ def _run_trainer(out_dir: str, dist: str) -> None:
         return default_hooks.allreduce_hook(state, bucket)
 
     model = LitModel()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=FastCollDDPStrategy(ddp_comm_hook=counting_allreduce_hook),
-        max_epochs=1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(FastCollDDPStrategy(ddp_comm_hook=counting_allreduce_hook), limit_val_batches=0)
     trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(_data(), batch_size=BATCH))
     results["comm_hook"] = dict(weights={k: v.detach().clone() for k, v in model.state_dict().items()}, calls=len(calls))
     torch.save(results, os.path.join(out_dir, f"trainer_rank{rank}.pt"))
