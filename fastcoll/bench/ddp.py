@@ -59,7 +59,6 @@ and a PNG chart next to it; :func:`measure` returns the results as a dict.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import dataclasses
 import gc
@@ -68,6 +67,7 @@ import json
 import math
 import os
 import queue as queue_mod
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -949,17 +949,9 @@ def run(args: Any = None) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m fastcoll.bench.ddp [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]``."""
-    try:
-        from .__main__ import main as cli
-    except ImportError:  # pragma: no cover - the CLI module is missing
-        parser = argparse.ArgumentParser(prog="python -m fastcoll.bench.ddp")
-        parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-        parser.add_argument("--quick", action="store_true")
-        parser.add_argument("--smoke", action="store_true")
-        parser.add_argument("--threads", default=None)
-        parser.add_argument("--json", default=None)
-        return run(parser.parse_args(argv))
-    return cli(["ddp", *(argv if argv is not None else __import__("sys").argv[1:])])
+    from .__main__ import main as cli
+
+    return cli(["ddp", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

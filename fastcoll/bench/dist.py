@@ -33,10 +33,10 @@ the table shows medians and each method's time relative to fastcoll's
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
+import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -326,16 +326,9 @@ def run(args: Any = None) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m fastcoll.bench.dist [--quick] [--threads N|all] [--json PATH]``."""
-    try:
-        from .__main__ import main as cli
-    except ImportError:  # pragma: no cover - the CLI module is missing
-        parser = argparse.ArgumentParser(prog="python -m fastcoll.bench.dist")
-        parser.add_argument("--quick", action="store_true")
-        parser.add_argument("--smoke", action="store_true")
-        parser.add_argument("--threads", default=None)
-        parser.add_argument("--json", default=None)
-        return run(parser.parse_args(argv))
-    return cli(["dist", *(argv if argv is not None else __import__("sys").argv[1:])])
+    from .__main__ import main as cli
+
+    return cli(["dist", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
