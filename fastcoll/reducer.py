@@ -358,6 +358,95 @@ def _empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
 
 
+def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Async all-gather of equal-sized ``inp`` into ``out`` (``all_gather_single``, named ``all_gather_into_tensor`` before torch 2.13)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp, group=group, async_op=True)
+
+
+class SparseExchange:
+    """The all-reduce (sum) of one sparse gradient, built from two dense all-gathers.
+
+    Not ``dist.all_reduce`` on the sparse tensor: under CPU contention, our
+    2-rank gloo tests crashed intermittently inside it (glibc: "malloc():
+    unaligned tcache chunk detected" in a gloo worker thread, i.e. a write to
+    freed memory), in about one run in a few hundred; nothing crashed with this
+    exchange under the same stress. Steps: (1) all-gather every rank's number
+    of rows; (2) when any rank has rows, all-gather one byte buffer per rank
+    holding its row indices and values, padded to the largest count, so no
+    collective moves zero bytes; every rank then sums the same concatenation
+    in the same order, so all ranks end with identical, coalesced gradients.
+    Only all-gathers of dense tensors are used, so any backend works.
+
+    Args:
+        grad: The local, coalesced, already scaled sparse gradient.
+        process_group: The group to reduce over (``world_size`` > 1).
+    """
+
+    def __init__(self, grad: torch.Tensor, process_group: Any, world_size: int):
+        self.grad = grad
+        self.process_group = process_group
+        self.world_size = world_size
+        nnz = torch.tensor([grad._nnz()], dtype=torch.int64, device=grad.device)
+        self.counts = torch.empty(world_size, dtype=torch.int64, device=grad.device)
+        self.work: Any = _all_gather_flat(self.counts, nnz, process_group)
+        self.rows: List[int] = []
+        self.gathered: Optional[torch.Tensor] = None
+
+    def _layout(self, max_rows: int) -> Tuple[int, int, int]:
+        """(index bytes, value bytes, bytes of one rank's buffer) for ``max_rows`` padded rows."""
+        g = self.grad
+        index_bytes = g.sparse_dim() * max_rows * 8
+        row_numel = 1
+        for d in g.shape[g.sparse_dim():]:
+            row_numel *= d
+        value_bytes = max_rows * row_numel * g.element_size()
+        return index_bytes, value_bytes, -(-(index_bytes + value_bytes) // 16) * 16  # 16-byte aligned per rank
+
+    def _sections(self, buf: torch.Tensor, max_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Views of one rank's byte buffer: indices (sparse_dim, max_rows) and values (max_rows, *dense)."""
+        g = self.grad
+        index_bytes, value_bytes, _ = self._layout(max_rows)
+        indices = buf[:index_bytes].view(torch.int64).view(g.sparse_dim(), max_rows)
+        values = buf[index_bytes:index_bytes + value_bytes].view(g.dtype).view(max_rows, *g.shape[g.sparse_dim():])
+        return indices, values
+
+    def start_gather(self) -> None:
+        """Wait for the row counts, then start the all-gather of rows (none when no rank has any)."""
+        self.work.wait()
+        self.rows = self.counts.tolist()
+        max_rows = max(self.rows)
+        self.work = None
+        if max_rows == 0:
+            return
+        g = self.grad
+        local = torch.zeros(self._layout(max_rows)[2], dtype=torch.uint8, device=g.device)
+        indices, values = self._sections(local, max_rows)
+        indices[:, : g._nnz()] = g._indices()
+        values[: g._nnz()] = g._values()
+        self.gathered = torch.empty(self.world_size * local.numel(), dtype=torch.uint8, device=g.device)
+        self.work = _all_gather_flat(self.gathered, local, self.process_group)
+
+    def result(self) -> torch.Tensor:
+        """Wait for the rows and return the summed, coalesced sparse gradient (after :meth:`start_gather`)."""
+        g = self.grad
+        if self.work is None:  # no rank had rows
+            return g
+        self.work.wait()
+        self.work = None
+        max_rows = max(self.rows)
+        nbytes = self._layout(max_rows)[2]
+        indices, values = [], []
+        for r, n in enumerate(self.rows):
+            if n > 0:
+                i, v = self._sections(self.gathered[r * nbytes:(r + 1) * nbytes], max_rows)
+                indices.append(i[:, :n])
+                values.append(v[:n])
+        self.gathered = None
+        total = torch.sparse_coo_tensor(torch.cat(indices, 1), torch.cat(values, 0), g.shape, check_invariants=False)
+        return total.coalesce()
+
+
 def _hook_name(hook: Any) -> str:
     name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None)
     if name is None and hasattr(hook, "func"):  # functools.partial
@@ -424,8 +513,8 @@ class Reducer:
             where the mean itself is representable.
         sparse_params: Indices of parameters whose gradients are sparse
             (``nn.Embedding(sparse=True)`` weights): each gets a bucket of its
-            own and its gradient is scaled and all-reduced as a sparse tensor
-            (gloo), as torch DDP does.
+            own and its gradient is scaled and summed as a sparse tensor
+            (see :class:`SparseExchange`).
     """
 
     def __init__(
@@ -876,11 +965,11 @@ class Reducer:
         every rank agrees on what the next iteration issues.
         """
         pending = []
+        exchanges = []
         for b in self.buckets:
             if b.sparse:
                 if self.world_size > 1:
-                    z = _empty_sparse_grad(b.params[0])
-                    pending.append(dist.all_reduce(z, group=self.process_group, async_op=True))
+                    exchanges.append(SparseExchange(_empty_sparse_grad(b.params[0]), self.process_group, self.world_size))
             elif self._hook is not None:
                 z = Bucket(b.pos, b.count, b.param_indices, b.params, b.names)
                 z.flat.zero_()
@@ -896,6 +985,10 @@ class Reducer:
                 pending.append(dist.all_reduce(used, group=self.process_group, async_op=True))
         for w in pending:
             w.wait()
+        for x in exchanges:  # the row all-gathers come after the used-parameter all-reduce, as in _finalize
+            x.start_gather()
+        for x in exchanges:
+            x.result()
         if self._static_first:
             self._static_first = False
             global_used = [c > 0 for c in used.tolist()] if used is not None else [True] * len(self.params)
@@ -911,11 +1004,12 @@ class Reducer:
             self._pending_order = []
             self._order = []
 
-    def _launch_sparse(self, b: Bucket) -> Tuple[Any, torch.Tensor]:
-        """Scale the sparse gradient of ``b``'s parameter by 1/divisor and start its all-reduce.
+    def _launch_sparse(self, b: Bucket) -> Any:
+        """Scale the sparse gradient of ``b``'s parameter by 1/divisor and start its reduction.
 
         A parameter that got no gradient contributes an empty sparse tensor, so
-        every rank still issues the collective.
+        every rank still issues the collectives. Returns a :class:`SparseExchange`,
+        or the scaled gradient itself on one rank.
         """
         p, name = b.params[0], b.names[0]
         g = p.grad
@@ -927,16 +1021,16 @@ class Reducer:
                 f"gradient has layout {g.layout}; keep sparse=True for the module's lifetime or wrap it again"
             )
         with torch.no_grad():
-            reduced = g.coalesce() * (1.0 / self.divisor)
-        # (handle, tensor the all-reduce overwrites in place); no handle on one rank.
-        return (dist.all_reduce(reduced, group=self.process_group, async_op=True) if self.world_size > 1 else None, reduced)
+            scaled = g.coalesce() * (1.0 / self.divisor)
+        if self.world_size == 1:
+            return scaled
+        return SparseExchange(scaled, self.process_group, self.world_size)
 
     def _finish_sparse(self, b: Bucket) -> None:
-        """Wait for ``b``'s sparse all-reduce and make its result the parameter's gradient."""
-        work, reduced = b.work
+        """Make the reduced sparse gradient (see :meth:`_launch_sparse`) the parameter's gradient."""
+        pending = b.work
         b.work = None
-        if work is not None:
-            work.wait()
+        reduced = pending.result() if isinstance(pending, SparseExchange) else pending
         if self._global_used is not None and not self._global_used[b.param_indices[0]]:
             return  # unused on every rank: the gradient stays as it was
         b.params[0].grad = reduced
@@ -1092,6 +1186,9 @@ class Reducer:
             if self._learn_static_use:
                 self._learn_static_use = False
                 self._static_used = None if all(self._global_used) else self._global_used
+        for b in self.buckets:  # the row all-gathers of sparse buckets, in bucket order on every rank
+            if b.sparse and isinstance(b.work, SparseExchange):
+                b.work.start_gather()
         for b in self.buckets:
             if b.sparse:
                 self._finish_sparse(b)
