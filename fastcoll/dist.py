@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._reference import SUPPORTED_DTYPES, is_dense
+from ._sparse import all_reduce_sparse
 
 __all__ = [
     "get_rank",
@@ -1042,11 +1043,8 @@ def _take_buckets(tensors: List[torch.Tensor], limit_bytes: float) -> List[List[
 
 def _mean_one(t: torch.Tensor, ws: int, group: Group) -> Optional[Tuple[Any, torch.Tensor, torch.Tensor]]:
     """Average one tensor in place; returns work to finish when the reduce is async."""
-    if t.layout != torch.strided:  # sparse: reduce, then write back
-        reduced = t.coalesce() if t.layout == torch.sparse_coo else t
-        reduced = reduced.clone()
-        dist.all_reduce(reduced, group=group)
-        t.copy_(reduced / ws)
+    if t.layout == torch.sparse_coo:  # summed from all-gathers (see fastcoll._sparse), then written back
+        t.copy_(all_reduce_sparse(t, group, ws) / ws)
         return None
     if t.is_contiguous() and _backend_handles(t.device, group):
         t.div_(ws)
@@ -1105,6 +1103,12 @@ def allreduce_grads(
             continue
         seen.update((id(p), id(g)))
         grads.append(g)
+    for i, g in enumerate(grads):
+        if g.layout not in (torch.strided, torch.sparse_coo):
+            raise TypeError(
+                f"fastcoll.dist.allreduce_grads: gradient {i} ({_dtype_name(g.dtype)}{list(g.shape)}) has layout "
+                f"{g.layout}; only dense (strided) and sparse COO gradients can be reduced"
+            )
     ws = get_world_size(group)
     if ws == 1:
         return

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._reference import SUPPORTED_DTYPES, is_dense
+from ._sparse import SparseExchange
 from .bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
 
 __all__ = ["Bucket", "CoalescedBroadcast", "Reducer", "broadcast_coalesced", "find_tensors"]
@@ -356,95 +357,6 @@ def _empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:
     indices = torch.empty((1, 0), dtype=torch.long, device=p.device)
     values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
     return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
-
-
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    """Async all-gather of equal-sized ``inp`` into ``out`` (``all_gather_single``, named ``all_gather_into_tensor`` before torch 2.13)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, inp, group=group, async_op=True)
-
-
-class SparseExchange:
-    """The all-reduce (sum) of one sparse gradient, built from two dense all-gathers.
-
-    Not ``dist.all_reduce`` on the sparse tensor: under CPU contention, our
-    2-rank gloo tests crashed intermittently inside it (glibc: "malloc():
-    unaligned tcache chunk detected" in a gloo worker thread, i.e. a write to
-    freed memory), in about one run in a few hundred; nothing crashed with this
-    exchange under the same stress. Steps: (1) all-gather every rank's number
-    of rows; (2) when any rank has rows, all-gather one byte buffer per rank
-    holding its row indices and values, padded to the largest count, so no
-    collective moves zero bytes; every rank then sums the same concatenation
-    in the same order, so all ranks end with identical, coalesced gradients.
-    Only all-gathers of dense tensors are used, so any backend works.
-
-    Args:
-        grad: The local, coalesced, already scaled sparse gradient.
-        process_group: The group to reduce over (``world_size`` > 1).
-    """
-
-    def __init__(self, grad: torch.Tensor, process_group: Any, world_size: int):
-        self.grad = grad
-        self.process_group = process_group
-        self.world_size = world_size
-        nnz = torch.tensor([grad._nnz()], dtype=torch.int64, device=grad.device)
-        self.counts = torch.empty(world_size, dtype=torch.int64, device=grad.device)
-        self.work: Any = _all_gather_flat(self.counts, nnz, process_group)
-        self.rows: List[int] = []
-        self.gathered: Optional[torch.Tensor] = None
-
-    def _layout(self, max_rows: int) -> Tuple[int, int, int]:
-        """(index bytes, value bytes, bytes of one rank's buffer) for ``max_rows`` padded rows."""
-        g = self.grad
-        index_bytes = g.sparse_dim() * max_rows * 8
-        row_numel = 1
-        for d in g.shape[g.sparse_dim():]:
-            row_numel *= d
-        value_bytes = max_rows * row_numel * g.element_size()
-        return index_bytes, value_bytes, -(-(index_bytes + value_bytes) // 16) * 16  # 16-byte aligned per rank
-
-    def _sections(self, buf: torch.Tensor, max_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Views of one rank's byte buffer: indices (sparse_dim, max_rows) and values (max_rows, *dense)."""
-        g = self.grad
-        index_bytes, value_bytes, _ = self._layout(max_rows)
-        indices = buf[:index_bytes].view(torch.int64).view(g.sparse_dim(), max_rows)
-        values = buf[index_bytes:index_bytes + value_bytes].view(g.dtype).view(max_rows, *g.shape[g.sparse_dim():])
-        return indices, values
-
-    def start_gather(self) -> None:
-        """Wait for the row counts, then start the all-gather of rows (none when no rank has any)."""
-        self.work.wait()
-        self.rows = self.counts.tolist()
-        max_rows = max(self.rows)
-        self.work = None
-        if max_rows == 0:
-            return
-        g = self.grad
-        local = torch.zeros(self._layout(max_rows)[2], dtype=torch.uint8, device=g.device)
-        indices, values = self._sections(local, max_rows)
-        indices[:, : g._nnz()] = g._indices()
-        values[: g._nnz()] = g._values()
-        self.gathered = torch.empty(self.world_size * local.numel(), dtype=torch.uint8, device=g.device)
-        self.work = _all_gather_flat(self.gathered, local, self.process_group)
-
-    def result(self) -> torch.Tensor:
-        """Wait for the rows and return the summed, coalesced sparse gradient (after :meth:`start_gather`)."""
-        g = self.grad
-        if self.work is None:  # no rank had rows
-            return g
-        self.work.wait()
-        self.work = None
-        max_rows = max(self.rows)
-        nbytes = self._layout(max_rows)[2]
-        indices, values = [], []
-        for r, n in enumerate(self.rows):
-            if n > 0:
-                i, v = self._sections(self.gathered[r * nbytes:(r + 1) * nbytes], max_rows)
-                indices.append(i[:, :n])
-                values.append(v[:n])
-        self.gathered = None
-        total = torch.sparse_coo_tensor(torch.cat(indices, 1), torch.cat(values, 0), g.shape, check_invariants=False)
-        return total.coalesce()
 
 
 def _hook_name(hook: Any) -> str:

@@ -201,6 +201,28 @@ def _rank_tensor_collectives(rank: int, ws: int):
         after = [(p.grad.data_ptr(), p.grad.stride()) if p.grad is not None else None for p in params]
         assert before == after, "gradients were replaced instead of updated in place"
 
+    # sparse COO gradients (as nn.Embedding(sparse=True) makes) next to a dense one: the mean, still
+    # sparse; rows differ and repeat across ranks, and in round 1 rank 0 has no rows at all
+    def sparse_grad(r: int, round_: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(50 + 10 * r + round_)
+        n = 0 if (round_ == 1 and r == 0) else 4
+        idx = torch.randint(0, 10, (1, n), generator=g)
+        return torch.sparse_coo_tensor(idx, torch.randn(n, 3, generator=g), (10, 3))
+
+    for round_ in range(2):
+        for coalesce in (True, False):
+            emb, lin = torch.nn.Parameter(torch.zeros(10, 3)), torch.nn.Parameter(torch.zeros(2))
+            emb.grad, lin.grad = sparse_grad(rank, round_), torch.full((2,), float(rank))
+            fd.allreduce_grads([emb, lin], coalesce=coalesce)
+            want = sum(sparse_grad(r, round_).to_dense().double() for r in range(ws)) / ws
+            assert emb.grad.is_sparse, f"round {round_} coalesce={coalesce}: the sparse gradient came back dense"
+            torch.testing.assert_close(emb.grad.to_dense().double(), want, msg=lambda m: f"round {round_} coalesce={coalesce}: {m}")
+            torch.testing.assert_close(lin.grad, torch.full((2,), sum(range(ws)) / ws))
+    csr = torch.eye(2).to_sparse_csr().requires_grad_()
+    csr.grad = torch.eye(2).to_sparse_csr()
+    with pytest.raises(TypeError, match="gradient 0 .*layout torch.sparse_csr"):
+        fd.allreduce_grads([csr])
+
     # the reused CPU buffer: smaller, then larger again, then after release
     for subset in (slice(0, 3), slice(None), None):
         if subset is None:
