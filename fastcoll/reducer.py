@@ -590,7 +590,7 @@ class Reducer:
                 "numel": b.numel,
                 "bytes": b.nbytes,
                 "comm_dtype": b.comm.dtype,
-                "comm_bytes": b.nbytes if b.sparse else b.comm_nbytes,  # sparse: at most, when every row is sent
+                "comm_bytes": b.nbytes if b.sparse else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
                 "sparse": b.sparse,
             }
             for b in self.buckets
