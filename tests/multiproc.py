@@ -41,8 +41,12 @@ class RankError(RuntimeError):
 
 
 def _worker(fn, rank, world_size, store_path, args, results, pg_timeout, init_pg, env):
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack to the test's stderr
 
     os.environ.update(env)
     torch.set_num_threads(1)
