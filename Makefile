@@ -4,7 +4,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 TORCH_CPU  := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
-DEPS   := numpy pybind11 ninja "setuptools>=64" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib
+DEPS   := numpy pybind11 ninja "setuptools>=77" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib
 EXTRAS := mmengine==0.10.7 pytorch-lightning==2.6.6 lightning==2.6.6
 CSRC   := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
 # The CUDA build check: a second environment with a CUDA build of torch.
@@ -52,7 +52,7 @@ cmake-test: build
 cuda-build-check:
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.14.1')" 2>/dev/null || \
-	  $(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy ninja "setuptools>=64" wheel
+	  $(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy ninja "setuptools>=77" wheel
 	rm -rf build/cuda-check && mkdir -p build/cuda-check
 	NV=$$($(CUDA_VENV)/bin/python -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13"))'); \
 	  CUDA_HOME=$(CUDA_HOME) FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="8.0;9.0" MAX_JOBS=2 \
@@ -64,7 +64,7 @@ cuda-build-check:
 # Wheels of the test and table tools for the GPU machine (Python 3.12, no package
 # index there): `make gpu-wheels` here, then carry .gpu-wheels to the GPU machine.
 GPU_PY ?= 3.12
-GPU_WHEELS := pytest pytest-timeout hypothesis expecttest rich ninja
+GPU_WHEELS := pytest pytest-timeout hypothesis expecttest rich ninja "setuptools>=77"
 gpu-wheels: $(VENV)/.deps-stamp
 	$(VPY) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
