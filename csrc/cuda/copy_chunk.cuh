@@ -81,11 +81,13 @@ FASTCOLL_HOST_DEVICE D convert_scale(S x, M scale) {
 
 // Per-chunk index math is 32-bit (a chunk has at most kChunkElements elements),
 // which keeps the kernel's register count down.
-// Thread `tid` of `nthreads` handles elements tid, tid + nthreads, ... of [0, n).
-template <typename S, typename D, typename M>
-FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int n, M scale, int tid, int nthreads) {
+// Thread `tid` of `nthreads` maps elements tid, tid + nthreads, ... of [0, n)
+// through `f`, kUnroll loads in flight before the first store. In and Out are
+// single elements or 16-byte Packs of them.
+template <typename In, typename Out, typename F>
+FASTCOLL_HOST_DEVICE void strided_map(const In* src, Out* dst, int n, F f, int tid, int nthreads) {
   for (int base = tid; base < n; base += kUnroll * nthreads) {
-    S in[kUnroll];
+    In in[kUnroll];
 FASTCOLL_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * nthreads;
@@ -94,9 +96,34 @@ FASTCOLL_UNROLL
 FASTCOLL_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * nthreads;
-      if (i < n) dst[i] = convert_scale<S, D, M>(in[u], scale);
+      if (i < n) dst[i] = f(in[u]);
     }
   }
+}
+
+// x * scale as D, one element or every lane of a Pack.
+template <typename S, typename D, typename M>
+struct ScaleElement {
+  M scale;
+  FASTCOLL_HOST_DEVICE D operator()(S x) const {
+    return convert_scale<S, D, M>(x, scale);
+  }
+};
+
+template <typename S, typename D, typename M, int N>
+struct ScalePack {
+  M scale;
+  FASTCOLL_HOST_DEVICE Pack<D, N> operator()(const Pack<S, N>& x) const {
+    Pack<D, N> out;
+FASTCOLL_UNROLL
+    for (int k = 0; k < N; ++k) out.v[k] = convert_scale<S, D, M>(x.v[k], scale);
+    return out;
+  }
+};
+
+template <typename S, typename D, typename M>
+FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int n, M scale, int tid, int nthreads) {
+  strided_map(src, dst, n, ScaleElement<S, D, M>{scale}, tid, nthreads);
 }
 
 // One thread's share of a chunk: a scalar head up to the source's 16-byte
@@ -122,24 +149,7 @@ FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int n, M scale, int t
   const int nvec = (n - head) / kVec;
   const auto* vsrc = reinterpret_cast<const Pack<S, kVec>*>(src + head);
   auto* vdst = reinterpret_cast<Pack<D, kVec>*>(dst + head);
-  for (int base = tid; base < nvec; base += kUnroll * nthreads) {
-    Pack<S, kVec> in[kUnroll];
-FASTCOLL_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * nthreads;
-      if (i < nvec) in[u] = vsrc[i];
-    }
-FASTCOLL_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * nthreads;
-      if (i < nvec) {
-        Pack<D, kVec> out;
-FASTCOLL_UNROLL
-        for (int k = 0; k < kVec; ++k) out.v[k] = convert_scale<S, D, M>(in[u].v[k], scale);
-        vdst[i] = out;
-      }
-    }
-  }
+  strided_map(vsrc, vdst, nvec, ScalePack<S, D, M, kVec>{scale}, tid, nthreads);
   const int done = head + nvec * kVec;
   scalar_range<S, D, M>(src + done, dst + done, n - done, scale, tid, nthreads);
 }
