@@ -47,6 +47,8 @@ class SparseExchange:
         self.counts = torch.empty(world_size, dtype=torch.int64, device=grad.device)
         self.work: Any = _all_gather_flat(self.counts, self.nnz, process_group)
         self.rows: List[int] = []
+        self.max_rows = 0
+        self.layout: Tuple[int, int, int] = (0, 0, 0)  # (index bytes, value bytes, bytes per rank), see _layout
         self.local: Optional[torch.Tensor] = None
         self.gathered: Optional[torch.Tensor] = None
 
@@ -60,10 +62,10 @@ class SparseExchange:
         value_bytes = max_rows * row_numel * g.element_size()
         return index_bytes, value_bytes, -(-(index_bytes + value_bytes) // 16) * 16  # 16-byte aligned per rank
 
-    def _sections(self, buf: torch.Tensor, max_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _sections(self, buf: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Views of one rank's byte buffer: indices (sparse_dim, max_rows) and values (max_rows, *dense)."""
-        g = self.grad
-        index_bytes, value_bytes, _ = self._layout(max_rows)
+        g, max_rows = self.grad, self.max_rows
+        index_bytes, value_bytes, _ = self.layout
         indices = buf[:index_bytes].view(torch.int64).view(g.sparse_dim(), max_rows)
         values = buf[index_bytes:index_bytes + value_bytes].view(g.dtype).view(max_rows, *g.shape[g.sparse_dim():])
         return indices, values
@@ -72,13 +74,14 @@ class SparseExchange:
         """Wait for the row counts, then start the all-gather of rows (none when no rank has any)."""
         self.work.wait()
         self.rows = self.counts.tolist()
-        max_rows = max(self.rows)
+        self.max_rows = max(self.rows)
         self.work = None
-        if max_rows == 0:
+        if self.max_rows == 0:
             return
         g = self.grad
-        local = torch.zeros(self._layout(max_rows)[2], dtype=torch.uint8, device=g.device)
-        indices, values = self._sections(local, max_rows)
+        self.layout = self._layout(self.max_rows)
+        local = torch.zeros(self.layout[2], dtype=torch.uint8, device=g.device)
+        indices, values = self._sections(local)
         indices[:, : g._nnz()] = g._indices()
         values[: g._nnz()] = g._values()
         self.gathered = torch.empty(self.world_size * local.numel(), dtype=torch.uint8, device=g.device)
@@ -92,12 +95,11 @@ class SparseExchange:
             return g
         self.work.wait()
         self.work = None
-        max_rows = max(self.rows)
-        nbytes = self._layout(max_rows)[2]
+        nbytes = self.layout[2]
         indices, values = [], []
         for r, n in enumerate(self.rows):
             if n > 0:
-                i, v = self._sections(self.gathered[r * nbytes:(r + 1) * nbytes], max_rows)
+                i, v = self._sections(self.gathered[r * nbytes:(r + 1) * nbytes])
                 indices.append(i[:, :n])
                 values.append(v[:n])
         self.gathered = self.local = None
