@@ -1,0 +1,56 @@
+"""The one table of dtypes fastcoll handles, and the tensor properties the fused ops need.
+
+Everything that asks "can the fused ops pack this tensor?" or "what do we
+call this dtype in a message?" asks here. The C++ side has the same table in
+``csrc/dtypes.h`` (an X-macro); ``tests/test_ops.py`` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["SUPPORTED_DTYPES", "COMM_DTYPES", "dtype_name", "is_dense", "is_fusable", "check_comm_dtype"]
+
+#: Floating dtypes the fused ops read and write (in the C++ table's order).
+SUPPORTED_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+#: Wire dtypes ``comm_dtype`` accepts (None: the gradients' own dtype).
+COMM_DTYPES: Tuple[Optional[torch.dtype], ...] = (None, torch.float16, torch.bfloat16)
+
+#: How messages list the supported dtypes.
+SUPPORTED_NAMES = "float32, float16, bfloat16 and float64"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name Python users know a dtype by: ``float32``, ``int64``, ``bool``."""
+    return str(dtype).replace("torch.", "")
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill ``numel`` consecutive memory slots, each once.
+
+    Same rule as ATen's ``is_non_overlapping_and_dense``: sorted by stride,
+    every dimension's stride equals the product of the sizes inside it.
+    """
+    if t.numel() <= 1:
+        return True
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def is_fusable(t: torch.Tensor) -> bool:
+    """Whether the fused ops can pack ``t`` as it is: strided, a supported dtype, dense."""
+    return t.layout == torch.strided and t.dtype in SUPPORTED_DTYPES and is_dense(t)
+
+
+def check_comm_dtype(comm_dtype: object, who: str = "fastcoll.DDP") -> None:
+    """Raise ValueError unless ``comm_dtype`` is None, ``torch.float16`` or ``torch.bfloat16``."""
+    if not any(comm_dtype is d for d in COMM_DTYPES):
+        raise ValueError(f"{who}: comm_dtype must be None, torch.float16 or torch.bfloat16, got {comm_dtype!r}")
