@@ -24,6 +24,7 @@ from multiproc import run_ranks
 
 import fastcoll
 from fastcoll import dist as fd
+from fastcoll.dist import _agree, backends, serialize, tensors
 
 # --------------------------------------------------------------------------- #
 # Deterministic per-rank inputs (any rank can rebuild any other rank's input)
@@ -136,6 +137,7 @@ def _rank_tensor_collectives(rank: int, ws: int):
     assert fd.get_rank() == rank and fastcoll.get_rank() == rank
     assert fd.get_world_size() == ws
     assert fd.is_distributed() and fd.distributed_available()
+    assert backends.bound_device() is None and backends.comm_device() == torch.device("cpu")  # gloo, no device_id
     fd.synchronize()
     assert fd.rank_zero_only(lambda: "ran")() == ("ran" if rank == 0 else None)
 
@@ -158,6 +160,8 @@ def _rank_tensor_collectives(rank: int, ws: int):
     out_half = fd.reduce_mean(half)
     assert out_half.dtype == torch.float16
     torch.testing.assert_close(out_half.float(), torch.full((3,), mean_factor), atol=1e-3, rtol=1e-3)
+    big = fd.reduce_mean(torch.tensor([200, 1], dtype=torch.uint8))  # summed in int64: no wrap-around
+    assert big.dtype == torch.float32 and torch.equal(big, torch.tensor([200.0, 1.0]))
     ints = torch.tensor([rank, 1], dtype=torch.int64)
     ints_out = fd.reduce_mean(ints)
     assert ints_out.dtype == torch.float32 and torch.equal(ints, torch.tensor([rank, 1]))
@@ -178,7 +182,7 @@ def _rank_tensor_collectives(rank: int, ws: int):
                 assert v.dtype == want[k].dtype, (op, to_float, k, v.dtype, want[k].dtype)
                 assert v.shape == want[k].shape, (k, v.shape)
                 tol = _tol(torch.as_tensor(d[k]).dtype) if not to_float else 1e-5
-                torch.testing.assert_close(v, want[k], atol=tol, rtol=tol, msg=lambda m: f"{op} {to_float} {k!r}: {m}")
+                torch.testing.assert_close(v, want[k], atol=tol, rtol=tol, msg=lambda m, w=f"{op} {to_float} {k!r}": f"{w}: {m}")
             fresh = _dict_for(rank)
             for k in d:  # inputs untouched
                 assert torch.equal(torch.as_tensor(d[k]), torch.as_tensor(fresh[k]))
@@ -197,7 +201,7 @@ def _rank_tensor_collectives(rank: int, ws: int):
         for i, ((shape, dtype, _), p) in enumerate(zip(specs, with_grad)):
             want = sum(_grad_value(r, i, shape, dtype).double() for r in range(ws)) / ws
             tol = _tol(dtype)
-            torch.testing.assert_close(p.grad.double(), want, atol=tol, rtol=tol, msg=lambda m: f"{coalesce} {bucket} grad {i}: {m}")
+            torch.testing.assert_close(p.grad.double(), want, atol=tol, rtol=tol, msg=lambda m, w=f"{coalesce} {bucket} grad {i}": f"{w}: {m}")
         after = [(p.grad.data_ptr(), p.grad.stride()) if p.grad is not None else None for p in params]
         assert before == after, "gradients were replaced instead of updated in place"
 
@@ -216,7 +220,7 @@ def _rank_tensor_collectives(rank: int, ws: int):
             fd.allreduce_grads([emb, lin], coalesce=coalesce)
             want = sum(sparse_grad(r, round_).to_dense().double() for r in range(ws)) / ws
             assert emb.grad.is_sparse, f"round {round_} coalesce={coalesce}: the sparse gradient came back dense"
-            torch.testing.assert_close(emb.grad.to_dense().double(), want, msg=lambda m: f"round {round_} coalesce={coalesce}: {m}")
+            torch.testing.assert_close(emb.grad.to_dense().double(), want, msg=lambda m, w=f"round {round_} coalesce={coalesce}": f"{w}: {m}")
             torch.testing.assert_close(lin.grad, torch.full((2,), sum(range(ws)) / ws))
     csr = torch.eye(2).to_sparse_csr().requires_grad_()
     csr.grad = torch.eye(2).to_sparse_csr()
@@ -258,16 +262,11 @@ def _rank_tensor_collectives(rank: int, ws: int):
     assert fd.is_module_wrapper(torch.nn.DataParallel(ddp))
     assert not fd.is_module_wrapper(torch.nn.Sequential(ddp))
     assert not fd.is_module_wrapper(lin)
-    try:
-        from fastcoll.ddp import DDP as FastDDP
-    except ImportError:  # fastcoll.ddp not in this checkout
-        FastDDP = None
-    if FastDDP is not None:
-        assert fd.is_module_wrapper(FastDDP(torch.nn.Linear(2, 2)))
+    assert fd.is_module_wrapper(fastcoll.DDP(torch.nn.Linear(2, 2)))
 
     # a backend that cannot use this device: everything is staged through the comm device
-    real_handles = fd._backend_handles
-    fd._backend_handles = lambda device, group=None: False
+    real_supports = backends.group_supports
+    backends.group_supports = lambda device, group=None: False
     try:
         got = fd.all_reduce_dict({"v": torch.tensor([float(rank)]), "n": torch.tensor([rank])}, to_float=False)
         assert torch.equal(got["v"], torch.tensor([float(sum(range(ws)))])) and torch.equal(got["n"], torch.tensor([sum(range(ws))]))
@@ -279,7 +278,7 @@ def _rank_tensor_collectives(rank: int, ws: int):
                 want = sum(_grad_value(r, i, shape, dtype).double() for r in range(ws)) / ws
                 torch.testing.assert_close(p.grad.double(), want, atol=_tol(dtype), rtol=_tol(dtype))
     finally:
-        fd._backend_handles = real_handles
+        backends.group_supports = real_supports
     return True
 
 
@@ -400,7 +399,7 @@ def _rank_errors(rank: int, ws: int, sysdir: str):
     out["gather_gpu_zero"] = _capture(lambda: fd.all_gather_object_gpu(unpicklable_on(1)))
     _still_in_step(ws)
 
-    local_fn = lambda: None  # noqa: E731 - local objects cannot be pickled
+    local_fn = lambda: None
     out["broadcast"] = _capture(lambda: fd.broadcast(local_fn if rank == 1 else None, src=1))
     _still_in_step(ws)
     out["broadcast_src"] = _capture(lambda: fd.broadcast(1, src=ws))
@@ -414,6 +413,25 @@ def _rank_errors(rank: int, ws: int, sysdir: str):
     )
     _still_in_step(ws)
     out["collect_device"] = _capture(lambda: fd.collect_results([1], 1, device="tpu"))
+    _still_in_step(ws)
+
+    # the agreement protocol itself
+    assert _agree.agree("fastcoll.t", values=[rank, 10 * rank], desc=("same", 1)) == [[r, 10 * r] for r in range(ws)]
+    errors = {1: ValueError("fastcoll.t: bad value 7"), 2: FileNotFoundError("no such file")}
+    out["agree_types"] = _capture(lambda: _agree.agree("fastcoll.t", error=errors.get(rank)))
+    same = RuntimeError("same text") if rank != 1 else None
+    out["agree_grouped"] = _capture(lambda: _agree.agree("fastcoll.t", error=same, desc=rank))  # errors beat desc
+    out["agree_other_type"] = _capture(lambda: _agree.agree("fastcoll.t", error=KeyError("k") if rank == 2 else None))
+    try:
+        _agree.agree("fastcoll.t", error=ValueError("mine") if rank == 0 else None)
+    except ValueError as exc:
+        assert (exc.__cause__ is not None) == (rank == 0), "the failing rank's own error is the cause"
+    out["agree_mismatch"] = _capture(
+        lambda: _agree.agree(
+            "fastcoll.t", desc=("x", rank == 2), mismatch=RuntimeError, explain=lambda descs: f"got {[d[1] for d in descs]}"
+        )
+    )
+    out["agree_default_explain"] = _capture(lambda: _agree.agree("fastcoll.t", desc={"n": 3 if rank == 1 else 4}))
     _still_in_step(ws)
     return out
 
@@ -500,6 +518,11 @@ def test_errors_raise_on_every_rank(tmp_path):
     every_rank("gather_cpu", "TypeError", f"rank {ws - 1}", "_thread.lock")
     every_rank("gather_cpu_given", "TypeError", "rank 0")
     every_rank("collect_device", "ValueError", "'tpu'")
+    every_rank("agree_types", "ValueError", "fastcoll.t: failed on 2 rank(s): rank 1: bad value 7; rank 2: no such file")
+    every_rank("agree_grouped", "RuntimeError", "failed on 2 rank(s): ranks 0, 2: same text")
+    every_rank("agree_other_type", "RuntimeError", "rank 2: 'k'")
+    every_rank("agree_mismatch", "RuntimeError", "fastcoll.t: got [False, False, True]")
+    every_rank("agree_default_explain", "ValueError", "rank 0: {'n': 4}; rank 1: {'n': 3}")
     assert sorted(os.listdir(tmp_path)) == ["given"], "the temporary directory was not removed"
     assert os.listdir(tmp_path / "given") == [], "part files were left behind"
 
@@ -615,7 +638,7 @@ def test_pickling_errors_and_large_payload_warning(no_pg, monkeypatch):
         fd.serialize_to_tensor(lambda: None)
     with pytest.raises(TypeError, match="expected a tensor"):
         fd.tensor2obj(b"abc")
-    monkeypatch.setattr(fd, "LARGE_PAYLOAD_BYTES", 1000)
+    monkeypatch.setattr(serialize, "LARGE_PAYLOAD_BYTES", 1000)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fd.obj2tensor("x" * 10)
@@ -638,31 +661,81 @@ def test_is_module_wrapper(no_pg, monkeypatch):
             self.module = module
 
     fake.DDP = DDP
-    monkeypatch.setitem(sys.modules, "fastcoll.ddp", fake)
+    monkeypatch.setitem(sys.modules, "fastcoll.ddp", fake)  # a DDP that needs no process group
     assert fd.is_module_wrapper(DDP(lin))
     assert fd.is_module_wrapper(torch.compile(DDP(lin)))  # compiled wrapper: looked through
     assert not fd.is_module_wrapper(torch.compile(lin))
-    monkeypatch.setitem(sys.modules, "fastcoll.ddp", None)  # fastcoll.ddp absent: import fails
-    assert not fd.is_module_wrapper(DDP(lin)) and fd.is_module_wrapper(dp)
 
 
 @pytest.mark.parametrize(
-    "backend,cpu_ok,cuda_ok,comm",
+    "backend,cpu_ok,cuda_ok",
     [
-        ("gloo", True, True, "cpu"),
-        ("nccl", False, True, "cuda:1"),
-        ("mpi", True, False, "cpu"),
-        ("cpu:gloo,cuda:nccl", True, True, "cpu"),
-        ("cuda:nccl", False, True, "cuda:1"),
+        ("gloo", True, True),
+        ("nccl", False, True),
+        ("mpi", True, False),
+        ("cpu:gloo,cuda:nccl", True, True),
+        ("cuda:nccl", False, True),
+        ("ucc", True, True),  # unknown: torch decides
     ],
 )
-def test_backend_device_routing(monkeypatch, backend, cpu_ok, cuda_ok, comm):
-    monkeypatch.setattr(fd, "_backend_name", lambda group=None: backend)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert fd._backend_handles(torch.device("cpu")) is cpu_ok
-    assert fd._backend_handles(torch.device("cuda", 0)) is cuda_ok
-    assert fd._comm_device() == torch.device(comm)
+def test_backend_supports_device(backend, cpu_ok, cuda_ok):
+    assert backends.supports_device(backend, torch.device("cpu")) is cpu_ok
+    assert backends.supports_device(backend, torch.device("cuda", 0)) is cuda_ok
+
+
+_CPU, _C0, _C1, _C2, _C3 = (torch.device(d) for d in ("cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"))
+
+
+@pytest.mark.parametrize(
+    "backend,devices,bound,current,want",
+    [
+        # backends that handle CPU tensors communicate on the CPU, whatever else is known
+        ("gloo", [_C2], _C1, 3, _CPU),
+        ("mpi", [], None, 0, _CPU),
+        ("cpu:gloo,cuda:nccl", [_C2], _C1, 3, _CPU),
+        ("", [], None, None, _CPU),  # not distributed
+        # nccl: the tensors' CUDA device first ...
+        ("nccl", [_C2], _C1, 3, _C2),
+        ("nccl", [_CPU, _C3, _C2], _C1, 0, _C3),
+        ("cuda:nccl", [_C2], None, 0, _C2),
+        # ... else the group's bound device ...
+        ("nccl", [], _C1, 3, _C1),
+        ("nccl", [_CPU], _C1, 3, _C1),
+        # ... else the current device (set_device never called: cuda:0)
+        ("nccl", [_CPU], None, 3, _C3),
+        ("nccl", [], None, 0, _C0),
+        ("cuda:nccl", [], None, None, _CPU),  # no CUDA at all
+    ],
+)
+def test_comm_device_rule(backend, devices, bound, current, want):
+    assert backends.pick_comm_device(backend, devices, bound, current) == want
+
+
+def test_comm_device_without_process_group(no_pg):
+    assert backends.comm_device() == torch.device("cpu") and backends.bound_device() is None
+    assert backends.comm_device(tensors=[torch.zeros(1)]) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "sizes,cap,runs",
+    [
+        ([4, 4, 4], 8, [[0, 1], [2]]),
+        ([4, 20, 4], 8, [[0], [1], [2]]),  # too large for the cap: a run of its own
+        ([4, 4, 4], 12, [[0, 1, 2]]),
+        ([4, 4, 4], -1, [[0, 1, 2]]),  # no cap: one run
+        ([0, 0, 9, 0], 8, [[0, 1], [2], [3]]),
+    ],
+)
+def test_split_by_bytes(sizes, cap, runs):
+    assert tensors._split_by_bytes(sizes, cap) == runs
+
+
+def test_agree_without_process_group(no_pg):
+    assert _agree.agree("fastcoll.x", values=[3, 4], desc="anything") == [[3, 4]]
+    err = OSError("disk full")
+    with pytest.raises(OSError) as info:
+        _agree.agree("fastcoll.x", error=err)
+    assert info.value is err  # the local error itself, no collective
 
 
 def test_reexports():
@@ -681,8 +754,8 @@ def launch(monkeypatch):
     for var in _LAUNCH_VARS:
         os.environ.pop(var, None)
     calls = []
-    monkeypatch.setattr(fd.dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
-    monkeypatch.setattr(fd.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "init_process_group", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
     yield calls
     os.environ.clear()
     os.environ.update(saved)
@@ -690,18 +763,18 @@ def launch(monkeypatch):
 
 LAUNCH_CASES = [
     # launcher, env, init_dist kwargs, (rank, world_size, local_rank, MASTER_ADDR, MASTER_PORT)
-    ("pytorch", dict(RANK=3, WORLD_SIZE=8, LOCAL_RANK=1, MASTER_ADDR="10.0.0.1", MASTER_PORT=1234), {}, (3, 8, 1, "10.0.0.1", 1234)),
-    ("pytorch", dict(RANK=0, WORLD_SIZE=1, MASTER_ADDR="h"), {"port": 4321}, (0, 1, 0, "h", 4321)),
-    ("pytorch", dict(RANK=0, WORLD_SIZE=1, MASTER_ADDR="h", MASTER_PORT=1), {"port": 4321}, (0, 1, 0, "h", 4321)),
-    ("slurm", dict(SLURM_PROCID=5, SLURM_NTASKS=8, SLURM_NODELIST="gpu[03-04,09]", SLURM_LOCALID=1), {}, (5, 8, 1, "gpu03", 29500)),
-    ("slurm", dict(SLURM_PROCID=6, SLURM_NTASKS=8, SLURM_JOB_NODELIST="a[1-2]b", SLURM_NTASKS_PER_NODE=4), {}, (6, 8, 2, "a1b", 29500)),
-    ("slurm", dict(SLURM_PROCID=5, SLURM_NTASKS=8, SLURM_NODELIST="n[1-3]", SLURM_TASKS_PER_NODE="2(x2),4"), {}, (5, 8, 1, "n1", 29500)),
-    ("slurm", dict(SLURM_PROCID=3, SLURM_NTASKS=8, SLURM_NODELIST="n[1-3]", SLURM_TASKS_PER_NODE="2(x2),4"), {}, (3, 8, 1, "n1", 29500)),
-    ("slurm", dict(SLURM_PROCID=3, SLURM_NTASKS=4, SLURM_NODELIST="x,y"), {}, (3, 4, 0, "x", 29500)),
-    ("slurm", dict(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_NODELIST="x", MASTER_ADDR="m", MASTER_PORT=7), {}, (0, 2, 0, "m", 7)),
-    ("slurm", dict(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_NODELIST="x", MASTER_PORT=7), {"port": 9}, (0, 2, 0, "x", 9)),
-    ("mpi", dict(OMPI_COMM_WORLD_RANK=2, OMPI_COMM_WORLD_SIZE=4, OMPI_COMM_WORLD_LOCAL_RANK=0, MASTER_ADDR="m"), {}, (2, 4, 0, "m", 29500)),
-    ("mpi", dict(PMI_RANK=1, PMI_SIZE=2, MPI_LOCALRANKID=1, MASTER_ADDR="m", MASTER_PORT=99), {}, (1, 2, 1, "m", 99)),
+    ("pytorch", {"RANK": 3, "WORLD_SIZE": 8, "LOCAL_RANK": 1, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": 1234}, {}, (3, 8, 1, "10.0.0.1", 1234)),
+    ("pytorch", {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "h"}, {"port": 4321}, (0, 1, 0, "h", 4321)),
+    ("pytorch", {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "h", "MASTER_PORT": 1}, {"port": 4321}, (0, 1, 0, "h", 4321)),
+    ("slurm", {"SLURM_PROCID": 5, "SLURM_NTASKS": 8, "SLURM_NODELIST": "gpu[03-04,09]", "SLURM_LOCALID": 1}, {}, (5, 8, 1, "gpu03", 29500)),
+    ("slurm", {"SLURM_PROCID": 6, "SLURM_NTASKS": 8, "SLURM_JOB_NODELIST": "a[1-2]b", "SLURM_NTASKS_PER_NODE": 4}, {}, (6, 8, 2, "a1b", 29500)),
+    ("slurm", {"SLURM_PROCID": 5, "SLURM_NTASKS": 8, "SLURM_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),4"}, {}, (5, 8, 1, "n1", 29500)),
+    ("slurm", {"SLURM_PROCID": 3, "SLURM_NTASKS": 8, "SLURM_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),4"}, {}, (3, 8, 1, "n1", 29500)),
+    ("slurm", {"SLURM_PROCID": 3, "SLURM_NTASKS": 4, "SLURM_NODELIST": "x,y"}, {}, (3, 4, 0, "x", 29500)),
+    ("slurm", {"SLURM_PROCID": 0, "SLURM_NTASKS": 2, "SLURM_NODELIST": "x", "MASTER_ADDR": "m", "MASTER_PORT": 7}, {}, (0, 2, 0, "m", 7)),
+    ("slurm", {"SLURM_PROCID": 0, "SLURM_NTASKS": 2, "SLURM_NODELIST": "x", "MASTER_PORT": 7}, {"port": 9}, (0, 2, 0, "x", 9)),
+    ("mpi", {"OMPI_COMM_WORLD_RANK": 2, "OMPI_COMM_WORLD_SIZE": 4, "OMPI_COMM_WORLD_LOCAL_RANK": 0, "MASTER_ADDR": "m"}, {}, (2, 4, 0, "m", 29500)),
+    ("mpi", {"PMI_RANK": 1, "PMI_SIZE": 2, "MPI_LOCALRANKID": 1, "MASTER_ADDR": "m", "MASTER_PORT": 99}, {}, (1, 2, 1, "m", 99)),
 ]  # fmt: skip
 
 
@@ -715,7 +788,7 @@ def test_init_dist_launcher_environments(launch, launcher, env, kwargs, want):
     assert args == ("gloo",) and kw["rank"] == rank and kw["world_size"] == ws
     assert kw["init_method"] == "env://" and kw["timeout"] == datetime.timedelta(seconds=5)
     exported = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    assert exported == dict(RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_RANK=str(local), MASTER_ADDR=addr, MASTER_PORT=str(port))
+    assert exported == {"RANK": str(rank), "WORLD_SIZE": str(ws), "LOCAL_RANK": str(local), "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
     assert fd.get_local_rank() == local
 
 
@@ -724,14 +797,14 @@ def test_init_dist_launcher_environments(launch, launcher, env, kwargs, want):
     [
         ("torchrun", {}, ["'torchrun'", "pytorch", "slurm", "mpi"]),
         ("pytorch", {}, ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]),
-        ("pytorch", dict(RANK=0, WORLD_SIZE=2, MASTER_ADDR="h"), ["MASTER_PORT"]),
+        ("pytorch", {"RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "h"}, ["MASTER_PORT"]),
         ("slurm", {}, ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODELIST"]),
-        ("slurm", dict(SLURM_PROCID=0, SLURM_NTASKS=2), ["SLURM_NODELIST"]),
+        ("slurm", {"SLURM_PROCID": 0, "SLURM_NTASKS": 2}, ["SLURM_NODELIST"]),
         ("mpi", {}, ["OMPI_COMM_WORLD_RANK or PMI_RANK", "OMPI_COMM_WORLD_SIZE or PMI_SIZE", "MASTER_ADDR"]),
-        ("pytorch", dict(RANK="abc", WORLD_SIZE=2, MASTER_ADDR="h", MASTER_PORT=1), ["RANK='abc'"]),
-        ("pytorch", dict(RANK=2, WORLD_SIZE=2, MASTER_ADDR="h", MASTER_PORT=1), ["RANK=2"]),
-        ("slurm", dict(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_NODELIST="n[1-"), ["SLURM_NODELIST"]),
-        ("pytorch", dict(RANK=0, WORLD_SIZE=2, MASTER_ADDR="h", MASTER_PORT=70000), ["70000"]),
+        ("pytorch", {"RANK": "abc", "WORLD_SIZE": 2, "MASTER_ADDR": "h", "MASTER_PORT": 1}, ["RANK='abc'"]),
+        ("pytorch", {"RANK": 2, "WORLD_SIZE": 2, "MASTER_ADDR": "h", "MASTER_PORT": 1}, ["RANK=2"]),
+        ("slurm", {"SLURM_PROCID": 0, "SLURM_NTASKS": 2, "SLURM_NODELIST": "n[1-"}, ["SLURM_NODELIST"]),
+        ("pytorch", {"RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "h", "MASTER_PORT": 70000}, ["70000"]),
     ],
 )
 def test_init_dist_errors(launch, launcher, env, fragments):
@@ -758,7 +831,7 @@ def test_init_dist_backend_and_cuda_device(launch, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
         fd.init_dist("pytorch", "nccl")
-    monkeypatch.setattr(fd.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="already initialized"):
         fd.init_dist("pytorch")
 
