@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "dtypes.h"
+
 namespace fastcoll {
 
 // One contiguous run of elements to copy-and-scale.
@@ -25,8 +27,9 @@ struct Segment {
 
 // Checks the arguments of flatten_scale (pack=true: tensors -> flat) or
 // unflatten_scale (pack=false: flat -> tensors) and returns the segments in
-// flat order. Throws (ValueError/TypeError/RuntimeError, naming the culprit)
-// before anything is written.
+// flat order. Throws (ValueError/TypeError/RuntimeError, naming the culprit,
+// prefixed "fastcoll.flatten_scale: " or "fastcoll.unflatten_scale: ") before
+// anything is written.
 std::vector<Segment> plan_segments(
     at::TensorList tensors,
     const at::Tensor& flat,
@@ -40,7 +43,8 @@ using CopyFn = void (*)(const void* src, void* dst, int64_t n, double scale);
 int64_t cpu_stream_min_bytes();
 void set_cpu_stream_min_bytes(int64_t nbytes);
 
-// Small integer code of a supported dtype (float32=0, float16=1, bfloat16=2, float64=3).
+// Small integer code of a supported dtype: its row in FASTCOLL_FOR_EACH_DTYPE
+// (dtypes.h). Only for dtypes plan_segments accepted.
 int dtype_code(at::ScalarType t);
 
 }  // namespace fastcoll

@@ -9,6 +9,7 @@
 #include <string>
 #include <tuple>
 
+#include "dtypes.h"
 #include "fastcoll.h"
 
 
@@ -21,19 +22,18 @@ std::string dtype_name(at::ScalarType t) {
   return std::string(c10::getDtypeNames(t).first);
 }
 
-bool is_supported(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+// Messages follow "fastcoll.<public name>: what went wrong (values); how to fix it";
+// `op` is that prefix ("fastcoll.flatten_scale" or "fastcoll.unflatten_scale").
+
+void check_dtype(const char* op, const at::Tensor& t, const std::string& what) {
+  TORCH_CHECK_TYPE(
+      is_supported_dtype(t.scalar_type()), op, ": ", what, " has dtype ", dtype_name(t.scalar_type()),
+      "; supported dtypes are ", supported_dtype_names());
 }
 
-void check_dtype(const at::Tensor& t, const std::string& what) {
+void check_strided(const char* op, const at::Tensor& t, const std::string& what) {
   TORCH_CHECK_TYPE(
-      is_supported(t.scalar_type()), "fastcoll: ", what, " has dtype ", dtype_name(t.scalar_type()),
-      "; supported dtypes are float32, float16, bfloat16 and float64");
-}
-
-void check_strided(const at::Tensor& t, const std::string& what) {
-  TORCH_CHECK_TYPE(
-      t.layout() == at::kStrided, "fastcoll: ", what, " has layout ", t.layout(),
+      t.layout() == at::kStrided, op, ": ", what, " has layout ", t.layout(),
       "; only strided (dense) tensors are supported");
 }
 
@@ -51,23 +51,28 @@ std::string shape_str(at::IntArrayRef a) {
 
 int dtype_code(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return 0;
-    case at::kHalf: return 1;
-    case at::kBFloat16: return 2;
-    case at::kDouble: return 3;
-    default: TORCH_CHECK(false, "fastcoll: unsupported dtype ", t);
+#define FASTCOLL_DTYPE_CODE_CASE(code, T, st, name) \
+  case at::ScalarType::st:                          \
+    return code;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_DTYPE_CODE_CASE)
+#undef FASTCOLL_DTYPE_CODE_CASE
+    default:
+      TORCH_CHECK(
+          false, "fastcoll internal error: dtype_code(", dtype_name(t),
+          ") reached a kernel; plan_segments should have refused it. Please report this");
   }
 }
 
 std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& flat, bool pack) {
+  const char* op = pack ? "fastcoll.flatten_scale" : "fastcoll.unflatten_scale";
   const std::string flat_name = pack ? "out" : "flat";
-  TORCH_CHECK_VALUE(!tensors.empty(), "fastcoll: tensors is empty; pass at least one tensor");
-  check_strided(flat, flat_name);
-  check_dtype(flat, flat_name);
+  TORCH_CHECK_VALUE(!tensors.empty(), op, ": tensors is empty; pass at least one tensor");
+  check_strided(op, flat, flat_name);
+  check_dtype(op, flat, flat_name);
   TORCH_CHECK_VALUE(
-      flat.dim() == 1 && flat.is_contiguous(), "fastcoll: ", flat_name,
+      flat.dim() == 1 && flat.is_contiguous(), op, ": ", flat_name,
       " must be a 1-D contiguous tensor, got shape ", shape_str(flat.sizes()), " with strides ",
-      shape_str(flat.strides()));
+      shape_str(flat.strides()), "; pass a 1-D contiguous buffer");
 
   std::vector<int64_t> offsets;
   offsets.reserve(tensors.size());
@@ -75,21 +80,21 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     const std::string what = "tensors[" + std::to_string(i) + "]";
-    check_strided(t, what);
+    check_strided(op, t, what);
     TORCH_CHECK(
-        t.device() == flat.device(), "fastcoll: ", what, " is on ", t.device(), " but ", flat_name,
-        " is on ", flat.device());
-    check_dtype(t, what);
+        t.device() == flat.device(), op, ": ", what, " is on ", t.device(), " but ", flat_name,
+        " is on ", flat.device(), "; move them to one device");
+    check_dtype(op, t, what);
     TORCH_CHECK_VALUE(
-        t.numel() <= 1 || t.is_non_overlapping_and_dense(), "fastcoll: ", what, " (shape ",
+        t.numel() <= 1 || t.is_non_overlapping_and_dense(), op, ": ", what, " (shape ",
         shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
         ") is not dense and non-overlapping; make it .contiguous() first");
     offsets.push_back(total);
     total += t.numel();
   }
   TORCH_CHECK_VALUE(
-      total == flat.numel(), "fastcoll: the tensors hold ", total, " elements in total but ", flat_name,
-      " has ", flat.numel());
+      total == flat.numel(), op, ": the tensors hold ", total, " elements in total but ", flat_name,
+      " has ", flat.numel(), "; ", flat_name, " must have exactly as many");
 
   // Aliasing. A tensor sitting exactly in its own slot of the flat buffer is an
   // in-place scale and is allowed; any other overlap would read overwritten data.
@@ -108,8 +113,9 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
     if (lo < flat_hi && flat_lo < hi) {
       const bool in_slot = t.scalar_type() == flat.scalar_type() && lo == flat_lo + offsets[i] * fsize;
       TORCH_CHECK_VALUE(
-          in_slot, "fastcoll: tensors[", i, "] overlaps ", flat_name, " outside its own slot (elements ",
-          offsets[i], "..", offsets[i] + t.numel(), "); the op would read overwritten data");
+          in_slot, op, ": tensors[", i, "] overlaps ", flat_name, " outside its own slot (elements ",
+          offsets[i], "..", offsets[i] + t.numel(), "); the op would read overwritten data: use separate "
+          "memory, or exactly that slot (fastcoll.bucket_views) for an in-place scale");
     }
     ranges.emplace_back(lo, hi, i);
     char* slot = static_cast<char*>(flat.data_ptr()) + offsets[i] * fsize;
@@ -136,8 +142,8 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
         const size_t a = std::min(std::get<2>(ranges[k]), std::get<2>(ranges[k + 1]));
         const size_t b = std::max(std::get<2>(ranges[k]), std::get<2>(ranges[k + 1]));
         TORCH_CHECK_VALUE(
-            false, "fastcoll: tensors[", a, "] and tensors[", b,
-            "] overlap in memory; destinations must be distinct");
+            false, op, ": tensors[", a, "] and tensors[", b,
+            "] overlap in memory; destinations must not share memory");
       }
     }
   }

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "dtypes.h"
 #include "fastcoll.h"
 
 #ifdef FASTCOLL_WITH_CUDA
@@ -21,6 +22,12 @@ py::dict build_info() {
   info["extension"] = true;
   info["compiler"] = FASTCOLL_COMPILER;
   info["cpu_stream_min_bytes"] = fastcoll::cpu_stream_min_bytes();
+  // The kernels' dtype table (dtypes.h), by name, in code order.
+  py::list dtypes;
+#define FASTCOLL_DTYPE_NAME(code, T, st, name) dtypes.append(name);
+  FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_DTYPE_NAME)
+#undef FASTCOLL_DTYPE_NAME
+  info["dtypes"] = dtypes;
 #ifdef FASTCOLL_WITH_CUDA
   info["cuda_kernels"] = true;
   info["cuda_version"] = std::to_string(CUDA_VERSION / 1000) + "." + std::to_string((CUDA_VERSION % 1000) / 10);

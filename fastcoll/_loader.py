@@ -58,12 +58,15 @@ def _load() -> None:
         _register_reference()
 
 
-def _check_devices(tensors, flat, flat_name: str) -> None:
+def _check_devices(op: str, tensors, flat, flat_name: str) -> None:
     # A list mixing meta and real tensors dispatches to the fake kernels; they
-    # must still reject it rather than silently doing nothing.
+    # must still reject it rather than silently doing nothing (same words as
+    # the kernels' check in csrc/ops.cpp).
     for i, t in enumerate(tensors):
         if t.device != flat.device:
-            raise RuntimeError(f"fastcoll: tensors[{i}] is on {t.device} but {flat_name} is on {flat.device}")
+            raise RuntimeError(
+                f"{op}: tensors[{i}] is on {t.device} but {flat_name} is on {flat.device}; move them to one device"
+            )
 
 
 def _register_fakes() -> None:
@@ -72,12 +75,12 @@ def _register_fakes() -> None:
     # let torch.compile trace the ops.
     @torch.library.register_fake("fastcoll::flatten_scale")
     def _flatten_scale_fake(tensors, out, scale=1.0):
-        _check_devices(tensors, out, "out")
+        _check_devices("fastcoll.flatten_scale", tensors, out, "out")
         return None
 
     @torch.library.register_fake("fastcoll::unflatten_scale")
     def _unflatten_scale_fake(flat, tensors, scale=1.0):
-        _check_devices(tensors, flat, "flat")
+        _check_devices("fastcoll.unflatten_scale", tensors, flat, "flat")
         return None
 
 

@@ -11,6 +11,10 @@ exactly ``numel`` consecutive elements of memory starting at ``data_ptr()``;
 its elements are packed into the flat buffer in that memory order. A view of
 the flat buffer with the same sizes and strides (see ``ops.bucket_views``)
 therefore round-trips.
+
+Messages start with the public op's name, ``fastcoll.flatten_scale: `` or
+``fastcoll.unflatten_scale: ``, then say what is wrong and how to fix it, in
+the same words as csrc/ops.cpp.
 """
 
 from __future__ import annotations
@@ -19,41 +23,20 @@ from typing import Sequence
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, dtype_name, is_dense
+
+# ``is_dense`` is also imported from here by fastcoll.ops (bucket_views).
+__all__ = ["flatten_scale", "unflatten_scale", "is_dense"]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _check_dtype(t: torch.Tensor, what: str) -> None:
+def _check_dtype(op: str, t: torch.Tensor, what: str) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"fastcoll: {what} has dtype {_dtype_name(t.dtype)}; supported dtypes are "
-            "float32, float16, bfloat16 and float64"
-        )
+        raise TypeError(f"{op}: {what} has dtype {dtype_name(t.dtype)}; supported dtypes are {SUPPORTED_NAMES}")
 
 
-def _check_strided(t: torch.Tensor, what: str) -> None:
+def _check_strided(op: str, t: torch.Tensor, what: str) -> None:
     if t.layout != torch.strided:
-        raise TypeError(f"fastcoll: {what} has layout {t.layout}; only strided (dense) tensors are supported")
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """True when ``t``'s elements fill ``numel`` consecutive memory slots, each once.
-
-    Same rule as ATen's ``is_non_overlapping_and_dense``: sorted by stride,
-    every dimension's stride equals the product of the sizes inside it.
-    """
-    if t.numel() <= 1:
-        return True
-    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
+        raise TypeError(f"{op}: {what} has layout {t.layout}; only strided (dense) tensors are supported")
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -61,48 +44,52 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
-def _check_flat(flat: torch.Tensor, name: str) -> None:
-    _check_strided(flat, name)
-    _check_dtype(flat, name)
+def _check_flat(op: str, flat: torch.Tensor, name: str) -> None:
+    _check_strided(op, flat, name)
+    _check_dtype(op, flat, name)
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError(
-            f"fastcoll: {name} must be a 1-D contiguous tensor, got shape {tuple(flat.shape)} "
-            f"with strides {tuple(flat.stride())}"
+            f"{op}: {name} must be a 1-D contiguous tensor, got shape {tuple(flat.shape)} "
+            f"with strides {tuple(flat.stride())}; pass a 1-D contiguous buffer"
         )
 
 
 def _validate(
-    tensors: Sequence[torch.Tensor], flat: torch.Tensor, flat_name: str, list_name: str, writes_list: bool
+    op: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, flat_name: str, list_name: str, writes_list: bool
 ) -> list[int]:
     """Check arguments of either op; return each tensor's element offset in ``flat``.
 
-    Raises before anything is written. ``writes_list`` is True for the unflatten
-    direction, where the listed tensors are destinations and must not overlap
-    one another.
+    Raises before anything is written; ``op`` ("fastcoll.flatten_scale" or
+    "fastcoll.unflatten_scale") starts every message. ``writes_list`` is True
+    for the unflatten direction, where the listed tensors are destinations and
+    must not overlap one another.
     """
     if len(tensors) == 0:
-        raise ValueError(f"fastcoll: {list_name} is empty; pass at least one tensor")
-    _check_flat(flat, flat_name)
+        raise ValueError(f"{op}: {list_name} is empty; pass at least one tensor")
+    _check_flat(op, flat, flat_name)
     offsets: list[int] = []
     total = 0
     for i, t in enumerate(tensors):
         what = f"{list_name}[{i}]"
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fastcoll: {what} is a {type(t).__name__}, not a tensor")
-        _check_strided(t, what)
+            raise TypeError(f"{op}: {what} is a {type(t).__name__}, not a tensor")
+        _check_strided(op, t, what)
         if t.device != flat.device:
-            raise RuntimeError(f"fastcoll: {what} is on {t.device} but {flat_name} is on {flat.device}")
-        _check_dtype(t, what)
+            raise RuntimeError(
+                f"{op}: {what} is on {t.device} but {flat_name} is on {flat.device}; move them to one device"
+            )
+        _check_dtype(op, t, what)
         if not is_dense(t):
             raise ValueError(
-                f"fastcoll: {what} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not dense and "
+                f"{op}: {what} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not dense and "
                 "non-overlapping; make it .contiguous() first"
             )
         offsets.append(total)
         total += t.numel()
     if total != flat.numel():
         raise ValueError(
-            f"fastcoll: the {list_name} hold {total} elements in total but {flat_name} has {flat.numel()}"
+            f"{op}: the {list_name} hold {total} elements in total but {flat_name} has {flat.numel()}; "
+            f"{flat_name} must have exactly as many"
         )
     # Aliasing: a tensor may sit exactly in its own slot of the flat buffer (an
     # in-place scale, as with gradient_as_bucket_view); any other overlap with the
@@ -118,8 +105,9 @@ def _validate(
             in_slot = t.dtype == flat.dtype and lo == flat_lo + offsets[i] * fsize
             if not in_slot:
                 raise ValueError(
-                    f"fastcoll: {list_name}[{i}] overlaps {flat_name} outside its own slot "
-                    f"(elements {offsets[i]}..{offsets[i] + t.numel()}); the op would read overwritten data"
+                    f"{op}: {list_name}[{i}] overlaps {flat_name} outside its own slot "
+                    f"(elements {offsets[i]}..{offsets[i] + t.numel()}); the op would read overwritten data: "
+                    "use separate memory, or exactly that slot (fastcoll.bucket_views) for an in-place scale"
                 )
         ranges.append((lo, hi, i))
     if writes_list and len(ranges) > 1:
@@ -127,8 +115,8 @@ def _validate(
         for (lo_a, hi_a, ia), (lo_b, _, ib) in zip(ranges, ranges[1:]):
             if lo_b < hi_a:
                 raise ValueError(
-                    f"fastcoll: {list_name}[{min(ia, ib)}] and {list_name}[{max(ia, ib)}] overlap in memory; "
-                    "destinations must be distinct"
+                    f"{op}: {list_name}[{min(ia, ib)}] and {list_name}[{max(ia, ib)}] overlap in memory; "
+                    "destinations must not share memory"
                 )
     return offsets
 
@@ -144,7 +132,7 @@ def _opmath(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 def flatten_scale(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> None:
     """Reference ``fastcoll::flatten_scale``: pack ``tensors * scale`` into ``out``."""
-    offsets = _validate(tensors, out, "out", "tensors", writes_list=False)
+    offsets = _validate("fastcoll.flatten_scale", tensors, out, "out", "tensors", writes_list=False)
     with torch.no_grad():
         for t, off in zip(tensors, offsets):
             n = t.numel()
@@ -156,7 +144,7 @@ def flatten_scale(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: flo
 
 def unflatten_scale(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> None:
     """Reference ``fastcoll::unflatten_scale``: write slices of ``flat * scale`` into ``tensors``."""
-    offsets = _validate(tensors, flat, "flat", "tensors", writes_list=True)
+    offsets = _validate("fastcoll.unflatten_scale", tensors, flat, "flat", "tensors", writes_list=True)
     with torch.no_grad():
         for t, off in zip(tensors, offsets):
             n = t.numel()

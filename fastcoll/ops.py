@@ -81,21 +81,27 @@ def bucket_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch
         One view per tensor of ``like``.
     """
     if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"fastcoll.bucket_views: flat must be 1-D contiguous, got shape {tuple(flat.shape)}")
+        raise ValueError(
+            f"fastcoll.bucket_views: flat must be 1-D contiguous, got shape {tuple(flat.shape)} "
+            f"with strides {tuple(flat.stride())}; pass a 1-D contiguous buffer"
+        )
     views: List[torch.Tensor] = []
     offset = flat.storage_offset()
     for i, t in enumerate(like):
         if not _reference.is_dense(t):
             raise ValueError(
                 f"fastcoll.bucket_views: like[{i}] (shape {tuple(t.shape)}, strides {tuple(t.stride())}) "
-                "is not dense and non-overlapping"
+                "is not dense and non-overlapping; make it .contiguous() first"
             )
         stride = t.stride() if t.numel() > 0 else torch.empty(t.shape).stride()
         views.append(flat.as_strided(t.shape, stride, offset))
         offset += t.numel()
     used = offset - flat.storage_offset()
     if used != flat.numel():
-        raise ValueError(f"fastcoll.bucket_views: like holds {used} elements in total but flat has {flat.numel()}")
+        raise ValueError(
+            f"fastcoll.bucket_views: like holds {used} elements in total but flat has {flat.numel()}; "
+            "size flat with fastcoll.ops.total_numel(like)"
+        )
     return views
 
 

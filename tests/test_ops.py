@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import fastcoll
-from fastcoll import _loader, _reference, ops
+from fastcoll import _dtypes, _loader, _reference, ops
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DTYPES = [F32, F16, BF16, F64]
@@ -61,11 +61,17 @@ def _cpu_streaming(enabled: bool):
         _C._set_cpu_stream_min_bytes(saved)
 
 
+# The public name of the op an Impl called last: its error messages must start
+# with "<that name>: " (the convention "fastcoll.<public name>: what; how to fix").
+_LAST_OP = {"name": None}
+
+
 @dataclass(frozen=True)
 class Impl:
     name: str
 
     def flatten(self, tensors, out, scale=1.0):
+        _LAST_OP["name"] = "fastcoll.flatten_scale"
         if self.name.startswith("ops"):
             with _cpu_streaming(self.name == "ops_streaming"):
                 ret = ops.flatten_scale(tensors, out, scale)
@@ -74,6 +80,7 @@ class Impl:
             _reference.flatten_scale(tensors, out, scale)
 
     def unflatten(self, flat, tensors, scale=1.0):
+        _LAST_OP["name"] = "fastcoll.unflatten_scale"
         if self.name.startswith("ops"):
             with _cpu_streaming(self.name == "ops_streaming"):
                 assert ops.unflatten_scale(flat, tensors, scale) is None
@@ -579,9 +586,12 @@ class Snapshot:
 
 def _raises_and_writes_nothing(call, exc, patterns, *watched):
     snap = Snapshot(*watched)
+    _LAST_OP["name"] = None
     with pytest.raises(exc) as info:
         call()
     msg = str(info.value)
+    op = _LAST_OP["name"]
+    assert op is not None and msg.startswith(f"{op}: "), f"message {msg!r} does not start with '{op}: '"
     for p in patterns:
         assert p in msg, f"message {msg!r} does not mention {p!r}"
     snap.unchanged()
@@ -647,6 +657,59 @@ def test_unsupported_out_dtype(impl, dtype):
     out = torch.zeros(18, dtype=dtype)
     _raises_and_writes_nothing(lambda: impl.flatten(ts, out, 0.5), TypeError, ["out"], out, *ts)
     _raises_and_writes_nothing(lambda: impl.unflatten(out, ts, 0.5), TypeError, ["flat"], out, *ts)
+
+
+@impl_param
+def test_unsupported_dtype_message_lists_the_dtype_table(impl):
+    ts = _good_inputs()
+    ts[1] = torch.zeros(4, dtype=torch.int16)
+    out = torch.zeros(18)
+    msg = _raises_and_writes_nothing(lambda: impl.flatten(ts, out, 0.5), TypeError, ["tensors[1]", "int16"], out)
+    assert msg.splitlines()[0].endswith(f"supported dtypes are {_dtypes.SUPPORTED_NAMES}"), msg
+    names = [_dtypes.dtype_name(d) for d in _dtypes.SUPPORTED_DTYPES]
+    assert _dtypes.SUPPORTED_NAMES == ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _bad_calls():
+    """Bad inputs of both ops, each once; the extension and the reference must say the same."""
+    ok = _good_inputs
+    buf = torch.randn(40)
+    shared = torch.zeros(30)
+    return {
+        "empty": lambda f, u: f([], torch.zeros(3)),
+        "empty-unflatten": lambda f, u: u(torch.zeros(3), []),
+        "numel": lambda f, u: f(ok(), torch.zeros(19)),
+        "numel-unflatten": lambda f, u: u(torch.zeros(17), ok()),
+        "dtype": lambda f, u: f(ok()[:2] + [torch.zeros(5, dtype=torch.int64)], torch.zeros(12)),
+        "out-dtype": lambda f, u: f(ok(), torch.zeros(18, dtype=torch.bool)),
+        "flat-dtype": lambda f, u: u(torch.zeros(18, dtype=torch.int32), ok()),
+        "non-dense": lambda f, u: f(ok()[:1] + [torch.randn(10)[::2]], torch.zeros(8)),
+        "out-2d": lambda f, u: f(ok(), torch.zeros(2, 9)),
+        "flat-strided": lambda f, u: u(torch.zeros(36)[::2], ok()),
+        "alias": lambda f, u: f(ok()[:2] + [buf[12:17]], buf[10:22]),
+        "alias-unflatten": lambda f, u: u(buf[10:22], ok()[:2] + [buf[12:17]]),
+        "destinations-overlap": lambda f, u: u(torch.zeros(10), [shared[0:5], shared[3:8]]),
+        "device": lambda f, u: f(ok()[:1] + [torch.empty(4, device="meta")], torch.zeros(7)),
+        "device-unflatten": lambda f, u: u(torch.zeros(7), ok()[:1] + [torch.empty(4, device="meta")]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_calls()))
+def test_extension_and_reference_say_the_same(case):
+    """The compiled checks (csrc/ops.cpp; the fake kernels for mixed meta inputs) and the
+    reference (fastcoll/_reference.py) raise the same exception type with the same message."""
+    if not extension_active():
+        pytest.skip("the compiled extension is not loaded: ops are the reference")
+    call = _bad_calls()[case]
+    got = []
+    for f, u in ((ops.flatten_scale, ops.unflatten_scale), (_reference.flatten_scale, _reference.unflatten_scale)):
+        with pytest.raises(Exception) as info:
+            call(f, u)
+        got.append((type(info.value), str(info.value).splitlines()[0]))
+    (ext_type, ext_msg), (ref_type, ref_msg) = got
+    assert ext_msg == ref_msg
+    assert issubclass(ext_type, ref_type), (ext_type, ref_type)
+    assert ext_msg.startswith(("fastcoll.flatten_scale: ", "fastcoll.unflatten_scale: ")), ext_msg
 
 
 def _non_dense():
@@ -762,6 +825,18 @@ def test_bucket_views_errors():
         ops.bucket_views(torch.zeros(2, 5), [torch.zeros(10)])
     with pytest.raises(ValueError, match="1-D contiguous"):
         ops.bucket_views(torch.zeros(20)[::2], [torch.zeros(10)])
+
+
+def test_extension_dtype_table_matches_python():
+    """csrc/dtypes.h (FASTCOLL_FOR_EACH_DTYPE, in code order) and fastcoll/_dtypes.py list the same dtypes."""
+    if not extension_active():
+        pytest.skip("the compiled extension is not loaded")
+    from fastcoll import _C
+
+    cpp = _C.build_info()["dtypes"]
+    assert cpp == [_dtypes.dtype_name(d) for d in _dtypes.SUPPORTED_DTYPES]
+    assert [getattr(torch, name) for name in cpp] == list(_dtypes.SUPPORTED_DTYPES)
+    assert fastcoll.build_info()["dtypes"] == cpp
 
 
 def test_build_info():

@@ -25,6 +25,7 @@
 #endif
 #include <type_traits>
 
+#include "dtypes.h"
 #include "fastcoll.h"
 
 #ifndef FASTCOLL_CPU_NS
@@ -164,16 +165,35 @@ void copy_scale_erased(const void* src, void* dst, int64_t n, double scale) {
   copy_scale<S, D, kStream>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale);
 }
 
-// The inner loop for one (source, destination) dtype pair; `streaming` asks
-// for non-temporal stores (honoured by the AVX2 build).
+template <typename S>
+CopyFn pick_copy_from(at::ScalarType dst, bool streaming) {
+  switch (dst) {
+#define FASTCOLL_PICK_TO(code, T, st, name) \
+  case at::ScalarType::st:                  \
+    return streaming && kCanStream ? &copy_scale_erased<S, T, true> : &copy_scale_erased<S, T, false>;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_PICK_TO)
+#undef FASTCOLL_PICK_TO
+    default:
+      return nullptr;
+  }
+}
+
+// The inner loop for one (source, destination) dtype pair of the table in
+// dtypes.h; `streaming` asks for non-temporal stores (honoured by the AVX2
+// build). Both dtypes have passed plan_segments' checks.
 CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming) {
   CopyFn fn = nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src, "fastcoll_cpu_src", [&] {
-    using src_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst, "fastcoll_cpu_dst", [&] {
-      fn = streaming && kCanStream ? &copy_scale_erased<src_t, scalar_t, true> : &copy_scale_erased<src_t, scalar_t, false>;
-    });
-  });
+  switch (src) {
+#define FASTCOLL_PICK_FROM(code, T, st, name) \
+  case at::ScalarType::st:                    \
+    fn = pick_copy_from<T>(dst, streaming);   \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_PICK_FROM)
+#undef FASTCOLL_PICK_FROM
+    default:
+      break;
+  }
+  TORCH_CHECK(fn != nullptr, "fastcoll internal error: no CPU kernel for ", src, " -> ", dst, ". Please report this");
   return fn;
 }
 

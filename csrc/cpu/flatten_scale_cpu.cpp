@@ -41,7 +41,9 @@ int64_t cpu_stream_min_bytes() {
 }
 
 void set_cpu_stream_min_bytes(int64_t nbytes) {
-  TORCH_CHECK(nbytes >= 0, "fastcoll: the streaming-store threshold must be >= 0 bytes, got ", nbytes);
+  TORCH_CHECK_VALUE(
+      nbytes >= 0, "fastcoll._C._set_cpu_stream_min_bytes: the threshold must be >= 0 bytes, got ", nbytes,
+      "; pass 0 to use non-temporal stores on every call");
   stream_min_bytes.store(nbytes, std::memory_order_relaxed);
 }
 

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dtypes.h"
 #include "fastcoll.h"
 
 #if defined(__CUDACC__)
@@ -37,7 +38,7 @@ struct ChunkDesc {
   int64_t src;    // address of the first source element
   int64_t dst;    // address of the first destination element
   int64_t numel;  // elements in this chunk, 1..kChunkElements
-  int64_t kinds;  // dtype_code(src) * 4 + dtype_code(dst)
+  int64_t kinds;  // dtype_code(src) << kDtypeCodeBits | dtype_code(dst)
 };
 static_assert(sizeof(ChunkDesc) == 4 * sizeof(int64_t), "ChunkDesc is sent as int64 words");
 
@@ -52,7 +53,7 @@ inline int64_t count_chunks(const std::vector<Segment>& segments, int64_t chunk_
 inline void write_chunks(const std::vector<Segment>& segments, ChunkDesc* out, int64_t chunk_elements = kChunkElements) {
   int64_t c = 0;
   for (const auto& s : segments) {
-    const int64_t kinds = dtype_code(s.src_dtype) * 4 + dtype_code(s.dst_dtype);
+    const int64_t kinds = int64_t(dtype_code(s.src_dtype)) << kDtypeCodeBits | dtype_code(s.dst_dtype);
     const int64_t src_size = c10::elementSize(s.src_dtype);
     const int64_t dst_size = c10::elementSize(s.dst_dtype);
     for (int64_t start = 0; start < s.numel; start += chunk_elements) {
@@ -161,26 +162,30 @@ FASTCOLL_HOST_DEVICE void run_typed(const ChunkDesc& d, double scale, int tid, i
       reinterpret_cast<const S*>(d.src), reinterpret_cast<D*>(d.dst), static_cast<int>(d.numel), static_cast<M>(scale), tid, nthreads);
 }
 
-// Codes follow fastcoll::dtype_code: float32=0, float16=1, bfloat16=2, float64=3.
+// Codes are fastcoll::dtype_code's, the rows of FASTCOLL_FOR_EACH_DTYPE (dtypes.h).
 template <typename S>
 FASTCOLL_HOST_DEVICE void run_from(const ChunkDesc& d, int dst_code, double scale, int tid, int nthreads) {
   switch (dst_code) {
-    case 0: run_typed<S, float>(d, scale, tid, nthreads); break;
-    case 1: run_typed<S, c10::Half>(d, scale, tid, nthreads); break;
-    case 2: run_typed<S, c10::BFloat16>(d, scale, tid, nthreads); break;
-    case 3: run_typed<S, double>(d, scale, tid, nthreads); break;
+#define FASTCOLL_RUN_TO(code, T, st, name) \
+  case code:                               \
+    run_typed<S, T>(d, scale, tid, nthreads); \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_RUN_TO)
+#undef FASTCOLL_RUN_TO
   }
 }
 
 // Thread `tid` of `nthreads`' part of chunk `d`.
 FASTCOLL_HOST_DEVICE void run_chunk(const ChunkDesc& d, double scale, int tid, int nthreads) {
-  const int src_code = static_cast<int>(d.kinds >> 2);
-  const int dst_code = static_cast<int>(d.kinds & 3);
+  const int src_code = static_cast<int>(d.kinds >> kDtypeCodeBits);
+  const int dst_code = static_cast<int>(d.kinds & ((1 << kDtypeCodeBits) - 1));
   switch (src_code) {
-    case 0: run_from<float>(d, dst_code, scale, tid, nthreads); break;
-    case 1: run_from<c10::Half>(d, dst_code, scale, tid, nthreads); break;
-    case 2: run_from<c10::BFloat16>(d, dst_code, scale, tid, nthreads); break;
-    case 3: run_from<double>(d, dst_code, scale, tid, nthreads); break;
+#define FASTCOLL_RUN_FROM(code, T, st, name)          \
+  case code:                                          \
+    run_from<T>(d, dst_code, scale, tid, nthreads);   \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_RUN_FROM)
+#undef FASTCOLL_RUN_FROM
   }
 }
 

@@ -2,19 +2,20 @@
 // reaches them, and of the CUDA kernel's chunk table and per-thread copy code
 // (csrc/cuda/copy_chunk.cuh) run on the CPU the way a launch runs them. Each
 // case compares against a float64 computation done here, with the destination
-// poisoned first. Exit code 0 = all passed.
+// poisoned first. Also: the dtype table (csrc/dtypes.h). Exit code 0 = all passed.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdio>
-
-#include "cuda/copy_chunk.cuh"
-#include "fastcoll.h"
 #include <functional>
 #include <string>
 #include <vector>
+
+#include "cuda/copy_chunk.cuh"
+#include "dtypes.h"
+#include "fastcoll.h"
 
 namespace {
 
@@ -107,10 +108,16 @@ void expect_throws(const std::function<void()>& fn, const std::string& needle, c
 void bad_inputs() {
   auto out = at::full({5}, 7.0);
   auto untouched = [&] { return at::all(out == 7.0).item<bool>(); };
-  expect_throws([&] { flatten_op().call({}, out, 1.0); }, "empty", "empty list");
+  expect_throws([&] { flatten_op().call({}, out, 1.0); }, "fastcoll.flatten_scale: tensors is empty", "empty list");
+  expect_throws([&] { unflatten_op().call(out, {}, 1.0); }, "fastcoll.unflatten_scale: tensors is empty", "empty list");
   expect_throws([&] { flatten_op().call({at::ones({3})}, out, 1.0); }, "3 elements in total but out has 5", "numel");
   expect_throws(
-      [&] { flatten_op().call({at::ones({3}), at::ones({2}, at::kInt)}, out, 1.0); }, "tensors[1]", "int dtype");
+      [&] { flatten_op().call({at::ones({3}), at::ones({2}, at::kInt)}, out, 1.0); },
+      "fastcoll.flatten_scale: tensors[1] has dtype int32; supported dtypes are float32, float16, bfloat16 and float64",
+      "int dtype");
+  expect_throws(
+      [&] { unflatten_op().call(out, {at::ones({3}), at::ones({2}, at::kInt)}, 1.0); },
+      "fastcoll.unflatten_scale: tensors[1] has dtype int32", "int dtype (unflatten)");
   expect_throws(
       [&] { flatten_op().call({at::ones({4, 4}).t().slice(0, 0, 4, 2).slice(1, 0, 1)}, at::empty({2}), 1.0); },
       "not dense", "non-dense");
@@ -206,11 +213,35 @@ RunFn cuda_chunks_emulated(int64_t chunk, int64_t nthreads) {
   };
 }
 
+// The table's dtypes in code order.
+std::vector<at::ScalarType> table_dtypes() {
+  return {
+#define FASTCOLL_TEST_DTYPE(code, T, st, name) at::ScalarType::st,
+      FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_TEST_DTYPE)
+#undef FASTCOLL_TEST_DTYPE
+  };
+}
+
+void dtype_table() {
+  const auto dtypes = table_dtypes();
+  expect(fastcoll::kNumDtypes == 4 && dtypes.size() == 4, "four supported dtypes");
+  expect(fastcoll::supported_dtype_names() == "float32, float16, bfloat16 and float64", "supported_dtype_names()");
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    expect(fastcoll::dtype_code(dtypes[i]) == int(i), "dtype_code is the row number");
+    expect(fastcoll::is_supported_dtype(dtypes[i]), "is_supported_dtype of a table row");
+  }
+  for (auto t : {at::kInt, at::kLong, at::kBool, at::kByte, at::kComplexFloat, at::kFloat8_e4m3fn}) {
+    expect(!fastcoll::is_supported_dtype(t), std::string("unsupported: ") + c10::toString(t));
+  }
+  expect(fastcoll::kMinElementSize == 2, "narrowest element is 2 bytes");
+}
+
 }  // namespace
 
 int main() {
   at::manual_seed(0);
-  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
+  dtype_table();
+  const std::vector<at::ScalarType> dtypes = table_dtypes();
   for (auto s : dtypes) {
     for (auto d : dtypes) {
       round_trip(s, d, 0.25);
