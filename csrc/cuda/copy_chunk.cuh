@@ -29,41 +29,95 @@
 namespace fastcoll {
 namespace cuda_chunks {
 
-constexpr int kThreads = 256;               // threads per block (one block per chunk)
-constexpr int64_t kChunkElements = 16384;   // elements per chunk, at most (per-chunk math is 32-bit)
-constexpr int kUnroll = 4;                  // independent loads in flight per thread
+constexpr int kThreads = 256;  // threads per block (one block per chunk)
+constexpr int kUnroll = 4;     // independent loads in flight per thread
+constexpr int kVecBytes = 16;  // one vector load or store
+
+// A chunk is at most kChunkBytes of the wider of its source and destination
+// dtypes: chunk_elements() = kChunkBytes / max(source, destination element
+// size), 16384 elements for float32 (as float32, or packed to/from 16 bits),
+// 32768 for 16-bit pairs, 8192 when float64 is on either side. Sizing by bytes
+// rather than elements gives every dtype pair the same work per block: one
+// pass of a block moves kThreads * kUnroll * 16 bytes = 16 KiB of the wider
+// side, so a full chunk is 4 passes whatever the dtypes, and a 25 MiB bucket
+// (25 MiB of its wider side; in fastcoll.DDP the gradients, as the wire dtype
+// never widens) is 400 full chunks plus at most one partial chunk per tensor
+// boundary: within the 512-chunk kernel-argument table for up to 113 tensors,
+// while the 400 blocks still fill a GPU (132 SMs on an H100) about three deep.
+// Half that size (32 KiB) would make a 25 MiB bucket 800 chunks.
+constexpr int64_t kChunkBytes = 64 * 1024;
+constexpr int64_t kPassBytes = int64_t(kThreads) * kUnroll * kVecBytes;
+static_assert(kChunkBytes % kPassBytes == 0, "a full chunk is whole passes of a block");
+// Per-chunk index math is 32-bit: the most elements a chunk can have must fit.
+constexpr int64_t kMaxChunkElements = kChunkBytes / int64_t(kMinElementSize);
+static_assert(kMaxChunkElements + int64_t(kUnroll) * kThreads <= INT32_MAX, "per-chunk indices must fit in int");
+
+// Elements per chunk of a segment from `src` to `dst` dtype (>= 1), for chunks
+// of `chunk_bytes` of the wider side (the tests pass small sizes to split
+// tensors at many places).
+inline int64_t chunk_elements(at::ScalarType src, at::ScalarType dst, int64_t chunk_bytes = kChunkBytes) {
+  const int64_t widest = static_cast<int64_t>(std::max(c10::elementSize(src), c10::elementSize(dst)));
+  return std::max<int64_t>(1, chunk_bytes / widest);
+}
 
 // One block's work: `numel` elements from address `src` to address `dst`.
 struct ChunkDesc {
   int64_t src;    // address of the first source element
   int64_t dst;    // address of the first destination element
-  int64_t numel;  // elements in this chunk, 1..kChunkElements
+  int64_t numel;  // elements in this chunk, 1..chunk_elements(src dtype, dst dtype)
   int64_t kinds;  // dtype_code(src) << kDtypeCodeBits | dtype_code(dst)
 };
 static_assert(sizeof(ChunkDesc) == 4 * sizeof(int64_t), "ChunkDesc is sent as int64 words");
 
 // Number of chunks the segments are cut into.
-inline int64_t count_chunks(const std::vector<Segment>& segments, int64_t chunk_elements = kChunkElements) {
+inline int64_t count_chunks(const std::vector<Segment>& segments, int64_t chunk_bytes = kChunkBytes) {
   int64_t n = 0;
-  for (const auto& s : segments) n += (s.numel + chunk_elements - 1) / chunk_elements;
+  for (const auto& s : segments) {
+    const int64_t per_chunk = chunk_elements(s.src_dtype, s.dst_dtype, chunk_bytes);
+    n += (s.numel + per_chunk - 1) / per_chunk;
+  }
   return n;
 }
 
-// Writes count_chunks(segments) descriptors to `out`, in flat order.
-inline void write_chunks(const std::vector<Segment>& segments, ChunkDesc* out, int64_t chunk_elements = kChunkElements) {
+// Writes count_chunks(segments, chunk_bytes) descriptors to `out`, in flat order.
+inline void write_chunks(const std::vector<Segment>& segments, ChunkDesc* out, int64_t chunk_bytes = kChunkBytes) {
   int64_t c = 0;
   for (const auto& s : segments) {
     const int64_t kinds = int64_t(dtype_code(s.src_dtype)) << kDtypeCodeBits | dtype_code(s.dst_dtype);
     const int64_t src_size = c10::elementSize(s.src_dtype);
     const int64_t dst_size = c10::elementSize(s.dst_dtype);
-    for (int64_t start = 0; start < s.numel; start += chunk_elements) {
+    const int64_t per_chunk = chunk_elements(s.src_dtype, s.dst_dtype, chunk_bytes);
+    for (int64_t start = 0; start < s.numel; start += per_chunk) {
       out[c].src = reinterpret_cast<int64_t>(s.src) + start * src_size;
       out[c].dst = reinterpret_cast<int64_t>(s.dst) + start * dst_size;
-      out[c].numel = std::min(chunk_elements, s.numel - start);
+      out[c].numel = std::min(per_chunk, s.numel - start);
       out[c].kinds = kinds;
       ++c;
     }
   }
+}
+
+// How the chunk table reaches the kernel (flatten_scale_cuda.cu): as the
+// kernel argument itself, in a table of kSmallTable, kMidTable or kLargeTable
+// descriptors (the smallest that holds it, so that small calls copy few
+// argument bytes), or, past the largest table this process may pass, through
+// pinned host memory and an upload.
+constexpr int kSmallTable = 32;
+constexpr int kMidTable = 120;    // 3840 bytes + the scale: within the classic 4 KiB of kernel arguments
+constexpr int kLargeTable = 512;  // 16 KiB: needs CUDA 12.1+, toolkit and driver (32764 bytes of arguments)
+static_assert(kMidTable * sizeof(ChunkDesc) + sizeof(double) <= 4096, "the mid table must fit in 4 KiB of arguments");
+static_assert(kLargeTable * sizeof(ChunkDesc) + sizeof(double) <= 32764, "the large table must fit in the argument space");
+
+enum class TablePath { kSmall, kMid, kLarge, kPinned };
+
+// The path of a call of `nchunks` chunks when tables of up to `max_inline`
+// chunks may be kernel arguments (kLargeTable, or kMidTable where the toolkit
+// or the driver predates CUDA 12.1).
+constexpr TablePath choose_table(int64_t nchunks, int64_t max_inline) {
+  if (nchunks <= kSmallTable) return TablePath::kSmall;
+  if (nchunks <= kMidTable) return TablePath::kMid;
+  if (nchunks <= std::min<int64_t>(max_inline, kLargeTable)) return TablePath::kLarge;
+  return TablePath::kPinned;
 }
 
 template <typename T, int N>
@@ -80,7 +134,7 @@ FASTCOLL_HOST_DEVICE D convert_scale(S x, M scale) {
   return static_cast<D>(static_cast<M>(x) * scale);
 }
 
-// Per-chunk index math is 32-bit (a chunk has at most kChunkElements elements),
+// Per-chunk index math is 32-bit (a chunk has at most kMaxChunkElements elements),
 // which keeps the kernel's register count down.
 // Thread `tid` of `nthreads` maps elements tid, tid + nthreads, ... of [0, n)
 // through `f`, kUnroll loads in flight before the first store. In and Out are
@@ -135,7 +189,7 @@ FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int n, M scale, int
 template <typename S, typename D, typename M>
 FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int n, M scale, int tid, int nthreads) {
   constexpr int kWidest = sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D);
-  constexpr int kVec = 16 / kWidest;
+  constexpr int kVec = kVecBytes / kWidest;
   constexpr uintptr_t kSrcAlign = kVec * sizeof(S);
   constexpr uintptr_t kDstAlign = kVec * sizeof(D);
   const auto src_addr = reinterpret_cast<uintptr_t>(src);

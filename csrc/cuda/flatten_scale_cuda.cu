@@ -1,7 +1,8 @@
 // CUDA kernels of fastcoll::flatten_scale and fastcoll::unflatten_scale.
 //
 // One launch per call, whatever the number of tensors. The host cuts every
-// segment into chunks of at most kChunkElements elements and writes one small
+// segment into chunks of at most 64 KiB of the wider of its source and
+// destination dtypes (kChunkBytes, copy_chunk.cuh) and writes one small
 // descriptor per chunk (source, destination, length, dtype pair); each block
 // handles one chunk. Work is thus split in proportion to bytes: a huge
 // embedding gets many blocks, a bias gets one. Inside a chunk, 16-byte vector
@@ -10,11 +11,12 @@
 // test also runs on the CPU). No host synchronization.
 //
 // How the chunk table reaches the device:
-// * up to 512 chunks (a 25 MiB bucket is about 400-450; 120 with a CUDA
-//   driver or toolkit older than 12.1): as the
-//   kernel argument itself, read in place from the parameter space
+// * up to 512 chunks (120 with a CUDA driver or toolkit older than 12.1): as
+//   the kernel argument itself, read in place from the parameter space
 //   (__grid_constant__): no upload, nothing to wait for, and safe to capture
-//   in a CUDA graph;
+//   in a CUDA graph. A 25 MiB bucket (of its wider dtype: the gradients' in
+//   fastcoll.DDP) is 400 chunks plus at most one per tensor boundary, so any
+//   such bucket of up to 113 tensors, of any dtype pair, stays on this path;
 // * more: through pinned memory and an async copy on the current stream (the
 //   caching host allocator keeps the pinned block alive until the copy has
 //   run); refused under CUDA graph capture, where a replay would read reused
@@ -37,13 +39,15 @@ namespace {
 
 using cuda_chunks::ChunkDesc;
 using cuda_chunks::kThreads;
+using cuda_chunks::TablePath;
 
 // Kernel arguments may total 4 KiB, or 32764 bytes with CUDA 12.1+ (toolkit and
-// driver) on sm_70+.
-constexpr int kSmallTable = 32;
-constexpr int kMidTable = 120;  // 3840 bytes + the scale: within the classic 4 KiB
+// driver) on sm_70+. The table sizes and the choice between them are in
+// copy_chunk.cuh (choose_table), where the C++ test checks them.
+constexpr int kSmallTable = cuda_chunks::kSmallTable;
+constexpr int kMidTable = cuda_chunks::kMidTable;
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
-constexpr int kLargeTable = 512;  // 16 KiB
+constexpr int kLargeTable = cuda_chunks::kLargeTable;  // 16 KiB
 #else
 constexpr int kLargeTable = kMidTable;
 #endif
@@ -88,16 +92,20 @@ void run_plan_cuda(const std::vector<Segment>& segments, const at::Tensor& flat,
   TORCH_CHECK(nchunks <= INT_MAX, "fastcoll.", op, ": ", nchunks, " chunks exceed one launch's grid; split the bucket");
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t inline_limit = max_inline_chunks();
-  if (nchunks <= kSmallTable) return launch_inline<kSmallTable>(segments, nchunks, scale, stream);
-  if (nchunks <= kMidTable) return launch_inline<kMidTable>(segments, nchunks, scale, stream);
-  if (nchunks <= inline_limit) return launch_inline<kLargeTable>(segments, nchunks, scale, stream);
+  switch (cuda_chunks::choose_table(nchunks, inline_limit)) {
+    case TablePath::kSmall: return launch_inline<kSmallTable>(segments, nchunks, scale, stream);
+    case TablePath::kMid: return launch_inline<kMidTable>(segments, nchunks, scale, stream);
+    case TablePath::kLarge: return launch_inline<kLargeTable>(segments, nchunks, scale, stream);
+    case TablePath::kPinned: break;
+  }
 
   TORCH_CHECK(
       c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
       "fastcoll.", op, ": not supported inside CUDA graph capture for more than ", inline_limit,
-      " chunks (this call has ", nchunks, "; a chunk is up to ", cuda_chunks::kChunkElements,
-      " elements of one tensor): its chunk table is then uploaded from host memory on every call; use smaller "
-      "buckets or run it outside torch.cuda.graph(...)");
+      " chunks (this call has ", nchunks, "; a chunk is at most ", cuda_chunks::kChunkBytes / 1024,
+      " KiB of the wider dtype of one tensor, so every tensor is at least one chunk): its chunk table is then "
+      "uploaded from host memory on every call; use smaller buckets, or fewer tensors per call, or run it "
+      "outside torch.cuda.graph(...)");
   auto host = at::empty({nchunks * 4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   cuda_chunks::write_chunks(segments, reinterpret_cast<ChunkDesc*>(host.data_ptr<int64_t>()));
   auto device_table = host.to(flat.device(), /*non_blocking=*/true);

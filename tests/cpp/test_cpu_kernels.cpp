@@ -2,7 +2,9 @@
 // reaches them, and of the CUDA kernel's chunk table and per-thread copy code
 // (csrc/cuda/copy_chunk.cuh) run on the CPU the way a launch runs them. Each
 // case compares against a float64 computation done here, with the destination
-// poisoned first. Also: the dtype table (csrc/dtypes.h). Exit code 0 = all passed.
+// poisoned first. Also: the dtype table (csrc/dtypes.h), the CUDA chunk sizes
+// (25 MiB buckets of every dtype pair within the kernel-argument table) and the
+// choice of table for a number of chunks. Exit code 0 = all passed.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -143,9 +145,16 @@ using RunFn = std::function<void(const std::vector<at::Tensor>& tensors, const a
 // destination alignment varies (vector paths, scalar fallbacks, heads and
 // tails). Everything is poisoned first; neighbours of the destinations must
 // stay poisoned.
-void misaligned_round_trip(at::ScalarType src, at::ScalarType dst, double scale, const std::string& how, const RunFn& run) {
-  const std::vector<int64_t> sizes = {1, 0, 7, 8, 9, 31, 33, 100, 3, 257, 1000, 5, 4099};
-  auto storage = at::randn({20000}, at::kDouble).to(src);
+const std::vector<int64_t> kSmallSizes = {1, 0, 7, 8, 9, 31, 33, 100, 3, 257, 1000, 5, 4099};
+// Several full chunks of every dtype pair at the default chunk size (32768 elements for 16-bit pairs).
+const std::vector<int64_t> kLargeSizes = {3, 70001, 1, 32768, 16385, 5};
+
+void misaligned_round_trip(
+    at::ScalarType src, at::ScalarType dst, double scale, const std::string& how, const RunFn& run,
+    const std::vector<int64_t>& sizes = kSmallSizes) {
+  int64_t room = 2;
+  for (auto n : sizes) room += n + 1 + (n % 3);
+  auto storage = at::randn({room}, at::kDouble).to(src);
   std::vector<at::Tensor> tensors;
   int64_t pos = 1, total = 0;
   for (auto n : sizes) {
@@ -195,23 +204,7 @@ void cpu_op(const std::vector<at::Tensor>& tensors, const at::Tensor& flat, doub
   }
 }
 
-// The CUDA kernel's work, run on the CPU: the same chunk table the launch
-// passes, and every (block, thread) pair's share of it, one after another.
-RunFn cuda_chunks_emulated(int64_t chunk, int64_t nthreads) {
-  return [=](const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale, bool pack) {
-    namespace cc = fastcoll::cuda_chunks;
-    auto segments = fastcoll::plan_segments(tensors, flat, pack);
-    std::vector<cc::ChunkDesc> table(cc::count_chunks(segments, chunk));
-    cc::write_chunks(segments, table.data(), chunk);
-    int64_t covered = 0;
-    for (const auto& d : table) {
-      expect(d.numel >= 1 && d.numel <= chunk, "chunk size in range");
-      covered += d.numel;
-      for (int64_t tid = 0; tid < nthreads; ++tid) cc::run_chunk(d, scale, static_cast<int>(tid), static_cast<int>(nthreads));
-    }
-    expect(covered == flat.numel(), "chunks cover every element");
-  };
-}
+namespace cc = fastcoll::cuda_chunks;
 
 // The table's dtypes in code order.
 std::vector<at::ScalarType> table_dtypes() {
@@ -220,6 +213,145 @@ std::vector<at::ScalarType> table_dtypes() {
       FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_TEST_DTYPE)
 #undef FASTCOLL_TEST_DTYPE
   };
+}
+
+std::string pair_tag(at::ScalarType s, at::ScalarType d) {
+  return std::string(c10::toString(s)) + "->" + c10::toString(d);
+}
+
+// Checks that `table` cuts `segments` into consecutive chunks, each full but
+// the last of its segment, none over chunk_elements() of its dtype pair.
+void expect_tiles(const std::vector<fastcoll::Segment>& segments, const std::vector<cc::ChunkDesc>& table,
+                  int64_t chunk_bytes, const std::string& what) {
+  size_t c = 0;
+  bool ok = true;
+  for (const auto& s : segments) {
+    const int64_t per_chunk = cc::chunk_elements(s.src_dtype, s.dst_dtype, chunk_bytes);
+    const int64_t kinds = int64_t(fastcoll::dtype_code(s.src_dtype)) << fastcoll::kDtypeCodeBits | fastcoll::dtype_code(s.dst_dtype);
+    int64_t done = 0;
+    while (done < s.numel && c < table.size()) {
+      const auto& d = table[c++];
+      const int64_t want = std::min(per_chunk, s.numel - done);
+      ok = ok && d.numel == want && d.kinds == kinds &&
+          d.src == reinterpret_cast<int64_t>(s.src) + done * int64_t(c10::elementSize(s.src_dtype)) &&
+          d.dst == reinterpret_cast<int64_t>(s.dst) + done * int64_t(c10::elementSize(s.dst_dtype));
+      done += d.numel;
+    }
+    ok = ok && done == s.numel;
+  }
+  expect(ok && c == table.size(), what + ": chunks tile the segments");
+}
+
+// The CUDA kernel's work, run on the CPU: the same chunk table the launch
+// passes (chunks of `chunk_bytes` of the wider dtype), and every (block,
+// thread) pair's share of it, one after another.
+RunFn cuda_chunks_emulated(int64_t chunk_bytes, int64_t nthreads) {
+  return [=](const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale, bool pack) {
+    auto segments = fastcoll::plan_segments(tensors, flat, pack);
+    std::vector<cc::ChunkDesc> table(cc::count_chunks(segments, chunk_bytes));
+    cc::write_chunks(segments, table.data(), chunk_bytes);
+    expect_tiles(segments, table, chunk_bytes, "emulated launch");
+    int64_t covered = 0;
+    for (const auto& d : table) {
+      covered += d.numel;
+      for (int64_t tid = 0; tid < nthreads; ++tid) cc::run_chunk(d, scale, static_cast<int>(tid), static_cast<int>(nthreads));
+    }
+    expect(covered == flat.numel(), "chunks cover every element");
+  };
+}
+
+// Segments of a bucket of `sizes` elements from `src` to `dst` dtype at fake,
+// 256-byte-aligned addresses (the chunk table only computes addresses).
+std::vector<fastcoll::Segment> fake_bucket(at::ScalarType src, at::ScalarType dst, const std::vector<int64_t>& sizes) {
+  std::vector<fastcoll::Segment> segments;
+  int64_t src_addr = int64_t(1) << 32, dst_addr = int64_t(1) << 40, off = 0;
+  for (auto n : sizes) {
+    fastcoll::Segment s;
+    s.src = reinterpret_cast<const void*>(src_addr);
+    s.dst = reinterpret_cast<void*>(dst_addr + off * int64_t(c10::elementSize(dst)));
+    s.numel = n;
+    s.flat_offset = off;
+    s.src_dtype = src;
+    s.dst_dtype = dst;
+    segments.push_back(s);
+    src_addr += (n * int64_t(c10::elementSize(src)) + 255) / 256 * 256;
+    off += n;
+  }
+  return segments;
+}
+
+int64_t chunks_of(at::ScalarType src, at::ScalarType dst, const std::vector<int64_t>& sizes) {
+  return cc::count_chunks(fake_bucket(src, dst, sizes));
+}
+
+// 25 MiB buckets stay within the 512-chunk kernel-argument table: for every
+// dtype pair when the 25 MiB is the wider side (in fastcoll.DDP the gradients:
+// the wire dtype never widens), with up to 113 tensors per bucket.
+void chunk_counts_of_25mib_buckets() {
+  constexpr int64_t kBucket = int64_t(25) << 20;
+  const auto dtypes = table_dtypes();
+  expect(cc::kChunkBytes == 65536, "chunks are 64 KiB of the wider dtype");
+  for (auto s : dtypes) {
+    for (auto d : dtypes) {
+      const std::string tag = pair_tag(s, d);
+      const int64_t wide = int64_t(std::max(c10::elementSize(s), c10::elementSize(d)));
+      expect(cc::chunk_elements(s, d) * wide == cc::kChunkBytes, tag + ": a full chunk is 64 KiB of the wider side");
+      expect(cc::chunk_elements(s, d) <= cc::kMaxChunkElements, tag + ": chunk elements within the 32-bit bound");
+      // One tensor of 25 MiB of the wider dtype: exactly 400 chunks, on every pair.
+      const int64_t one = chunks_of(s, d, {kBucket / wide});
+      expect(one == 400, tag + ": 25 MiB as one tensor is 400 chunks, got " + std::to_string(one));
+      // 113 tensors of uneven sizes (each boundary can add a partial chunk): still <= 512.
+      std::vector<int64_t> sizes;
+      int64_t left = kBucket / wide;
+      for (int k = 0; k < 112; ++k) {
+        const int64_t n = 1 + (int64_t(k) * 7919 + 13) % (2 * left / (113 - k));
+        sizes.push_back(std::min(n, left - (112 - k)));
+        left -= sizes.back();
+      }
+      sizes.push_back(left);
+      auto segments = fake_bucket(s, d, sizes);
+      const int64_t many = cc::count_chunks(segments);
+      expect(many <= cc::kLargeTable, tag + ": 25 MiB in 113 tensors is " + std::to_string(many) + " chunks (> 512)");
+      expect(many <= 400 + 112, tag + ": at most one partial chunk per tensor boundary");
+      expect(cc::choose_table(many, cc::kLargeTable) != cc::TablePath::kPinned, tag + ": 25 MiB bucket passed inline");
+      std::vector<cc::ChunkDesc> table(many);
+      cc::write_chunks(segments, table.data());
+      expect_tiles(segments, table, cc::kChunkBytes, tag + " 25 MiB in 113 tensors");
+      // The worst case for 113 tensors: 112 of one chunk and one element, two chunks each.
+      const int64_t per_chunk = cc::chunk_elements(s, d);
+      std::vector<int64_t> worst(112, per_chunk + 1);
+      worst.push_back(kBucket / wide - 112 * (per_chunk + 1));
+      const int64_t worst_count = chunks_of(s, d, worst);
+      expect(worst_count == 512, tag + ": worst 113-tensor 25 MiB bucket is 512 chunks, got " + std::to_string(worst_count));
+      // A bucket capped by the bytes of its narrower side can be larger: 25 MiB of
+      // float16 unpacked into float64 is 100 MiB of destination, 1600 chunks.
+      const int64_t narrow = int64_t(std::min(c10::elementSize(s), c10::elementSize(d)));
+      const int64_t by_narrow = chunks_of(s, d, {kBucket / narrow});
+      expect(by_narrow == 400 * wide / narrow, tag + ": 25 MiB of the narrower side is 400 * wide / narrow chunks");
+    }
+  }
+  // The old 16384-element chunks made a 25 MiB 16-bit bucket 800 chunks.
+  expect(chunks_of(at::kBFloat16, at::kBFloat16, {kBucket / 2}) == 400, "25 MiB of bfloat16 is 400 chunks");
+  expect(chunks_of(at::kHalf, at::kDouble, {kBucket / 2}) == 1600, "25 MiB of float16 widened to float64 is 1600 chunks");
+}
+
+void table_choice() {
+  using P = cc::TablePath;
+  struct Case {
+    int64_t nchunks, max_inline;
+    P want;
+  };
+  const Case cases[] = {
+      {1, 512, P::kSmall},   {32, 512, P::kSmall}, {33, 512, P::kMid},    {120, 512, P::kMid},
+      {121, 512, P::kLarge}, {400, 512, P::kLarge}, {512, 512, P::kLarge}, {513, 512, P::kPinned},
+      {100000, 512, P::kPinned},
+      // Before CUDA 12.1 (toolkit or driver) only 4 KiB of arguments: nothing past 120 inline.
+      {32, 120, P::kSmall},  {120, 120, P::kMid},  {121, 120, P::kPinned}, {512, 120, P::kPinned},
+  };
+  for (const auto& c : cases) {
+    expect(cc::choose_table(c.nchunks, c.max_inline) == c.want,
+           "choose_table(" + std::to_string(c.nchunks) + ", " + std::to_string(c.max_inline) + ")");
+  }
 }
 
 void dtype_table() {
@@ -241,6 +373,8 @@ void dtype_table() {
 int main() {
   at::manual_seed(0);
   dtype_table();
+  table_choice();
+  chunk_counts_of_25mib_buckets();
   const std::vector<at::ScalarType> dtypes = table_dtypes();
   for (auto s : dtypes) {
     for (auto d : dtypes) {
@@ -249,7 +383,6 @@ int main() {
     }
   }
   bad_inputs();
-  namespace cc = fastcoll::cuda_chunks;
   const int64_t default_stream_min = fastcoll::cpu_stream_min_bytes();
   for (auto s : dtypes) {
     for (auto d : dtypes) {
@@ -259,9 +392,14 @@ int main() {
         fastcoll::set_cpu_stream_min_bytes(0);  // every call with non-temporal stores
         misaligned_round_trip(s, d, scale, "cpu streaming", cpu_op);
       }
-      misaligned_round_trip(s, d, 0.5, "cuda emulated", cuda_chunks_emulated(cc::kChunkElements, cc::kThreads));
-      misaligned_round_trip(s, d, 1.0 / 3.0, "cuda emulated, chunk 37, 3 threads", cuda_chunks_emulated(37, 3));
-      misaligned_round_trip(s, d, 3.0, "cuda emulated, chunk 64, 5 threads", cuda_chunks_emulated(64, 5));
+      misaligned_round_trip(s, d, 0.5, "cuda emulated", cuda_chunks_emulated(cc::kChunkBytes, cc::kThreads));
+      misaligned_round_trip(
+          s, d, 0.25, "cuda emulated, full chunks", cuda_chunks_emulated(cc::kChunkBytes, cc::kThreads), kLargeSizes);
+      // Small chunks split tensors at many places, at odd element counts
+      // (74 bytes: 37 16-bit, 18 32-bit or 9 64-bit elements; 148: 74, 37 or 18).
+      misaligned_round_trip(s, d, 1.0 / 3.0, "cuda emulated, 74-byte chunks, 3 threads", cuda_chunks_emulated(74, 3));
+      misaligned_round_trip(s, d, 3.0, "cuda emulated, 148-byte chunks, 5 threads", cuda_chunks_emulated(148, 5));
+      misaligned_round_trip(s, d, 0.5, "cuda emulated, 256-byte chunks, 7 threads", cuda_chunks_emulated(256, 7));
     }
   }
   fastcoll::set_cpu_stream_min_bytes(0);  // the aligned round trips once more, streaming
