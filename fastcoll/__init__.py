@@ -20,7 +20,7 @@ from .dist import (
     reduce_mean,
     synchronize,
 )
-from .reducer import Bucket as GradBucket
+from .reducer import GradBucket
 
 __version__ = "0.1.0"
 

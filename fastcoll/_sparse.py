@@ -107,6 +107,13 @@ class SparseExchange:
         return total.coalesce()
 
 
+def empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``p`` with no rows (an embedding's layout: one sparse dimension)."""
+    indices = torch.empty((1, 0), dtype=torch.long, device=p.device)
+    values = torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
+
+
 def all_reduce_sparse(t: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
     """The sum of the sparse COO tensor ``t`` over ``group``, coalesced (a new tensor; ``t`` is unchanged)."""
     x = SparseExchange(t.coalesce(), group, world_size)

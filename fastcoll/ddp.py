@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
-import typing
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -21,13 +19,15 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _compile_support
-from ._reference import SUPPORTED_DTYPES, is_dense
+from ._broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
+from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, is_dense
+from ._join import DDPJoinHook, JoinState
 from .bucketing import MIB
-from .reducer import Bucket, CoalescedBroadcast, Reducer, _check_comm_dtype, _hook_name, broadcast_coalesced
+from .comm_hooks import check_comm_hook, hook_name
+from .reducer import Reducer
 
 __all__ = ["DDP", "DistributedDataParallel"]
 
-_BROADCAST_BUCKET_BYTES = 250 * MIB
 
 
 def _check_device_ids(
@@ -94,6 +94,58 @@ def _mismatch_message(sigs: List[List[tuple]]) -> str:
         "fastcoll.DDP: the wrapped module differs across ranks (every rank must build the same model, with "
         f"parameters registered in the same order). First difference at parameter #{first}: {per_rank}"
     )
+
+
+def _check_positive_mib(name: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"fastcoll.DDP: {name} must be a positive number of MiB, got {value!r}")
+    return float(value)
+
+
+def _check_arguments(
+    named: List[Tuple[str, torch.Tensor]],
+    bucket_cap_mb: Any,
+    first_bucket_mb: Any,
+    comm_dtype: Any,
+    device_ids: Optional[Sequence[Any]],
+    output_device: Any,
+) -> Tuple[int, int, str, Optional[List[int]], Optional[int]]:
+    """This rank's checks of the module and the arguments, before anything is built.
+
+    Returns:
+        (bucket cap bytes, first bucket cap bytes, device type, device_ids, output_device).
+
+    Raises:
+        ValueError, RuntimeError, TypeError: naming the argument or parameter at fault.
+    """
+    cap = _check_positive_mib("bucket_cap_mb", 25.0 if bucket_cap_mb is None else bucket_cap_mb)
+    first = _check_positive_mib("first_bucket_mb", first_bucket_mb)
+    cap_bytes = int(cap * MIB)
+    # The first bucket is never larger than the others (as in torch, where a
+    # user-set bucket_cap_mb also caps the first bucket).
+    first_bytes = min(int(first * MIB), cap_bytes)
+    check_comm_dtype(comm_dtype)
+    for n, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(f"fastcoll.DDP: parameter '{n}' is uninitialized (lazy module); run a dummy forward pass first")
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise RuntimeError("fastcoll.DDP: the module has no parameter that requires a gradient; DDP is not needed")
+    devices = {p.device for _, p in named}
+    types = {d.type for d in devices}
+    if len(types) != 1:
+        raise ValueError(f"fastcoll.DDP: all parameters must be on one device type, but they are on {sorted(types)}")
+    device_type = next(iter(types))
+    ids, out = _check_device_ids(device_ids, output_device, device_type, len(devices) > 1, devices)
+    for n, p in trainable:
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be one of {SUPPORTED_NAMES}")
+        if p.layout != torch.strided or not is_dense(p):
+            raise ValueError(
+                f"fastcoll.DDP: parameter '{n}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is "
+                "not a dense tensor; parameters must be dense and non-overlapping"
+            )
+    return cap_bytes, first_bytes, device_type, ids, out
 
 
 class DDP(nn.Module, Joinable):
@@ -170,9 +222,7 @@ class DDP(nn.Module, Joinable):
     ):
         super().__init__()
         Joinable.__init__(self)
-        self._divide_by_initial_world_size = True
-        self._join_count_work: Any = None  # join: the "not joined yet" all-reduce whose sum is the active rank count
-        self._join_sync_work: Any = None
+        self._join = JoinState(self)
         self._comm_hook_desc: Optional[str] = None  # the one registered comm hook (or builtin / comm_dtype)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -196,75 +246,45 @@ class DDP(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self.static_graph = False
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self.broadcast_bucket_size = _BROADCAST_BUCKET_BYTES
+        self.broadcast_bucket_size = DEFAULT_CAP_BYTES
+        self.bucket_bytes_cap_default = bucket_cap_mb is None
+        self.comm_dtype = comm_dtype
 
         # Local checks; a failure is shared with the other ranks by the
         # signature exchange below, so that every rank raises and none hangs.
+        named = self._named_parameters()
         error: Optional[BaseException] = None
-        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        self.device_ids: Optional[List[int]] = None
-        self.output_device: Optional[int] = None
-        self.device_type = "cpu"
         try:
-            cap = 25.0 if bucket_cap_mb is None else bucket_cap_mb
-            if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
-                raise ValueError(f"fastcoll.DDP: bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-            if not isinstance(first_bucket_mb, (int, float)) or isinstance(first_bucket_mb, bool) or not first_bucket_mb > 0:
-                raise ValueError(f"fastcoll.DDP: first_bucket_mb must be a positive number of MiB, got {first_bucket_mb!r}")
-            self.bucket_bytes_cap = int(cap * MIB)
-            # The first bucket is never larger than the others (as in torch, where a
-            # user-set bucket_cap_mb also caps the first bucket).
-            self.first_bucket_bytes = min(int(first_bucket_mb * MIB), self.bucket_bytes_cap)
-            _check_comm_dtype(comm_dtype)
-            self.bucket_bytes_cap_default = bucket_cap_mb is None
-            for n, p in named:
-                if isinstance(p, nn.parameter.UninitializedParameter):
-                    raise RuntimeError(
-                        f"fastcoll.DDP: parameter '{n}' is uninitialized (lazy module); run a dummy forward pass first"
-                    )
-            if not trainable:
-                raise RuntimeError("fastcoll.DDP: the module has no parameter that requires a gradient; DDP is not needed")
-            devices = {p.device for _, p in named}
-            types = {d.type for d in devices}
-            if len(types) != 1:
-                raise ValueError(
-                    f"fastcoll.DDP: all parameters must be on one device type, but they are on {sorted(types)}"
-                )
-            self.device_type = next(iter(types))
-            self.device_ids, self.output_device = _check_device_ids(
-                device_ids, output_device, self.device_type, len(devices) > 1, devices
-            )
-            for n, p in trainable:
-                if p.dtype not in SUPPORTED_DTYPES:
-                    raise TypeError(
-                        f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be "
-                        "float32, float16, bfloat16 or float64"
-                    )
-                if p.layout != torch.strided or not is_dense(p):
-                    raise ValueError(
-                        f"fastcoll.DDP: parameter '{n}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is "
-                        "not a dense tensor; parameters must be dense and non-overlapping"
-                    )
+            cfg = _check_arguments(named, bucket_cap_mb, first_bucket_mb, comm_dtype, device_ids, output_device)
         except (ValueError, RuntimeError, TypeError) as exc:
-            error = exc
+            error, cfg = exc, None
         self._verify_across_ranks(named, error)
         if error is not None:
             raise error
+        self.bucket_bytes_cap, self.first_bucket_bytes, self.device_type, self.device_ids, self.output_device = cfg
 
+        self._build()
+        if init_sync:
+            broadcast_coalesced(self._sync_states(), self.process_group, 0, self.broadcast_bucket_size)
+        if comm_dtype is not None:
+            self._comm_hook_desc = f"comm_dtype={comm_dtype}"
+        if static_graph:
+            self._set_static_graph()
+
+    def _named_parameters(self) -> List[Tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _build(self) -> None:
+        """Build what synchronizes (the reducer and its hooks, the buffer broadcast): at construction and after unpickling."""
+        named = self._named_parameters()
+        trainable = [(n, p) for n, p in named if p.requires_grad]
         self.device = trainable[0][1].device
         self._params_to_sync = [p for _, p in named]
-        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+        self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
         self._buffer_broadcast = CoalescedBroadcast(self._buffers_to_sync, self.broadcast_bucket_size)
-        if init_sync:
-            states = [p.detach() for _, p in named]
-            if self.broadcast_buffers:
-                states += [b.detach() for b in self._buffers_to_sync]
-            broadcast_coalesced(states, self.process_group, 0, self.broadcast_bucket_size)
-
         # As in torch DDP: the weights of embeddings built with sparse=True get sparse gradients.
         sparse_ids = {
-            id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+            id(m.weight) for m in self.module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
         }
         self.reducer = Reducer(
             [p for _, p in trainable],
@@ -274,14 +294,43 @@ class DDP(nn.Module, Joinable):
             first_bucket_bytes=self.first_bucket_bytes,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
-            comm_dtype=comm_dtype,
+            comm_dtype=self.comm_dtype,
             sparse_params=[i for i, (_, p) in enumerate(trainable) if id(p) in sparse_ids],
         )
-        self.comm_dtype = comm_dtype
-        if comm_dtype is not None:
-            self._comm_hook_desc = f"comm_dtype={comm_dtype}"
-        if static_graph:
-            self._set_static_graph()
+
+    def _sync_states(self) -> List[torch.Tensor]:
+        """What init_sync and the end of join() broadcast: the parameters, and the buffers with broadcast_buffers."""
+        states = [p.detach() for p in self._params_to_sync]
+        if self.broadcast_buffers:
+            states += [b.detach() for b in self._buffers_to_sync]
+        return states
+
+    # ---------------------------------------------------------------- pickling
+
+    _UNPICKLED = ("process_group", "reducer", "_buffer_broadcast", "_join")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The picklable state, as torch DDP's: without the process group, the reducer and its hooks, or a comm hook."""
+        state = self.__dict__.copy()
+        for key in self._UNPICKLED:
+            state.pop(key, None)
+        if state.get("_comm_hook_desc") is not None and state.get("comm_dtype") is None:
+            state["_comm_hook_desc"] = None  # a registered comm hook is not carried over (torch DDP drops it too)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Rebuild against the default process group: the loaded model trains and synchronizes at once."""
+        super().__setstate__(state)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "fastcoll.DDP: unpickling needs the default process group; call "
+                "torch.distributed.init_process_group(...) before torch.load / copy.deepcopy"
+            )
+        self.process_group = dist.distributed_c10d._get_default_group()
+        self._join = JoinState(self)
+        self._build()
+        if self.static_graph:
+            self.reducer.set_static_graph()
 
     # ------------------------------------------------------------ construction
 
@@ -360,23 +409,22 @@ class DDP(nn.Module, Joinable):
     _forward_outside_dynamo = _compile_support.skip_frame(_forward)
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        # Collective order (a joined rank's _DDPJoinHook.main_hook replays it):
+        # Collective order (a joined rank's DDPJoinHook.main_hook replays it, see fastcoll._join):
         # [join: "not joined" all-reduce (+ early-termination all-reduce)],
         # [bucket layout broadcast, once], [join: authoritative-rank all-reduce]
         # + buffer broadcast, [join: requires-sync all-reduce].
         join = self._join_config.enable
         if join:
-            work = Join.notify_join_context(self)  # None unless this is the Join's first joinable
-            self._join_count_work = None if self._divide_by_initial_world_size else work
+            self._join.notify()
         if torch.is_grad_enabled():
             self.reducer.prepare_for_forward()
         elif join:
             self.reducer.rebuild_buckets()  # joined ranks replay a pending rebuild whatever the grad mode
         if self.require_forward_param_sync and self.broadcast_buffers and self._buffers_to_sync:
             # Under join, rank 0 may have joined with stale buffers: the highest active rank is the source.
-            self._sync_buffers(self._find_common_rank(True) if join else 0)
+            self._sync_buffers(self._join.common_rank(True) if join else 0)
         if join:
-            self._join_sync_work = self._all_reduce_requires_sync(torch.is_grad_enabled() and self.require_backward_grad_sync)
+            self._join.send_requires_sync(torch.is_grad_enabled() and self.require_backward_grad_sync)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
@@ -387,7 +435,7 @@ class DDP(nn.Module, Joinable):
             self.require_forward_param_sync = True
             reducer = self.reducer
             if self._join_config.enable:
-                reducer.divisor = self._join_divisor()
+                reducer.divisor = self._join.divisor(reducer.world_size)
             elif reducer.divisor != reducer.world_size:
                 reducer.divisor = float(reducer.world_size)
             reducer.prepare_for_backward(output if self.find_unused_parameters and not self.static_graph else None)
@@ -401,37 +449,10 @@ class DDP(nn.Module, Joinable):
 
     # -------------------------------------------------------------------- join
 
-    def _join_divisor(self) -> float:
-        """This iteration's divisor under join: the initial world size, or the number of ranks still training."""
-        work = self._join_count_work
-        self._join_count_work = None
-        if work is None:
-            return float(self.reducer.world_size)
-        work.wait()
-        return float(work.get_future().value()[0].item())
-
-    def _find_common_rank(self, candidate: bool) -> int:
-        """The highest group rank among the ranks passing ``candidate=True`` (an all-reduce MAX)."""
-        t = torch.tensor([dist.get_rank(self.process_group) if candidate else -1], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        rank = int(t.item())
-        if rank < 0:
-            raise RuntimeError("fastcoll.DDP: join protocol error: no rank offered to be the source of the model state")
-        return rank
-
-    def _all_reduce_requires_sync(self, requires_sync: bool) -> Any:
-        """The join protocol's per-iteration all-reduce telling joined ranks whether a synchronized backward follows."""
-        t = (torch.ones if requires_sync else torch.zeros)(1, device=self.device)
-        return dist.all_reduce(t, group=self.process_group, async_op=True), t
-
-    def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """Broadcast parameters (and buffers, with broadcast_buffers) from the highest last-joining rank."""
-        src = self._find_common_rank(is_last_joiner)
-        states = [p.detach() for p in self._params_to_sync]
-        if self.broadcast_buffers:
-            states += [b.detach() for b in self._buffers_to_sync]
-        with torch.no_grad():
-            broadcast_coalesced(states, self.process_group, src, self.broadcast_bucket_size)
+    @property
+    def _divide_by_initial_world_size(self) -> bool:
+        """torch DDP's name for the join divisor choice (set by :meth:`join_hook`)."""
+        return self._join.divide_by_initial_world_size
 
     def join(
         self,
@@ -480,7 +501,7 @@ class DDP(nn.Module, Joinable):
         Keyword Args:
             divide_by_initial_world_size (bool): see :meth:`join` (default True).
         """
-        return _DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:
@@ -499,7 +520,7 @@ class DDP(nn.Module, Joinable):
 
         ``hook(state, bucket) -> torch.futures.Future`` is called once per
         bucket per synchronized backward, in bucket index order, with a
-        :class:`fastcoll.reducer.Bucket` (the GradBucket interface: ``index()``,
+        :class:`fastcoll.GradBucket` (torch's GradBucket interface: ``index()``,
         ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``,
         ``set_buffer()``). The buffer holds the bucket's gradients *not*
         divided by the world size (the hook divides). The future's value, one
@@ -516,10 +537,10 @@ class DDP(nn.Module, Joinable):
             ValueError: its annotations are not a GradBucket and a Future of a tensor.
             RuntimeError: a hook (or comm_dtype) is already registered.
         """
-        _check_comm_hook(hook)
-        self._check_no_hook(_hook_name(hook))
+        check_comm_hook(hook)
+        self._check_no_hook(hook_name(hook))
         self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_desc = _hook_name(hook)
+        self._comm_hook_desc = hook_name(hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch DDP's built-in hooks, on fastcoll's fused paths.
@@ -578,128 +599,6 @@ class DDP(nn.Module, Joinable):
     def close(self) -> None:
         """Alias of :meth:`_remove_hooks`, for frameworks that tear wrappers down between fits."""
         self._remove_hooks()
-
-
-class _DDPJoinHook(JoinHook):
-    """Join hook of :class:`DDP`: on a rank out of inputs, replays one iteration's DDP collectives.
-
-    ``main_hook`` issues, in the order :meth:`DDP._pre_forward` and the
-    reducer issue them on the ranks still training (after the Join's own
-    "not joined" all-reduce): the pending bucket layout broadcast, the buffer
-    sync (authoritative-rank all-reduce + broadcast) when buffers are synced,
-    the requires-sync all-reduce, and when it says a synchronized backward
-    follows, one zero bucket per bucket (through the comm hook, if any) and
-    the used-parameter all-reduce when tracked. ``post_hook`` broadcasts the
-    parameters and buffers of the last rank to join.
-    """
-
-    def __init__(self, ddp: DDP, divide_by_initial_world_size: bool):
-        if not isinstance(ddp, DDP):
-            raise TypeError(f"fastcoll.DDP join hook expects a fastcoll.DDP, got {type(ddp).__name__}")
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = bool(divide_by_initial_world_size)
-        super().__init__()
-
-    def main_hook(self) -> None:
-        ddp = self.ddp
-        ddp.reducer.rebuild_buckets()
-        if ddp.require_forward_param_sync and ddp.broadcast_buffers and ddp._buffers_to_sync:
-            ddp._sync_buffers(ddp._find_common_rank(False))
-        work, flag = ddp._all_reduce_requires_sync(False)
-        work.wait()
-        should_sync = flag.item() != 0
-        ddp.require_forward_param_sync = should_sync
-        if should_sync:
-            ddp.reducer.replay_joined_backward()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._sync_final_model(is_last_joiner)
-
-
-# ----------------------------------------------------------- hook validation
-
-
-def _annotation_name(a: Any) -> str:
-    return str(a).strip("'\" ").split("[", 1)[0].rsplit(".", 1)[-1]
-
-
-def _is_bucket_annotation(a: Any) -> bool:
-    if a is inspect.Parameter.empty or a is typing.Any or a is object:
-        return True
-    if isinstance(a, type):
-        return issubclass(a, (Bucket, dist.GradBucket))
-    if isinstance(a, str):
-        return _annotation_name(a) in ("GradBucket", "Bucket", "Any", "object")
-    return False
-
-
-def _is_tensor_annotation(a: Any) -> bool:
-    if a is torch.Tensor or a is typing.Any:
-        return True
-    if isinstance(a, str):
-        return _annotation_name(a) in ("Tensor", "Any")
-    origin = typing.get_origin(a)
-    if origin in (list, tuple, typing.List, typing.Tuple, Sequence):
-        args = [x for x in typing.get_args(a) if x is not Ellipsis]
-        return not args or all(_is_tensor_annotation(x) for x in args)
-    return False
-
-
-def _is_future_annotation(a: Any) -> bool:
-    if a is inspect.Signature.empty or a is typing.Any:
-        return True
-    if isinstance(a, str):
-        text = a.replace(" ", "")
-        if _annotation_name(text) != "Future":
-            return False
-        inner = text.split("[", 1)[1].rsplit("]", 1)[0] if "[" in text else ""
-        return not inner or "Tensor" in inner or inner == "Any"
-    if isinstance(a, type) and issubclass(a, torch._C.Future):
-        return True
-    origin = typing.get_origin(a)
-    if isinstance(origin, type) and issubclass(origin, torch._C.Future):
-        args = typing.get_args(a)
-        return not args or _is_tensor_annotation(args[0])
-    return False
-
-
-def _check_comm_hook(hook: Any) -> None:
-    """Validate a comm hook as torch DDP does, minus its false rejections.
-
-    Accepts functools.partial objects and any name for the second parameter.
-    """
-    if not callable(hook):
-        raise TypeError(f"fastcoll.DDP: the communication hook must be callable, got {type(hook).__name__}")
-    try:
-        sig = inspect.signature(hook, eval_str=True)
-    except (NameError, SyntaxError, TypeError, AttributeError):
-        try:
-            sig = inspect.signature(hook)
-        except (TypeError, ValueError):
-            return
-    except ValueError:  # builtins without a signature
-        return
-    params = list(sig.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
-    required = [p for p in positional if p.default is p.empty]
-    required_kw = [p for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-    if (len(positional) < 2 and not varargs) or len(required) > 2 or required_kw:
-        raise TypeError(
-            f"fastcoll.DDP: the communication hook {_hook_name(hook)} must be callable as hook(state, bucket); "
-            f"its signature is {sig}"
-        )
-    if len(positional) >= 2 and not _is_bucket_annotation(positional[1].annotation):
-        raise ValueError(
-            f"fastcoll.DDP: the communication hook {_hook_name(hook)}: its bucket parameter "
-            f"'{positional[1].name}' is annotated {positional[1].annotation!r}; it should be dist.GradBucket "
-            "(or fastcoll.reducer.Bucket), or not annotated"
-        )
-    if not _is_future_annotation(sig.return_annotation):
-        raise ValueError(
-            f"fastcoll.DDP: the communication hook {_hook_name(hook)}: return annotation "
-            f"{sig.return_annotation!r} should be torch.futures.Future[torch.Tensor] (or none)"
-        )
 
 
 DistributedDataParallel = DDP

@@ -37,7 +37,7 @@ def _tensors(rank: int, round_: int = 0):
 def _check_broadcast(rank: int, world_size: int, cap_bytes: int, src: int):
     import torch.distributed as dist
 
-    from fastcoll.reducer import CoalescedBroadcast
+    from fastcoll._broadcast import CoalescedBroadcast
 
     calls = []
     real = dist.broadcast
@@ -81,7 +81,7 @@ def test_cap_splits_into_messages_and_one_shot_helper():
 
 
 def _one_shot(rank: int, world_size: int):
-    from fastcoll.reducer import broadcast_coalesced
+    from fastcoll._broadcast import broadcast_coalesced
 
     mine = _tensors(rank)
     broadcast_coalesced(mine, None, 1)

@@ -145,7 +145,7 @@ def _early_pack_worker(rank, world_size, configs):
 
     # Every parameter of the test models takes the CPU early-pack path.
     probe = R.Reducer([torch.nn.Parameter(torch.ones(1))], ["probe"])
-    assert probe._eager_slots[0] is not None, "FASTCOLL_EARLY_PACK_MIN_NUMEL=1 did not enable early packing"
+    assert probe.bucket_info()[0]["packed_early"] == ["probe"], "FASTCOLL_EARLY_PACK_MIN_NUMEL=1 did not enable early packing"
     probe.close()
     parity_worker(rank, world_size, configs)
 
@@ -254,7 +254,7 @@ def _check_bucket_info_and_rebuild(rank, ws):
                 _grad_in_bucket(fast)
         names = [b["names"][0] for b in fast.bucket_info()]
         assert names[0].startswith("c.") and names[-1].startswith("a."), f"{what}: layout not rebuilt from ready order: {names}"
-        assert fast.reducer._rebuilt
+        assert fast.reducer.rebuilt and fast.reducer.recorded_order is None
         fast.close()
 
     # First bucket cap: one parameter in the first bucket, the rest together.
@@ -262,25 +262,48 @@ def _check_bucket_info_and_rebuild(rank, ws):
     assert [len(b["names"]) for b in fast.bucket_info()] == [1, 5]
     fast.close()
 
-    # Rank 0's layout wins: make rank 1 observe another order; every rank must end with rank 0's.
-    fast, ref = _mlp_pair(rank, bucket_cap_mb=0.0004)
-    x, y = M.global_batch("mlp", ws, 0)
+    # Rank 0's layout wins: rank 1 runs the two branches in the other order, so
+    # its gradients become ready in another order; every rank must end with rank 0's layout.
+    torch.manual_seed(0)
+    model = TwoBranch()
+    fast, ref = fastcoll.DDP(copy.deepcopy(model), bucket_cap_mb=1e-6), TorchDDP(copy.deepcopy(model), bucket_cap_mb=1e-6)
+    x = torch.randn(4, 8) + rank
+    recorded = None
     for step in range(3):
         for mod in (fast, ref):
             mod.zero_grad()
-            M.loss_of("mlp", mod, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, step).backward()
+            mod(x, flip=rank == 1).backward()
         if step == 0:
-            expected = bucketing.assign_buckets(
-                fast.reducer._specs, bucketing.order_from_ready(fast.reducer._pending_order, len(fast.reducer.params)),
-                fast.first_bucket_bytes, fast.bucket_bytes_cap,
-            )
-            if rank == 1:
-                fast.reducer._pending_order = fast.reducer._pending_order[::-1]
+            recorded = fast.reducer.recorded_order
+            assert recorded is not None and sorted(recorded) == list(range(len(fast.reducer.params)))
         _assert_grads_equal(fast, ref, f"rank-0 layout step {step}")
+    orders = [None] * ws
+    dist.all_gather_object(orders, recorded)
+    assert orders[0] != orders[1], f"the ranks observed the same ready order, the test proves nothing: {orders}"
+    specs = [bucketing.ParamSpec.of(p) for p in fast.reducer.params]
+    expected = bucketing.assign_buckets(specs, bucketing.order_from_ready(orders[0], len(specs)), fast.first_bucket_bytes, fast.bucket_bytes_cap)
     layouts = [None] * ws
     dist.all_gather_object(layouts, fast.reducer.layout())
     assert layouts[0] == layouts[1] == expected, f"ranks disagree on the rebuilt layout: {layouts}"
     fast.close()
+
+
+class TwoBranch(nn.Module):
+    """Two independent branches; ``flip`` runs them in the other order, which reverses their gradients' ready order."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(8, 8)
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, flip=False):
+        if flip:
+            b = self.q(x)
+            a = self.p(x)
+        else:
+            a = self.p(x)
+            b = self.q(x)
+        return (a * b).sum()
 
 
 Pair = namedtuple("Pair", "left right")
@@ -383,10 +406,6 @@ def _check_static_graph_and_traversal(rank, ws):
     ref = TorchDDP(copy.deepcopy(model), find_unused_parameters=True, static_graph=True, bucket_cap_mb=1e-6)
     assert fast.static_graph is True
 
-    def boom(outputs):
-        raise AssertionError("graph traversal ran under static_graph")
-
-    fast.reducer._search_unused = boom
     for step in range(3):
         x, y = M.global_batch("branchy", ws, step)
         for mod in (fast, ref):
@@ -396,18 +415,16 @@ def _check_static_graph_and_traversal(rank, ws):
         g = fast.module.head.weight.grad
         assert torch.equal(g, _other_rank_grad(g)), f"static_graph step {step}: not synchronized"
     assert fast.module.never.weight.grad is None
+    assert fast.reducer.stats()["unused_searches"] == 0, "graph traversal ran under static_graph"
     fast.close()
 
     model = M.build("branchy", 0)
     # Without static_graph the traversal runs every iteration.
     fast = fastcoll.DDP(copy.deepcopy(model), find_unused_parameters=True)
-    calls = []
-    orig = fast.reducer._search_unused
-    fast.reducer._search_unused = lambda outputs: calls.append(1) or orig(outputs)
     for step in range(2):
         out = fast(torch.randn(2, 8))
         out.logits.sum().backward()
-    assert len(calls) == 2, calls
+    assert fast.reducer.stats()["unused_searches"] == 2, fast.reducer.stats()
     fast.close()
 
 

@@ -105,17 +105,14 @@ def _train(rank, wrapper, order, bucket_cap_mb, backend=None, track_overlap=Fals
                 node.register_hook(lambda *_: done.__setitem__(0, done[0] + 1))
             reducer = step_model.reducer if order == "inner" else step_model._orig_mod.reducer
             launched = []
-            orig_launch = reducer._launch
-
-            def launch(*args, **kwargs):
-                launched.append(done[0])
-                return orig_launch(*args, **kwargs)
-
-            reducer._launch = launch
+            # Each bucket's all-reduce is issued when the bucket launches.
+            stop_listening = reducer.add_collective_listener(
+                lambda c: launched.append(done[0]) if c.what.startswith("bucket") else None
+            )
             record = (len(nodes), launched)
         out.square().mean().backward()
         if record is not None:
-            del reducer._launch
+            stop_listening()
         grads = [p.grad.clone() for p in model.parameters()]
         opt.step()
     params = [p.detach().clone() for p in model.parameters()]

@@ -168,13 +168,13 @@ def _grads(mod):
 def _record_wire(fast):
     """Record (gradient dtype, wire dtype) of every bucket all-reduce the reducer issues."""
     seen = []
-    orig = fast.reducer._communicate
+    dtype_of = {f"bucket {b['index']}": b["dtype"] for b in fast.bucket_info()}
 
-    def spy(b):
-        seen.append((b.dtype, b.comm.dtype))
-        return orig(b)
+    def listen(c):
+        if c.kind == "all_reduce" and c.what in dtype_of:
+            seen.append((dtype_of[c.what], c.dtype))
 
-    fast.reducer._communicate = spy
+    fast.reducer.add_collective_listener(listen)
     return seen
 
 
@@ -391,7 +391,7 @@ def _string_annotations(state: "object", bucket: "dist.GradBucket") -> "torch.fu
     return D.allreduce_hook(state, bucket)
 
 
-def _fastcoll_bucket_annotation(state, bucket: fastcoll.reducer.Bucket) -> torch.futures.Future[list[torch.Tensor]]:
+def _fastcoll_bucket_annotation(state, bucket: fastcoll.GradBucket) -> torch.futures.Future[list[torch.Tensor]]:
     return dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future()
 
 

@@ -1,0 +1,117 @@
+"""Uneven inputs for :class:`fastcoll.DDP`: the join protocol's collectives, on training and joined ranks.
+
+Under ``DDP.join()``, a rank that runs out of inputs keeps issuing, every
+iteration, the collectives the ranks still training issue, until all have
+run out. Per iteration, in this order on every rank (after the Join's own
+"not joined yet" all-reduce, whose sum is the number of ranks still training):
+
+1. the pending one-time bucket layout broadcast (:meth:`Reducer.rebuild_buckets`);
+2. with buffer sync: an all-reduce MAX electing the highest rank still
+   training as the source, then the buffer broadcast from it;
+3. the "requires sync" all-reduce: > 0 when a synchronized backward follows;
+4. if it does: the backward's collectives (:meth:`Reducer.replay_joined_backward`
+   on joined ranks).
+
+When every rank has joined, the model state of the highest last joiner is
+broadcast to all. :class:`JoinState` holds a wrapper's side of this;
+:class:`DDPJoinHook` is what a :class:`~torch.distributed.algorithms.join.Join`
+runs on the joined ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
+
+from ._broadcast import broadcast_coalesced
+
+__all__ = ["DDPJoinHook", "JoinState"]
+
+
+class JoinState:
+    """A wrapper's join bookkeeping: the active-rank count and the requires-sync flag in flight."""
+
+    def __init__(self, ddp: Any):
+        self.ddp = ddp
+        #: join(divide_by_initial_world_size=...): average over the initial world size (True) or the active ranks.
+        self.divide_by_initial_world_size = True
+        self._count_work: Any = None  # the Join's "not joined yet" all-reduce: its sum is the active rank count
+        self._sync_flag: Optional[Tuple[Any, torch.Tensor]] = None
+
+    def notify(self) -> None:
+        """At the start of a forward under an enabled join: take part in the Join's per-iteration all-reduce."""
+        work = Join.notify_join_context(self.ddp)  # None unless the DDP module is the Join's first joinable
+        self._count_work = None if self.divide_by_initial_world_size else work
+
+    def divisor(self, world_size: int) -> float:
+        """This iteration's divisor: the initial world size, or the number of ranks still training."""
+        work, self._count_work = self._count_work, None
+        if work is None:
+            return float(world_size)
+        work.wait()
+        return float(work.get_future().value()[0].item())
+
+    def common_rank(self, candidate: bool) -> int:
+        """The highest group rank among the ranks passing ``candidate=True`` (an all-reduce MAX)."""
+        ddp = self.ddp
+        t = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        rank = int(t.item())
+        if rank < 0:
+            raise RuntimeError("fastcoll.DDP.join: join protocol error: no rank offered to be the source of the model state")
+        return rank
+
+    def send_requires_sync(self, requires_sync: bool) -> None:
+        """Start the all-reduce telling joined ranks whether a synchronized backward follows."""
+        self._sync_flag = self._requires_sync_all_reduce(requires_sync)
+
+    def _requires_sync_all_reduce(self, requires_sync: bool) -> Tuple[Any, torch.Tensor]:
+        t = (torch.ones if requires_sync else torch.zeros)(1, device=self.ddp.device)
+        return dist.all_reduce(t, group=self.ddp.process_group, async_op=True), t
+
+    def receive_requires_sync(self) -> bool:
+        """On a joined rank: whether the ranks still training run a synchronized backward this iteration."""
+        work, flag = self._requires_sync_all_reduce(False)
+        work.wait()
+        return flag.item() != 0
+
+    def sync_final_model(self, is_last_joiner: bool) -> None:
+        """Broadcast parameters (and buffers, with broadcast_buffers) from the highest last-joining rank."""
+        ddp = self.ddp
+        src = self.common_rank(is_last_joiner)
+        with torch.no_grad():
+            broadcast_coalesced(ddp._sync_states(), ddp.process_group, src, ddp.broadcast_bucket_size)
+
+
+class DDPJoinHook(JoinHook):
+    """Join hook of :class:`fastcoll.DDP`: on a rank out of inputs, replays one iteration's collectives.
+
+    ``main_hook`` issues what :meth:`fastcoll.DDP.forward` and the reducer
+    issue on the ranks still training (see the module docstring);
+    ``post_hook`` broadcasts the model state of the last rank to join.
+    """
+
+    def __init__(self, ddp: Any, divide_by_initial_world_size: bool):
+        from .ddp import DDP
+
+        if not isinstance(ddp, DDP):
+            raise TypeError(f"fastcoll.DDP.join_hook: expects a fastcoll.DDP, got {type(ddp).__name__}")
+        self.ddp = ddp
+        ddp._join.divide_by_initial_world_size = bool(divide_by_initial_world_size)
+        super().__init__()
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp.reducer.rebuild_buckets()
+        if ddp.require_forward_param_sync and ddp.broadcast_buffers and ddp._buffers_to_sync:
+            ddp._sync_buffers(ddp._join.common_rank(False))
+        should_sync = ddp._join.receive_requires_sync()
+        ddp.require_forward_param_sync = should_sync
+        if should_sync:
+            ddp.reducer.replay_joined_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._join.sync_final_model(is_last_joiner)

@@ -1,0 +1,280 @@
+"""One gradient bucket: its fixed layout, the GradBucket API comm hooks see, and its pack / write-back.
+
+A :class:`GradBucket` is built once per layout and never changes shape: the
+parameters, their offsets in the flat buffer, the views of that buffer, the
+buffer the collective carries (the wire buffer) and its dtype. What changes
+per iteration (how many gradients are still missing, what is in flight) lives
+in the reducer, not here.
+
+Moving gradients in and out is the fused ops' job: when every gradient of
+the bucket takes part, one :func:`fastcoll.ops.flatten_scale` packs them all
+(one :func:`fastcoll.ops.unflatten_scale` writes them back); otherwise one
+call per run of consecutive taking-part gradients (:func:`for_each_run`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import ops
+from ..comm_hooks import check_set_buffer
+
+__all__ = ["GradBucket", "for_each_run"]
+
+
+def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
+    """Maximal [start, stop) index ranges where ``present`` is true."""
+    runs = []
+    start = None
+    for i, ok in enumerate(present):
+        if ok and start is None:
+            start = i
+        elif not ok and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(present)))
+    return runs
+
+
+def for_each_run(present: Sequence[bool], offsets: Sequence[int], numel: int, fn: Callable[[int, int, int, int], None]) -> None:
+    """Call ``fn(start, stop, lo, hi)`` for each run of present slots [start, stop) covering elements [lo, hi)."""
+    for start, stop in _runs(present):
+        lo = offsets[start]
+        hi = offsets[stop] if stop < len(offsets) else numel
+        if hi > lo:
+            fn(start, stop, lo, hi)
+
+
+class GradBucket:
+    """A group of same-(device, dtype) parameters reduced with one collective.
+
+    Comm hooks receive this object; it has torch's ``GradBucket`` interface.
+
+    Attributes:
+        pos: Index of the bucket in reduction order.
+        count: Number of buckets in the layout (for :meth:`is_last`).
+        param_indices: Reducer parameter indices, in bucket (packing) order.
+        params: The parameters, in bucket order.
+        names: Their qualified names.
+        device, dtype: Of every parameter (and of ``flat``, unless it is the wire buffer).
+        numel: Total elements; ``offsets[i]`` is parameter i's first element in ``flat``.
+        flat: The 1-D contiguous bucket buffer.
+        views: Views of ``flat`` shaped and strided like each parameter.
+        view_ptrs: ``data_ptr()`` of each view (is a gradient its bucket view?).
+        comm: The wire buffer the collective carries: ``flat`` itself, or (with
+            a narrower wire dtype and gradients as bucket views) a separate buffer.
+        as_view: Gradients live in ``views`` (gradient_as_bucket_view).
+        sparse: The bucket holds one parameter with sparse gradients, reduced
+            as a sparse tensor (``flat`` and ``views`` are empty).
+
+    ``buffer``, when given, becomes ``flat`` (``numel`` elements of the
+    parameters' dtype) instead of a new allocation.
+    """
+
+    __slots__ = (
+        "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
+        "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        pos: int,
+        count: int,
+        param_indices: List[int],
+        params: List[torch.Tensor],
+        names: List[str],
+        wire_dtype: Optional[torch.dtype] = None,
+        as_view: bool = False,
+        sparse: bool = False,
+        buffer: Optional[torch.Tensor] = None,
+    ):
+        self.pos = pos
+        self.count = count
+        self.param_indices = param_indices
+        self.params = params
+        self.names = names
+        self.as_view = as_view
+        self.sparse = sparse
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        self.offsets: List[int] = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        # Gradients as views need a buffer of their own dtype, so a narrower
+        # wire dtype then gets a separate wire buffer; otherwise the flat buffer
+        # itself is in the wire dtype (gradients are cast into it by the pack).
+        separate_wire = wire_dtype is not None and as_view and not sparse
+        flat_dtype = self.dtype if wire_dtype is None or separate_wire or sparse else wire_dtype
+        self.flat = buffer if buffer is not None else torch.empty(0 if sparse else total, dtype=flat_dtype, device=self.device)
+        self.views = [] if sparse else ops.bucket_views(self.flat, params)
+        self.view_ptrs = [v.data_ptr() for v in self.views]
+        self.comm = torch.empty(total, dtype=wire_dtype, device=self.device) if separate_wire else self.flat
+        self._hook_buffer: Optional[torch.Tensor] = None
+        self._hook_views: Optional[List[torch.Tensor]] = None
+
+    # ------------------------------------------------ torch's GradBucket API
+
+    def index(self) -> int:
+        """Position of this bucket in reduction order."""
+        return self.pos
+
+    def is_last(self) -> bool:
+        """True for the last bucket reduced in an iteration."""
+        return self.pos == self.count - 1
+
+    def buffer(self) -> torch.Tensor:
+        """The flat 1-D bucket buffer (the one given to :meth:`set_buffer`, if any, in the current hook call)."""
+        hb = self._hook_buffer
+        return self.flat if hb is None else hb
+
+    def gradients(self) -> List[torch.Tensor]:
+        """Parameter-shaped views of :meth:`buffer`, in :meth:`parameters` order.
+
+        Writing into them writes into :meth:`buffer` (PowerSGD relies on this).
+        """
+        hb = self._hook_buffer
+        if hb is None:
+            return self.views
+        if self._hook_views is None:
+            self._hook_views = ops.bucket_views(hb, self.params)
+        return self._hook_views
+
+    def parameters(self) -> List[torch.Tensor]:
+        """The bucket's parameters."""
+        return self.params
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace :meth:`buffer` (and the tensors :meth:`gradients` views) for the rest of this hook call.
+
+        As in torch's GradBucket, this changes what the accessors return; the
+        reduced gradients are whatever the hook's future returns.
+
+        Raises:
+            TypeError: ``buffer`` is not a tensor.
+            ValueError: ``buffer`` is not 1-D contiguous with the bucket's element count.
+        """
+        check_set_buffer(buffer, self.numel, self.pos)
+        self._hook_buffer = buffer
+        self._hook_views = None
+
+    def reset_hook_buffer(self) -> None:
+        """Forget a buffer set by a previous hook call."""
+        self._hook_buffer = None
+        self._hook_views = None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the bucket's gradients in bytes (in the parameters' dtype)."""
+        return self.numel * self.params[0].element_size()
+
+    @property
+    def comm_nbytes(self) -> int:
+        """Bytes each collective of this bucket carries (in the wire dtype)."""
+        return self.numel * self.comm.element_size()
+
+    # ------------------------------------------------------ pack / write-back
+
+    def _to_view(self, k: int, g: torch.Tensor) -> torch.Tensor:
+        """With gradients as bucket views: make parameter ``k``'s gradient ``g`` (not its view yet) its view.
+
+        Returns what is left to pack into the slot: ``g`` when it has the
+        parameter's layout, or the view itself when ``g`` had another layout
+        and was copied into it elementwise.
+        """
+        v = self.views[k]
+        self.params[k].grad = v
+        if g.stride() != v.stride() and g.numel() > 1:
+            with torch.no_grad():
+                v.copy_(g)
+            return v
+        return g
+
+    def pack_one(self, k: int, slot: torch.Tensor, scale: float) -> bool:
+        """Pack parameter ``k``'s final gradient (times ``scale``) into ``slot``, its part of the wire buffer.
+
+        Returns:
+            True when packed; False when there is no gradient, or it is left
+            to :meth:`pack` (a bucket-view gradient with another layout).
+        """
+        g = self.params[k].grad
+        if g is None:
+            return False
+        if self.as_view:
+            if g.data_ptr() != self.view_ptrs[k]:
+                v = self.views[k]
+                if g.stride() != v.stride() and g.numel() > 1:
+                    return False
+                self.params[k].grad = v
+            elif scale == 1.0 and self.comm is self.flat:
+                return True  # already in place and nothing to scale
+        ops.flatten_scale([g], slot, scale)
+        return True
+
+    def pack(self, scale: float, done: Optional[Sequence[int]] = None) -> None:
+        """Write the gradients times ``scale`` into the wire buffer (missing gradients as zeros), casting to its dtype.
+
+        Args:
+            scale: Factor folded into the copy (1/divisor, or 1 for comm hooks).
+            done: Per bucket slot, 1 when that gradient was already packed (:meth:`pack_one`).
+        """
+        params = self.params
+        grads = [p.grad for p in params]
+        in_place = False  # every gradient already is its view of the wire buffer, and scale 1: nothing to write
+        if self.as_view:
+            in_place = scale == 1.0 and self.comm is self.flat
+            for k, g in enumerate(grads):
+                if g is not None and g.data_ptr() != self.view_ptrs[k] and not (done and done[k]):
+                    grads[k] = self._to_view(k, g)
+                    if grads[k] is g:
+                        in_place = False  # g is copied into its view below
+        if done is None and all(g is not None for g in grads):
+            if self.numel and not in_place:
+                ops.flatten_scale(grads, self.comm, scale)
+            return
+        comm = self.comm
+        todo = [g is not None and not (done and done[k]) for k, g in enumerate(grads)]
+        with torch.no_grad():
+            for k, g in enumerate(grads):
+                if g is None and not (done and done[k]):
+                    comm[self.offsets[k] : self.offsets[k] + params[k].numel()].zero_()
+            if not in_place:
+                for_each_run(todo, self.offsets, self.numel, lambda a, b, lo, hi: ops.flatten_scale(grads[a:b], comm[lo:hi], scale))
+
+    def write_back(self, src: torch.Tensor, used: Optional[Sequence[bool]] = None, scale: float = 1.0) -> None:
+        """Write the reduced flat ``src`` (times ``scale``) into the gradients, casting on the way.
+
+        Args:
+            src: ``numel`` elements of any supported dtype (``flat``, ``comm`` or a hook's result).
+            used: Per bucket slot, False for parameters unused on every rank:
+                their gradients are left as they are. None: all used.
+            scale: Factor folded into the copy.
+        """
+        if self.numel == 0:
+            return
+        params = self.params
+        if self.as_view:
+            if src is not self.flat:
+                ops.unflatten_scale(src, [self.flat], scale)
+            elif scale != 1.0:
+                ops.flatten_scale([self.flat], self.flat, scale)
+            for k, p in enumerate(params):
+                if p.grad is None and (used is None or used[k]):
+                    p.grad = self.views[k]
+            return
+        grads = [p.grad for p in params]
+        if used is None and all(g is not None for g in grads):
+            ops.unflatten_scale(src, grads, scale)
+            return
+        keep = []
+        for k, p in enumerate(params):
+            u = used is None or used[k]
+            if u and grads[k] is None:
+                p.grad = grads[k] = torch.empty_like(p, memory_format=torch.preserve_format, requires_grad=False)
+            keep.append(u)
+        for_each_run(keep, self.offsets, self.numel, lambda a, b, lo, hi: ops.unflatten_scale(src[lo:hi], grads[a:b], scale))

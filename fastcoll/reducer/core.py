@@ -1,0 +1,516 @@
+"""The gradient reducer behind :class:`fastcoll.DDP`: readiness, launch order, finalize, join replay.
+
+Life of one synchronized iteration::
+
+    forward (DDP)   prepare_for_forward()   raise if the previous backward left
+                                            buckets unreduced; rebuild the
+                                            layout once (rank 0's order wins)
+                    prepare_for_backward()  arm the hooks (phase ARMED); search
+                                            for unused params (ParameterUsage)
+    backward        post-accumulate-grad hook per parameter -> _on_grad()
+                      first hook: phase BACKWARD, queue _on_backward_end on
+                      the engine, mark the unused parameters ready
+                      large CPU gradient final -> GradBucket.pack_one() writes
+                      it into its slot while it is still in cache
+                      bucket complete -> _advance() launches every complete
+                      bucket in index order: its reduction (reduction.py)
+                      packs it with one fused flatten_scale (scale
+                      1/divisor, cast to the wire dtype) and issues the
+                      all-reduce, or calls the comm hook, or starts the
+                      sparse exchange; after the last bucket, the
+                      used-parameter all-reduce (when usage is tracked)
+    end of backward _on_backward_end() -> _finalize(): wait for the used map,
+                    then each bucket's reduction writes back with one fused
+                    unflatten_scale (casting from the wire dtype);
+                    _end_iteration() closes the iteration (phase IDLE)
+
+Collectives are issued in exactly this order on every rank, all through one
+:class:`~fastcoll.reducer.comm.Communicator`: [layout broadcast (once)], then
+per backward: bucket 0, 1, ..., B-1 (or whatever the comm hook issues for
+each, in that order; a sparse bucket's row-count all-gather), then the
+used-parameter all-reduce (only when usage is tracked), then the sparse
+buckets' row all-gathers. The buffer broadcast of the forward (and, under
+``join()``, the join protocol's all-reduces) is issued by
+:class:`fastcoll.DDP` before the module runs. A rank that has joined (run out
+of inputs) issues the same backward collectives with zeros through
+:meth:`Reducer.replay_joined_backward`, and closes the iteration with the
+same :meth:`Reducer._end_iteration`.
+
+Low-precision communication (``comm_dtype``): the division by ``divisor``
+happens in the pack, in float32, before the single rounding to the 16-bit
+wire dtype; the all-reduce then sums per-rank shares of the mean, so the
+result and every partial sum are bounded by the largest per-rank gradient
+magnitude: nothing overflows float16 while every rank's gradients are within
+its range (a naive sum-then-divide overflows at 65504 / world_size).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._dtypes import check_comm_dtype
+from ..bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
+from .bucket import GradBucket
+from .comm import Collective, Communicator, force_collectives
+from .layout import ReadyOrder, build_buckets, early_pack_slots
+from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
+from .usage import ParameterUsage
+
+__all__ = ["Phase", "Reducer"]
+
+
+class Phase(enum.Enum):
+    """Where the reducer is in an iteration."""
+
+    IDLE = "idle"  #: between iterations: hooks are ignored
+    ARMED = "armed"  #: prepare_for_backward ran; no gradient hook has fired yet
+    BACKWARD = "backward"  #: hooks firing; the end-of-backward callback is queued
+    UNFINISHED = "unfinished"  #: the backward ended with buckets unreduced (raised at the next forward)
+
+
+_IDLE, _ARMED, _BACKWARD, _UNFINISHED = Phase.IDLE, Phase.ARMED, Phase.BACKWARD, Phase.UNFINISHED
+
+
+def _remove_handles(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[threading.Lock]) -> Callable:
+    # The hook holds the reducer weakly so a dropped DDP wrapper does not keep
+    # reducing gradients of a module that has been re-wrapped.
+    if lock is None:
+
+        def hook(_param: torch.Tensor) -> None:
+            r = ref()
+            if r is not None and r._phase is not _IDLE:
+                r._on_grad(idx)
+
+    else:
+
+        def hook(_param: torch.Tensor) -> None:
+            r = ref()
+            if r is not None and r._phase is not _IDLE:
+                with lock:
+                    r._on_grad(idx)
+
+    return hook
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for a list of parameters.
+
+    Args:
+        params: Parameters to reduce (requires_grad, floating, one device type).
+        names: Qualified name of each parameter, for messages and :meth:`bucket_info`.
+        process_group: Group to reduce over (None: default group).
+        bucket_cap_bytes: Byte cap of every bucket but the first of each (device, dtype).
+        first_bucket_bytes: Byte cap of the first bucket of each (device, dtype).
+        find_unused_parameters: Search the autograd graph from the outputs
+            each iteration and mark unreached parameters ready.
+        gradient_as_bucket_view: Make ``param.grad`` a view into its bucket.
+        static_graph: The set of used parameters and the number of times each
+            one's gradient is accumulated never change: learn them in the first
+            iteration and skip the search afterwards.
+        comm_dtype: None, ``torch.float16`` or ``torch.bfloat16``: wider
+            buckets are packed (cast and scaled in one pass) into a buffer of
+            this dtype, all-reduced in it and unpacked (upcast) in one pass.
+        sparse_params: Indices of parameters whose gradients are sparse
+            (``nn.Embedding(sparse=True)`` weights): each gets a bucket of its
+            own and its gradient is scaled and summed as a sparse tensor.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        bucket_cap_bytes: int = 25 * 1024 * 1024,
+        first_bucket_bytes: int = 1024 * 1024,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        comm_dtype: Optional[torch.dtype] = None,
+        sparse_params: Sequence[int] = (),
+    ):
+        self.params: List[torch.Tensor] = list(params)
+        self.names: List[str] = list(names)
+        n = len(self.params)
+        if n == 0:
+            raise ValueError("fastcoll.Reducer: no parameters to reduce")
+        check_comm_dtype(comm_dtype)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.comm = Communicator(process_group, self.world_size, force_collectives())
+        #: Run-time divisor folded into the pack: gradients are averaged over this many ranks.
+        self.divisor: float = float(self.world_size)
+        self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.first_bucket_bytes = int(first_bucket_bytes)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.comm_dtype: Optional[torch.dtype] = comm_dtype
+        self._sparse = [False] * n
+        for i in sparse_params:
+            self._sparse[i] = True
+        self._specs = [ParamSpec.of(p, self._sparse[i]) for i, p in enumerate(self.params)]
+        self.usage = ParameterUsage(self.params, self.comm, self.params[0].device, self.find_unused_parameters, bool(static_graph))
+        # A dynamic graph (find_unused without static_graph) has no one ready order to learn from.
+        self._order = ReadyOrder(enabled=not self.usage.searching)
+        self._hook: Optional[CommHook] = None
+        self._phase = _IDLE
+
+        self.buckets: List[GradBucket] = []
+        self._install_layout(assign_buckets(self._specs, reverse_registration_order(n), self.first_bucket_bytes, self.bucket_cap_bytes))
+
+        lock = threading.Lock() if len({p.device for p in self.params}) > 1 else None  # hooks of several devices run on several threads
+        ref = weakref.ref(self)
+        self._handles: List[Any] = [p.register_post_accumulate_grad_hook(_make_hook(ref, i, lock)) for i, p in enumerate(self.params)]
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+
+    @property
+    def static_graph(self) -> bool:
+        return self.usage.static_graph
+
+    # ------------------------------------------------------------------ layout
+
+    def _install_layout(self, layout: List[List[int]]) -> None:
+        """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them."""
+        old = self.buckets
+        self.buckets = build_buckets(layout, self.params, self.names, self._sparse, self.comm_dtype, self.gradient_as_bucket_view)
+        del old
+        n = len(self.params)
+        self._bucket_of = [0] * n
+        for b in self.buckets:
+            for i in b.param_indices:
+                self._bucket_of[i] = b.pos
+        self._eager_slots, self._slot_pos = early_pack_slots(self.buckets, n)
+        self._index_reductions()
+        self._count_expected()
+        self._reset_progress()
+
+    def _index_reductions(self) -> None:
+        dense = self._hook if self._hook is not None else AllReduce(self.comm)
+        sparse = SparseSum(self.comm)
+        self._reductions = [sparse if b.sparse else dense for b in self.buckets]
+
+    def _count_expected(self) -> None:
+        expected = self.usage.expected
+        self._bucket_expected = [sum(expected[i] for i in b.param_indices) for b in self.buckets]
+
+    def _reset_progress(self) -> None:
+        """Per-iteration bucket state: gradients still missing, reductions in flight, early packs."""
+        nb = len(self.buckets)
+        self._pending = self._bucket_expected[:]
+        self._inflight: List[Optional[InFlight]] = [None] * nb
+        self._n_packed = [0] * nb
+        self._packed = bytearray(len(self.params))
+        self._next_bucket = 0
+
+    def layout(self) -> List[List[int]]:
+        """The current buckets as lists of parameter indices, in reduction order."""
+        return [list(b.param_indices) for b in self.buckets]
+
+    def bucket_info(self) -> List[Dict[str, Any]]:
+        """Each bucket's index, parameter names, dtype, device, numel, bytes and wire dtype, in reduction order."""
+        return [
+            {
+                "index": b.pos,
+                "names": list(b.names),
+                "dtype": b.dtype,
+                "device": b.device,
+                "numel": b.numel,
+                "bytes": b.nbytes,
+                "comm_dtype": b.comm.dtype,
+                "comm_bytes": b.nbytes if b.sparse else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
+                "sparse": b.sparse,
+                "packed_early": [self.names[i] for i in b.param_indices if self._eager_slots[i] is not None],
+            }
+            for b in self.buckets
+        ]
+
+    @property
+    def recorded_order(self) -> Optional[List[int]]:
+        """The gradient-ready order recorded in the first synchronized backward, until the rebuild takes it."""
+        rec = self._order.recorded
+        return None if rec is None else list(rec)
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the one layout rebuild from the ready order has happened (or never will)."""
+        return self._order.rebuilt
+
+    def rebuild_buckets(self) -> bool:
+        """Rebuild the layout from the recorded ready order, once; rank 0's order wins.
+
+        Collective (a broadcast) when a rebuild is pending; every rank has one
+        pending after the same iteration, since the order is recorded during
+        the first synchronized backward.
+
+        Returns:
+            True if a rebuild took place (even one that kept the layout).
+        """
+        observed = self._order.take()
+        if observed is None:
+            return False
+        order = order_from_ready(observed, len(self.params))
+        if self.comm.active:
+            t = torch.tensor(order, dtype=torch.int64, device=self.usage.device)
+            self.comm.broadcast(t, "layout", group_src=0)
+            order = t.tolist()
+        layout = assign_buckets(self._specs, order, self.first_bucket_bytes, self.bucket_cap_bytes)
+        if layout != self.layout():
+            self._install_layout(layout)
+        return True
+
+    # ------------------------------------------------------- inspection seams
+
+    def add_collective_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
+        """Call ``fn`` with a :class:`~fastcoll.reducer.comm.Collective` for every collective issued; returns its remover."""
+        return self.comm.add_listener(fn)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters: completed synchronized ``iterations``, ``unused_searches`` run, ``collectives`` issued."""
+        return {"iterations": self.usage.iterations, "unused_searches": self.usage.searches, "collectives": self.comm.seq}
+
+    # ---------------------------------------------------------------- forward
+
+    def prepare_for_forward(self) -> None:
+        """Start of a forward that may be followed by a synchronized backward.
+
+        Raises:
+            RuntimeError: if the previous synchronized backward left some
+                parameters without gradients, naming them.
+        """
+        if self._phase is _BACKWARD or self._phase is _UNFINISHED:
+            self._raise_unfinished()
+        self.rebuild_buckets()
+
+    def prepare_for_backward(self, outputs: Optional[Any] = None) -> None:
+        """Arm the hooks for the next backward.
+
+        Args:
+            outputs: The forward's output (any nesting); searched for
+                parameters that cannot receive a gradient when unused
+                parameters are being found dynamically; ignored otherwise.
+        """
+        if self.closed:
+            return
+        self._phase = _ARMED
+        self._reset_progress()
+        self.usage.begin_iteration(outputs)
+        self._order.restart()
+
+    # --------------------------------------------------------------- backward
+
+    def _on_grad(self, idx: int) -> None:
+        """Hook body: parameter ``idx``'s gradient has been accumulated."""
+        if self._phase is not _BACKWARD:
+            self._start_backward()
+        usage = self.usage
+        observed = self._order.observed
+        if usage.learning_static_graph:
+            usage.hook_counts[idx] += 1
+            if observed is not None:
+                observed.append(idx)
+            return
+        rem = usage.remaining[idx]
+        if rem <= 0:
+            self._raise_marked_twice(idx)
+        usage.remaining[idx] = rem - 1
+        if usage.track_used:
+            usage.local_used[idx] = 1
+        pos = self._bucket_of[idx]
+        if rem == 1:
+            if observed is not None:
+                observed.append(idx)
+            slot = self._eager_slots[idx]
+            if slot is not None and self.buckets[pos].pack_one(self._slot_pos[idx], slot, self._pack_scale()):
+                self._packed[idx] = 1
+                self._n_packed[pos] += 1
+        left = self._pending[pos] - 1
+        self._pending[pos] = left
+        if left == 0 and pos == self._next_bucket:
+            self._advance()
+
+    def _pack_scale(self) -> float:
+        return 1.0 if self._hook is not None else 1.0 / self.divisor
+
+    def _start_backward(self) -> None:
+        first = self._phase is _ARMED  # not a second backward after an unfinished one
+        self._phase = _BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if first:
+            usage = self.usage
+            for idx in usage.unused:
+                usage.remaining[idx] = 0
+                self._pending[self._bucket_of[idx]] -= 1
+            if not usage.learning_static_graph:
+                self._advance()
+
+    def _advance(self) -> None:
+        """Launch, in index order, every complete bucket not launched yet; after the last, the used-parameter map."""
+        buckets = self.buckets
+        i = self._next_bucket
+        nb = len(buckets)
+        while i < nb and self._pending[i] == 0:
+            self._next_bucket = i + 1
+            b = buckets[i]
+            done = [self._packed[j] for j in b.param_indices] if self._n_packed[i] else None
+            self._inflight[i] = self._reductions[i].start(b, self.divisor, done)
+            i += 1
+        if i == nb and self.usage.track_used and not self.usage.used_map_started:
+            self.usage.start_used_map()
+
+    def _on_backward_end(self) -> None:
+        """Engine callback at the end of a backward in which hooks fired."""
+        self._phase = _UNFINISHED
+        if self.usage.learning_static_graph:
+            # The learning backward launched nothing: everything it counted is ready now.
+            self.usage.learn_from_hooks()
+            self._pending = [0] * len(self.buckets)
+            self._advance()
+        if self._next_bucket < len(self.buckets):
+            return  # some gradients are missing: reported at the next forward
+        self._finalize()
+
+    def _finalize(self) -> None:
+        usage = self.usage
+        usage.finish_used_map()
+        for f in self._inflight:
+            f.after_used_map()
+        used = usage.global_used
+        for b, f in zip(self.buckets, self._inflight):
+            f.finish(None if used is None else [used[i] for i in b.param_indices])
+        self._end_iteration(joined=False)
+
+    def _end_iteration(self, joined: bool) -> None:
+        """Close a synchronized iteration: the one place shared by training ranks and join replays."""
+        learned = self.usage.learning_static_graph
+        self.usage.end_iteration()
+        if learned:
+            self._count_expected()
+        self._order.end_iteration(joined)
+        self._inflight = [None] * len(self.buckets)
+        self._phase = _IDLE
+
+    # ------------------------------------------------------------------- join
+
+    def replay_joined_backward(self) -> None:
+        """On a rank that has run out of inputs: issue one synchronized backward's collectives with zeros.
+
+        Same collectives, same order as on the ranks still training (each
+        bucket's reduction started with zeros, the used-parameter all-reduce
+        when usage is tracked, the sparse row gathers); this rank's gradients
+        are left untouched. The iteration then closes as a trained one does
+        (:meth:`_end_iteration`), so every rank agrees on what the next
+        iteration issues.
+        """
+        zeros = ZeroBuffers()
+        inflight = [r.start_zeros(b, zeros) for b, r in zip(self.buckets, self._reductions)]
+        usage = self.usage
+        if usage.searching or usage.learning_static_graph:
+            usage.start_used_map(zeros=True)
+        usage.finish_used_map()
+        for f in inflight:
+            f.after_used_map()
+        for f in inflight:
+            f.finish(None)
+        self._end_iteration(joined=True)
+
+    # -------------------------------------------------------- configuration
+
+    def _check_idle(self, what: str) -> None:
+        if self._phase is _BACKWARD or self._phase is _UNFINISHED:
+            raise RuntimeError(f"fastcoll.DDP: cannot {what} while a backward pass is being reduced; do it between iterations")
+
+    def set_static_graph(self) -> None:
+        """Switch to static-graph mode; only before the first synchronized iteration."""
+        self.usage.enable_static_graph()
+        self._order.enable()
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Install ``hook`` (already validated by :class:`fastcoll.DDP`); between iterations only."""
+        self._check_idle("register a comm hook")
+        if self.comm_dtype is not None:
+            raise RuntimeError("fastcoll.DDP: a comm hook cannot be combined with comm_dtype")
+        sparse = [self.names[i] for i, s in enumerate(self._sparse) if s]
+        if sparse:
+            raise RuntimeError(
+                f"fastcoll.DDP: comm hooks are not supported with sparse gradients (parameter '{sparse[0]}' belongs "
+                "to an nn.Embedding/EmbeddingBag with sparse=True); use sparse=False or no comm hook"
+            )
+        self._hook = CommHook(self.comm, hook, state)
+        self._index_reductions()
+
+    def set_comm_dtype(self, comm_dtype: Optional[torch.dtype]) -> None:
+        """Change the wire dtype (reallocates the bucket buffers, keeping the layout); between iterations only."""
+        check_comm_dtype(comm_dtype)
+        self._check_idle("change comm_dtype")
+        if comm_dtype is not None and self._hook is not None:
+            raise RuntimeError("fastcoll.DDP: comm_dtype cannot be combined with a comm hook")
+        if comm_dtype == self.comm_dtype:
+            return
+        self.comm_dtype = comm_dtype
+        if not self.closed:
+            self._install_layout(self.layout())
+
+    # ----------------------------------------------------------------- errors
+
+    def _raise_marked_twice(self, idx: int) -> None:
+        if idx in self.usage.unused:
+            why = (
+                "it was not reachable from the forward outputs (find_unused_parameters marked it unused), "
+                "yet it received a gradient: return every tensor the loss depends on from forward"
+            )
+        else:
+            why = (
+                "its gradient was accumulated more than once in one backward (a parameter used in several "
+                "reentrant backward passes, e.g. activation checkpointing with use_reentrant=True, or "
+                "several backward calls per iteration); use static_graph=True if the pattern is the same "
+                "every iteration, or no_sync() for all but the last backward"
+            )
+        raise RuntimeError(f"fastcoll.DDP: parameter '{self.names[idx]}' was marked ready twice in one iteration: {why}.")
+
+    def unfinished_names(self) -> List[str]:
+        """Names of parameters whose gradients are still missing in the current iteration."""
+        return [self.names[i] for i in self.usage.unfinished()]
+
+    def _raise_unfinished(self) -> None:
+        names = self.unfinished_names()
+        shown = ", ".join(names[:50]) + (f", ... ({len(names)} in all)" if len(names) > 50 else "")
+        raise RuntimeError(
+            "fastcoll.DDP: the previous iteration's gradient reduction did not finish, because these "
+            f"parameters received no gradient in its backward: {shown}. Either pass "
+            "find_unused_parameters=True to DDP (parameters that take no part in some forward passes are "
+            "then handled, at the cost of a graph traversal per iteration), or make sure every parameter "
+            "contributes to the loss in every iteration (all forward outputs used in the loss)."
+        )
+
+    # ---------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        """Remove the autograd hooks and release the bucket buffers.
+
+        Gradients that are views of a bucket keep that storage alive; they stay valid.
+        """
+        self._finalizer()
+        self._phase = _IDLE
+        self._order.stop()
+        self.buckets = []
+        self._eager_slots = [None] * len(self.params)  # they keep bucket storage alive
+        self._reductions = []
+        self._count_expected()
+        self._reset_progress()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return not self._finalizer.alive

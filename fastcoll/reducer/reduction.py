@@ -1,0 +1,194 @@
+"""The ways a bucket is reduced, one class each: all-reduce, comm hook, sparse sum.
+
+Each way has
+
+* ``start(bucket, divisor, done)``: pack the bucket and issue its collective(s)
+  (in the bucket's turn, in index order on every rank); returns an
+  :class:`InFlight` reduction;
+* ``start_zeros(bucket, zeros)``: issue the same collectives with zeros, for a
+  rank that has joined (run out of inputs) and replays a backward;
+
+and the :class:`InFlight` object it returns has ``after_used_map()`` (the
+second phase some reductions issue after the used-parameter all-reduce) and
+``finish(used)`` (wait, then write the result into the gradients; a replayed
+one only waits). The reducer never asks which way a bucket goes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .._sparse import SparseExchange, empty_sparse_grad
+from ..comm_hooks import call_hook, hook_result
+from .bucket import GradBucket
+from .comm import DONE, Communicator
+
+__all__ = ["AllReduce", "CommHook", "InFlight", "SparseSum", "ZeroBuffers"]
+
+
+class InFlight:
+    """A reduction under way. This base class is the replayed kind: it only waits."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    def after_used_map(self) -> None:
+        """Issue what comes after the used-parameter all-reduce (nothing, for most)."""
+
+    def finish(self, used: Optional[Sequence[bool]]) -> None:
+        """Wait for the reduction (and write it back; not for a replay)."""
+        self.handle.wait()
+
+
+class ZeroBuffers:
+    """The zeros a join replay sends: one buffer per (device, dtype), the size of the largest bucket, reused.
+
+    A replayed collective receives the training ranks' sum (and a comm hook
+    may write into its buffer), so each use must complete before the buffer
+    is zeroed again for the next: :meth:`use` waits. The joined rank thus
+    issues its bucket collectives one after another, still in bucket order.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """``numel`` zeros: a prefix of the shared buffer, zeroed again."""
+        key = (device, dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._bufs[key] = torch.zeros(numel, dtype=dtype, device=device)
+            return buf
+        return buf[:numel].zero_()
+
+    @staticmethod
+    def use(handle: Any) -> None:
+        """Wait for the collective (or hook future) reading the buffer just handed out."""
+        handle.wait()
+
+
+# ------------------------------------------------------------------ all-reduce
+
+
+class _Reduced(InFlight):
+    __slots__ = ("bucket",)
+
+    def __init__(self, bucket: GradBucket, handle: Any):
+        super().__init__(handle)
+        self.bucket = bucket
+
+    def finish(self, used: Optional[Sequence[bool]]) -> None:
+        self.handle.wait()
+        self.bucket.write_back(self.bucket.comm, used)
+
+
+class AllReduce:
+    """Pack scaled by 1/divisor (cast to the wire dtype), one SUM all-reduce, unpack (cast back)."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def start(self, b: GradBucket, divisor: float, done: Optional[Sequence[int]]) -> InFlight:
+        b.pack(1.0 / divisor, done)
+        return _Reduced(b, self.comm.all_reduce(b.comm, f"bucket {b.pos}") if b.numel else DONE)
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+        if b.numel:
+            zeros.use(self.comm.all_reduce(zeros.get(b.device, b.comm.dtype, b.numel), f"bucket {b.pos}"))
+        return InFlight(DONE)
+
+
+# ------------------------------------------------------------------- comm hook
+
+
+class _Hooked(InFlight):
+    __slots__ = ("bucket", "hook")
+
+    def __init__(self, bucket: GradBucket, handle: Any, hook: Callable):
+        super().__init__(handle)
+        self.bucket = bucket
+        self.hook = hook
+
+    def finish(self, used: Optional[Sequence[bool]]) -> None:
+        self.bucket.write_back(hook_result(self.hook, self.bucket, self.handle.wait()), used)
+
+
+class CommHook:
+    """Pack without scaling, call the user's hook (which divides), unpack its future's value."""
+
+    def __init__(self, comm: Communicator, hook: Callable, state: Any):
+        self.comm = comm
+        self.hook = hook
+        self.state = state
+
+    def start(self, b: GradBucket, divisor: float, done: Optional[Sequence[int]]) -> InFlight:
+        b.pack(1.0, done)
+        self.comm.note_hook(f"bucket {b.pos}", b.flat)
+        return _Hooked(b, call_hook(self.hook, self.state, b), self.hook)
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+        z = GradBucket(b.pos, b.count, b.param_indices, b.params, b.names, buffer=zeros.get(b.device, b.dtype, b.numel))
+        self.comm.note_hook(f"bucket {b.pos}", z.flat)
+        zeros.use(call_hook(self.hook, self.state, z))
+        return InFlight(DONE)
+
+
+# ----------------------------------------------------------------- sparse sum
+
+
+class _SparseSummed(InFlight):
+    __slots__ = ("bucket", "replay")
+
+    def __init__(self, bucket: GradBucket, handle: Any, replay: bool = False):
+        super().__init__(handle)  # a SparseExchange, or the scaled gradient itself (no collective)
+        self.bucket = bucket
+        self.replay = replay
+
+    def after_used_map(self) -> None:
+        if isinstance(self.handle, SparseExchange):
+            self.handle.start_gather()
+
+    def finish(self, used: Optional[Sequence[bool]]) -> None:
+        h = self.handle
+        reduced = h.result() if isinstance(h, SparseExchange) else h
+        if self.replay or (used is not None and not used[0]):
+            return  # a replay, or unused on every rank: the gradient stays as it was
+        self.bucket.params[0].grad = reduced
+
+
+class SparseSum:
+    """A sparse gradient scaled by 1/divisor and summed as a sparse tensor (:class:`fastcoll._sparse.SparseExchange`).
+
+    A parameter that got no gradient contributes an empty sparse tensor, so
+    every rank issues the same collectives.
+    """
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def _exchange(self, b: GradBucket, grad: torch.Tensor) -> Any:
+        if not self.comm.active:
+            return grad
+        self.comm.note_gather(f"bucket {b.pos} (sparse)", grad)
+        return SparseExchange(grad, self.comm.group, self.comm.world_size)
+
+    def start(self, b: GradBucket, divisor: float, done: Optional[Sequence[int]]) -> InFlight:
+        p, name = b.params[0], b.names[0]
+        g = p.grad
+        if g is None:
+            g = empty_sparse_grad(p)
+        elif not g.is_sparse:
+            raise RuntimeError(
+                f"fastcoll.DDP: parameter '{name}' belongs to an nn.Embedding/EmbeddingBag with sparse=True but its "
+                f"gradient has layout {g.layout}; keep sparse=True for the module's lifetime or wrap it again"
+            )
+        with torch.no_grad():
+            scaled = g.coalesce() * (1.0 / divisor)
+        return _SparseSummed(b, self._exchange(b, scaled))
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+        return _SparseSummed(b, self._exchange(b, empty_sparse_grad(b.params[0])), replay=True)

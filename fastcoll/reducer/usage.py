@@ -1,0 +1,203 @@
+"""Which parameters take part in an iteration: expected gradient counts, unused parameters, static graphs.
+
+Three modes, fixed per iteration by :meth:`ParameterUsage.begin_iteration`:
+
+* default: every parameter gets exactly one gradient per synchronized backward;
+* ``find_unused_parameters``: before backward, the autograd graph is searched
+  from the forward's outputs; parameters not reached are marked ready at the
+  first hook, and each rank's "got a gradient" map is summed over ranks (the
+  used-parameter all-reduce, issued after the last bucket) so that a
+  parameter unused on every rank keeps its ``.grad``;
+* ``static_graph``: the first iteration is a learning one (no bucket launches
+  during backward: the hooks only count), its counts become the expected
+  counts and its global use map is kept for every later iteration, without
+  any graph search or used-parameter all-reduce.
+
+:meth:`ParameterUsage.end_iteration` closes every synchronized iteration,
+on ranks that trained and on ranks that replay a joined backward alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from .comm import Communicator
+
+__all__ = ["ParameterUsage", "find_tensors", "unreachable_parameters"]
+
+
+def find_tensors(obj: Any) -> List[torch.Tensor]:
+    """All tensors inside ``obj``: nested lists, tuples (incl. namedtuples), dicts, sets and dataclasses."""
+    out: List[torch.Tensor] = []
+    stack = [obj]
+    seen = set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "__dataclass_fields__") and not isinstance(o, type):
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
+    return out
+
+
+def unreachable_parameters(outputs: Any, index_of_id: dict, n: int) -> List[int]:
+    """Indices (into a list of ``n`` parameters, ``index_of_id`` maps ``id(param)`` to its index) not reachable from ``outputs``."""
+    used = bytearray(n)
+    found = 0
+    stack = []
+    for t in find_tensors(outputs):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            i = index_of_id.get(id(t))
+            if i is not None and not used[i]:
+                used[i] = 1
+                found += 1
+    seen = set()
+    while stack and found < n:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            i = index_of_id.get(id(var))
+            if i is not None and not used[i]:
+                used[i] = 1
+                found += 1
+            continue
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return [i for i in range(n) if not used[i]]
+
+
+class ParameterUsage:
+    """Per-parameter gradient accounting for one reducer.
+
+    Args:
+        params: The reducer's parameters.
+        comm: The reducer's communicator (for the used-parameter all-reduce).
+        device: Device of the used-parameter map.
+        find_unused: Search for unused parameters every iteration (unless static).
+        static_graph: Learn counts and use in the first iteration, then keep them.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, device: torch.device, find_unused: bool, static_graph: bool):
+        n = len(params)
+        self.n = n
+        self.comm = comm
+        self.device = device
+        self.find_unused = find_unused
+        self.static_graph = static_graph
+        self.index_of_id = {id(p): i for i, p in enumerate(params)}
+        #: Gradient accumulations per parameter that complete it in one iteration.
+        self.expected: List[int] = [1] * n
+        #: The first (learning) iteration of a static graph is still to come or under way.
+        self.learning_static_graph = static_graph
+        #: Completed synchronized iterations.
+        self.iterations = 0
+        #: Unused-parameter searches run (one per iteration when the graph is dynamic).
+        self.searches = 0
+        self._static_used: Optional[List[bool]] = None
+        # Per iteration:
+        self.remaining: List[int] = [1] * n
+        self.unused: List[int] = []
+        self.track_used = False
+        self.local_used = bytearray(n)
+        self.hook_counts: List[int] = [0] * n
+        self.global_used: Optional[List[bool]] = None
+        self._used_tensor: Optional[torch.Tensor] = None
+        self._used_work: Any = None
+
+    def enable_static_graph(self) -> None:
+        """Switch to static-graph mode (before the first iteration only)."""
+        if self.iterations > 0:
+            raise RuntimeError("fastcoll.DDP: static_graph can only be enabled before the first iteration")
+        self.static_graph = True
+        self.learning_static_graph = True
+
+    @property
+    def searching(self) -> bool:
+        """Whether each iteration searches the graph for unused parameters."""
+        return self.find_unused and not self.static_graph
+
+    def begin_iteration(self, outputs: Any) -> None:
+        """Reset the per-iteration state; search ``outputs`` for unused parameters when the graph is dynamic."""
+        n = self.n
+        self.remaining = self.expected[:]
+        self.track_used = self.searching or self.learning_static_graph
+        if self.track_used:
+            self.local_used = bytearray(n)
+        self._used_work = None
+        self._used_tensor = None
+        self.global_used = self._static_used
+        if self.learning_static_graph:
+            self.hook_counts = [0] * n
+        if self.searching:
+            self.searches += 1
+            self.unused = unreachable_parameters(outputs, self.index_of_id, n)
+        else:
+            self.unused = []
+
+    def unfinished(self) -> List[int]:
+        """Parameters whose gradients are still missing in the current iteration."""
+        if self.learning_static_graph:
+            return []
+        return [i for i, r in enumerate(self.remaining) if r > 0]
+
+    # -------------------------------------------------------- used-parameter map
+
+    def start_used_map(self, zeros: bool = False) -> None:
+        """Issue the used-parameter all-reduce of this rank's map (all zeros on a joined rank)."""
+        if zeros:
+            self._used_tensor = torch.zeros(self.n, dtype=torch.int32, device=self.device)
+        else:
+            local = torch.frombuffer(self.local_used, dtype=torch.uint8) if self.n else torch.zeros(0, dtype=torch.uint8)
+            self._used_tensor = local.to(device=self.device, dtype=torch.int32)
+        self._used_work = self.comm.all_reduce(self._used_tensor, "used parameters")
+
+    @property
+    def used_map_started(self) -> bool:
+        return self._used_work is not None
+
+    def finish_used_map(self) -> None:
+        """Wait for the used-parameter all-reduce (if one was issued) and set :attr:`global_used`."""
+        if self._used_work is None:
+            return
+        self._used_work.wait()
+        self._used_work = None
+        self.global_used = [c > 0 for c in self._used_tensor.tolist()]
+
+    # ------------------------------------------------------------ end of iteration
+
+    def learn_from_hooks(self) -> None:
+        """End of a static graph's learning backward on a training rank: what the hooks counted was used."""
+        for i, c in enumerate(self.hook_counts):
+            if c:
+                self.local_used[i] = 1
+
+    def end_iteration(self) -> None:
+        """Close a synchronized iteration (after :meth:`finish_used_map`), training or joined.
+
+        Ends a static graph's learning: the expected counts become what this
+        rank's hooks counted (a joined rank, whose hooks never fired, expects
+        one gradient per parameter used anywhere) and the global use map is
+        kept for every later iteration.
+        """
+        if self.learning_static_graph:
+            self.learning_static_graph = False
+            used = self.global_used if self.global_used is not None else [True] * self.n
+            self._static_used = None if all(used) else list(used)
+            trained = any(self.hook_counts)
+            self.expected = list(self.hook_counts) if trained else [1 if u else 0 for u in used]
+        self.iterations += 1
