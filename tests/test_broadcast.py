@@ -90,3 +90,17 @@ def _one_shot(rank: int, world_size: int):
 
 def test_broadcast_coalesced_function():
     assert run_ranks(_one_shot, 2) == [True, True]
+
+
+def test_staging_memory_is_one_message_not_the_whole_set():
+    """Broadcasting a whole model needs one message of staging memory, not a second copy of the model."""
+    from fastcoll._broadcast import CoalescedBroadcast
+
+    tensors = [torch.randn(1000) for _ in range(64)]  # 256,000 bytes in all
+    cap = 16_000
+    bc = CoalescedBroadcast(tensors, cap)
+    assert len(bc.messages) == 16
+    assert bc.staging_bytes == max(m.nbytes for m in bc.messages) <= cap
+    assert sum(m.nbytes for m in bc.messages) == 256_000  # what holding every message at once would cost
+    big = CoalescedBroadcast([torch.randn(10_000), torch.randn(10)], cap)  # a tensor above the cap travels alone
+    assert big.staging_bytes == 40_000
