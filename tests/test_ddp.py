@@ -415,7 +415,9 @@ def _check_static_graph_and_traversal(rank, ws):
         g = fast.module.head.weight.grad
         assert torch.equal(g, _other_rank_grad(g)), f"static_graph step {step}: not synchronized"
     assert fast.module.never.weight.grad is None
-    assert fast.reducer.stats()["unused_searches"] == 0, "graph traversal ran under static_graph"
+    stats = fast.reducer.stats()
+    assert stats["unused_searches"] == 0, "graph traversal ran under static_graph"
+    assert stats["host_reads"] == 1, f"static_graph reads the used-parameter map once (learning iteration): {stats}"
     fast.close()
 
     model = M.build("branchy", 0)
@@ -424,7 +426,14 @@ def _check_static_graph_and_traversal(rank, ws):
     for step in range(2):
         out = fast(torch.randn(2, 8))
         out.logits.sum().backward()
-    assert fast.reducer.stats()["unused_searches"] == 2, fast.reducer.stats()
+    assert fast.reducer.stats()["unused_searches"] == 2 and fast.reducer.stats()["host_reads"] == 2, fast.reducer.stats()
+    fast.close()
+    # Without unused-parameter tracking the reducer never reads back from the device.
+    fast = fastcoll.DDP(M.build("mlp", 0))
+    for step in range(2):
+        x, y = M.global_batch("mlp", ws, step)
+        M.loss_of("mlp", fast, M.chunk_of(x, rank), M.chunk_of(y, rank), rank, step).backward()
+    assert fast.reducer.stats()["host_reads"] == 0, fast.reducer.stats()
     fast.close()
 
 

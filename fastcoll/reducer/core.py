@@ -277,8 +277,10 @@ class Reducer:
         return self.comm.add_listener(fn)
 
     def stats(self) -> Dict[str, int]:
-        """Counters: completed synchronized ``iterations``, ``unused_searches`` run, ``collectives`` issued."""
-        return {"iterations": self.usage.iterations, "unused_searches": self.usage.searches, "collectives": self.comm.seq}
+        """Counters: completed synchronized ``iterations``, ``unused_searches`` run, ``collectives`` issued,
+        ``host_reads`` of the used-parameter map (each a host synchronization; none without find_unused_parameters)."""
+        u = self.usage
+        return {"iterations": u.iterations, "unused_searches": u.searches, "collectives": self.comm.seq, "host_reads": u.host_reads}
 
     # ---------------------------------------------------------------- forward
 
@@ -383,11 +385,22 @@ class Reducer:
 
     def _finalize(self) -> None:
         usage = self.usage
+        pairs = list(zip(self.buckets, self._inflight))
+        if usage.used_map_started:
+            # Buckets whose gradients all arrived here do not depend on the
+            # global map: queue their write-backs before the host reads it.
+            rest = []
+            for b, f in pairs:
+                if not b.sparse and usage.used_here(b.param_indices):
+                    f.finish(None)
+                else:
+                    rest.append((b, f))
+            pairs = rest
         usage.finish_used_map()
-        for f in self._inflight:
+        for _, f in pairs:
             f.after_used_map()
         used = usage.global_used
-        for b, f in zip(self.buckets, self._inflight):
+        for b, f in pairs:
             f.finish(None if used is None else [used[i] for i in b.param_indices])
         self._end_iteration(joined=False)
 

@@ -118,6 +118,10 @@ class ParameterUsage:
         self.global_used: Optional[List[bool]] = None
         self._used_tensor: Optional[torch.Tensor] = None
         self._used_work: Any = None
+        # CUDA: the local map goes up from pinned memory without blocking the host.
+        self._pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True) if device.type == "cuda" and n else None
+        #: Device-to-host reads (host synchronizations) of the used-parameter map so far.
+        self.host_reads = 0
 
     def enable_static_graph(self) -> None:
         """Switch to static-graph mode (before the first iteration only)."""
@@ -159,11 +163,13 @@ class ParameterUsage:
 
     def start_used_map(self, zeros: bool = False) -> None:
         """Issue the used-parameter all-reduce of this rank's map (all zeros on a joined rank)."""
-        if zeros:
+        if zeros or not self.n:
             self._used_tensor = torch.zeros(self.n, dtype=torch.int32, device=self.device)
         else:
-            local = torch.frombuffer(self.local_used, dtype=torch.uint8) if self.n else torch.zeros(0, dtype=torch.uint8)
-            self._used_tensor = local.to(device=self.device, dtype=torch.int32)
+            local = torch.frombuffer(self.local_used, dtype=torch.uint8)
+            if self._pinned is not None:
+                local = self._pinned.copy_(local).to(self.device, non_blocking=True)
+            self._used_tensor = local.to(dtype=torch.int32)
         self._used_work = self.comm.all_reduce(self._used_tensor, "used parameters")
 
     @property
@@ -171,12 +177,23 @@ class ParameterUsage:
         return self._used_work is not None
 
     def finish_used_map(self) -> None:
-        """Wait for the used-parameter all-reduce (if one was issued) and set :attr:`global_used`."""
+        """Wait for the used-parameter all-reduce (if one was issued) and set :attr:`global_used`.
+
+        Reading the map is a host synchronization (it waits for the
+        collective, and on CUDA for the stream): whether a parameter unused
+        everywhere keeps its ``.grad`` is decided on the host.
+        """
         if self._used_work is None:
             return
         self._used_work.wait()
         self._used_work = None
+        self.host_reads += 1
         self.global_used = [c > 0 for c in self._used_tensor.tolist()]
+
+    def used_here(self, indices: Sequence[int]) -> bool:
+        """Whether every parameter of ``indices`` got a gradient on this rank (then it is used globally too)."""
+        local = self.local_used
+        return all(local[i] for i in indices)
 
     # ------------------------------------------------------------ end of iteration
 
