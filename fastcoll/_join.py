@@ -24,11 +24,11 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ._broadcast import broadcast_coalesced
 
-__all__ = ["DDPJoinHook", "JoinState"]
+__all__ = ["DDPJoinHook", "JoinState", "JoinSupport"]
 
 
 class JoinState:
@@ -115,3 +115,74 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._join.sync_final_model(is_last_joiner)
+
+
+class JoinSupport(Joinable):
+    """The :class:`~torch.distributed.algorithms.join.Joinable` interface of :class:`fastcoll.DDP`.
+
+    Expects the wrapper's ``_join`` (a :class:`JoinState`), ``device`` and ``process_group``.
+    """
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for training with uneven inputs across ranks, as torch DDP's ``join()``.
+
+        Ranks that run out of inputs keep issuing the collectives of a training
+        iteration with zero gradients until every rank has run out; then the
+        model state of the last rank to finish is broadcast to all. Wrap the
+        training loop (forward, backward, optimizer step) in it.
+
+        Args:
+            divide_by_initial_world_size: Average over the initial world size
+                (True), or over the ranks still training in that iteration (False).
+                Comm hooks divide as they do on their own (by the group size).
+            enable: False disables uneven-input detection (no extra collectives).
+            throw_on_early_termination: Raise on every rank as soon as one runs
+                out of inputs, instead of continuing.
+
+        Returns:
+            A :class:`torch.distributed.algorithms.join.Join` over this module.
+            For several joinables (e.g. a ``ZeroRedundancyOptimizer``), build
+            ``Join([ddp, optimizer], divide_by_initial_world_size=...)`` with
+            the DDP module first.
+
+        Note:
+            Like torch DDP, every rank still training must run one forward per
+            iteration; a synchronized backward must follow each forward run
+            with gradients enabled outside ``no_sync()`` (forwards under
+            ``torch.no_grad()`` are fine: joined ranks learn that no backward
+            follows).
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a :class:`~torch.distributed.algorithms.join.Join` runs on ranks that have run out of inputs.
+
+        Keyword Args:
+            divide_by_initial_world_size (bool): see :meth:`join` (default True).
+        """
+        return DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join protocol's collectives (the parameters' device)."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        """Process group of the join protocol's collectives."""
+        return self.process_group
+
+    @property
+    def _divide_by_initial_world_size(self) -> bool:
+        """torch DDP's name for the join divisor choice (set by :meth:`join_hook`)."""
+        return self._join.divide_by_initial_world_size

@@ -8,7 +8,6 @@ keys carry the "module." prefix); gradients are averaged by
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -16,14 +15,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _compile_support
 from ._broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
-from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, is_dense
-from ._join import DDPJoinHook, JoinState
+from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, dtype_name, is_dense
+from ._join import JoinState, JoinSupport
 from .bucketing import MIB
-from .comm_hooks import check_comm_hook, hook_name
+from .comm_hooks import CommHookRegistration
+from .dist._agree import agree
+from .dist.backends import backend_name, bound_device, pick_comm_device
 from .reducer import Reducer
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -91,9 +91,29 @@ def _mismatch_message(sigs: List[List[tuple]]) -> str:
         groups.setdefault(desc, []).append(r)
     per_rank = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}" for d, rs in groups.items())
     return (
-        "fastcoll.DDP: the wrapped module differs across ranks (every rank must build the same model, with "
+        "the wrapped module differs across ranks (every rank must build the same model, with "
         f"parameters registered in the same order). First difference at parameter #{first}: {per_rank}"
     )
+
+
+def sync_device(
+    backend: str,
+    device_ids: Optional[Sequence[Any]],
+    param_devices: Sequence[torch.device],
+    bound: Optional[torch.device],
+    current: Optional[int],
+) -> torch.device:
+    """The device of fastcoll.DDP's construction-time agreement collective (a pure function).
+
+    The rule: with a backend that needs CUDA tensors (NCCL), the device named
+    by ``device_ids``, else the module's first CUDA parameter's device, else the
+    group's bound device, else ``cuda:current``; CPU for backends that take CPU
+    tensors (gloo). ``torch.cuda.set_device`` is therefore not needed when the
+    model is on its GPU: ``model.to(local_rank); DDP(model, device_ids=[local_rank])``
+    never puts two ranks of a node on cuda:0.
+    """
+    named = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in (device_ids or [])]
+    return pick_comm_device(backend, [*named, *param_devices], bound, current)
 
 
 def _check_positive_mib(name: str, value: Any) -> float:
@@ -148,7 +168,7 @@ def _check_arguments(
     return cap_bytes, first_bytes, device_type, ids, out
 
 
-class DDP(nn.Module, Joinable):
+class DDP(nn.Module, CommHookRegistration, JoinSupport):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
 
     Wraps ``module`` so that every synchronized backward averages the
@@ -221,7 +241,7 @@ class DDP(nn.Module, Joinable):
         comm_dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        Joinable.__init__(self)
+        JoinSupport.__init__(self)
         self._join = JoinState(self)
         self._comm_hook_desc: Optional[str] = None  # the one registered comm hook (or builtin / comm_dtype)
         if not dist.is_available() or not dist.is_initialized():
@@ -258,7 +278,7 @@ class DDP(nn.Module, Joinable):
             cfg = _check_arguments(named, bucket_cap_mb, first_bucket_mb, comm_dtype, device_ids, output_device)
         except (ValueError, RuntimeError, TypeError) as exc:
             error, cfg = exc, None
-        self._verify_across_ranks(named, error)
+        self._verify_across_ranks(named, error, device_ids)
         if error is not None:
             raise error
         self.bucket_bytes_cap, self.first_bucket_bytes, self.device_type, self.device_ids, self.output_device = cfg
@@ -334,33 +354,22 @@ class DDP(nn.Module, Joinable):
 
     # ------------------------------------------------------------ construction
 
-    def _verify_across_ranks(self, named: List[Tuple[str, torch.Tensor]], error: Optional[BaseException]) -> None:
-        """Compare parameter signatures (and local check failures) across ranks; raise on every rank on mismatch."""
+    def _verify_across_ranks(self, named: List[Tuple[str, torch.Tensor]], error: Optional[BaseException], device_ids: Any) -> None:
+        """Agree across ranks on the local checks and the parameter signatures; raise on every rank otherwise.
+
+        One small all-gather (fastcoll.dist's agreement protocol). A rank whose
+        checks failed makes every rank raise its error; differing modules make
+        every rank raise a RuntimeError naming the first differing parameter.
+        """
         try:
-            sig = [
-                (n, tuple(p.shape), str(p.dtype).replace("torch.", ""), tuple(p.stride()), bool(p.requires_grad))
-                for n, p in named
-            ]
+            sig = [(n, tuple(p.shape), dtype_name(p.dtype), tuple(p.stride()), bool(p.requires_grad)) for n, p in named]
         except Exception:  # uninitialized parameters have no shape
             sig = []
-        digest = hashlib.sha256(repr(sig).encode()).hexdigest()
-        local_err = None if error is None else f"{type(error).__name__}: {error}"
-        world = dist.get_world_size(self.process_group)
-        if world == 1:
-            return
-        gathered: List[Any] = [None] * world
-        dist.all_gather_object(gathered, (digest, local_err), group=self.process_group)
-        failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
-        if failed:
-            if error is not None:
-                return  # the caller raises the local error
-            detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            raise RuntimeError(f"fastcoll.DDP: construction failed on other ranks: {detail}")
-        if len({d for d, _ in gathered}) == 1:
-            return
-        sigs: List[Any] = [None] * world
-        dist.all_gather_object(sigs, sig, group=self.process_group)
-        raise RuntimeError(_mismatch_message(sigs))
+        device = sync_device(
+            backend_name(self.process_group), device_ids, [p.device for _, p in named], bound_device(self.process_group),
+            torch.cuda.current_device() if torch.cuda.is_available() else None,
+        )  # fmt: skip
+        agree("fastcoll.DDP", group=self.process_group, error=error, desc=sig, explain=_mismatch_message, mismatch=RuntimeError, device=device)
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
@@ -448,127 +457,6 @@ class DDP(nn.Module, Joinable):
             self._buffer_broadcast(self.process_group, group_src)
 
     # -------------------------------------------------------------------- join
-
-    @property
-    def _divide_by_initial_world_size(self) -> bool:
-        """torch DDP's name for the join divisor choice (set by :meth:`join_hook`)."""
-        return self._join.divide_by_initial_world_size
-
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """Context manager for training with uneven inputs across ranks, as torch DDP's ``join()``.
-
-        Ranks that run out of inputs keep issuing the collectives of a training
-        iteration with zero gradients until every rank has run out; then the
-        model state of the last rank to finish is broadcast to all. Wrap the
-        training loop (forward, backward, optimizer step) in it.
-
-        Args:
-            divide_by_initial_world_size: Average over the initial world size
-                (True), or over the ranks still training in that iteration (False).
-                Comm hooks divide as they do on their own (by the group size).
-            enable: False disables uneven-input detection (no extra collectives).
-            throw_on_early_termination: Raise on every rank as soon as one runs
-                out of inputs, instead of continuing.
-
-        Returns:
-            A :class:`torch.distributed.algorithms.join.Join` over this module.
-            For several joinables (e.g. a ``ZeroRedundancyOptimizer``), build
-            ``Join([ddp, optimizer], divide_by_initial_world_size=...)`` with
-            the DDP module first.
-
-        Note:
-            Like torch DDP, every rank still training must run one forward per
-            iteration; a synchronized backward must follow each forward run
-            with gradients enabled outside ``no_sync()`` (forwards under
-            ``torch.no_grad()`` are fine: joined ranks learn that no backward
-            follows).
-        """
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook a :class:`~torch.distributed.algorithms.join.Join` runs on ranks that have run out of inputs.
-
-        Keyword Args:
-            divide_by_initial_world_size (bool): see :meth:`join` (default True).
-        """
-        return DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        """Device of the join protocol's collectives (the parameters' device)."""
-        return self.device
-
-    @property
-    def join_process_group(self) -> Any:
-        """Process group of the join protocol's collectives."""
-        return self.process_group
-
-    # -------------------------------------------------------------- comm hooks
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Register a communication hook, with torch DDP's contract.
-
-        ``hook(state, bucket) -> torch.futures.Future`` is called once per
-        bucket per synchronized backward, in bucket index order, with a
-        :class:`fastcoll.GradBucket` (torch's GradBucket interface: ``index()``,
-        ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``,
-        ``set_buffer()``). The buffer holds the bucket's gradients *not*
-        divided by the world size (the hook divides). The future's value, one
-        tensor (or a list holding one) with the bucket's number of elements
-        in any floating dtype, is written back into the gradients by one fused
-        unpack that casts on the way. torch's hooks (allreduce, fp16/bf16
-        compress and wrappers, PowerSGD, post-local SGD, noop) run unchanged.
-
-        Only one hook per module (this, ``_register_builtin_comm_hook`` or
-        ``comm_dtype``), registered between iterations.
-
-        Raises:
-            TypeError: ``hook`` is not callable or cannot take ``(state, bucket)``.
-            ValueError: its annotations are not a GradBucket and a Future of a tensor.
-            RuntimeError: a hook (or comm_dtype) is already registered.
-        """
-        check_comm_hook(hook)
-        self._check_no_hook(hook_name(hook))
-        self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_desc = hook_name(hook)
-
-    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """torch DDP's built-in hooks, on fastcoll's fused paths.
-
-        ``ALLREDUCE`` is the default reduction; ``FP16_COMPRESS`` is
-        ``comm_dtype=torch.float16`` (one fused cast+scale pack, a float16
-        all-reduce, one fused upcast unpack).
-        """
-        if not isinstance(comm_hook_type, dist.BuiltinCommHookType):
-            raise TypeError(
-                f"fastcoll.DDP: expected a torch.distributed.BuiltinCommHookType, got {type(comm_hook_type).__name__}"
-            )
-        desc = f"builtin {comm_hook_type.name}"
-        self._check_no_hook(desc)
-        if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
-            self.reducer.set_comm_dtype(torch.float16)
-            self.comm_dtype = torch.float16
-        elif comm_hook_type != dist.BuiltinCommHookType.ALLREDUCE:
-            raise ValueError(f"fastcoll.DDP: unsupported builtin comm hook {comm_hook_type}")
-        self._comm_hook_desc = desc
-
-    def _check_no_hook(self, new: str) -> None:
-        if self._comm_hook_desc is not None:
-            raise RuntimeError(
-                f"fastcoll.DDP: a communication hook ({self._comm_hook_desc}) is already registered; "
-                f"cannot also register {new} (register_comm_hook, _register_builtin_comm_hook and "
-                "comm_dtype allow one per module, as in torch DDP)"
-            )
 
     # ------------------------------------------------------------------ public
 

@@ -577,11 +577,8 @@ def bad_args_worker(rank, world_size):
     cplx.w = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
     _expect(TypeError, "complex64", lambda: fastcoll.DDP(cplx))
     _expect(TypeError, "process_group", lambda: fastcoll.DDP(mk(), process_group="nccl"))
-    # A bad argument on one rank only: that rank raises it, the others say which rank failed; nobody hangs.
-    if rank == 1:
-        _expect(ValueError, "bucket_cap_mb", lambda: fastcoll.DDP(mk(), bucket_cap_mb=0))
-    else:
-        _expect(RuntimeError, "rank 1: ValueError.*bucket_cap_mb", lambda: fastcoll.DDP(mk()))
+    # A bad argument on one rank only: every rank raises the same error, naming the rank; nobody hangs.
+    _expect(ValueError, "rank 1: bucket_cap_mb must be", lambda: fastcoll.DDP(mk(), bucket_cap_mb=0 if rank == 1 else None))
     # The ranks are still in step: a good wrapper works.
     good = fastcoll.DDP(mk())
     good(torch.randn(2, 4) + rank).sum().backward()
@@ -826,3 +823,24 @@ def _sparse_worker(rank, ws):
 def test_sparse_gradients():
     """nn.Embedding / EmbeddingBag(sparse=True): own buckets, find_unused_parameters, no_sync, join, comm hook refusal."""
     run_ranks(_sparse_worker, 2, timeout=90)
+
+
+@pytest.mark.parametrize(
+    "backend, device_ids, params, bound, current, want",
+    [
+        ("gloo", None, ["cpu"], None, None, "cpu"),
+        ("gloo", [1], ["cuda:1"], None, 0, "cpu"),  # gloo takes CPU tensors: no CUDA needed for the check
+        ("nccl", [3], ["cuda:3"], None, 0, "cuda:3"),  # model.to(3) without torch.cuda.set_device(3)
+        ("nccl", None, ["cuda:2", "cuda:2"], None, 0, "cuda:2"),  # the module's device
+        ("nccl", ["cuda:5"], ["cuda:5"], None, 0, "cuda:5"),
+        ("nccl", None, ["cpu"], torch.device("cuda", 4), 0, "cuda:4"),  # a CPU module: the group's bound device
+        ("nccl", None, ["cpu"], None, 6, "cuda:6"),  # else the current device
+        ("cpu:gloo,cuda:nccl", [1], ["cuda:1"], None, 0, "cpu"),
+    ],
+)
+def test_construction_check_device(backend, device_ids, params, bound, current, want):
+    """The device of DDP's construction-time agreement comes from device_ids / the module, not from cuda:0."""
+    from fastcoll.ddp import sync_device
+
+    got = sync_device(backend, device_ids, [torch.device(p) for p in params], bound, current)
+    assert got == torch.device(want)

@@ -55,12 +55,11 @@ import torch
 import torch.distributed as dist
 
 from .._dtypes import check_comm_dtype
-from ..bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
 from .bucket import GradBucket
 from .comm import Collective, Communicator, force_collectives
-from .layout import ReadyOrder, build_buckets, early_pack_slots
+from .layout import BucketSet
 from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
-from .usage import ParameterUsage
+from .usage import ParameterUsage, marked_twice_error, unfinished_error
 
 __all__ = ["Phase", "Reducer"]
 
@@ -160,15 +159,15 @@ class Reducer:
         self._sparse = [False] * n
         for i in sparse_params:
             self._sparse[i] = True
-        self._specs = [ParamSpec.of(p, self._sparse[i]) for i, p in enumerate(self.params)]
         self.usage = ParameterUsage(self.params, self.comm, self.params[0].device, self.find_unused_parameters, bool(static_graph))
         # A dynamic graph (find_unused without static_graph) has no one ready order to learn from.
-        self._order = ReadyOrder(enabled=not self.usage.searching)
+        self._set = BucketSet(
+            self.params, self.names, self._sparse, self.first_bucket_bytes, self.bucket_cap_bytes,
+            self.gradient_as_bucket_view, record_order=not self.usage.searching,
+        )  # fmt: skip
         self._hook: Optional[CommHook] = None
         self._phase = _IDLE
-
-        self.buckets: List[GradBucket] = []
-        self._install_layout(assign_buckets(self._specs, reverse_registration_order(n), self.first_bucket_bytes, self.bucket_cap_bytes))
+        self._install_layout(self._set.initial_layout())
 
         lock = threading.Lock() if len({p.device for p in self.params}) > 1 else None  # hooks of several devices run on several threads
         ref = weakref.ref(self)
@@ -181,17 +180,13 @@ class Reducer:
 
     # ------------------------------------------------------------------ layout
 
+    @property
+    def buckets(self) -> List[GradBucket]:
+        """The buckets, in reduction order."""
+        return self._set.buckets
+
     def _install_layout(self, layout: List[List[int]]) -> None:
-        """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them."""
-        old = self.buckets
-        self.buckets = build_buckets(layout, self.params, self.names, self._sparse, self.comm_dtype, self.gradient_as_bucket_view)
-        del old
-        n = len(self.params)
-        self._bucket_of = [0] * n
-        for b in self.buckets:
-            for i in b.param_indices:
-                self._bucket_of[i] = b.pos
-        self._eager_slots, self._slot_pos = early_pack_slots(self.buckets, n)
+        self._set.install(layout, self.comm_dtype)
         self._index_reductions()
         self._count_expected()
         self._reset_progress()
@@ -199,53 +194,41 @@ class Reducer:
     def _index_reductions(self) -> None:
         dense = self._hook if self._hook is not None else AllReduce(self.comm)
         sparse = SparseSum(self.comm)
-        self._reductions = [sparse if b.sparse else dense for b in self.buckets]
+        self._reductions = [sparse if b.sparse else dense for b in self._set.buckets]
 
     def _count_expected(self) -> None:
         expected = self.usage.expected
-        self._bucket_expected = [sum(expected[i] for i in b.param_indices) for b in self.buckets]
+        self._bucket_expected = [sum(expected[i] for i in b.param_indices) for b in self._set.buckets]
 
     def _reset_progress(self) -> None:
-        """Per-iteration bucket state: gradients still missing, reductions in flight, early packs."""
-        nb = len(self.buckets)
+        """Per-iteration bucket state (gradients still missing, reductions in flight, early packs); binds the hot path's lookups."""
+        s = self._set
+        nb = len(s.buckets)
         self._pending = self._bucket_expected[:]
         self._inflight: List[Optional[InFlight]] = [None] * nb
         self._n_packed = [0] * nb
         self._packed = bytearray(len(self.params))
         self._next_bucket = 0
+        self._bucket_of, self._eager_slots, self._slot_pos = s.bucket_of, s.eager_slots, s.slot_pos
 
     def layout(self) -> List[List[int]]:
         """The current buckets as lists of parameter indices, in reduction order."""
-        return [list(b.param_indices) for b in self.buckets]
+        return self._set.layout()
 
     def bucket_info(self) -> List[Dict[str, Any]]:
         """Each bucket's index, parameter names, dtype, device, numel, bytes and wire dtype, in reduction order."""
-        return [
-            {
-                "index": b.pos,
-                "names": list(b.names),
-                "dtype": b.dtype,
-                "device": b.device,
-                "numel": b.numel,
-                "bytes": b.nbytes,
-                "comm_dtype": b.comm.dtype,
-                "comm_bytes": b.nbytes if b.sparse else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
-                "sparse": b.sparse,
-                "packed_early": [self.names[i] for i in b.param_indices if self._eager_slots[i] is not None],
-            }
-            for b in self.buckets
-        ]
+        return self._set.info()
 
     @property
     def recorded_order(self) -> Optional[List[int]]:
         """The gradient-ready order recorded in the first synchronized backward, until the rebuild takes it."""
-        rec = self._order.recorded
+        rec = self._set.order.recorded
         return None if rec is None else list(rec)
 
     @property
     def rebuilt(self) -> bool:
         """Whether the one layout rebuild from the ready order has happened (or never will)."""
-        return self._order.rebuilt
+        return self._set.order.rebuilt
 
     def rebuild_buckets(self) -> bool:
         """Rebuild the layout from the recorded ready order, once; rank 0's order wins.
@@ -257,15 +240,9 @@ class Reducer:
         Returns:
             True if a rebuild took place (even one that kept the layout).
         """
-        observed = self._order.take()
-        if observed is None:
+        layout = self._set.next_layout(self.comm, self.usage.device)
+        if layout is None:
             return False
-        order = order_from_ready(observed, len(self.params))
-        if self.comm.active:
-            t = torch.tensor(order, dtype=torch.int64, device=self.usage.device)
-            self.comm.broadcast(t, "layout", group_src=0)
-            order = t.tolist()
-        layout = assign_buckets(self._specs, order, self.first_bucket_bytes, self.bucket_cap_bytes)
         if layout != self.layout():
             self._install_layout(layout)
         return True
@@ -308,7 +285,7 @@ class Reducer:
         self._phase = _ARMED
         self._reset_progress()
         self.usage.begin_iteration(outputs)
-        self._order.restart()
+        self._set.order.restart()
 
     # --------------------------------------------------------------- backward
 
@@ -317,7 +294,7 @@ class Reducer:
         if self._phase is not _BACKWARD:
             self._start_backward()
         usage = self.usage
-        observed = self._order.observed
+        observed = self._set.order.observed
         if usage.learning_static_graph:
             usage.hook_counts[idx] += 1
             if observed is not None:
@@ -334,7 +311,7 @@ class Reducer:
             if observed is not None:
                 observed.append(idx)
             slot = self._eager_slots[idx]
-            if slot is not None and self.buckets[pos].pack_one(self._slot_pos[idx], slot, self._pack_scale()):
+            if slot is not None and self._set.buckets[pos].pack_one(self._slot_pos[idx], slot, self._pack_scale()):
                 self._packed[idx] = 1
                 self._n_packed[pos] += 1
         left = self._pending[pos] - 1
@@ -359,7 +336,7 @@ class Reducer:
 
     def _advance(self) -> None:
         """Launch, in index order, every complete bucket not launched yet; after the last, the used-parameter map."""
-        buckets = self.buckets
+        buckets = self._set.buckets
         i = self._next_bucket
         nb = len(buckets)
         while i < nb and self._pending[i] == 0:
@@ -377,15 +354,15 @@ class Reducer:
         if self.usage.learning_static_graph:
             # The learning backward launched nothing: everything it counted is ready now.
             self.usage.learn_from_hooks()
-            self._pending = [0] * len(self.buckets)
+            self._pending = [0] * len(self._set.buckets)
             self._advance()
-        if self._next_bucket < len(self.buckets):
+        if self._next_bucket < len(self._set.buckets):
             return  # some gradients are missing: reported at the next forward
         self._finalize()
 
     def _finalize(self) -> None:
         usage = self.usage
-        pairs = list(zip(self.buckets, self._inflight))
+        pairs = list(zip(self._set.buckets, self._inflight))
         if usage.used_map_started:
             # Buckets whose gradients all arrived here do not depend on the
             # global map: queue their write-backs before the host reads it.
@@ -410,8 +387,8 @@ class Reducer:
         self.usage.end_iteration()
         if learned:
             self._count_expected()
-        self._order.end_iteration(joined)
-        self._inflight = [None] * len(self.buckets)
+        self._set.order.end_iteration(joined)
+        self._inflight = [None] * len(self._set.buckets)
         self._phase = _IDLE
 
     # ------------------------------------------------------------------- join
@@ -427,7 +404,7 @@ class Reducer:
         iteration issues.
         """
         zeros = ZeroBuffers()
-        inflight = [r.start_zeros(b, zeros) for b, r in zip(self.buckets, self._reductions)]
+        inflight = [r.start_zeros(b, zeros) for b, r in zip(self._set.buckets, self._reductions)]
         usage = self.usage
         if usage.searching or usage.learning_static_graph:
             usage.start_used_map(zeros=True)
@@ -447,7 +424,7 @@ class Reducer:
     def set_static_graph(self) -> None:
         """Switch to static-graph mode; only before the first synchronized iteration."""
         self.usage.enable_static_graph()
-        self._order.enable()
+        self._set.order.enable()
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Install ``hook`` (already validated by :class:`fastcoll.DDP`); between iterations only."""
@@ -478,34 +455,14 @@ class Reducer:
     # ----------------------------------------------------------------- errors
 
     def _raise_marked_twice(self, idx: int) -> None:
-        if idx in self.usage.unused:
-            why = (
-                "it was not reachable from the forward outputs (find_unused_parameters marked it unused), "
-                "yet it received a gradient: return every tensor the loss depends on from forward"
-            )
-        else:
-            why = (
-                "its gradient was accumulated more than once in one backward (a parameter used in several "
-                "reentrant backward passes, e.g. activation checkpointing with use_reentrant=True, or "
-                "several backward calls per iteration); use static_graph=True if the pattern is the same "
-                "every iteration, or no_sync() for all but the last backward"
-            )
-        raise RuntimeError(f"fastcoll.DDP: parameter '{self.names[idx]}' was marked ready twice in one iteration: {why}.")
+        raise marked_twice_error(self.names[idx], idx in self.usage.unused)
 
     def unfinished_names(self) -> List[str]:
         """Names of parameters whose gradients are still missing in the current iteration."""
         return [self.names[i] for i in self.usage.unfinished()]
 
     def _raise_unfinished(self) -> None:
-        names = self.unfinished_names()
-        shown = ", ".join(names[:50]) + (f", ... ({len(names)} in all)" if len(names) > 50 else "")
-        raise RuntimeError(
-            "fastcoll.DDP: the previous iteration's gradient reduction did not finish, because these "
-            f"parameters received no gradient in its backward: {shown}. Either pass "
-            "find_unused_parameters=True to DDP (parameters that take no part in some forward passes are "
-            "then handled, at the cost of a graph traversal per iteration), or make sure every parameter "
-            "contributes to the loss in every iteration (all forward outputs used in the loss)."
-        )
+        raise unfinished_error(self.unfinished_names())
 
     # ---------------------------------------------------------------- teardown
 
@@ -516,9 +473,7 @@ class Reducer:
         """
         self._finalizer()
         self._phase = _IDLE
-        self._order.stop()
-        self.buckets = []
-        self._eager_slots = [None] * len(self.params)  # they keep bucket storage alive
+        self._set.clear()
         self._reductions = []
         self._count_expected()
         self._reset_progress()

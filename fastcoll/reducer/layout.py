@@ -11,13 +11,15 @@ that buckets complete in index order.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
 from .bucket import GradBucket
+from .comm import Communicator
 
-__all__ = ["EARLY_PACK_MIN_NUMEL", "ReadyOrder", "build_buckets", "early_pack_slots", "wire_dtype"]
+__all__ = ["EARLY_PACK_MIN_NUMEL", "BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "wire_dtype"]
 
 #: CPU gradients with at least this many elements are packed as soon as they
 #: are final, while still in cache (measured: ~25% less pack time on ResNet-50
@@ -134,3 +136,98 @@ class ReadyOrder:
         """Never rebuild (the reducer is closed)."""
         self.observed = self.recorded = None
         self.rebuilt = True
+
+
+class BucketSet:
+    """The buckets of a reducer and how parameters map onto them; rebuilt once from the ready order.
+
+    Args:
+        params, names: The reducer's parameters and their qualified names.
+        sparse: Per parameter, whether its gradients are sparse (a bucket of its own).
+        first_bucket_bytes, bucket_cap_bytes: The caps given to :func:`fastcoll.bucketing.assign_buckets`.
+        as_view: Gradients live in the bucket buffers (gradient_as_bucket_view).
+        record_order: Record the first synchronized backward's ready order for the rebuild.
+
+    Attributes:
+        buckets: The :class:`GradBucket` objects, in reduction order.
+        bucket_of: Per parameter index, the position of its bucket.
+        eager_slots, slot_pos: See :func:`early_pack_slots`.
+        order: The :class:`ReadyOrder` the layout is rebuilt from.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        sparse: Sequence[bool],
+        first_bucket_bytes: int,
+        bucket_cap_bytes: int,
+        as_view: bool,
+        record_order: bool,
+    ):
+        self.params = params
+        self.names = names
+        self.sparse = sparse
+        self.first_bucket_bytes = first_bucket_bytes
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.as_view = as_view
+        self.specs = [ParamSpec.of(p, bool(sparse[i])) for i, p in enumerate(params)]
+        self.order = ReadyOrder(enabled=record_order)
+        self.buckets: List[GradBucket] = []
+        self.bucket_of: List[int] = []
+        self.eager_slots: List[Optional[torch.Tensor]] = []
+        self.slot_pos: List[int] = []
+
+    def initial_layout(self) -> List[List[int]]:
+        """Buckets in reverse registration order (before any gradient-ready order was seen)."""
+        return assign_buckets(self.specs, reverse_registration_order(len(self.params)), self.first_bucket_bytes, self.bucket_cap_bytes)
+
+    def install(self, layout: List[List[int]], comm_dtype: Optional[torch.dtype]) -> None:
+        """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them."""
+        self.buckets = []  # release the old buffers before allocating the new ones
+        self.buckets = build_buckets(layout, self.params, self.names, self.sparse, comm_dtype, self.as_view)
+        self.bucket_of = [0] * len(self.params)
+        for b in self.buckets:
+            for i in b.param_indices:
+                self.bucket_of[i] = b.pos
+        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params))
+
+    def clear(self) -> None:
+        """Drop the buckets (and the slot views that keep their storage alive)."""
+        self.buckets = []
+        self.eager_slots = [None] * len(self.params)
+        self.order.stop()
+
+    def layout(self) -> List[List[int]]:
+        """The current buckets as lists of parameter indices, in reduction order."""
+        return [list(b.param_indices) for b in self.buckets]
+
+    def next_layout(self, comm: Communicator, device: torch.device) -> Optional[List[List[int]]]:
+        """The layout from the recorded ready order, rank 0's (a broadcast), once; None when no rebuild is due."""
+        observed = self.order.take()
+        if observed is None:
+            return None
+        order = order_from_ready(observed, len(self.params))
+        if comm.active:
+            t = torch.tensor(order, dtype=torch.int64, device=device)
+            comm.broadcast(t, "layout", group_src=0)
+            order = t.tolist()
+        return assign_buckets(self.specs, order, self.first_bucket_bytes, self.bucket_cap_bytes)
+
+    def info(self) -> List[Dict[str, Any]]:
+        """Each bucket's index, parameter names, dtype, device, numel, bytes, wire dtype and early-packed names."""
+        return [
+            {
+                "index": b.pos,
+                "names": list(b.names),
+                "dtype": b.dtype,
+                "device": b.device,
+                "numel": b.numel,
+                "bytes": b.nbytes,
+                "comm_dtype": b.comm.dtype,
+                "comm_bytes": b.nbytes if b.sparse else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
+                "sparse": b.sparse,
+                "packed_early": [self.names[i] for i in b.param_indices if self.eager_slots[i] is not None],
+            }
+            for b in self.buckets
+        ]

@@ -25,7 +25,7 @@ import torch
 
 from .comm import Communicator
 
-__all__ = ["ParameterUsage", "find_tensors", "unreachable_parameters"]
+__all__ = ["ParameterUsage", "find_tensors", "marked_twice_error", "unfinished_error", "unreachable_parameters"]
 
 
 def find_tensors(obj: Any) -> List[torch.Tensor]:
@@ -218,3 +218,32 @@ class ParameterUsage:
             trained = any(self.hook_counts)
             self.expected = list(self.hook_counts) if trained else [1 if u else 0 for u in used]
         self.iterations += 1
+
+
+def marked_twice_error(name: str, unused: bool) -> RuntimeError:
+    """The error for a parameter whose gradient arrived again in the same iteration (``unused``: it was marked unused)."""
+    if unused:
+        why = (
+            "it was not reachable from the forward outputs (find_unused_parameters marked it unused), "
+            "yet it received a gradient: return every tensor the loss depends on from forward"
+        )
+    else:
+        why = (
+            "its gradient was accumulated more than once in one backward (a parameter used in several "
+            "reentrant backward passes, e.g. activation checkpointing with use_reentrant=True, or "
+            "several backward calls per iteration); use static_graph=True if the pattern is the same "
+            "every iteration, or no_sync() for all but the last backward"
+        )
+    return RuntimeError(f"fastcoll.DDP: parameter '{name}' was marked ready twice in one iteration: {why}.")
+
+
+def unfinished_error(names: Sequence[str]) -> RuntimeError:
+    """The error for a backward that left the parameters ``names`` without gradients."""
+    shown = ", ".join(names[:50]) + (f", ... ({len(names)} in all)" if len(names) > 50 else "")
+    return RuntimeError(
+        "fastcoll.DDP: the previous iteration's gradient reduction did not finish, because these "
+        f"parameters received no gradient in its backward: {shown}. Either pass "
+        "find_unused_parameters=True to DDP (parameters that take no part in some forward passes are "
+        "then handled, at the cost of a graph traversal per iteration), or make sure every parameter "
+        "contributes to the loss in every iteration (all forward outputs used in the loss)."
+    )
