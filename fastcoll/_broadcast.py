@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._dtypes import is_fusable
+from .bucketing import split_by_bytes
 
 __all__ = ["CoalescedBroadcast", "broadcast_coalesced"]
 
@@ -27,20 +28,6 @@ class _Message(NamedTuple):
     message: torch.Tensor  #: the first ``nbytes`` of the shared staging buffer
     fused: List[Tuple[torch.Tensor, List[torch.Tensor]]]  #: (section view, tensors packed with one fused call)
     copied: List[Tuple[torch.Tensor, torch.Tensor]]  #: (section view, tensor copied on its own)
-
-
-def _split_by_cap(tensors: Sequence[torch.Tensor], cap_bytes: int) -> List[List[torch.Tensor]]:
-    """Consecutive groups of at most ``cap_bytes`` (a larger tensor is a group of its own)."""
-    groups: List[List[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not groups or (groups[-1] and size + nbytes > cap_bytes):
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += nbytes
-    return groups
 
 
 def _sections(chunk: List[torch.Tensor]) -> Tuple[List[Tuple[int, torch.dtype, List[torch.Tensor], bool]], int]:
@@ -93,7 +80,8 @@ class CoalescedBroadcast:
         self.messages: List[_Message] = []
         self._staging: List[torch.Tensor] = []
         for device, ts in per_device.items():
-            plans = [_sections(chunk) for chunk in _split_by_cap(ts, cap_bytes)]
+            runs = split_by_bytes([t.numel() * t.element_size() for t in ts], cap_bytes)
+            plans = [_sections([ts[i] for i in run]) for run in runs]
             staging = torch.empty(max(nbytes for _, nbytes in plans), dtype=torch.uint8, device=device)
             self._staging.append(staging)
             for layout, nbytes in plans:

@@ -11,6 +11,10 @@ parameter that crosses the cap still joins the bucket, so a tiny cap gives one
 parameter per bucket. A parameter with sparse gradients always has a bucket
 of its own.
 
+Messages that must stay under a hard byte limit (coalesced broadcasts, the
+buckets of :func:`fastcoll.dist.allreduce_grads`) use :func:`split_by_bytes`
+instead, where the item that would cross the cap starts the next group.
+
 This module is pure bookkeeping (no tensors are allocated, nothing is
 communicated), so every rank that feeds it the same inputs gets the same
 layout.
@@ -23,7 +27,7 @@ from typing import Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["ParamSpec", "assign_buckets", "reverse_registration_order", "order_from_ready", "MIB"]
+__all__ = ["ParamSpec", "assign_buckets", "reverse_registration_order", "order_from_ready", "split_by_bytes", "MIB"]
 
 MIB = 1024 * 1024
 
@@ -128,3 +132,22 @@ def assign_buckets(
     done.extend(members for members, _, _ in open_buckets.values() if members)
     done.sort(key=lambda members: position[members[-1]])
     return done
+
+
+def split_by_bytes(sizes: Sequence[int], cap: float) -> List[List[int]]:
+    """Greedy runs of consecutive indices whose byte ``sizes`` sum to at most ``cap``.
+
+    A size that does not fit starts the next run; one larger than ``cap`` has
+    a run of its own. ``cap <= 0``: a single run.
+    """
+    if cap <= 0:
+        return [list(range(len(sizes)))]
+    runs: List[List[int]] = []
+    used = 0
+    for i, nbytes in enumerate(sizes):
+        if not runs or (runs[-1] and used + nbytes > cap):
+            runs.append([])
+            used = 0
+        runs[-1].append(i)
+        used += nbytes
+    return runs

@@ -23,8 +23,9 @@ import torch.distributed as tdist
 from multiproc import run_ranks
 
 import fastcoll
+from fastcoll import bucketing
 from fastcoll import dist as fd
-from fastcoll.dist import _agree, backends, serialize, tensors
+from fastcoll.dist import _agree, backends, serialize
 
 # --------------------------------------------------------------------------- #
 # Deterministic per-rank inputs (any rank can rebuild any other rank's input)
@@ -727,7 +728,7 @@ def test_comm_device_without_process_group(no_pg):
     ],
 )
 def test_split_by_bytes(sizes, cap, runs):
-    assert tensors._split_by_bytes(sizes, cap) == runs
+    assert bucketing.split_by_bytes(sizes, cap) == runs
 
 
 def test_agree_without_process_group(no_pg):

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
+from ..bucketing import split_by_bytes
 from .._dtypes import SUPPORTED_DTYPES, dtype_name, is_dense, is_fusable
 from .._sparse import all_reduce_sparse
 from . import backends
@@ -245,25 +246,6 @@ def all_reduce_dict(
     return OrderedDict((k, out[k]) for k in keys)
 
 
-def _split_by_bytes(sizes: Sequence[int], cap: float) -> list[list[int]]:
-    """Greedy runs of consecutive indices whose byte ``sizes`` sum to at most ``cap``.
-
-    A size that does not fit starts the next run; one larger than ``cap`` has
-    a run of its own. ``cap <= 0``: a single run.
-    """
-    if cap <= 0:
-        return [list(range(len(sizes)))]
-    runs: list[list[int]] = []
-    used = 0
-    for i, nbytes in enumerate(sizes):
-        if not runs or (runs[-1] and used + nbytes > cap):
-            runs.append([])
-            used = 0
-        runs[-1].append(i)
-        used += nbytes
-    return runs
-
-
 def _mean_one(t: torch.Tensor, ws: int, group: Group, device: torch.device) -> Any | None:
     """Start averaging one tensor in place; the work handle when the reduce is still running."""
     if t.layout == torch.sparse_coo:  # summed from all-gathers (see fastcoll._sparse), then written back
@@ -381,7 +363,7 @@ def allreduce_grads(
             for (dtype, dev), members in groups.items():
                 storage = backends.flat_buffer(ops.total_numel(members), dtype, dev)
                 offset = 0
-                for run in _split_by_bytes([m.numel() * m.element_size() for m in members], cap):
+                for run in split_by_bytes([m.numel() * m.element_size() for m in members], cap):
                     bucket = [members[i] for i in run]
                     n = ops.total_numel(bucket)
                     yield bucket, bucket, storage[offset : offset + n]
