@@ -55,7 +55,7 @@ cuda-build-check:
 	  $(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy ninja "setuptools>=77" wheel
 	rm -rf build/cuda-check && mkdir -p build/cuda-check
 	NV=$$($(CUDA_VENV)/bin/python -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13"))'); \
-	  CUDA_HOME=$(CUDA_HOME) FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="8.0;9.0" MAX_JOBS=2 \
+	  CUDA_HOME=$(CUDA_HOME) FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX" MAX_JOBS=2 \
 	  CPATH=$$NV/include:$$CPATH LIBRARY_PATH=$$NV/lib:$$LIBRARY_PATH \
 	  $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib
 	cp -r fastcoll/*.py fastcoll/bench fastcoll/integrations build/cuda-check/lib/fastcoll/
@@ -75,7 +75,7 @@ gpu-wheels: $(VENV)/.deps-stamp
 # Installs carried wheels from .gpu-wheels first when that folder exists.
 gpu-check:
 	if [ -d .gpu-wheels ]; then $(PYTHON) -m pip install -q --no-index --find-links .gpu-wheels $(GPU_WHEELS); fi
-	FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" $(PYTHON) setup.py -q build_ext --inplace
+	FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" $(PYTHON) setup.py -q build_ext --inplace
 	$(PYTHON) -c "import fastcoll, json; print(json.dumps(fastcoll.build_info(), indent=1))"
 	$(PYTHON) -m pytest -q -m cuda tests $(PYTEST_ARGS)
 	$(PYTHON) -m fastcoll.bench ops --device cuda

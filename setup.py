@@ -50,7 +50,9 @@ def _extension():
     define_macros = [("FASTCOLL_COMPILER", f'"{_compiler_name()}"')]
     if use_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        # sm_80 and sm_90 machine code, plus sm_90 PTX that the driver compiles
+        # (JIT) for newer GPUs, which have no machine code here.
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         define_macros += [
             ("FASTCOLL_WITH_CUDA", "1"),
             ("FASTCOLL_CUDA_ARCHS", f'"{os.environ["TORCH_CUDA_ARCH_LIST"]}"'),
