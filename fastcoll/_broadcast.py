@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._dtypes import is_fusable
+from ._knobs import force_collectives
 from .bucketing import split_by_bytes
 
 __all__ = ["CoalescedBroadcast", "broadcast_coalesced"]
@@ -106,7 +107,7 @@ class CoalescedBroadcast:
 
     def __call__(self, group: Optional[dist.ProcessGroup], group_src: int = 0) -> None:
         """Broadcast from group rank ``group_src`` of ``group`` (None: the default group)."""
-        if not self.messages or dist.get_world_size(group) == 1:
+        if not self.messages or (dist.get_world_size(group) == 1 and not force_collectives()):
             return
         is_src = dist.get_rank(group) == group_src
         with torch.no_grad():

@@ -864,3 +864,35 @@ def test_slurm_nodelist_errors(nodelist):
         fd.expand_slurm_nodelist(nodelist)
     with pytest.raises(ValueError):
         fd.slurm_first_host(nodelist)
+
+
+def _helpers_at_world_size_one(rank, world_size):
+    """Every tensor/object helper once; returns the results and how many collectives torch saw."""
+    calls = []
+    names = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "gather")
+    real = {n: getattr(tdist, n) for n in names}
+    for n in names:
+        setattr(tdist, n, lambda *a, _n=n, **k: calls.append(_n) or real[_n](*a, **k))
+    try:
+        t = torch.arange(6.0).reshape(2, 3)
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.full((3,), 2.0)
+        out = (
+            fd.reduce_mean(t),
+            fd.all_reduce_dict({"a": t, "b": 2}, op="mean"),
+            fd.allreduce_grads([p]) or p.grad.clone(),
+            fd.broadcast({"x": 1}),
+            fd.all_gather_object_gpu([1, 2], rank_zero_return_only=False),
+        )
+    finally:
+        for n in names:
+            setattr(tdist, n, real[n])
+    return out, calls
+
+
+def test_force_collectives_at_world_size_one():
+    (forced, calls), = run_ranks(_helpers_at_world_size_one, 1, env={"FASTCOLL_FORCE_COLLECTIVES": "1"})
+    (plain, none), = run_ranks(_helpers_at_world_size_one, 1)
+    assert none == [], none
+    assert {"all_reduce", "all_gather"} <= set(calls), calls
+    assert str(forced) == str(plain)  # same results, with the collectives issued

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import comm_device
-from .process import Group, get_world_size, is_distributed
+from .process import Group, collectives_needed, get_world_size
 
 __all__ = ["agree", "all_gather_bytes", "bytes_to_tensor", "tensor_to_bytes"]
 
@@ -169,8 +169,7 @@ def agree(
         TypeError, ValueError, OSError, RuntimeError: on every rank, when some rank failed.
         mismatch: on every rank, when the ``desc`` differ.
     """
-    ws = get_world_size(group) if is_distributed() else 1
-    if ws == 1:
+    if not collectives_needed(group):
         if error is not None:
             raise error
         return [list(values)]
@@ -180,7 +179,7 @@ def agree(
     sizes = [row[0] for row in rows]
     if any(sizes):
         texts = all_gather_bytes(text, sizes, group, device)
-        _raise_failures(what, texts, _group_ranks(group, ws), error)
+        _raise_failures(what, texts, _group_ranks(group, len(rows)), error)
     if any(row[1:3] != rows[0][1:3] for row in rows):
         descs = _gather_descs(desc, group, device)
         raise mismatch(f"{what}: {(explain or _default_explain)(descs)}")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ._agree import agree, all_gather_bytes, bytes_to_tensor, tensor_to_bytes
 from .backends import comm_device
-from .process import Group, get_rank, get_world_size
+from .process import Group, collectives_needed, get_rank, get_world_size
 from .serialize import dumps
 
 __all__ = [
@@ -67,7 +67,7 @@ def broadcast(obj: Any, src: int = 0, group: Group = None) -> Any:
         TypeError: on every rank, if ``src``'s object cannot be pickled.
         ValueError: if ``src`` is not a rank of the group.
     """
-    if get_world_size(group) == 1:
+    if not collectives_needed(group):
         return obj
     what = "fastcoll.dist.broadcast"
     group_src = _src_group_rank(src, group)
@@ -125,7 +125,7 @@ def all_gather_object_gpu(data: Any, rank_zero_return_only: bool = True, group: 
         TypeError: on every rank, if any rank's object cannot be pickled
             (naming the rank and the type).
     """
-    if get_world_size(group) == 1:
+    if not collectives_needed(group):
         return [data]
     return _gather_objects(data, group, "fastcoll.dist.all_gather_object_gpu", to_group_rank0=rank_zero_return_only)
 
@@ -218,7 +218,7 @@ def all_gather_object_cpu(
         OSError: on every rank, if any rank could not write its file.
     """
     ws = get_world_size()
-    if ws == 1:
+    if not collectives_needed():
         return [data]
     what = "fastcoll.dist.all_gather_object_cpu"
     rank = get_rank()

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from .._knobs import force_collectives
+
 __all__ = [
     "Group",
     "distributed_available",
@@ -101,6 +103,14 @@ def get_world_size(group: Group = None) -> int:
     return dist.get_world_size(group)
 
 
+def collectives_needed(group: Group = None) -> bool:
+    """Whether a helper must issue its collectives: a world of more than one, or ``FASTCOLL_FORCE_COLLECTIVES=1``.
+
+    Without a process group nothing is ever communicated.
+    """
+    return is_distributed() and (dist.get_world_size(group) > 1 or force_collectives())
+
+
 def get_local_rank() -> int:
     """Rank of this process among the processes on its machine.
 
@@ -129,7 +139,7 @@ def synchronize(group: Group = None) -> None:
     Args:
         group: Process group to synchronize; the default group when None.
     """
-    if get_world_size(group) <= 1:
+    if not collectives_needed(group):
         return
     from .backends import comm_device  # backends imports this module
 

@@ -14,7 +14,7 @@ import torch
 
 from ._agree import agree, bytes_to_tensor
 from .backends import comm_device
-from .process import Group, get_world_size
+from .process import Group, collectives_needed
 
 __all__ = ["LARGE_PAYLOAD_BYTES", "dumps", "obj2tensor", "pad_to_largest_tensor", "serialize_to_tensor", "tensor2obj", "type_name"]
 
@@ -128,7 +128,7 @@ def pad_to_largest_tensor(tensor: torch.Tensor, group: Group = None) -> tuple[li
         backend needs CUDA).
     """
     flat = tensor.reshape(-1)
-    if get_world_size(group) == 1:
+    if not collectives_needed(group):
         return [flat.numel()], flat
     device = comm_device(group, [flat])
     flat = flat.to(device)

@@ -25,7 +25,7 @@ from .._sparse import all_reduce_sparse
 from . import backends
 from ._agree import agree
 from ._mismatch import explain_dict_mismatch, explain_grads_mismatch, spec
-from .process import Group, get_world_size
+from .process import Group, collectives_needed, get_world_size
 from .serialize import type_name
 
 __all__ = ["all_reduce_dict", "allreduce_grads", "reduce_mean"]
@@ -55,7 +55,7 @@ def _reduce_packed(
     for sources, dests, flat in packs:
         ops.flatten_scale(sources, flat, scale)
         work = None
-        if world_size > 1 and flat.numel() > 0:
+        if collectives_needed(group) and flat.numel() > 0:
             work = backends.all_reduce_flat(flat, group, async_op=True, device=device)
         pending.append((work, flat, dests))
     if meanwhile is not None:
@@ -69,7 +69,7 @@ def _reduce_packed(
 def _sum_exact(tensors: Sequence[torch.Tensor], group: Group, world_size: int, device: torch.device) -> list[torch.Tensor]:
     """The sums of integer/bool tensors over ranks, exactly, as int64 tensors of the same shapes."""
     flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
-    if world_size > 1 and flat.numel() > 0:
+    if collectives_needed(group) and flat.numel() > 0:
         backends.all_reduce_flat(flat, group, device=device)
     return [piece.reshape(t.shape) for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]))]
 
@@ -108,7 +108,7 @@ def reduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
             return out
         if src.is_complex() or src.is_floating_point():  # a dtype the fused ops do not pack
             acc = src.clone(memory_format=torch.contiguous_format)
-            if ws > 1 and acc.numel() > 0:
+            if collectives_needed(group) and acc.numel() > 0:
                 backends.all_reduce_flat(acc.view(-1), group, device=device)
             return acc / ws if src.is_complex() else acc.to(torch.float32) / ws
         return _sum_exact([src], group, ws, device)[0].to(torch.float32) / ws
@@ -216,7 +216,7 @@ def all_reduce_dict(
     values = {k: _as_tensor(py_dict[k]) for k in keys}
     canonical = sorted(keys, key=repr)
     desc = None
-    if ws > 1 and error is None:
+    if collectives_needed(group) and error is None:
         specs = [(repr(k), spec(py_dict[k] if values[k] is None else values[k])) for k in canonical]
         desc = ((op, bool(to_float)), specs)
     agree(what, group=group, error=error, desc=desc, explain=explain_dict_mismatch)
@@ -335,7 +335,7 @@ def allreduce_grads(
     grads = _unique_grads(params)
     error = _layout_error(grads)
     ws = get_world_size(group)
-    if check and ws > 1:
+    if check and collectives_needed(group):
         desc = None
         if error is None:
             specs = [f"{dtype_name(g.dtype)}{list(g.shape)} {g.layout} on {g.device.type}" for g in grads]
@@ -343,7 +343,7 @@ def allreduce_grads(
         agree("fastcoll.dist.allreduce_grads", group=group, error=error, desc=desc, explain=explain_grads_mismatch)
     elif error is not None:
         raise error
-    if ws == 1 or not grads:
+    if not collectives_needed(group) or not grads:
         return
     device = backends.comm_device(group, grads)
     with torch.no_grad():

@@ -13,18 +13,12 @@ all-reduce, the layout broadcast) goes through :class:`Communicator`, which
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Collective", "Communicator", "Done", "force_collectives"]
-
-
-def force_collectives() -> bool:
-    """Whether ``FASTCOLL_FORCE_COLLECTIVES`` asks for collectives at world size 1 (read at construction)."""
-    return os.environ.get("FASTCOLL_FORCE_COLLECTIVES", "0") not in ("", "0")
+__all__ = ["Collective", "Communicator", "Done"]
 
 
 class Done:

@@ -56,7 +56,8 @@ import torch.distributed as dist
 
 from .._dtypes import check_comm_dtype
 from .bucket import GradBucket
-from .comm import Collective, Communicator, force_collectives
+from .._knobs import force_collectives
+from .comm import Collective, Communicator
 from .layout import BucketSet
 from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
 from .usage import ParameterUsage, marked_twice_error, unfinished_error

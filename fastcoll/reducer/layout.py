@@ -10,23 +10,16 @@ that buckets complete in index order.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._knobs import early_pack_min_numel
 from ..bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
 from .bucket import GradBucket
 from .comm import Communicator
 
-__all__ = ["EARLY_PACK_MIN_NUMEL", "BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "wire_dtype"]
-
-#: CPU gradients with at least this many elements are packed as soon as they
-#: are final, while still in cache (measured: ~25% less pack time on ResNet-50
-#: shapes); smaller ones wait for their bucket's single fused pack. The
-#: environment variable FASTCOLL_EARLY_PACK_MIN_NUMEL overrides it (read when
-#: buckets are built; a huge value turns early packing off).
-EARLY_PACK_MIN_NUMEL = 1 << 16
+__all__ = ["BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "wire_dtype"]
 
 
 def wire_dtype(comm_dtype: Optional[torch.dtype], dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -80,7 +73,7 @@ def early_pack_slots(buckets: Sequence[GradBucket], n: int) -> Tuple[List[Option
         Per parameter index: its slice of the bucket's wire buffer, or None
         when it waits for the bucket pack; and its position in its bucket.
     """
-    min_numel = int(os.environ.get("FASTCOLL_EARLY_PACK_MIN_NUMEL", EARLY_PACK_MIN_NUMEL))
+    min_numel = early_pack_min_numel()
     slots: List[Optional[torch.Tensor]] = [None] * n
     slot_pos = [0] * n
     for b in buckets:
