@@ -58,7 +58,7 @@ cuda-build-check:
 	  CUDA_HOME=$(CUDA_HOME) FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX" MAX_JOBS=2 \
 	  CPATH=$$NV/include:$$CPATH LIBRARY_PATH=$$NV/lib:$$LIBRARY_PATH \
 	  $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib
-	cp -r fastcoll/*.py fastcoll/bench fastcoll/integrations build/cuda-check/lib/fastcoll/
+	tar -cf - --exclude='*.so' --exclude=__pycache__ fastcoll | tar -xf - -C build/cuda-check/lib  # the Python package, beside the CUDA build of _C
 	cd build/cuda-check/lib && $(CUDA_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i, indent=1)); assert i['cuda_kernels'], i"
 
 # Wheels of the test and table tools for the GPU machine (Python 3.12, no package
