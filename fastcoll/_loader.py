@@ -1,8 +1,11 @@
 """Loads the compiled extension, or registers the pure-PyTorch fallback.
 
-Either way, after import ``torch.ops.fastcoll.flatten_scale`` and
-``torch.ops.fastcoll.unflatten_scale`` exist with the same schema, so the rest
-of the package never needs to know which implementation is active.
+Either way, after import every op of SCHEMAS (``torch.ops.fastcoll.flatten_scale``,
+``unflatten_scale``, ``flatten_scale_ex``, ``unflatten_scale_ex``,
+``sum_of_squares``) exists with the same schema, so the rest of the package
+never needs to know which implementation is active. An extension built from
+older sources that lacks some of them gets the reference for those (listed in
+REFERENCE_OPS, with a warning) rather than failing to import.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,26 +22,45 @@ import torch
 SCHEMAS = {
     "flatten_scale": "flatten_scale(Tensor[] tensors, Tensor(a!) out, float scale=1.0) -> ()",
     "unflatten_scale": "unflatten_scale(Tensor flat, Tensor(a!)[] tensors, float scale=1.0) -> ()",
+    "flatten_scale_ex": (
+        "flatten_scale_ex(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor? scale_by=None, "
+        "Tensor(b!)? nonfinite=None) -> ()"
+    ),
+    "unflatten_scale_ex": (
+        "unflatten_scale_ex(Tensor flat, Tensor(a!)[] tensors, float scale=1.0, Tensor(b!)? sumsq=None) -> ()"
+    ),
+    "sum_of_squares": "sum_of_squares(Tensor[] tensors, Tensor(a!) out) -> ()",
 }
 
 _C: Optional[ModuleType] = None
 FALLBACK_REASON: Optional[str] = None
+#: Ops served by the reference although the extension is loaded (it was built
+#: from sources that predate them); empty after a fresh build.
+REFERENCE_OPS: Tuple[str, ...] = ()
 _fallback_lib = None
 
 
-def _register_reference() -> None:
+def _register_reference(names, kind: str = "DEF") -> None:
     global _fallback_lib
     from . import _reference
 
-    lib = torch.library.Library("fastcoll", "DEF")
-    for name, schema in SCHEMAS.items():
-        lib.define(schema)
+    lib = torch.library.Library("fastcoll", kind)
+    for name in names:
+        lib.define(SCHEMAS[name])
         lib.impl(name, getattr(_reference, name), "CompositeExplicitAutograd")
     _fallback_lib = lib  # the registrations live as long as this object
 
 
+def _defined(name: str) -> bool:
+    try:
+        getattr(torch.ops.fastcoll, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _load() -> None:
-    global _C, FALLBACK_REASON
+    global _C, FALLBACK_REASON, REFERENCE_OPS
     if os.environ.get("FASTCOLL_NO_EXT", "0") not in ("", "0"):
         FALLBACK_REASON = "FASTCOLL_NO_EXT is set"
     else:
@@ -55,7 +77,17 @@ def _load() -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-        _register_reference()
+        _register_reference(SCHEMAS)
+        return
+    REFERENCE_OPS = tuple(name for name in SCHEMAS if not _defined(name))
+    if REFERENCE_OPS:
+        warnings.warn(
+            f"fastcoll: the compiled extension has no {', '.join(REFERENCE_OPS)} (it was built from older "
+            "sources); using the pure-PyTorch reference for them. Rebuild with `pip install --no-build-isolation -e .`.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _register_reference(REFERENCE_OPS, "FRAGMENT")
 
 
 def _check_devices(op: str, tensors, flat, flat_name: str) -> None:
@@ -81,6 +113,28 @@ def _register_fakes() -> None:
     @torch.library.register_fake("fastcoll::unflatten_scale")
     def _unflatten_scale_fake(flat, tensors, scale=1.0):
         _check_devices("fastcoll.unflatten_scale", tensors, flat, "flat")
+        return None
+
+    # The health ops: the same device checks, plus the metadata checks of their
+    # small tensors (dtype, number of elements, device; overlaps need memory).
+    from ._reference import check_health_args
+
+    @torch.library.register_fake("fastcoll::flatten_scale_ex")
+    def _flatten_scale_ex_fake(tensors, out, scale=1.0, scale_by=None, nonfinite=None):
+        _check_devices("fastcoll.flatten_scale_ex", tensors, out, "out")
+        check_health_args("fastcoll.flatten_scale_ex", out.device, scale_by=scale_by, nonfinite=nonfinite)
+        return None
+
+    @torch.library.register_fake("fastcoll::unflatten_scale_ex")
+    def _unflatten_scale_ex_fake(flat, tensors, scale=1.0, sumsq=None):
+        _check_devices("fastcoll.unflatten_scale_ex", tensors, flat, "flat")
+        check_health_args("fastcoll.unflatten_scale_ex", flat.device, sumsq=sumsq)
+        return None
+
+    @torch.library.register_fake("fastcoll::sum_of_squares")
+    def _sum_of_squares_fake(tensors, out):
+        _check_devices("fastcoll.sum_of_squares", tensors, out, "out")
+        check_health_args("fastcoll.sum_of_squares", out.device, sumsq=out, sumsq_name="out")
         return None
 
 

@@ -15,18 +15,40 @@ therefore round-trips.
 Messages start with the public op's name, ``fastcoll.flatten_scale: `` or
 ``fastcoll.unflatten_scale: ``, then say what is wrong and how to fix it, in
 the same words as csrc/ops.cpp.
+
+The gradient-health ops (``flatten_scale_ex``, ``unflatten_scale_ex``,
+``sum_of_squares``) are here too, with the same semantics as the kernels:
+
+* the factor of ``flatten_scale_ex`` is ``scale * scale_by[0]``, read from the
+  device (no host synchronization), multiplied in float32 (float64 when either
+  side of the copy or ``scale_by`` is float64);
+* ``nonfinite[0]`` is set to 1 (never to 0) when a value written to ``out`` is
+  NaN or +-Inf: a non-finite source, or a finite one that overflowed on the
+  cast (a scale of 0 does not hide a NaN or Inf source: Inf * 0 is NaN);
+* sums of squares are float64 sums of the squares of the values as stored
+  (after the cast), added in a fixed order that does not depend on the number
+  of threads (:func:`_ordered_sum`): deterministic, though not bitwise equal to
+  the kernels', whose fixed order is their own.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, dtype_name, is_dense
 
 # ``is_dense`` is also imported from here by fastcoll.ops (bucket_views).
-__all__ = ["flatten_scale", "unflatten_scale", "is_dense"]
+__all__ = [
+    "flatten_scale",
+    "unflatten_scale",
+    "flatten_scale_ex",
+    "unflatten_scale_ex",
+    "sum_of_squares",
+    "check_health_args",
+    "is_dense",
+]
 
 
 def _check_dtype(op: str, t: torch.Tensor, what: str) -> None:
@@ -126,8 +148,8 @@ def _memory_order(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
-def _opmath(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    return torch.float64 if torch.float64 in (a, b) else torch.float32
+def _opmath(a: torch.dtype, b: torch.dtype, c: Optional[torch.dtype] = None) -> torch.dtype:
+    return torch.float64 if torch.float64 in (a, b, c) else torch.float32
 
 
 def flatten_scale(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> None:
@@ -152,3 +174,185 @@ def unflatten_scale(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: 
                 continue
             src = flat[off : off + n].to(_opmath(t.dtype, flat.dtype))
             _memory_order(t).copy_(src * scale)
+
+
+# ---------------------------------------------------------------------------
+# Gradient health: flatten_scale_ex, unflatten_scale_ex, sum_of_squares
+# ---------------------------------------------------------------------------
+
+# Elements per block of the ordered float64 sum (see _ordered_sum).
+_SUM_BLOCK = 4096
+
+
+def _describe(t: torch.Tensor) -> str:
+    """How a message shows a small tensor argument: 'a float32 tensor of shape (2,) on cpu'."""
+    layout = "" if t.layout == torch.strided else "non-strided "
+    article = "an" if layout == "" and dtype_name(t.dtype)[0] in "aeiou" else "a"
+    return f"{article} {layout}{dtype_name(t.dtype)} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def _check_small(
+    op: str, t, name: str, dtypes: Tuple[torch.dtype, ...], need: str, device: torch.device, at_least_one: bool
+) -> None:
+    """``t`` must be a strided tensor of one of ``dtypes`` on ``device`` with exactly 1 (or >= 1) element.
+
+    Raises TypeError (not a tensor, layout, dtype), RuntimeError (device) or
+    ValueError (number of elements), with one message naming what is expected.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be {need} on {device}, got a {type(t).__name__}")
+    msg = f"{op}: {name} must be {need} on {device}, got {_describe(t)}"
+    if t.layout != torch.strided or t.dtype not in dtypes:
+        raise TypeError(msg)
+    if t.device != device:
+        raise RuntimeError(msg)
+    if not (t.numel() >= 1 if at_least_one else t.numel() == 1):
+        raise ValueError(msg)
+
+
+def _check_apart(op: str, t: torch.Tensor, name: str, others: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
+    """The element of ``t`` the op reads or writes (its first) shares no byte with ``others``."""
+    lo = t.data_ptr()
+    hi = lo + t.element_size()
+    for other_name, o in others:
+        if o is None or o.numel() == 0:
+            continue
+        o_lo, o_hi = _byte_range(o)
+        if lo < o_hi and o_lo < hi:
+            raise ValueError(f"{op}: {name} overlaps {other_name}; give {name} memory of its own")
+
+
+def check_health_args(
+    op: str,
+    device: torch.device,
+    scale_by: Optional[torch.Tensor] = None,
+    nonfinite: Optional[torch.Tensor] = None,
+    sumsq: Optional[torch.Tensor] = None,
+    sumsq_name: str = "sumsq",
+) -> None:
+    """Metadata checks of the health ops' small tensors (also run by the fake kernels).
+
+    Same order and words as csrc/ops.cpp: ``scale_by``, then ``nonfinite``, then
+    the sum's output (``sumsq``, or ``out`` of sum_of_squares, named by ``sumsq_name``).
+    """
+    if scale_by is not None:
+        _check_small(op, scale_by, "scale_by", (torch.float32, torch.float64), "a float32 or float64 tensor with 1 element", device, False)
+    if nonfinite is not None:
+        _check_small(op, nonfinite, "nonfinite", (torch.int32,), "an int32 tensor with at least 1 element", device, True)
+    if sumsq is not None:
+        _check_small(op, sumsq, sumsq_name, (torch.float64,), "a float64 tensor with 1 element", device, False)
+
+
+def _listed(name: str, tensors: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
+    return [(f"{name}[{i}]", t) for i, t in enumerate(tensors)]
+
+
+def _first(t: torch.Tensor) -> torch.Tensor:
+    """0-d view of the element at ``t.data_ptr()`` (index 0 in every dimension)."""
+    return t.as_strided((), (), t.storage_offset())
+
+
+def _ordered_sum(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """float64 sum of the concatenated 1-D ``parts`` in a fixed order, as a 0-d tensor.
+
+    Blocks of _SUM_BLOCK elements are summed (each block by one thread: a
+    reduction over the inner dimension of a (blocks, _SUM_BLOCK) view), then the
+    block sums the same way, until one value is left. The order depends only on
+    the number of elements, never on the number of threads.
+    """
+    parts = [p for p in parts if p.numel() > 0]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    v = torch.cat(parts) if len(parts) > 1 else parts[0]
+    while True:
+        pad = (-v.numel()) % _SUM_BLOCK
+        if pad:
+            v = torch.cat([v, v.new_zeros(pad)])
+        v = v.view(-1, _SUM_BLOCK).sum(dim=1)
+        if v.numel() == 1:
+            return v.reshape(())
+
+
+def _check_list_only(op: str, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """The per-tensor checks of _validate, for an op without a flat buffer (sum_of_squares)."""
+    if len(tensors) == 0:
+        raise ValueError(f"{op}: tensors is empty; pass at least one tensor")
+    for i, t in enumerate(tensors):
+        what = f"tensors[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {what} is a {type(t).__name__}, not a tensor")
+        _check_strided(op, t, what)
+        if t.device != out.device:
+            raise RuntimeError(f"{op}: {what} is on {t.device} but out is on {out.device}; move them to one device")
+        _check_dtype(op, t, what)
+        if not is_dense(t):
+            raise ValueError(
+                f"{op}: {what} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not dense and "
+                "non-overlapping; make it .contiguous() first"
+            )
+
+
+def flatten_scale_ex(
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    scale: float = 1.0,
+    scale_by: Optional[torch.Tensor] = None,
+    nonfinite: Optional[torch.Tensor] = None,
+) -> None:
+    """Reference ``fastcoll::flatten_scale_ex``: flatten_scale by ``scale * scale_by[0]``, flagging non-finite values."""
+    op = "fastcoll.flatten_scale_ex"
+    offsets = _validate(op, tensors, out, "out", "tensors", writes_list=False)
+    check_health_args(op, out.device, scale_by=scale_by, nonfinite=nonfinite)
+    if scale_by is not None:
+        _check_apart(op, scale_by, "scale_by", [("out", out)])
+    if nonfinite is not None:
+        _check_apart(op, nonfinite, "nonfinite", [("out", out)] + _listed("tensors", tensors) + [("scale_by", scale_by)])
+    with torch.no_grad():
+        bad = None
+        for t, off in zip(tensors, offsets):
+            n = t.numel()
+            if n == 0:
+                continue
+            m = _opmath(t.dtype, out.dtype, None if scale_by is None else scale_by.dtype)
+            factor = scale if scale_by is None else _first(scale_by).to(m) * scale
+            value = (_memory_order(t).to(m) * factor).to(out.dtype)
+            if nonfinite is not None:
+                b = ~torch.isfinite(value).all()
+                bad = b if bad is None else bad | b
+            out[off : off + n].copy_(value)
+        if bad is not None:
+            _first(nonfinite).masked_fill_(bad, 1)
+
+
+def unflatten_scale_ex(
+    flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0, sumsq: Optional[torch.Tensor] = None
+) -> None:
+    """Reference ``fastcoll::unflatten_scale_ex``: unflatten_scale, writing the sum of squares of the written values."""
+    op = "fastcoll.unflatten_scale_ex"
+    offsets = _validate(op, tensors, flat, "flat", "tensors", writes_list=True)
+    check_health_args(op, flat.device, sumsq=sumsq)
+    if sumsq is not None:
+        _check_apart(op, sumsq, "sumsq", [("flat", flat)] + _listed("tensors", tensors))
+    with torch.no_grad():
+        squares = []
+        for t, off in zip(tensors, offsets):
+            n = t.numel()
+            if n == 0:
+                continue
+            value = (flat[off : off + n].to(_opmath(t.dtype, flat.dtype)) * scale).to(t.dtype)
+            if sumsq is not None:
+                squares.append(value.to(torch.float64).square())
+            _memory_order(t).copy_(value)
+        if sumsq is not None:
+            _first(sumsq).copy_(_ordered_sum(squares, flat.device))
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Reference ``fastcoll::sum_of_squares``: ``out[0]`` = float64 sum of x*x over all elements of all tensors."""
+    op = "fastcoll.sum_of_squares"
+    _check_list_only(op, tensors, out)
+    check_health_args(op, out.device, sumsq=out, sumsq_name="out")
+    _check_apart(op, out, "out", _listed("tensors", tensors))
+    with torch.no_grad():
+        squares = [_memory_order(t).to(torch.float64).square() for t in tensors if t.numel() > 0]
+        _first(out).copy_(_ordered_sum(squares, out.device))

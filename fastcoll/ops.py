@@ -6,20 +6,42 @@ copies every gradient into a flat bucket, multiplied by a scale (typically
 ``unflatten_scale`` writes a reduced bucket back into the gradients.
 Both dispatch to ``torch.ops.fastcoll.*``: the C++/CUDA kernels when the
 extension is built, the pure-PyTorch reference otherwise.
+
+Gradient health comes fused into the same passes: ``flatten_scale`` can take
+its factor from a device tensor (``scale_by``: no host synchronization) and
+flag non-finite values (``nonfinite``); ``unflatten_scale`` can write the sum
+of squares of what it wrote (``sumsq``, for a gradient norm); and
+``sum_of_squares`` reads tensors that need no copy. Sums are float64 and
+deterministic: the same inputs give the same bits whatever the number of
+threads.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from . import _loader, _reference
 
-__all__ = ["flatten_scale", "unflatten_scale", "bucket_views", "total_numel", "implementation"]
+__all__ = [
+    "flatten_scale",
+    "unflatten_scale",
+    "sum_of_squares",
+    "bucket_views",
+    "total_numel",
+    "implementation",
+]
 
 
-def flatten_scale(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def flatten_scale(
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    scale: float = 1.0,
+    *,
+    scale_by: Optional[torch.Tensor] = None,
+    nonfinite: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Write ``tensors``, one after another, into ``out``, each multiplied by ``scale``.
 
     Each tensor's elements go in its own memory order (so a channels_last
@@ -27,39 +49,107 @@ def flatten_scale(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: flo
     multiply is done in float32 (float64 when either side is float64) and the
     result is cast to ``out.dtype``.
 
+    Without ``scale_by`` and ``nonfinite`` this is ``fastcoll::flatten_scale``;
+    with either, ``fastcoll::flatten_scale_ex``, which writes the same bits
+    when ``scale_by`` is absent.
+
     Args:
         tensors: Dense tensors of float32/float16/bfloat16/float64, on ``out``'s
             device; zero-element tensors are skipped.
         out: 1-D contiguous tensor whose numel equals the sum of the inputs'.
         scale: Factor applied to every element; 1.0 is a pure copy.
+        scale_by: Optional float32 or float64 tensor of 1 element on ``out``'s
+            device (e.g. a loss scale or a clipping coefficient computed on
+            the GPU). The factor becomes ``scale * scale_by[0]``, read by the
+            kernel on the device: no host synchronization. Multiplied in
+            float32, float64 when either side or ``scale_by`` is float64.
+        nonfinite: Optional int32 tensor with at least 1 element on ``out``'s
+            device. Its first element is set to 1 when any value written to
+            ``out`` is NaN or +-Inf: a non-finite source element, or a finite
+            one whose scaled value overflows ``out``'s dtype (float32 70000 ->
+            float16 inf). It is never set to 0: zero it first; one flag can
+            collect many calls. A scale of 0 does not hide a NaN or Inf source
+            (Inf * 0 is NaN, and NaN is written and flagged).
 
     Returns:
         ``out``.
 
     Raises:
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
-            tensor index, before anything is written.
+            tensor index (or ``scale_by`` / ``nonfinite``), before anything is
+            written.
     """
-    torch.ops.fastcoll.flatten_scale(list(tensors), out, float(scale))
+    if scale_by is None and nonfinite is None:
+        torch.ops.fastcoll.flatten_scale(list(tensors), out, float(scale))
+    else:
+        torch.ops.fastcoll.flatten_scale_ex(list(tensors), out, float(scale), scale_by, nonfinite)
     return out
 
 
-def unflatten_scale(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+def unflatten_scale(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    scale: float = 1.0,
+    *,
+    sumsq: Optional[torch.Tensor] = None,
+) -> None:
     """Write consecutive slices of ``flat``, times ``scale``, into ``tensors`` in place.
 
     The inverse of :func:`flatten_scale`: slice ``i`` is cast to
     ``tensors[i].dtype`` and written in that tensor's memory order.
 
+    Without ``sumsq`` this is ``fastcoll::unflatten_scale``; with it,
+    ``fastcoll::unflatten_scale_ex``, which writes the same bits.
+
     Args:
         flat: 1-D contiguous source tensor.
         tensors: Dense, mutually non-overlapping destinations on ``flat``'s device.
         scale: Factor applied to every element; 1.0 is a pure copy.
+        sumsq: Optional float64 tensor of 1 element on ``flat``'s device. It is
+            overwritten with the sum of ``x * x`` over every element written,
+            ``x`` being the value as stored (after the cast to the
+            destination's dtype) converted to float64: the squared L2 norm of
+            the unpacked gradients. Deterministic: the same inputs give the
+            same bits whatever the number of CPU threads, run after run (CPU
+            and CUDA results may differ in the last bits).
 
     Raises:
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
-            tensor index, before anything is written.
+            tensor index (or ``sumsq``), before anything is written.
     """
-    torch.ops.fastcoll.unflatten_scale(flat, list(tensors), float(scale))
+    if sumsq is None:
+        torch.ops.fastcoll.unflatten_scale(flat, list(tensors), float(scale))
+    else:
+        torch.ops.fastcoll.unflatten_scale_ex(flat, list(tensors), float(scale), sumsq)
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum of ``x * x`` over every element of every tensor, in float64.
+
+    For gradients that already live in a flat buffer (no write-back to fuse
+    the sum into); reads each tensor once and writes nothing else. Each
+    element is converted exactly to float64 before it is squared.
+    Deterministic like ``unflatten_scale``'s ``sumsq``.
+
+    Args:
+        tensors: Dense tensors of float32/float16/bfloat16/float64, all on one
+            device; they may alias one another.
+        out: Optional float64 tensor of 1 element on that device, overwritten
+            with the sum. By default a new 0-d tensor.
+
+    Returns:
+        ``out`` (or the new 0-d float64 tensor). Take ``.sqrt()`` for the L2 norm.
+
+    Raises:
+        ValueError, TypeError, RuntimeError: on bad input (including an empty
+            list), naming the offending tensor index or ``out``.
+    """
+    tensors = list(tensors)
+    if out is None:
+        device = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else torch.device("cpu")
+        out = torch.empty((), dtype=torch.float64, device=device)
+    torch.ops.fastcoll.sum_of_squares(tensors, out)
+    return out
 
 
 def total_numel(tensors: Sequence[torch.Tensor]) -> int:
