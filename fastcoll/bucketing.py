@@ -11,6 +11,15 @@ parameter that crosses the cap still joins the bucket, so a tiny cap gives one
 parameter per bucket. A parameter with sparse gradients always has a bucket
 of its own.
 
+Per-bucket caps: ``cap_bytes`` may also be a sequence of byte caps, one per
+bucket of each (device, dtype) group in reduction order, the last one
+repeating (``[1 MiB, 4 MiB, 16 MiB]``: the group's first bucket closes at
+1 MiB, its second at 4 MiB, every later one at 16 MiB); ``first_cap_bytes`` is
+then ignored, since the list already says what the first bucket gets.
+:func:`bucket_caps_from_mb` turns the user's ``bucket_cap_mb`` (a number of
+MiB, a list of them, or ``"auto"``) into what :func:`assign_buckets` takes, with
+fastcoll.DDP's error messages; :func:`caps_to_mb` goes back, for reports.
+
 Messages that must stay under a hard byte limit (coalesced broadcasts, the
 buckets of :func:`fastcoll.dist.allreduce_grads`) use :func:`split_by_bytes`
 instead, where the item that would cross the cap starts the next group.
@@ -22,14 +31,36 @@ layout.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Sequence, Tuple
+from typing import Dict, Hashable, List, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["ParamSpec", "assign_buckets", "reverse_registration_order", "order_from_ready", "split_by_bytes", "MIB"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_CAP_MB",
+    "MIB",
+    "Caps",
+    "ParamSpec",
+    "assign_buckets",
+    "bucket_caps_from_mb",
+    "caps_to_mb",
+    "order_from_ready",
+    "reverse_registration_order",
+    "split_by_bytes",
+]
 
 MIB = 1024 * 1024
+
+#: ``bucket_cap_mb`` when the user gives none (torch DDP's default).
+DEFAULT_CAP_MB = 25.0
+#: The ``bucket_cap_mb`` value that asks for autotuned buckets.
+AUTO = "auto"
+
+#: Byte caps as :func:`assign_buckets` takes them: one cap, or one per bucket (the last repeating).
+Caps = Union[int, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -87,7 +118,7 @@ def assign_buckets(
     specs: Sequence[ParamSpec],
     order: Sequence[int],
     first_cap_bytes: int,
-    cap_bytes: int,
+    cap_bytes: Caps,
 ) -> List[List[int]]:
     """Group parameter indices into buckets.
 
@@ -95,8 +126,13 @@ def assign_buckets(
         specs: One spec per parameter, indexed by parameter index.
         order: A permutation of ``range(len(specs))``: the order in which
             gradients are expected to become ready.
-        first_cap_bytes: Byte cap of the first bucket of every (device, dtype) group.
-        cap_bytes: Byte cap of every later bucket.
+        first_cap_bytes: Byte cap of the first bucket of every (device, dtype)
+            group when ``cap_bytes`` is one number; ignored when it is a sequence.
+        cap_bytes: Byte cap of every later bucket; or a non-empty sequence of
+            byte caps, the k-th for the k-th bucket of each (device, dtype)
+            group in reduction order, the last repeating for the buckets
+            beyond the list. Sparse parameters' buckets (always one parameter)
+            do not count.
 
     Returns:
         Buckets in reduction order, each a list of parameter indices in
@@ -106,32 +142,103 @@ def assign_buckets(
         behind an unfinished one of another dtype.
 
     Raises:
-        ValueError: if ``order`` is not a permutation or a cap is not positive.
+        ValueError: if ``order`` is not a permutation, a cap is not positive
+            or the cap sequence is empty.
     """
     n = len(specs)
     if sorted(order) != list(range(n)):
         raise ValueError(f"fastcoll.bucketing: order must be a permutation of range({n})")
-    if first_cap_bytes <= 0 or cap_bytes <= 0:
-        raise ValueError("fastcoll.bucketing: bucket caps must be positive")
+    if isinstance(cap_bytes, numbers.Integral):
+        if first_cap_bytes <= 0 or cap_bytes <= 0:
+            raise ValueError("fastcoll.bucketing: bucket caps must be positive")
+        caps = [int(first_cap_bytes), int(cap_bytes)]
+    else:
+        caps = [int(c) for c in cap_bytes]
+        if not caps or min(caps) <= 0:
+            raise ValueError(f"fastcoll.bucketing: bucket caps must be a non-empty sequence of positive byte counts, got {caps!r}")
+    last = len(caps) - 1
     position = {idx: pos for pos, idx in enumerate(order)}
     open_buckets: Dict[Hashable, Tuple[List[int], int, int]] = {}  # key -> (indices, bytes, cap)
+    closed: dict[Hashable, int] = {}  # key -> buckets closed so far (selects the next cap)
     done: List[List[int]] = []
     for idx in order:
         spec = specs[idx]
         if spec.sparse:
             done.append([idx])
             continue
-        members, size, cap = open_buckets.get(spec.key, ([], 0, first_cap_bytes))
+        members, size, cap = open_buckets.get(spec.key, ([], 0, caps[0]))
         members.append(idx)
         size += spec.numel * spec.element_size
         if size >= cap:
             done.append(members)
-            open_buckets[spec.key] = ([], 0, cap_bytes)
+            k = closed.get(spec.key, 0) + 1
+            closed[spec.key] = k
+            open_buckets[spec.key] = ([], 0, caps[min(k, last)])
         else:
             open_buckets[spec.key] = (members, size, cap)
     done.extend(members for members, _, _ in open_buckets.values() if members)
     done.sort(key=lambda members: position[members[-1]])
     return done
+
+
+def _positive_mib(value: object) -> bool:
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)  # type: ignore[arg-type]
+        and value > 0  # type: ignore[operator]
+    )
+
+
+def _mib_to_bytes(mib: float) -> int:
+    # A positive cap is at least one byte (a tiny cap: one parameter per bucket).
+    return max(1, int(mib * MIB))
+
+
+def bucket_caps_from_mb(value: object) -> int | list[int] | str:
+    """Parse and check the user's ``bucket_cap_mb``.
+
+    Args:
+        value: None (the default, :data:`DEFAULT_CAP_MB`), a positive finite
+            number of MiB, a non-empty list or tuple of them (per-bucket caps
+            in reduction order, the last repeating), or the string ``"auto"``.
+
+    Returns:
+        The cap in bytes (an int: ``first_bucket_mb`` still caps the first
+        bucket), a list of byte caps (``first_bucket_mb`` does not apply), or
+        :data:`AUTO`. A positive cap below one byte counts as one byte.
+
+    Raises:
+        ValueError: ``fastcoll.DDP: bucket_cap_mb must be ...; got ...`` for
+            anything else: zero, negative, NaN or infinite numbers, booleans,
+            an empty list, a list with a bad entry, other strings.
+    """
+    if value is None:
+        return _mib_to_bytes(DEFAULT_CAP_MB)
+    if isinstance(value, str):
+        if value == AUTO:
+            return AUTO
+    elif isinstance(value, (list, tuple)):
+        if value and all(_positive_mib(v) for v in value):
+            return [_mib_to_bytes(float(v)) for v in value]
+        bad = next((v for v in value if not _positive_mib(v)), None)
+        what = "an empty list" if not value else f"an entry {bad!r}"
+        raise ValueError(
+            "fastcoll.DDP: bucket_cap_mb must be a non-empty list of positive numbers of MiB (one cap per "
+            f"bucket in reduction order, the last repeating); got {what} in {value!r}"
+        )
+    elif _positive_mib(value):
+        return _mib_to_bytes(float(value))  # type: ignore[arg-type]
+    raise ValueError(
+        f'fastcoll.DDP: bucket_cap_mb must be a positive number of MiB, a non-empty list of them or "auto"; got {value!r}'
+    )
+
+
+def caps_to_mb(caps: Caps) -> float | list[float]:
+    """Byte caps as MiB (rounded to 1/1000 MiB), for logs and reports."""
+    if isinstance(caps, numbers.Integral):
+        return round(int(caps) / MIB, 3)
+    return [round(int(c) / MIB, 3) for c in caps]
 
 
 def split_by_bytes(sizes: Sequence[int], cap: float) -> List[List[int]]:

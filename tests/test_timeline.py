@@ -1,0 +1,336 @@
+"""fastcoll.reducer.timeline: the per-bucket event ring, exposed sync time, Chrome traces, profiler ranges.
+
+Events are synthetic (a fake clock patched over ``perf_counter_ns``), so every
+reported time is known exactly; one test drives the timeline from a real
+backward's hooks to check the order of real timestamps.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastcoll.reducer import timeline as tlmod
+from fastcoll.reducer.timeline import (
+    BUCKET_EVENTS,
+    NULL_RANGE,
+    Timeline,
+    profiler_range,
+)
+
+
+class FakeClock:
+    """perf_counter_ns stand-in: returns ``now`` (ns) and advances by ``step`` after each read."""
+
+    def __init__(self, start: int = 1_000_000, step: int = 0):
+        self.now = start
+        self.step = step
+
+    def __call__(self) -> int:
+        t = self.now
+        self.now += self.step
+        return t
+
+    def at(self, us: float) -> FakeClock:
+        """Set the clock to ``us`` microseconds after the start (for the next reading)."""
+        self.now = 1_000_000 + int(us * 1000)
+        return self
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(tlmod, "_ns", c)
+    return c
+
+
+def run_iteration(tl: Timeline, clock: FakeClock, base_us: float, nb: int = 2, exposed_us: float = 30.0) -> None:
+    """One iteration of ``nb`` buckets: forward at base, backward at base+100, compute ends at base+500.
+
+    Bucket k: gradients ready at +100+100k and +150+100k, packed over 10 µs, issued,
+    completed at end of backward + 5 + 5k, written back over 5 µs; the last write-back
+    ends ``exposed_us`` after the end of backward compute.
+    """
+    b0 = base_us + 100
+    clock.at(base_us)
+    tl.begin_iteration(nb)
+    clock.at(b0)
+    tl.backward_start()
+    for k in range(nb):
+        clock.at(b0 + 100 * k)
+        tl.ready(k)
+        clock.at(b0 + 20 + 100 * k)
+        tl.ready(k)  # a middle gradient: not kept
+        clock.at(b0 + 50 + 100 * k)
+        tl.ready(k)
+        clock.at(b0 + 50 + 100 * k)
+        tl.pack_start(k)
+        clock.at(b0 + 60 + 100 * k)
+        tl.pack_end(k)
+        tl.issued(k)
+    end = b0 + 400
+    clock.at(end)
+    tl.backward_end()
+    tl.finalize_start()
+    for k in range(nb):
+        last = k == nb - 1
+        clock.at(end + exposed_us - 10 if last else end + 5 + 5 * k)
+        tl.completed(k)
+        tl.writeback_start(k)
+        clock.at(end + exposed_us if last else end + 10 + 5 * k)
+        tl.writeback_end(k)
+    tl.finalize_end()
+    clock.at(end + exposed_us + 1)
+    tl.end_iteration()
+
+
+def test_events_relative_to_backward_start(clock):
+    tl = Timeline()
+    run_iteration(tl, clock, base_us=0, nb=2, exposed_us=30)
+    (it,) = tl.iterations()
+    assert it["iteration"] == 0 and it["n_buckets"] == 2
+    assert it["forward_start_us"] == -100 and it["backward_start_us"] == 0
+    assert it["backward_end_us"] == 400 and it["finalize_start_us"] == 400
+    assert it["sync_end_us"] == 430 and it["finalize_end_us"] == 430 and it["end_us"] == 431
+    assert it["exposed_sync_us"] == 30
+    assert it["step_us"] == 531  # forward start to the end of the iteration
+    assert it["t0_ns"] == 1_000_000 + 100_000
+    b0, b1 = it["buckets"]
+    assert b0 == {
+        "bucket": 0,
+        "ready_first_us": 0.0,
+        "ready_last_us": 50.0,
+        "pack_start_us": 50.0,
+        "pack_end_us": 60.0,
+        "issued_us": 60.0,
+        "completed_us": 405.0,
+        "writeback_start_us": 405.0,
+        "writeback_end_us": 410.0,
+    }
+    assert b1["ready_first_us"] == 100 and b1["ready_last_us"] == 150 and b1["writeback_end_us"] == 430
+    assert tl.last_times() == pytest.approx((30e-6, 531e-6))
+
+
+def test_event_order_is_checkable(clock):
+    tl = Timeline()
+    run_iteration(tl, clock, 0, nb=4)
+    for b in tl.iterations()[0]["buckets"]:
+        times = [b[f"{e}_us"] for e in BUCKET_EVENTS]
+        assert times == sorted(times), b
+
+
+def test_ring_wraps_and_keeps_the_last_iterations(clock):
+    tl = Timeline(capacity=3)
+    for i in range(7):
+        run_iteration(tl, clock, base_us=1000 * i, exposed_us=10 + i)
+    its = tl.iterations()
+    assert [it["iteration"] for it in its] == [4, 5, 6]
+    assert [it["exposed_sync_us"] for it in its] == [14, 15, 16]
+    assert tl.committed == 7
+    assert tl.last_times()[0] == pytest.approx(16e-6)
+
+
+def test_open_iteration_is_never_reported(clock):
+    tl = Timeline(capacity=2)
+    run_iteration(tl, clock, 0)
+    clock.at(5000)
+    tl.begin_iteration(2)  # a forward without backward
+    tl.backward_start()
+    assert [it["iteration"] for it in tl.iterations()] == [0]
+    run_iteration(tl, clock, 6000, exposed_us=17)  # overwrites the open one
+    its = tl.iterations()
+    assert [it["iteration"] for it in its] == [0, 1] and its[1]["exposed_sync_us"] == 17
+
+
+def test_stale_events_of_a_reused_slot_read_as_missing(clock):
+    tl = Timeline(capacity=1)
+    run_iteration(tl, clock, 0, nb=3)
+    # next iteration in the same slot: only bucket 1 gets events
+    clock.at(2000)
+    tl.begin_iteration(3)
+    clock.at(2100)
+    tl.backward_start()
+    tl.ready(1)
+    clock.at(2200)
+    tl.backward_end()
+    tl.end_iteration()
+    (it,) = tl.iterations()
+    b0, b1, _ = it["buckets"]
+    assert all(v is None for k, v in b0.items() if k != "bucket")
+    assert b1["ready_first_us"] == 0 and b1["ready_last_us"] == 0 and b1["pack_start_us"] is None
+    assert it["exposed_sync_us"] == 0 and it["sync_end_us"] == 100  # no write-back: the iteration end
+
+
+def test_more_buckets_than_before(clock):
+    tl = Timeline(capacity=1)
+    run_iteration(tl, clock, 0, nb=2)
+    run_iteration(tl, clock, 2000, nb=5)
+    (it,) = tl.iterations()
+    assert it["n_buckets"] == 5 and len(it["buckets"]) == 5
+    run_iteration(tl, clock, 4000, nb=1)
+    assert len(tl.iterations()[0]["buckets"]) == 1
+
+
+def test_disabled_records_iteration_times_only(clock):
+    tl = Timeline(enabled=False)
+    run_iteration(tl, clock, 0, exposed_us=30)
+    (it,) = tl.iterations()
+    assert it["buckets"] == []
+    assert it["backward_end_us"] == 400
+    assert it["exposed_sync_us"] == 31  # no write-back recorded: to the end of the iteration
+    assert tl.last_times() == pytest.approx((31e-6, 532e-6 - 1e-6))
+    tl.enabled = True  # takes effect at the next iteration
+    run_iteration(tl, clock, 2000)
+    assert len(tl.iterations()[-1]["buckets"]) == 2
+
+
+def test_calls_without_an_open_iteration_are_ignored(clock):
+    tl = Timeline()
+    for fn in (tl.ready, tl.pack_start, tl.pack_end, tl.issued, tl.completed, tl.writeback_start, tl.writeback_end):
+        fn(0)
+    tl.backward_start()
+    tl.backward_end()
+    tl.finalize_start()
+    tl.finalize_end()
+    tl.end_iteration()
+    assert tl.iterations() == [] and tl.last_times() is None and tl.committed == 0
+    with pytest.raises(ValueError):
+        Timeline(capacity=0)
+
+
+def test_clear(clock):
+    tl = Timeline()
+    run_iteration(tl, clock, 0)
+    tl.clear()
+    assert tl.iterations() == [] and tl.committed == 0
+    run_iteration(tl, clock, 1000)
+    assert [it["iteration"] for it in tl.iterations()] == [0]
+
+
+# ------------------------------------------------------------------ chrome trace
+
+
+def test_chrome_trace(clock, tmp_path):
+    tl = Timeline()
+    for i in range(2):
+        run_iteration(tl, clock, 1000 * i, nb=4)
+    path = tl.export_chrome_trace(tmp_path / "trace.json", rank=1)
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    for k in range(4):
+        assert {f"bucket {k} ready", f"bucket {k} pack", f"bucket {k} all-reduce", f"bucket {k} write-back"} <= names
+    assert {"forward", "backward", "exposed sync"} <= names
+    assert all(e["pid"] == 1 and e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert len([e for e in spans if e["name"] == "bucket 3 all-reduce"]) == 2  # one per iteration
+    meta = {(e["name"], e["tid"]): e["args"] for e in events if e["ph"] == "M"}
+    assert meta[("process_name", 0)] == {"name": "rank 1"}
+    assert [meta[("thread_name", t)]["name"] for t in range(5)] == list(tlmod.LANES)
+    # origin: the oldest forward start; the second iteration's backward starts at 1100 µs
+    back = [e for e in spans if e["name"] == "backward"]
+    assert [e["ts"] for e in back] == [100, 1100] and [e["dur"] for e in back] == [400, 400]
+    exposed = [e for e in spans if e["name"] == "exposed sync"]
+    assert exposed[0]["dur"] == 30 and exposed[0]["args"]["exposed_us"] == 30
+    # a common origin for several ranks; comm names per bucket
+    tl.comm_names = ["comm hook"] * 4
+    shifted = tl.to_chrome_trace(rank=0, origin_ns=0)
+    assert {e["name"] for e in shifted["traceEvents"]} >= {"bucket 2 comm hook"}
+    assert min(e["ts"] for e in shifted["traceEvents"] if e["ph"] == "X") == 1000  # 1_000_000 ns
+
+
+def test_chrome_trace_empty():
+    data = Timeline().to_chrome_trace()
+    assert [e for e in data["traceEvents"] if e["ph"] == "X"] == []
+    json.dumps(data)
+
+
+# --------------------------------------------------------------- profiler ranges
+
+
+def test_profiler_ranges_only_when_profiling():
+    assert profiler_range("x") is NULL_RANGE
+    with profiler_range("x"):
+        pass
+    from torch.profiler import ProfilerActivity, profile
+
+    tl = Timeline()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert tlmod.profiler_active()
+        tl.begin_iteration(2)
+        tl.backward_start()
+        for k in range(2):
+            tl.pack_start(k)
+            torch.ones(8).sum()
+            tl.pack_end(k)
+        tl.backward_end()
+        tl.finalize_start()
+        for k in range(2):
+            tl.writeback_start(k)
+            tl.writeback_end(k)
+        tl.finalize_end()
+        tl.end_iteration()
+        with profiler_range("fastcoll.custom"):
+            pass
+    names = [e.name for e in prof.events()]
+    for name in ("fastcoll.bucket[0].pack", "fastcoll.bucket[1].pack", "fastcoll.bucket[0].unpack", "fastcoll.bucket[1].unpack"):
+        assert names.count(name) == 1, names
+    assert names.count("fastcoll.finalize") == 1 and "fastcoll.custom" in names
+    assert not tl._ranges
+
+
+def test_ranges_left_open_are_closed_at_the_end_of_the_iteration():
+    from torch.profiler import profile
+
+    tl = Timeline(enabled=False)  # ranges do not depend on recording
+    with profile() as prof:
+        tl.begin_iteration(1)
+        tl.pack_start(0)  # e.g. the pack raised
+        tl.end_iteration()
+    assert not tl._ranges
+    assert [e.name for e in prof.events()].count("fastcoll.bucket[0].pack") == 1
+
+
+# ------------------------------------------------------------ a real backward
+
+
+def test_real_hooks_give_ordered_times():
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    params = [p for layer in layers for p in layer.parameters()]
+    bucket_of = {id(p): i // 4 for i, p in enumerate(reversed(params))}  # 2 buckets of 4 params
+    tl = Timeline()
+
+    def hook(p):
+        tl.ready(bucket_of[id(p)])
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    for _ in range(3):
+        tl.begin_iteration(2)
+        x = torch.randn(2, 8)
+        for layer in layers:
+            x = torch.tanh(layer(x))
+        tl.backward_start()
+        x.sum().backward()
+        tl.backward_end()
+        for b in range(2):
+            tl.pack_start(b)
+            tl.pack_end(b)
+            tl.issued(b)
+        for b in range(2):
+            tl.completed(b)
+            tl.writeback_start(b)
+            tl.writeback_end(b)
+        tl.end_iteration()
+    its = tl.iterations()
+    assert len(its) == 3
+    for it in its:
+        assert it["forward_start_us"] < 0 <= it["backward_end_us"] <= it["sync_end_us"] <= it["end_us"]
+        assert it["exposed_sync_us"] >= 0 and it["step_us"] > 0
+        b0, b1 = it["buckets"]
+        assert 0 <= b0["ready_first_us"] <= b0["ready_last_us"] <= b1["ready_first_us"] <= b1["ready_last_us"]
+        for b in (b0, b1):
+            times = [b[f"{e}_us"] for e in BUCKET_EVENTS]
+            assert None not in times and times == sorted(times)
