@@ -155,7 +155,7 @@ def assign_buckets(
     else:
         caps = [int(c) for c in cap_bytes]
         if not caps or min(caps) <= 0:
-            raise ValueError(f"fastcoll.bucketing: bucket caps must be a non-empty sequence of positive byte counts, got {caps!r}")
+            raise ValueError(f"fastcoll.bucketing: bucket caps must be a non-empty list of positive byte counts, got {caps!r}")
     last = len(caps) - 1
     position = {idx: pos for pos, idx in enumerate(order)}
     open_buckets: Dict[Hashable, Tuple[List[int], int, int]] = {}  # key -> (indices, bytes, cap)

@@ -115,7 +115,10 @@ def test_every_parameter_in_exactly_one_bucket():
     g = torch.Generator().manual_seed(0)
     for trial in range(50):
         n = int(torch.randint(1, 40, (1,), generator=g))
-        specs = [f32(int(torch.randint(1, 1000, (1,), generator=g))) if i % 3 else f16(int(torch.randint(1, 1000, (1,), generator=g))) for i in range(n)]
+        specs = [
+            f32(int(torch.randint(1, 1000, (1,), generator=g))) if i % 3 else f16(int(torch.randint(1, 1000, (1,), generator=g)))
+            for i in range(n)
+        ]
         order = torch.randperm(n, generator=g).tolist()
         caps = [int(c) for c in torch.randint(1, 4000, (1 + trial % 4,), generator=g)]
         layout = assign_buckets(specs, order, 1, caps)
@@ -149,7 +152,29 @@ def test_caps_from_mb_lists_and_auto():
 
 @pytest.mark.parametrize(
     "bad",
-    [0, -1, 0.0, -0.5, math.nan, math.inf, True, False, [], (), [1, 0], [1, -2], [1, True], [1, "2"], [1, None], "Auto", "", "25", b"auto", {1: 2}, object()],
+    [
+        0,
+        -1,
+        0.0,
+        -0.5,
+        math.nan,
+        math.inf,
+        True,
+        False,
+        [],
+        (),
+        [1, 0],
+        [1, -2],
+        [1, True],
+        [1, "2"],
+        [1, None],
+        "Auto",
+        "",
+        "25",
+        b"auto",
+        {1: 2},
+        object(),
+    ],
 )
 def test_caps_from_mb_rejects(bad):
     with pytest.raises(ValueError, match=r"^fastcoll\.DDP: bucket_cap_mb must be .*; got "):

@@ -1,13 +1,16 @@
 """Command line of the fastcoll benchmarks.
 
-    python -m fastcoll.bench {ops,ddp,dist,all} [--device cpu|cuda] [--threads N|all] [--quick] [--json PATH]
+    python -m fastcoll.bench {ops,ddp,dist,timeline,all} [--device cpu|cuda] [--threads N|all] [--quick] [--json PATH]
 
 ``ops`` times the fused flatten/unflatten ops against torch's ways of doing the
 same work (fastcoll.bench.ops); ``ddp`` and ``dist`` time the DDP wrapper and
-the distributed utilities (fastcoll.bench.ddp, fastcoll.bench.dist); ``all``
-runs the three in turn. Each writes a table to the terminal and JSON (plus a
-PNG chart where it has one) to benchmarks/out/. Every subcommand module is
-imported only when it runs and exposes ``run(args) -> int``.
+the distributed utilities (fastcoll.bench.ddp, fastcoll.bench.dist);
+``timeline`` sweeps bucket caps against ``bucket_cap_mb="auto"`` and torch DDP
+and charts each bucket's pack, communication and write-back rank by rank
+(fastcoll.bench.timeline); ``all`` runs them in turn. Each writes a table to
+the terminal and JSON (plus a PNG chart where it has one) to benchmarks/out/.
+Every subcommand module is imported only when it runs and exposes
+``run(args) -> int``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-SUBCOMMANDS = ("ops", "ddp", "dist")
+SUBCOMMANDS = ("ops", "ddp", "dist", "timeline")
 
 
 def _threads(value: str):

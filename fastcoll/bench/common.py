@@ -1,6 +1,6 @@
 """Shared benchmark machinery: timing, statistics, tables, JSON, charts, progress.
 
-Every benchmark module (``fastcoll.bench.ops``, ``.ddp``, ``.dist``) uses these
+Every benchmark module (``fastcoll.bench.ops``, ``.ddp``, ``.dist``, ``.timeline``) uses these
 helpers so their output looks the same and lands in the same place:
 
 * :func:`measure` times a callable: on CPU with ``time.perf_counter``, on CUDA
@@ -430,7 +430,7 @@ def num_threads(n: int) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------
-# Rank processes of the multi-rank benchmarks (ddp, dist)
+# Rank processes of the multi-rank benchmarks (ddp, dist, timeline)
 # ---------------------------------------------------------------------------
 
 

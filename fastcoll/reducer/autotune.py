@@ -497,7 +497,9 @@ class AutoTuner:
             return "-" if x is None else f"{x * 1e3:.2f} ms"
 
         def describe(r: dict[str, Any]) -> str:
-            return f"{r['label']} ({r['buckets']} buckets): step {ms(r['step_median_s'])}, exposed sync {ms(r['exposed_median_s'])}"
+            return (
+                f"{r['label']} ({r['buckets']} buckets): step {ms(r['step_median_s'])}, exposed sync {ms(r['exposed_median_s'])}"
+            )
 
         rows = [r for r in self.report() if not r["pruned"]]
         chosen = next((r for r in rows if r["chosen"]), None)

@@ -356,7 +356,15 @@ class Timeline:
 
         def span(name: str, tid: int, a: int, b: int, args: dict[str, Any] | None = None) -> None:
             if a and b and b >= a:
-                ev = {"name": name, "cat": "fastcoll", "ph": "X", "pid": rank, "tid": tid, "ts": (a - origin_ns) / 1e3, "dur": (b - a) / 1e3}
+                ev = {
+                    "name": name,
+                    "cat": "fastcoll",
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": tid,
+                    "ts": (a - origin_ns) / 1e3,
+                    "dur": (b - a) / 1e3,
+                }
                 if args:
                     ev["args"] = args
                 events.append(ev)

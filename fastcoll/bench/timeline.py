@@ -1,0 +1,702 @@
+"""Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain.
+
+    python -m fastcoll.bench timeline [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]
+
+The command spawns its ranks as ``fastcoll.bench ddp`` does (on CPU 2 gloo
+ranks over loopback with 1 intra-op thread each; ``--device cuda``: 1 rank on
+NCCL) and, per bench model (those of :mod:`fastcoll.bench.ddp`), times one
+training step (zero_grad + forward + loss + backward, no optimizer) of
+
+* ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel(module)``, its default 25 MiB buckets;
+* ``1 MiB``, ``5 MiB``, ``25 MiB`` (the default), ``100 MiB``: ``fastcoll.DDP(module, bucket_cap_mb=cap)``;
+* ``auto``: ``fastcoll.DDP(module, bucket_cap_mb="auto")``, after its tuning
+  (``FASTCOLL_AUTOTUNE_STEPS`` + 5 steps, so every timed step runs the frozen layout).
+
+Samples are taken round-robin (sample k of every method before sample k+1), a
+sample is ``inner`` back-to-back steps, its time the slowest rank's; medians
+are reported. Targets of issue 13, printed as PASS/MISS and never asserted:
+auto's step within 5% of the best fixed cap's, and at most 1.0x torch DDP's.
+
+Then, for the default (25 MiB) and the autotuned layout, the last recorded
+iterations of ``model.sync_timeline()`` on every rank give the exposed
+synchronization time (end of backward compute to the last gradient written
+back; median over iterations of the slowest rank) and a Gantt chart per model,
+``benchmarks/out/timeline_<device>_<model>.png``: rank by rank, the forward and
+backward compute, each bucket's gradient-ready span, pack, communication and
+write-back, for the default layout and the autotuned one (one iteration each,
+the one with the median exposed time). Both layouts' traces, every rank, go to
+``timeline_<device>_<model>.trace.json`` (open it in ui.perfetto.dev).
+
+``--quick`` times the MLP, the encoder and the ResNet-50-shaped set with 5
+samples of 30 ms; ``--smoke`` (hidden; tests) shrunken models, 2 one-step
+samples and a short tuning (``FASTCOLL_AUTOTUNE_STEPS=12`` unless set).
+
+The fastcoll.DDP API this relies on (issue 13): ``bucket_cap_mb`` taking a
+list or ``"auto"``, ``record_timeline=True`` (the default), ``sync_timeline()``
+(:meth:`fastcoll.reducer.timeline.Timeline.iterations`), ``export_chrome_trace(path)``,
+``tuning_report()`` (:meth:`fastcoll.reducer.autotune.AutoTuner.report`) and
+``bucket_info()``. Without it (:func:`supported` is False) the command says so
+and exits 0, so ``make bench`` runs in any checkout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import json
+import math
+import os
+import queue as queue_mod
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import common
+
+CPU_WORLD_SIZE = 2
+CUDA_WORLD_SIZE = 1
+FIXED_CAPS_MB = (1, 5, 25, 100)
+DEFAULT_CAP_MB = 25
+METHODS = ("torch", *(f"{c} MiB" for c in FIXED_CAPS_MB), "auto")
+METHOD_DESCRIPTIONS = {
+    "torch": "torch.nn.parallel.DistributedDataParallel(module) (bucket_cap_mb=25)",
+    **{f"{c} MiB": f"fastcoll.DDP(module, bucket_cap_mb={c})" for c in FIXED_CAPS_MB},
+    "auto": 'fastcoll.DDP(module, bucket_cap_mb="auto"), timed after its tuning',
+}
+AUTO_VS_BEST_FIXED = 1.05  # auto's step <= 1.05x the best fixed cap's
+AUTO_VS_TORCH = 1.0  # auto's step <= 1.0x torch DDP's default
+TIMELINE_LAYOUTS = (f"{DEFAULT_CAP_MB} MiB", "auto")  # the layouts whose timelines are charted
+SMOKE_AUTOTUNE_STEPS = "12"
+
+# Gantt chart colours per lane (fastcoll.reducer.timeline.LANES), two shades alternating per bucket.
+LANE_COLOURS = {
+    "forward": ("#d9d9d9", "#d9d9d9"),
+    "backward": ("#8c8c8c", "#8c8c8c"),
+    "exposed": ("#e34a33", "#e34a33"),
+    "ready": ("#a1d99b", "#41ab5d"),
+    "pack": ("#fdae6b", "#e6550d"),
+    "comm": ("#9ecae1", "#3182bd"),
+    "write-back": ("#bcbddc", "#756bb1"),
+}
+
+
+def supported() -> bool:
+    """Whether this checkout's fastcoll.DDP has the timeline and autotuning API (issue 13)."""
+    import fastcoll
+
+    try:
+        params = inspect.signature(fastcoll.DDP).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+    needed = ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info")
+    return "record_timeline" in params and all(hasattr(fastcoll.DDP, n) for n in needed)
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+def _config(args: Any, device: str) -> dict[str, Any]:
+    if getattr(args, "smoke", False):
+        cfg = {"reps": 2, "setup_steps": 3, "target_s": 0.0, "max_inner": 1, "smoke": True, "quick": True}
+    elif getattr(args, "quick", False):
+        cfg = {"reps": 5, "setup_steps": 3, "target_s": 0.03, "max_inner": 50, "smoke": False, "quick": True}
+    else:
+        cfg = {"reps": 10, "setup_steps": 3, "target_s": 0.1, "max_inner": 200, "smoke": False, "quick": False}
+    cfg["device"] = device
+    cfg["world_size"] = CUDA_WORLD_SIZE if device == "cuda" else CPU_WORLD_SIZE
+    cfg["backend"] = "nccl" if device == "cuda" else "gloo"
+    spec = getattr(args, "threads", None)
+    if spec is None:
+        cfg["threads"] = 1
+    elif str(spec) == "all":
+        cfg["threads"] = max(1, common.available_cpus() // cfg["world_size"])
+    else:
+        cfg["threads"] = max(1, int(spec))
+    return cfg
+
+
+def model_specs(cfg: dict[str, Any]) -> list[Any]:
+    """The bench models of :mod:`fastcoll.bench.ddp`; ``--quick``: the MLP, the encoder and the ResNet-50 shapes."""
+    from . import ddp
+
+    specs = ddp.model_specs(cfg)
+    if cfg["quick"] and not cfg["smoke"]:
+        specs = [s for s in specs if s.name in ("mlp96", "encoder", "resnet50")]
+    return specs
+
+
+def autotune_env(cfg: dict[str, Any]) -> dict[str, str]:
+    """Environment for the ranks: a short tuning under ``--smoke`` (unless FASTCOLL_AUTOTUNE_STEPS is set)."""
+    if cfg["smoke"] and "FASTCOLL_AUTOTUNE_STEPS" not in os.environ:
+        return {"FASTCOLL_AUTOTUNE_STEPS": SMOKE_AUTOTUNE_STEPS}
+    return {}
+
+
+# ---------------------------------------------------------------------------
+# The ranks
+# ---------------------------------------------------------------------------
+
+
+def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import fastcoll
+
+    kw: dict[str, Any] = {}
+    if device == "cuda":
+        kw["device_ids"] = [torch.cuda.current_device()]
+    if method == "torch":
+        return TorchDDP(module, **kw)
+    cap: Any = "auto" if method == "auto" else float(method.split()[0])
+    return fastcoll.DDP(module, bucket_cap_mb=cap, record_timeline=True, **kw)
+
+
+def _all_max(values: list[float], device: str) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _autotune_steps() -> int:
+    from ..reducer.autotune import autotune_steps
+
+    return autotune_steps()
+
+
+def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None], trace_dir: str) -> dict[str, Any]:
+    """One model on this rank: the sweep, then the timelines and tuning report (gathered from every rank)."""
+    from . import ddp
+
+    device = cfg["device"]
+    storage = ddp.build_storage(spec, device)
+    x = ddp.make_input(spec, rank, device)
+    wrappers: dict[str, nn.Module] = {}
+    steps: dict[str, Callable[[], None]] = {}
+    setup_s: dict[str, float] = {}
+    tune_steps = _autotune_steps() + 5
+    for method in METHODS:
+        wrapper = make_wrapper(method, ddp.build_model(spec, device, storage), device)
+        step = ddp.make_step("fastcoll", wrapper, spec, x)
+        n = tune_steps if method == "auto" else cfg["setup_steps"]
+        for _ in range(n - 1):  # the rebuild (and auto's tuning) happen here
+            step()
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        common.synchronize(device)
+        setup_s[method] = time.perf_counter() - t0
+        wrappers[method], steps[method] = wrapper, step
+        tick(1)
+    per_step = _all_max([max(setup_s.values())], device)[0]
+    if cfg["target_s"] <= 0:
+        inner = 1
+    else:
+        inner = max(1, min(cfg["max_inner"], int(math.ceil(cfg["target_s"] / max(per_step, 1e-6)))))
+    samples = common.measure_interleaved(steps, device, warmup=0, reps=cfg["reps"], inner=inner, on_sample=lambda: tick(1))
+    samples = {m: _all_max(s, device) for m, s in samples.items()}
+
+    layouts: dict[str, Any] = {}
+    for method in TIMELINE_LAYOUTS:
+        w = wrappers[method]
+        path = os.path.join(trace_dir, f"{spec.name}_{method.replace(' ', '')}_rank{rank}.json")
+        w.export_chrome_trace(path)
+        layouts[method] = {
+            "timeline": _gather(w.sync_timeline()),  # per rank
+            "buckets": len(w.bucket_info()),
+            "bucket_bytes": [b["bytes"] for b in w.bucket_info()],
+            "traces": _gather(path),
+        }
+    report = wrappers["auto"].tuning_report()
+    params = [p for p in wrappers["torch"].module.parameters() if p.requires_grad]
+    row = {
+        "model": spec.name,
+        "label": spec.label,
+        "synthetic": spec.synthetic,
+        "params": len(params),
+        "numel": sum(p.numel() for p in params),
+        "inner": inner,
+        "methods": {m: {**common.summarize(s), "setup_step_s": setup_s[m]} for m, s in samples.items()},
+        "buckets": {m: (len(w.bucket_info()) if m != "torch" else None) for m, w in wrappers.items()},
+        "tuning_report": report,
+        "layouts": layouts,
+    }
+    del wrappers, steps, storage
+    gc.collect()
+    return row
+
+
+def _worker(rank: int, ws: int, store_path: str, cfg: dict[str, Any], out_path: str, trace_dir: str, progress_q: Any) -> None:
+    os.environ.update(autotune_env(cfg))
+    device = cfg["device"]
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+
+    def tick(n: int) -> None:
+        if rank == 0 and progress_q is not None:
+            progress_q.put(("advance", n))
+
+    with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
+        gc.collect()
+        gc.freeze()
+        rows = []
+        for spec in model_specs(cfg):
+            if rank == 0 and progress_q is not None:
+                progress_q.put(("describe", f"timeline: {spec.label}"))
+            rows.append(bench_model(spec, rank, cfg, tick, trace_dir))
+        common.save_rank_rows(rank, out_path, rows)
+
+
+# ---------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------
+
+
+def representative(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[int | None, list[dict[str, Any] | None]]:
+    """The iteration to chart: the one (present on every rank) whose slowest rank's exposed sync is the median.
+
+    Returns:
+        Its iteration number and each rank's record of it (None where a rank lacks it).
+    """
+    common_its = None
+    for its in per_rank:
+        nums = {it["iteration"] for it in its}
+        common_its = nums if common_its is None else common_its & nums
+    if not common_its:
+        return None, [None] * len(per_rank)
+    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
+    exposed = sorted((max(r[n]["exposed_sync_us"] for r in by_num), n) for n in common_its)
+    num = exposed[(len(exposed) - 1) // 2][1]
+    return num, [r.get(num) for r in by_num]
+
+
+def exposed_median_s(per_rank: Sequence[Sequence[dict[str, Any]]]) -> float | None:
+    """Median over the iterations every rank recorded of the slowest rank's exposed sync time (seconds)."""
+    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
+    nums = set.intersection(*(set(r) for r in by_num)) if by_num else set()
+    if not nums:
+        return None
+    return statistics.median(max(r[n]["exposed_sync_us"] for r in by_num) for n in nums) / 1e6
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Ratios, targets and exposed sync times of one model's row (added in place; returned)."""
+    med = {m: st["median_s"] for m, st in row["methods"].items()}
+    fixed = {m: med[m] for m in (f"{c} MiB" for c in FIXED_CAPS_MB)}
+    best = min(fixed, key=lambda m: fixed[m])
+    auto_vs_best = _ratio(med["auto"], fixed[best])
+    auto_vs_torch = _ratio(med["auto"], med["torch"])
+    row["best_fixed"] = best
+    row["ratios"] = {
+        "auto/best fixed": auto_vs_best,
+        "auto/torch": auto_vs_torch,
+        "25 MiB/torch": _ratio(med["25 MiB"], med["torch"]),
+    }
+    row["targets"] = {
+        "auto vs best fixed": {
+            "op": "le",
+            "threshold": AUTO_VS_BEST_FIXED,
+            "value": auto_vs_best,
+            "pass": auto_vs_best is not None and auto_vs_best <= AUTO_VS_BEST_FIXED,
+        },
+        "auto vs torch": {
+            "op": "le",
+            "threshold": AUTO_VS_TORCH,
+            "value": auto_vs_torch,
+            "pass": auto_vs_torch is not None and auto_vs_torch <= AUTO_VS_TORCH,
+        },
+    }
+    chosen = next((r for r in row.get("tuning_report") or [] if r.get("chosen")), None)
+    row["auto_choice"] = chosen["label"] if chosen else None
+    row["exposed_sync_s"] = {m: exposed_median_s(lay["timeline"]) for m, lay in row["layouts"].items()}
+    return row
+
+
+def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]], out: Path) -> Path | None:
+    """Write one Chrome trace of every layout and rank: ``traceEvents`` of each rank's trace, as process ``<layout>, rank r``.
+
+    Args:
+        events_by_layout: Layout name -> per rank, the ``traceEvents`` of its
+            ``export_chrome_trace`` file. Process ids are offset by 100 per layout.
+        out: The JSON file to write.
+
+    Returns:
+        ``out``, or None when there was no event at all.
+    """
+    events: list[dict[str, Any]] = []
+    for j, (layout, per_rank) in enumerate(events_by_layout.items()):
+        for rank_events in per_rank:
+            for ev in rank_events:
+                ev = dict(ev)
+                ev["pid"] = 100 * j + int(ev.get("pid", 0))
+                if ev.get("ph") == "M" and ev.get("name") == "process_name":
+                    ev["args"] = {"name": f"{layout}, {ev.get('args', {}).get('name', '')}"}
+                elif ev.get("ph") == "M" and ev.get("name") == "process_sort_index":
+                    ev["args"] = {"sort_index": ev["pid"]}
+                events.append(ev)
+    if not events:
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "fastcoll.bench timeline"}}, f)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Gantt chart
+# ---------------------------------------------------------------------------
+
+
+def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
+    """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else v / 1e3
+
+    out: list[tuple[int, str, int, float, float]] = []
+
+    def add(lane: int, kind: str, k: int, a: float | None, b: float | None) -> None:
+        a, b = ms(a), ms(b)
+        if a is not None and b is not None and b >= a:
+            out.append((lane, kind, k, a, b))
+
+    add(0, "forward", -1, it.get("forward_start_us"), it.get("backward_start_us"))
+    add(0, "backward", -1, it.get("backward_start_us"), it.get("backward_end_us"))
+    end = it.get("backward_end_us")
+    if end is not None:
+        add(0, "exposed", -1, end, end + it.get("exposed_sync_us", 0.0))
+    for b in it.get("buckets", []):
+        k = b["bucket"]
+        add(1, "ready", k, b.get("ready_first_us"), b.get("ready_last_us"))
+        add(2, "pack", k, b.get("pack_start_us"), b.get("pack_end_us"))
+        add(3, "comm", k, b.get("issued_us"), b.get("completed_us"))
+        add(4, "write-back", k, b.get("writeback_start_us"), b.get("writeback_end_us"))
+    return out
+
+
+def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any] | None]]) -> Path | None:
+    """Draw one iteration per rank per panel as a Gantt chart (PNG); None without matplotlib.
+
+    Args:
+        path: Where to write the PNG.
+        title: The figure's title.
+        panels: Panel title (e.g. ``"default 25 MiB: 3 buckets"``) -> per rank,
+            one record of :meth:`fastcoll.reducer.timeline.Timeline.iterations`
+            (None: that rank has none). Each rank gets the lanes of
+            :data:`fastcoll.reducer.timeline.LANES`; times in ms from the
+            backward start; the exposed sync time is the red bar after the backward.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        return None
+    from ..reducer.timeline import LANES
+
+    if not panels:
+        return None
+    nl = len(LANES)
+    ranks_max = max(len(v) for v in panels.values()) or 1
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 0.32 * (nl + 1) * ranks_max * len(panels) + 1.6 * len(panels)), squeeze=False
+    )
+    xmin = min((s[3] for recs in panels.values() for it in recs if it for s in _spans(it)), default=0.0)
+    xmax = max((s[4] for recs in panels.values() for it in recs if it for s in _spans(it)), default=1.0)
+    for ax, (name, recs) in zip(axes[:, 0], panels.items()):
+        ticks, labels = [], []
+        for r, it in enumerate(recs):
+            base = r * (nl + 1)
+            for lane, lane_name in enumerate(LANES):
+                ticks.append(base + lane)
+                labels.append(f"rank {r} · {lane_name}")
+            if it is None:
+                continue
+            for lane, kind, k, a, b in _spans(it):
+                colour = LANE_COLOURS[kind][k % 2 if k >= 0 else 0]
+                ax.broken_barh([(a, max(b - a, (xmax - xmin) * 1e-4))], (base + lane - 0.4, 0.8), facecolors=colour)
+                if kind == "comm" and (b - a) > 0.04 * (xmax - xmin):
+                    ax.text((a + b) / 2, base + lane, str(k), ha="center", va="center", fontsize=6)
+        ax.set_yticks(ticks)
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.set_ylim(len(recs) * (nl + 1) - 1, -1)
+        ax.set_xlim(xmin - 0.01 * (xmax - xmin), xmax + 0.01 * (xmax - xmin))
+        ax.set_title(name, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms from the start of backward")
+    legend = [
+        Patch(color=LANE_COLOURS["forward"][0], label="forward"),
+        Patch(color=LANE_COLOURS["backward"][0], label="backward compute"),
+        Patch(color=LANE_COLOURS["exposed"][0], label="exposed sync"),
+        Patch(color=LANE_COLOURS["ready"][1], label="gradients ready (first-last)"),
+        Patch(color=LANE_COLOURS["pack"][1], label="pack"),
+        Patch(color=LANE_COLOURS["comm"][1], label="communication"),
+        Patch(color=LANE_COLOURS["write-back"][1], label="write-back"),
+    ]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
+    """The Gantt chart of one model's row: the default layout and the autotuned one."""
+    panels: dict[str, list[dict[str, Any] | None]] = {}
+    for method, lay in row["layouts"].items():
+        num, recs = representative(lay["timeline"])
+        exposed = max((it["exposed_sync_us"] for it in recs if it), default=None)
+        what = f"auto ({row.get('auto_choice') or '?'})" if method == "auto" else f"default ({method})"
+        panels[
+            f"{what}: {lay['buckets']} buckets, iteration {num}, exposed sync {common.fmt_time(exposed and exposed / 1e6)}"
+        ] = recs
+    return gantt_chart(path, f"fastcoll timeline ({device}): {row['label']}", panels)
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+def progress_units(n_models: int, cfg: dict[str, Any]) -> int:
+    return n_models * len(METHODS) * (cfg["reps"] + 1)
+
+
+def measure(args: Any = None) -> dict[str, Any]:
+    """Spawn the ranks, run the benchmark and return its results (rows summarized); traces are merged into ``trace_out``."""
+    import torch.multiprocessing as tmp
+
+    device = getattr(args, "device", "cpu") or "cpu"
+    cfg = _config(args, device)
+    ws = cfg["world_size"]
+    specs = model_specs(cfg)
+    with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as tmpdir:
+        out_path = os.path.join(tmpdir, "result.json")
+        trace_dir = os.path.join(tmpdir, "traces")
+        os.makedirs(trace_dir)
+        mpctx = tmp.get_context("spawn")
+        progress_q = mpctx.Queue()
+        ctx = tmp.spawn(
+            _worker, args=(ws, os.path.join(tmpdir, "store"), cfg, out_path, trace_dir, progress_q), nprocs=ws, join=False
+        )
+        with common.progress(progress_units(len(specs), cfg), f"timeline: starting {ws} rank(s)") as bar:
+            done = False
+            while not done:
+                done = ctx.join(timeout=0.2)
+                while True:
+                    try:
+                        what, value = progress_q.get_nowait()
+                    except queue_mod.Empty:
+                        break
+                    if what == "advance":
+                        bar.advance(value)
+                    else:
+                        bar.describe(value)
+        with open(out_path) as f:
+            result = json.load(f)
+        rows = [summarize_row(r) for r in result["rows"]]
+        for r in rows:  # the per-rank traces live in tmpdir: read them now
+            for lay in r["layouts"].values():
+                lay["trace_events"] = _read_traces(lay.pop("traces"))
+    return {
+        "benchmark": "timeline",
+        "config": {
+            **cfg,
+            "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or _autotune_steps()),
+            "models": [dataclasses.asdict(s) for s in specs],
+            "methods": METHOD_DESCRIPTIONS,
+            "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
+            "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
+        },
+        "implementation": result["implementation"],
+        "results": rows,
+    }
+
+
+def _read_traces(paths: Sequence[str]) -> list[list[dict[str, Any]]]:
+    out = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                out.append(json.load(f).get("traceEvents", []))
+        except (OSError, ValueError):
+            out.append([])
+    return out
+
+
+def write_traces(path_for: Callable[[str], Path], payload: dict[str, Any]) -> list[Path]:
+    """One merged Chrome trace per model (every rank, both layouts), taking the events out of ``payload``; returns the paths."""
+    written = []
+    for row in payload["results"]:
+        by_layout = {
+            (f"auto ({row.get('auto_choice') or '?'})" if method == "auto" else f"default ({method})"): lay.pop(
+                "trace_events", []
+            )
+            for method, lay in row["layouts"].items()
+        }
+        out = merge_traces(by_layout, path_for(row["model"]))
+        if out is not None:
+            written.append(out)
+    return written
+
+
+def print_results(payload: dict[str, Any]) -> None:
+    cfg = payload["config"]
+    cpu = cfg["device"] == "cpu"
+    columns = ["model", *(m if m != "torch" else "torch DDP" for m in METHODS), "auto chose", "auto/best fixed", "auto/torch"]
+    columns += [f"≤{AUTO_VS_BEST_FIXED}x best", f"≤{AUTO_VS_TORCH}x torch"]
+    table = []
+    for r in payload["results"]:
+        m = r["methods"]
+        cells = [r["label"] + (" *" if r["synthetic"] else "")]
+        for meth in METHODS:
+            t = common.fmt_time(m[meth]["median_s"])
+            cells.append(f"[bold]{t}[/bold]" if meth == r["best_fixed"] else t)
+        cells += [
+            r["auto_choice"] or "-",
+            common.fmt_ratio(r["ratios"]["auto/best fixed"]),
+            common.fmt_ratio(r["ratios"]["auto/torch"]),
+            common.pass_miss(r["targets"]["auto vs best fixed"]["pass"]),
+            common.pass_miss(r["targets"]["auto vs torch"]["pass"]),
+        ]
+        table.append(cells)
+    where = (
+        f"{cfg['world_size']} gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each"
+        if cpu
+        else f"{cfg['world_size']} rank on NCCL"
+    )
+    common.render_table(
+        f"fastcoll timeline: bucket caps sweep, median step ({cfg['device']})",
+        columns,
+        table,
+        caption=f"{where}; ops: {payload['implementation']}. Step = zero_grad + forward + backward (slowest rank), samples "
+        f"interleaved across methods; bold: the best fixed cap. auto timed after {cfg['autotune_steps']} tuning steps. "
+        "* synthetic model. Targets are informational, never asserted.",
+    )
+    columns = ["model", "layout", "buckets", "exposed sync (median)", "step (median)"]
+    table = []
+    for r in payload["results"]:
+        for method, lay in r["layouts"].items():
+            name = f"auto: {r['auto_choice'] or '?'}" if method == "auto" else f"default: {method}"
+            table.append(
+                [
+                    r["label"],
+                    name,
+                    str(lay["buckets"]),
+                    common.fmt_time(r["exposed_sync_s"].get(method)),
+                    common.fmt_time(r["methods"][method]["median_s"]),
+                ]
+            )
+    common.render_table(
+        f"fastcoll timeline: exposed synchronization ({cfg['device']})",
+        columns,
+        table,
+        caption="exposed sync = end of backward compute to the last gradient written back (model.sync_timeline(); "
+        "median over the last recorded iterations of the slowest rank).",
+    )
+    for r in payload["results"]:
+        rep = [x for x in r.get("tuning_report") or [] if not x.get("pruned")]
+        if rep:
+            alts = ", ".join(
+                f"{x['label']}{' (chosen)' if x.get('chosen') else ''} {common.fmt_time(x.get('step_median_s'))}" for x in rep
+            )
+            common.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
+
+
+def _summary(payload: dict[str, Any]) -> None:
+    rows = payload["results"]
+    misses = [f"{r['label']}: {name}" for r in rows for name, t in r["targets"].items() if not t["pass"]]
+    total = sum(len(r["targets"]) for r in rows)
+    if total:
+        common.say(f"[bold]targets (issue 13; informational, never asserted):[/bold] {total - len(misses)}/{total} PASS")
+        for m in misses:
+            common.say(f"  [red]MISS[/red] {m}")
+
+
+def sweep_chart(path: Path, payload: dict[str, Any]) -> Path | None:
+    """Median step of every method relative to torch DDP's, per model."""
+    panel: dict[str, dict[str, float]] = {}
+    for r in payload["results"]:
+        base = r["methods"]["torch"]["median_s"]
+        panel[r["label"]] = {("torch DDP" if m == "torch" else m): r["methods"][m]["median_s"] / base for m in METHODS}
+    return common.bar_chart(
+        path,
+        f"fastcoll timeline ({payload['config']['device']}): step time relative to torch DDP (dashed = 1, lower is better)",
+        {"step / torch DDP step": panel},
+        "time / torch DDP",
+        reference_line=1.0,
+    )
+
+
+def run(args: Any = None) -> int:
+    """CLI entry (``python -m fastcoll.bench timeline``): measure, print, write JSON, the sweep chart, Gantt charts and traces.
+
+    Returns:
+        0 on success (also when fastcoll.DDP lacks the API: skipped with a
+        message), 2 if ``--device cuda`` is asked for without a GPU.
+    """
+    device = getattr(args, "device", "cpu") or "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        common.say("[red]fastcoll.bench timeline: --device cuda but torch.cuda.is_available() is False[/red]")
+        return 2
+    if not supported():
+        common.say(
+            "[yellow]fastcoll.bench timeline: this checkout's fastcoll.DDP has no record_timeline / sync_timeline / "
+            "tuning_report (issue 13); skipping[/yellow]"
+        )
+        return 0
+    payload = measure(args)
+    path = common.resolve_json_path(args, f"timeline_{device}")
+    traces = write_traces(lambda model: path.with_name(f"{path.stem}_{model}.trace.json"), payload)
+    print_results(payload)
+    _summary(payload)
+    pngs = [model_gantt(path.with_name(f"{path.stem}_{r['model']}.png"), r, device) for r in payload["results"]]
+    common.write_json(path, payload, device)
+    png = sweep_chart(path.with_suffix(".png"), payload)
+    written = [p for p in (png, *pngs) if p is not None]
+    common.say(
+        f"wrote {path}"
+        + (f", {len(written)} chart(s) ({', '.join(p.name for p in written)})" if written else " (matplotlib missing: no charts)")
+        + (f" and {len(traces)} Chrome trace(s)" if traces else "")
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fastcoll.bench.timeline [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]``."""
+    from .__main__ import main as cli
+
+    return cli(["timeline", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
