@@ -20,6 +20,7 @@ from .dist import (
     reduce_mean,
     synchronize,
 )
+from .errors import NonFiniteGradError
 from .reducer import GradBucket
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
     "DDP",
     "DistributedDataParallel",
     "GradBucket",
+    "NonFiniteGradError",
     "__version__",
     "all_reduce_dict",
     "allreduce_grads",

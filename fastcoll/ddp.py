@@ -19,6 +19,7 @@ from torch import nn
 from . import _compile_support
 from ._broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
 from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, dtype_name, is_dense
+from ._ddp_health import GradHealthMethods
 from ._join import JoinState, JoinSupport
 from .bucketing import MIB
 from .comm_hooks import CommHookRegistration
@@ -168,7 +169,7 @@ def _check_arguments(
     return cap_bytes, first_bytes, device_type, ids, out
 
 
-class DDP(nn.Module, CommHookRegistration, JoinSupport):
+class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
 
     Wraps ``module`` so that every synchronized backward averages the
@@ -213,6 +214,14 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport):
             per direction instead of a cast, a division and a copy; exclusive
             with comm hooks (``_register_builtin_comm_hook(FP16_COMPRESS)``
             sets ``comm_dtype=torch.float16``).
+        compute_grad_norm: Fuse the sum of squares of the synchronized
+            gradients into each bucket's write-back, for :meth:`grad_norm` and
+            :meth:`clip_grad_norm_` without a read pass.
+        check_nonfinite: Flag NaN/Inf in the fused pack; when the synchronized
+            gradients are not finite, raise :class:`fastcoll.NonFiniteGradError`
+            out of ``backward()`` on every rank, naming the ranks and parameters
+            at fault (one small device-to-host read per backward; no extra
+            collective unless it fails). Also computes the norm's partial sums.
 
     Raises:
         RuntimeError: the process group is not initialized, no parameter
@@ -239,6 +248,8 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport):
         *,
         first_bucket_mb: float = 1.0,
         comm_dtype: Optional[torch.dtype] = None,
+        compute_grad_norm: bool = False,
+        check_nonfinite: bool = False,
     ):
         super().__init__()
         JoinSupport.__init__(self)
@@ -269,6 +280,8 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport):
         self.broadcast_bucket_size = DEFAULT_CAP_BYTES
         self.bucket_bytes_cap_default = bucket_cap_mb is None
         self.comm_dtype = comm_dtype
+        self.compute_grad_norm = bool(compute_grad_norm)
+        self.check_nonfinite = bool(check_nonfinite)
 
         # Local checks; a failure is shared with the other ranks by the
         # signature exchange below, so that every rank raises and none hangs.
@@ -316,6 +329,8 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             comm_dtype=self.comm_dtype,
             sparse_params=[i for i, (_, p) in enumerate(trainable) if id(p) in sparse_ids],
+            compute_grad_norm=self.compute_grad_norm,
+            check_nonfinite=self.check_nonfinite,
         )
 
     def _sync_states(self) -> List[torch.Tensor]:

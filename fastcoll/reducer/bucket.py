@@ -14,14 +14,14 @@ call per run of consecutive taking-part gradients (:func:`for_each_run`).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .. import ops
 from ..comm_hooks import check_set_buffer
 
-__all__ = ["GradBucket", "for_each_run"]
+__all__ = ["GradBucket", "PackArgs", "for_each_run"]
 
 
 def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
@@ -195,8 +195,8 @@ class GradBucket:
             return v
         return g
 
-    def pack_one(self, k: int, slot: torch.Tensor, scale: float) -> bool:
-        """Pack parameter ``k``'s final gradient (times ``scale``) into ``slot``, its part of the wire buffer.
+    def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
+        """Pack parameter ``k``'s final gradient into ``slot``, its part of the wire buffer (see :class:`PackArgs`).
 
         Returns:
             True when packed; False when there is no gradient, or it is left
@@ -211,23 +211,23 @@ class GradBucket:
                 if g.stride() != v.stride() and g.numel() > 1:
                     return False
                 self.params[k].grad = v
-            elif scale == 1.0 and self.comm is self.flat:
-                return True  # already in place and nothing to scale
-        ops.flatten_scale([g], slot, scale)
+            elif how.is_copy and self.comm is self.flat:
+                return True  # already in place and nothing to scale or check
+        how.flatten([g], slot)
         return True
 
-    def pack(self, scale: float, done: Optional[Sequence[int]] = None) -> None:
-        """Write the gradients times ``scale`` into the wire buffer (missing gradients as zeros), casting to its dtype.
+    def pack(self, how: "PackArgs", done: Optional[Sequence[int]] = None) -> None:
+        """Write the gradients into the wire buffer as ``how`` says (missing gradients as zeros), casting to its dtype.
 
         Args:
-            scale: Factor folded into the copy (1/divisor, or 1 for comm hooks).
+            how: The factor (and device factor, non-finite flag) of the pack.
             done: Per bucket slot, 1 when that gradient was already packed (:meth:`pack_one`).
         """
         params = self.params
         grads = [p.grad for p in params]
-        in_place = False  # every gradient already is its view of the wire buffer, and scale 1: nothing to write
+        in_place = False  # every gradient already is its view of the wire buffer, and nothing to do to it
         if self.as_view:
-            in_place = scale == 1.0 and self.comm is self.flat
+            in_place = how.is_copy and self.comm is self.flat
             for k, g in enumerate(grads):
                 if g is not None and g.data_ptr() != self.view_ptrs[k] and not (done and done[k]):
                     grads[k] = self._to_view(k, g)
@@ -235,7 +235,7 @@ class GradBucket:
                         in_place = False  # g is copied into its view below
         if done is None and all(g is not None for g in grads):
             if self.numel and not in_place:
-                ops.flatten_scale(grads, self.comm, scale)
+                how.flatten(grads, self.comm)
             return
         comm = self.comm
         todo = [g is not None and not (done and done[k]) for k, g in enumerate(grads)]
@@ -244,9 +244,11 @@ class GradBucket:
                 if g is None and not (done and done[k]):
                     comm[self.offsets[k] : self.offsets[k] + params[k].numel()].zero_()
             if not in_place:
-                for_each_run(todo, self.offsets, self.numel, lambda a, b, lo, hi: ops.flatten_scale(grads[a:b], comm[lo:hi], scale))
+                for_each_run(todo, self.offsets, self.numel, lambda a, b, lo, hi: how.flatten(grads[a:b], comm[lo:hi]))
 
-    def write_back(self, src: torch.Tensor, used: Optional[Sequence[bool]] = None, scale: float = 1.0) -> None:
+    def write_back(
+        self, src: torch.Tensor, used: Optional[Sequence[bool]] = None, scale: float = 1.0, sumsq: Optional[torch.Tensor] = None
+    ) -> None:
         """Write the reduced flat ``src`` (times ``scale``) into the gradients, casting on the way.
 
         Args:
@@ -254,22 +256,31 @@ class GradBucket:
             used: Per bucket slot, False for parameters unused on every rank:
                 their gradients are left as they are. None: all used.
             scale: Factor folded into the copy.
+            sumsq: A 1-element float64 tensor that receives the sum of squares
+                of the values written (fused into the write-back; with
+                gradients as bucket views reduced in place there is no
+                write-back, and one read pass of the bucket computes it).
         """
         if self.numel == 0:
+            if sumsq is not None:
+                sumsq.zero_()
             return
         params = self.params
         if self.as_view:
             if src is not self.flat:
-                ops.unflatten_scale(src, [self.flat], scale)
-            elif scale != 1.0:
-                ops.flatten_scale([self.flat], self.flat, scale)
+                _unflatten(src, [self.flat], scale, sumsq)
+            else:
+                if scale != 1.0:
+                    ops.flatten_scale([self.flat], self.flat, scale)
+                if sumsq is not None:
+                    ops.sum_of_squares([self.flat], out=sumsq)
             for k, p in enumerate(params):
                 if p.grad is None and (used is None or used[k]):
                     p.grad = self.views[k]
             return
         grads = [p.grad for p in params]
         if used is None and all(g is not None for g in grads):
-            ops.unflatten_scale(src, grads, scale)
+            _unflatten(src, grads, scale, sumsq)
             return
         keep = []
         for k, p in enumerate(params):
@@ -277,4 +288,42 @@ class GradBucket:
             if u and grads[k] is None:
                 p.grad = grads[k] = torch.empty_like(p, memory_format=torch.preserve_format, requires_grad=False)
             keep.append(u)
-        for_each_run(keep, self.offsets, self.numel, lambda a, b, lo, hi: ops.unflatten_scale(src[lo:hi], grads[a:b], scale))
+        if sumsq is not None:
+            sumsq.zero_()
+        part = None if sumsq is None else torch.empty_like(sumsq)
+
+        def run(a: int, b: int, lo: int, hi: int) -> None:
+            _unflatten(src[lo:hi], grads[a:b], scale, part)
+            if part is not None:
+                sumsq.add_(part)
+
+        for_each_run(keep, self.offsets, self.numel, run)
+
+
+def _unflatten(src: torch.Tensor, dests: List[torch.Tensor], scale: float, sumsq: Optional[torch.Tensor]) -> None:
+    if sumsq is None:
+        ops.unflatten_scale(src, dests, scale)
+    else:
+        ops.unflatten_scale(src, dests, scale, sumsq=sumsq)
+
+
+class PackArgs(NamedTuple):
+    """How one iteration packs: ``scale`` (a float), times ``scale_by[0]`` on the device when given; ``nonfinite`` a flag to raise."""
+
+    scale: float = 1.0
+    scale_by: Optional[torch.Tensor] = None
+    nonfinite: Optional[torch.Tensor] = None
+
+    @property
+    def is_copy(self) -> bool:
+        """A plain copy: nothing to scale, nothing to check."""
+        return self.scale == 1.0 and self.scale_by is None and self.nonfinite is None
+
+    def flatten(self, tensors: List[torch.Tensor], out: torch.Tensor) -> None:
+        if self.scale_by is None and self.nonfinite is None:
+            ops.flatten_scale(tensors, out, self.scale)
+        else:
+            ops.flatten_scale(tensors, out, self.scale, scale_by=self.scale_by, nonfinite=self.nonfinite)
+
+    def with_flag(self, flag: Optional[torch.Tensor]) -> "PackArgs":
+        return self if flag is None else self._replace(nonfinite=flag)

@@ -55,11 +55,12 @@ import torch
 import torch.distributed as dist
 
 from .._dtypes import check_comm_dtype
-from .bucket import GradBucket
+from .bucket import GradBucket, PackArgs
 from .._knobs import force_collectives
 from .comm import Collective, Communicator
 from .layout import BucketSet
 from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
+from .health import Divisor, GradHealth, check_divisor, inverse_divisor
 from .usage import ParameterUsage, marked_twice_error, unfinished_error
 
 __all__ = ["Phase", "Reducer"]
@@ -125,6 +126,7 @@ class Reducer:
         sparse_params: Indices of parameters whose gradients are sparse
             (``nn.Embedding(sparse=True)`` weights): each gets a bucket of its
             own and its gradient is scaled and summed as a sparse tensor.
+        compute_grad_norm, check_nonfinite: Gradient health (:mod:`.health`).
     """
 
     def __init__(
@@ -140,6 +142,8 @@ class Reducer:
         static_graph: bool = False,
         comm_dtype: Optional[torch.dtype] = None,
         sparse_params: Sequence[int] = (),
+        compute_grad_norm: bool = False,
+        check_nonfinite: bool = False,
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -168,6 +172,9 @@ class Reducer:
         )  # fmt: skip
         self._hook: Optional[CommHook] = None
         self._phase = _IDLE
+        self.health = GradHealth(bool(compute_grad_norm), bool(check_nonfinite), self.params[0].device)
+        self._user_divisor: Divisor = None
+        self._how = PackArgs()
         self._install_layout(self._set.initial_layout())
 
         lock = threading.Lock() if len({p.device for p in self.params}) > 1 else None  # hooks of several devices run on several threads
@@ -188,6 +195,7 @@ class Reducer:
 
     def _install_layout(self, layout: List[List[int]]) -> None:
         self._set.install(layout, self.comm_dtype)
+        self.health.resize(len(self._set.buckets))
         self._index_reductions()
         self._count_expected()
         self._reset_progress()
@@ -312,7 +320,7 @@ class Reducer:
             if observed is not None:
                 observed.append(idx)
             slot = self._eager_slots[idx]
-            if slot is not None and self._set.buckets[pos].pack_one(self._slot_pos[idx], slot, self._pack_scale()):
+            if slot is not None and self._set.buckets[pos].pack_one(self._slot_pos[idx], slot, self._how.with_flag(self.health.flag(pos))):
                 self._packed[idx] = 1
                 self._n_packed[pos] += 1
         left = self._pending[pos] - 1
@@ -320,12 +328,27 @@ class Reducer:
         if left == 0 and pos == self._next_bucket:
             self._advance()
 
-    def _pack_scale(self) -> float:
-        return 1.0 if self._hook is not None else 1.0 / self.divisor
+    def set_gradient_divisor(self, divisor: Any) -> None:
+        """Divide the next synchronized backwards' summed gradients by ``divisor`` (float, 1-element tensor, None: the default)."""
+        self._user_divisor = check_divisor(divisor)
+
+    def _pack_args(self) -> PackArgs:
+        """This backward's pack factor: 1/divisor (a comm hook divides by the world size itself, so it gets world_size/divisor)."""
+        d = self._user_divisor
+        hook = self._hook is not None
+        if d is None:
+            return PackArgs(1.0 if hook else 1.0 / self.divisor)
+        base = float(self.world_size) if hook else 1.0
+        if isinstance(d, torch.Tensor):
+            return PackArgs(base, inverse_divisor(d, self.usage.device))
+        return PackArgs(base / d)
 
     def _start_backward(self) -> None:
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         self._phase = _BACKWARD
+        if first:
+            self._how = self._pack_args()
+            self.health.begin_iteration()
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         if first:
             usage = self.usage
@@ -344,7 +367,7 @@ class Reducer:
             self._next_bucket = i + 1
             b = buckets[i]
             done = [self._packed[j] for j in b.param_indices] if self._n_packed[i] else None
-            self._inflight[i] = self._reductions[i].start(b, self.divisor, done)
+            self._inflight[i] = self._reductions[i].start(b, self._how.with_flag(self.health.flag(i)), done)
             i += 1
         if i == nb and self.usage.track_used and not self.usage.used_map_started:
             self.usage.start_used_map()
@@ -362,7 +385,8 @@ class Reducer:
         self._finalize()
 
     def _finalize(self) -> None:
-        usage = self.usage
+        usage, health = self.usage, self.health
+        health.find_local_nonfinite(self._set.buckets)  # before write-back, while local values are in the gradients
         pairs = list(zip(self._set.buckets, self._inflight))
         if usage.used_map_started:
             # Buckets whose gradients all arrived here do not depend on the
@@ -370,7 +394,7 @@ class Reducer:
             rest = []
             for b, f in pairs:
                 if not b.sparse and usage.used_here(b.param_indices):
-                    f.finish(None)
+                    f.finish(None, health.slot(b.pos))
                 else:
                     rest.append((b, f))
             pairs = rest
@@ -379,8 +403,24 @@ class Reducer:
             f.after_used_map()
         used = usage.global_used
         for b, f in pairs:
-            f.finish(None if used is None else [used[i] for i in b.param_indices])
+            f.finish(None if used is None else [used[i] for i in b.param_indices], health.slot(b.pos))
+        if used is not None and health.sums is not None:  # gradients kept by parameters unused everywhere count too
+            health.add_outside([p.grad for i, p in enumerate(self.params) if not used[i] and not self._sparse[i] and p.grad is not None])
+        total = health.finish(self.params)
         self._end_iteration(joined=False)
+        if total is not None and not bool(torch.isfinite(total)):
+            self._raise_nonfinite()
+
+    def _raise_nonfinite(self) -> None:
+        """Every rank gets here alike (the same reduced values); gather the findings and raise one message."""
+        from ..dist.objects import all_gather_object_gpu
+
+        blame = self.health.blame
+        per_rank = all_gather_object_gpu(blame, rank_zero_return_only=False, group=self.process_group) if self.comm.active else [blame]
+        buckets = self._set.buckets
+        names = {b.pos: b.names for b in buckets}
+        wire = ", ".join(sorted({str(b.comm.dtype).replace("torch.", "") for b in buckets if not b.sparse}))
+        raise self.health.error(self.usage.iterations, per_rank, names, wire)
 
     def _end_iteration(self, joined: bool) -> None:
         """Close a synchronized iteration: the one place shared by training ranks and join replays."""

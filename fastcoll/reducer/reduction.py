@@ -2,7 +2,7 @@
 
 Each way has
 
-* ``start(bucket, divisor, done)``: pack the bucket and issue its collective(s)
+* ``start(bucket, how, done)``: pack the bucket (:class:`~fastcoll.reducer.bucket.PackArgs`) and issue its collective(s)
   (in the bucket's turn, in index order on every rank); returns an
   :class:`InFlight` reduction;
 * ``start_zeros(bucket, zeros)``: issue the same collectives with zeros, for a
@@ -10,8 +10,9 @@ Each way has
 
 and the :class:`InFlight` object it returns has ``after_used_map()`` (the
 second phase some reductions issue after the used-parameter all-reduce) and
-``finish(used)`` (wait, then write the result into the gradients; a replayed
-one only waits). The reducer never asks which way a bucket goes.
+``finish(used, sumsq)`` (wait, then write the result into the gradients,
+with the sum of squares of what was written into ``sumsq`` when given; a
+replayed one only waits). The reducer never asks which way a bucket goes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from .._sparse import SparseExchange, empty_sparse_grad
 from ..comm_hooks import call_hook, hook_result
-from .bucket import GradBucket
+from .. import ops
+from .bucket import GradBucket, PackArgs
 from .comm import DONE, Communicator
 
 __all__ = ["AllReduce", "CommHook", "InFlight", "SparseSum", "ZeroBuffers"]
@@ -39,7 +41,7 @@ class InFlight:
     def after_used_map(self) -> None:
         """Issue what comes after the used-parameter all-reduce (nothing, for most)."""
 
-    def finish(self, used: Optional[Sequence[bool]]) -> None:
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         """Wait for the reduction (and write it back; not for a replay)."""
         self.handle.wait()
 
@@ -81,9 +83,9 @@ class _Reduced(InFlight):
         super().__init__(handle)
         self.bucket = bucket
 
-    def finish(self, used: Optional[Sequence[bool]]) -> None:
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         self.handle.wait()
-        self.bucket.write_back(self.bucket.comm, used)
+        self.bucket.write_back(self.bucket.comm, used, sumsq=sumsq)
 
 
 class AllReduce:
@@ -92,8 +94,8 @@ class AllReduce:
     def __init__(self, comm: Communicator):
         self.comm = comm
 
-    def start(self, b: GradBucket, divisor: float, done: Optional[Sequence[int]]) -> InFlight:
-        b.pack(1.0 / divisor, done)
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        b.pack(how, done)
         return _Reduced(b, self.comm.all_reduce(b.comm, f"bucket {b.pos}") if b.numel else DONE)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
@@ -113,20 +115,20 @@ class _Hooked(InFlight):
         self.bucket = bucket
         self.hook = hook
 
-    def finish(self, used: Optional[Sequence[bool]]) -> None:
-        self.bucket.write_back(hook_result(self.hook, self.bucket, self.handle.wait()), used)
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        self.bucket.write_back(hook_result(self.hook, self.bucket, self.handle.wait()), used, sumsq=sumsq)
 
 
 class CommHook:
-    """Pack without scaling, call the user's hook (which divides), unpack its future's value."""
+    """Pack without scaling (the hook divides; a user divisor d is folded in as world_size/d), call the hook, unpack its future's value."""
 
     def __init__(self, comm: Communicator, hook: Callable, state: Any):
         self.comm = comm
         self.hook = hook
         self.state = state
 
-    def start(self, b: GradBucket, divisor: float, done: Optional[Sequence[int]]) -> InFlight:
-        b.pack(1.0, done)
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        b.pack(how, done)
         self.comm.note_hook(f"bucket {b.pos}", b.flat)
         return _Hooked(b, call_hook(self.hook, self.state, b), self.hook)
 
@@ -152,12 +154,21 @@ class _SparseSummed(InFlight):
         if isinstance(self.handle, SparseExchange):
             self.handle.start_gather()
 
-    def finish(self, used: Optional[Sequence[bool]]) -> None:
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         h = self.handle
         reduced = h.result() if isinstance(h, SparseExchange) else h
-        if self.replay or (used is not None and not used[0]):
-            return  # a replay, or unused on every rank: the gradient stays as it was
-        self.bucket.params[0].grad = reduced
+        if self.replay:
+            return
+        p = self.bucket.params[0]
+        if used is None or used[0]:
+            p.grad = reduced
+        # else unused on every rank: the gradient stays as it was
+        if sumsq is not None:
+            values = [] if p.grad is None else [p.grad.coalesce()._values().contiguous()]
+            if values and values[0].numel():
+                ops.sum_of_squares(values, out=sumsq)
+            else:
+                sumsq.zero_()
 
 
 class SparseSum:
@@ -176,7 +187,7 @@ class SparseSum:
         self.comm.note_gather(f"bucket {b.pos} (sparse)", grad)
         return SparseExchange(grad, self.comm.group, self.comm.world_size)
 
-    def start(self, b: GradBucket, divisor: float, done: Optional[Sequence[int]]) -> InFlight:
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         p, name = b.params[0], b.names[0]
         g = p.grad
         if g is None:
@@ -187,7 +198,10 @@ class SparseSum:
                 f"gradient has layout {g.layout}; keep sparse=True for the module's lifetime or wrap it again"
             )
         with torch.no_grad():
-            scaled = g.coalesce() * (1.0 / divisor)
+            g = g.coalesce()
+            if how.nonfinite is not None:
+                how.nonfinite.bitwise_or_((~torch.isfinite(g._values())).any().to(torch.int32))
+            scaled = g * how.scale if how.scale_by is None else g * (how.scale * how.scale_by.reshape(()).to(g.dtype))
         return _SparseSummed(b, self._exchange(b, scaled))
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
