@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from multiproc import run_ranks
 
 from fastcoll.reducer import timeline as tlmod
 from fastcoll.reducer.timeline import (
@@ -471,3 +472,71 @@ def test_bench_smoke_run(tmp_path, capsys):
         assert (tmp_path / f"timeline_{r['model']}.png").stat().st_size > 1000
         assert (tmp_path / f"timeline_{r['model']}.trace.json").exists()
     assert path.with_suffix(".png").stat().st_size > 1000
+
+
+def test_completed_keeps_the_first_time_and_watch_uses_the_future(clock):
+    tl = Timeline()
+    clock.at(0)
+    tl.begin_iteration(2)
+    clock.at(100)
+    tl.backward_start()
+    fut = torch.futures.Future()
+    tl.watch(fut, 0)
+
+    class Work:  # a c10d Work: the future comes from get_future()
+        def __init__(self):
+            self.fut = torch.futures.Future()
+
+        def get_future(self):
+            return self.fut
+
+    work = Work()
+    tl.watch(work, 1)
+    tl.watch(object(), 1)  # no future (world size 1): ignored
+    clock.at(150)
+    fut.set_result(None)  # bucket 0 completes at 150 (50 µs after backward start)
+    clock.at(170)
+    work.fut.set_result(None)
+    clock.at(300)
+    tl.backward_end()
+    for b in range(2):
+        tl.completed(b)  # after wait(): later, not kept
+    tl.end_iteration()
+    b0, b1 = tl.iterations()[0]["buckets"]
+    assert b0["completed_us"] == 50 and b1["completed_us"] == 70
+    tl.enabled = False
+    tl.begin_iteration(2)
+    tl.watch(torch.futures.Future(), 0)  # not recording: no callback
+    tl.end_iteration()
+
+
+@pytest.mark.timeout(120)
+def test_watch_gloo_all_reduce():
+    assert run_ranks(_watch_worker, 2, timeout=90) == [True, True]
+
+
+def _watch_worker(rank: int, world_size: int) -> bool:
+    import time
+
+    import torch.distributed as dist
+
+    tl = Timeline()
+    tl.begin_iteration(2)
+    tl.backward_start()
+    ts = [torch.ones(1 << 16), torch.ones(1 << 16)]
+    handles = []
+    for b, t in enumerate(ts):
+        h = dist.all_reduce(t, async_op=True)
+        tl.issued(b)
+        tl.watch(h, b)
+        handles.append(h)
+    time.sleep(0.3)  # the collectives finish long before finalize waits
+    tl.backward_end()
+    for b, h in enumerate(handles):
+        h.wait()
+        tl.completed(b)
+    tl.end_iteration()
+    it = tl.iterations()[0]
+    for b in it["buckets"]:
+        assert b["issued_us"] <= b["completed_us"] < it["backward_end_us"], it
+    return True
