@@ -8,7 +8,15 @@ all-reduce, the layout broadcast) goes through :class:`Communicator`, which
   :class:`Done` handle so callers never test for a missing handle;
 * numbers the collectives (the per-rank sequence number a stall report compares
   across ranks) and tells its listeners, so tests and tools observe what was
-  issued without patching the reducer.
+  issued without patching the reducer;
+* records each collective in the group's :class:`fastcoll.stall.SyncState`
+  (shared with the ``fastcoll.dist`` helpers on the same group: its ``seq``
+  numbers the group's collectives, the communicator's own ``seq`` counts only
+  the reducer's), and waits through :meth:`Communicator.wait`: with a stall
+  timeout, a wait that outlasts it, or fails because a peer is gone, raises
+  :class:`fastcoll.stall.StallError` with a report gathered from every rank;
+  without one (``stall_timeout=0``, the default here) it is a plain
+  ``handle.wait()``.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..stall import SyncState, guard_for, state_for
 
 __all__ = ["Collective", "Communicator", "Done"]
 
@@ -53,46 +63,90 @@ class Communicator:
         group: The process group (None: the default group).
         world_size: Its size.
         force: Issue collectives even at world size 1.
+        stall_timeout: Seconds a :meth:`wait` may take before diagnosing a
+            stall (None: the default rule of
+            :func:`fastcoll.stall.resolve_stall_timeout`; 0: no protection,
+            the default here so that a bare Communicator starts no thread).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, force: bool = False):
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        world_size: int,
+        force: bool = False,
+        *,
+        stall_timeout: Optional[float] = 0,
+    ):
         self.group = group
         self.world_size = world_size
         #: False when collectives are skipped (a world of one, not forced).
         self.active = world_size > 1 or force
         self.seq = 0
         self._listeners: List[Callable[[Collective], None]] = []
+        #: The group's synchronization state (shared with every fastcoll caller on the group).
+        self.state: SyncState = state_for(group)
+        #: The stall guard, or None when unprotected (then :meth:`wait` is a plain wait).
+        self.guard = guard_for(group, stall_timeout) if self.active and stall_timeout != 0 else None
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
         """Call ``fn(collective)`` for every collective issued from now on; returns a function that removes it."""
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
-    def _record(self, kind: str, what: str, t: torch.Tensor) -> None:
+    def _record(self, kind: str, what: str, t: torch.Tensor) -> int:
+        """Number one collective; returns its sequence number in the group's :class:`SyncState`."""
         self.seq += 1
+        if self.guard is not None:
+            self.guard.check()  # the watchdog fired: raise before issuing more
+        gseq = self.state.note(kind, what, t.numel(), t.dtype)
         if self._listeners:
             c = Collective(self.seq, kind, what, t.numel(), t.dtype)
             for fn in list(self._listeners):
                 fn(c)
+        return gseq
 
     def all_reduce(self, t: torch.Tensor, what: str) -> Any:
-        """Start a SUM all-reduce of ``t`` in place; returns its handle (``wait()``)."""
+        """Start a SUM all-reduce of ``t`` in place; returns its handle (pass it to :meth:`wait`)."""
         if not self.active:
             return DONE
-        self._record("all_reduce", what, t)
-        return dist.all_reduce(t, group=self.group, async_op=True)
+        gseq = self._record("all_reduce", what, t)
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        if self.guard is not None:
+            self.guard.issued(work, gseq, what)
+        return work
 
     def broadcast(self, t: torch.Tensor, what: str, group_src: int = 0) -> None:
         """Broadcast ``t`` in place from group rank ``group_src`` and wait for it."""
         if not self.active:
             return
-        self._record("broadcast", what, t)
-        dist.broadcast(t, group=self.group, group_src=group_src)
+        gseq = self._record("broadcast", what, t)
+        if self.guard is None:
+            dist.broadcast(t, group=self.group, group_src=group_src)
+            return
+        work = dist.broadcast(t, group=self.group, group_src=group_src, async_op=True)
+        self.guard.issued(work, gseq, what)
+        self.guard.wait(work, what)
 
-    def note_hook(self, what: str, t: torch.Tensor) -> None:
-        """Record a comm hook call (the hook issues its own collectives)."""
-        self._record("comm_hook", what, t)
+    def wait(self, handle: Any, what: Optional[str] = None) -> Any:
+        """Wait for a handle returned by :meth:`all_reduce` (or a comm hook's future); returns what its ``wait()`` returns.
 
-    def note_gather(self, what: str, t: torch.Tensor) -> None:
-        """Record a sparse exchange (all-gathers issued by :class:`fastcoll._sparse.SparseExchange`)."""
-        self._record("all_gather", what, t)
+        Unprotected: exactly ``handle.wait()``. Protected: bounded by the
+        stall timeout; raises :class:`fastcoll.stall.StallError` on a stall
+        or a dead peer (every live rank raises, with the same first line).
+        """
+        if self.guard is None:
+            return handle.wait()
+        return self.guard.wait(handle, what)
+
+    def check(self) -> None:
+        """Raise the watchdog's :class:`fastcoll.stall.StallError` if it fired (cheap; no-op when unprotected or blocking)."""
+        if self.guard is not None:
+            self.guard.check()
+
+    def note_hook(self, what: str, t: torch.Tensor) -> int:
+        """Record a comm hook call (the hook issues its own collectives); returns its sequence number in the group."""
+        return self._record("comm_hook", what, t)
+
+    def note_gather(self, what: str, t: torch.Tensor) -> int:
+        """Record a sparse exchange (all-gathers by :class:`fastcoll._sparse.SparseExchange`); returns its group seq."""
+        return self._record("all_gather", what, t)

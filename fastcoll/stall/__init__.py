@@ -1,0 +1,69 @@
+"""Never hang silently: stall detection and diagnosis for fastcoll's synchronization (issue #12).
+
+Pieces, from the hot path out:
+
+* :class:`SyncState` (``state.py``): per process group, where this rank is
+  (iteration, phase, collectives issued with a ring of the last few, what it
+  waits for, parameters still without gradients), written with plain
+  attribute writes by the training thread;
+* :class:`StateBoard` (``board.py``): publishes the state to the group's
+  store from a daemon thread (at most once per iteration/second, and on
+  demand when a rank diagnoses), reads every rank's;
+* :func:`diagnose` (``diagnosis.py``) and the culprit rules (``verdict.py``):
+  gather, agree on one first line, report, :class:`StallError`;
+* :func:`wait_or_diagnose`, :class:`Watchdog`, :class:`StallGuard` and the
+  per-group registry (``wait.py``): how a wait becomes a diagnosis;
+* the timeout rule (``timeout.py``): ``FASTCOLL_STALL_TIMEOUT``, else half
+  the process group's timeout capped at 300 s; 0 disables.
+"""
+
+from __future__ import annotations
+
+from .board import KEY_PREFIX, StateBoard, StoreUnreachable
+from .diagnosis import TRACE_DIR_ENV, default_grace, diagnose
+from .errors import StallError, is_peer_failure, is_timeout
+from .state import BACKWARD, FINISHED_BACKWARD, FORWARD, OUTSIDE, SyncState, describe_phase
+from .timeout import default_stall_timeout, env_stall_timeout, process_group_timeout, resolve_stall_timeout
+from .verdict import culprit_line, render_report
+from .wait import (
+    StallGuard,
+    Watchdog,
+    board_for,
+    guard_for,
+    protected_wait,
+    run_collective,
+    state_for,
+    wait_or_diagnose,
+)
+
+__all__ = [
+    "BACKWARD",
+    "FINISHED_BACKWARD",
+    "FORWARD",
+    "KEY_PREFIX",
+    "OUTSIDE",
+    "TRACE_DIR_ENV",
+    "StallError",
+    "StallGuard",
+    "StateBoard",
+    "StoreUnreachable",
+    "SyncState",
+    "Watchdog",
+    "board_for",
+    "culprit_line",
+    "default_grace",
+    "default_stall_timeout",
+    "describe_phase",
+    "diagnose",
+    "env_stall_timeout",
+    "guard_for",
+    "is_peer_failure",
+    "is_timeout",
+    "process_group_timeout",
+    "protected_wait",
+    "render_report",
+    "resolve_stall_timeout",
+    "run_collective",
+    "state_for",
+    "wait_or_diagnose",
+]

@@ -1,0 +1,271 @@
+"""This rank's state on the process group's store, out of band of the (possibly stuck) collectives.
+
+Keys, under ``fastcoll/stall/`` in the group's store (the store that
+``init_process_group`` made; a ``PrefixStore`` per group, so groups do not
+collide):
+
+* ``state/<group rank>``: the rank's latest :meth:`SyncState.snapshot`, JSON
+  (a few hundred bytes), plus ``answer`` (the last stall request it answered)
+  and ``stalled`` (set once the rank itself diagnoses);
+* ``req``: a counter every diagnosing rank increments: "answer now";
+* ``verdict``: the first line of the first diagnosis (compare-and-set: the
+  first writer wins, every later diagnosing rank adopts it).
+
+A daemon thread per board, with its own store connection, publishes the
+state when the iteration changed (at most once per ``min_interval``
+seconds: at most one small write per iteration), right away when a writer
+set ``state.urgent`` or called :meth:`StateBoard.poke`, and whenever ``req``
+grew (an answer). Between requests it reads ``req`` every ``poll`` seconds:
+one small read, nothing on the collectives' wire.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from .state import SyncState
+
+__all__ = ["KEY_PREFIX", "StateBoard", "StoreUnreachable", "store_host_of"]
+
+KEY_PREFIX = "fastcoll/stall/"
+
+
+class StoreUnreachable(RuntimeError):
+    """The store could not be read or written (its host is gone)."""
+
+
+def store_host_of(store: Any) -> Optional[int]:
+    """The rank hosting ``store`` (0 for a TCPStore, as ``init_process_group`` sets it up), None for a file or hash store."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return None
+    seen = 0
+    while store is not None and seen < 8:
+        if isinstance(store, dist.TCPStore):
+            return 0
+        store = getattr(store, "underlying_store", None)
+        seen += 1
+    return None
+
+
+def _clone(store: Any, timeout_s: float) -> Any:
+    """A store handle with its own connection (TCPStore clients are per thread here), ops bounded by ``timeout_s``."""
+    try:
+        s = store.clone()
+    except Exception:  # noqa: BLE001 - stores without clone(): share the handle
+        s = store
+    try:
+        s.set_timeout(datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001
+        pass
+    return s
+
+
+class StateBoard:
+    """Publishes one rank's :class:`SyncState` to the group's store and reads every rank's.
+
+    Args:
+        state: This rank's state.
+        store: The process group's store (see :func:`fastcoll.stall.board_for`).
+        group_rank: This rank in the group.
+        world_size: The group's size.
+        rank_map: Global rank of each group rank (identity when None).
+        poll: Seconds between two reads of the request counter (default
+            0.5 s, longer in very large groups).
+        min_interval: Least seconds between two routine publications.
+        store_host: Rank hosting the store (None: a file store; default: found from ``store``).
+        op_timeout: Bound on one store operation, seconds.
+        start: Start the daemon thread now.
+    """
+
+    def __init__(
+        self,
+        state: SyncState,
+        store: Any,
+        group_rank: int,
+        world_size: int,
+        rank_map: Optional[Sequence[int]] = None,
+        *,
+        poll: Optional[float] = None,
+        min_interval: float = 1.0,
+        store_host: Any = "auto",
+        op_timeout: float = 5.0,
+        start: bool = True,
+    ):
+        self.state = state
+        self.group_rank = int(group_rank)
+        self.world_size = int(world_size)
+        self.rank_map: List[int] = list(range(world_size)) if rank_map is None else list(rank_map)
+        self.poll = float(poll) if poll is not None else min(2.0, 0.5 * max(1.0, world_size / 512))
+        self.min_interval = float(min_interval)
+        self.store_host = store_host_of(store) if store_host == "auto" else store_host
+        self._fg = _clone(store, op_timeout)
+        self._bg = _clone(store, op_timeout)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._poked = False
+        self._stalled: Optional[Dict[str, Any]] = None
+        self._answered = 0
+        self._req_seen = False
+        self._present: set = set()
+        #: Store writes and request polls so far (for overhead checks).
+        self.writes = 0
+        self.polls = 0
+        #: The store failure that stopped the thread, if any.
+        self.failed: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if start:
+            self.start()
+
+    # --------------------------------------------------------------- thread
+
+    def start(self) -> None:
+        """Start the publishing thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"fastcoll-stall-board-{self.group_rank}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread (it may finish one store operation first)."""
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+
+    def poke(self) -> None:
+        """Publish the state soon (from the thread), e.g. after gradients were found missing."""
+        self._poked = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        store = self._bg
+        last_iter: Optional[int] = None
+        last_t = 0.0
+        while not self._stop.is_set():
+            try:
+                st = self.state
+                now = time.time()
+                if st.urgent or self._poked or (st.iteration != last_iter and now - last_t >= self.min_interval):
+                    st.urgent = False
+                    self._poked = False
+                    last_iter, last_t = st.iteration, now
+                    self._write(store)
+                req = self._read_req(store)
+                if req > self._answered:
+                    self._answered = req
+                    self._write(store)
+            except Exception as exc:  # noqa: BLE001 - the store is gone: stop quietly, diagnose() will say so
+                self.failed = exc
+                return
+            self._wake.wait(self.poll)
+            self._wake.clear()
+
+    # ---------------------------------------------------------------- store
+
+    def _key(self, r: int) -> str:
+        return f"{KEY_PREFIX}state/{r}"
+
+    def _record(self) -> Dict[str, Any]:
+        rec = self.state.snapshot()
+        rec["answer"] = self._answered
+        rec["stalled"] = self._stalled
+        return rec
+
+    def _write(self, store: Any) -> None:
+        store.set(self._key(self.group_rank), json.dumps(self._record(), separators=(",", ":")))
+        self.writes += 1
+
+    def _read_req(self, store: Any) -> int:
+        self.polls += 1
+        key = KEY_PREFIX + "req"
+        if not self._req_seen:
+            if not store.check([key]):
+                return 0
+            self._req_seen = True
+        return int(store.get(key))
+
+    def publish(self, stalled: Optional[Dict[str, Any]] = None) -> bool:
+        """Write this rank's state now (from the calling thread); ``stalled`` marks it as diagnosing.
+
+        Returns:
+            False if the store could not be written (``failed`` says why).
+        """
+        if stalled is not None:
+            self._stalled = stalled
+        try:
+            with self._lock:
+                self._write(self._fg)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.failed = exc
+            return False
+
+    def request(self) -> int:
+        """Ask every rank to answer now; returns the request number to wait for.
+
+        Raises:
+            StoreUnreachable: if the store cannot be reached.
+        """
+        try:
+            with self._lock:
+                n = int(self._fg.add(KEY_PREFIX + "req", 1))
+        except Exception as exc:  # noqa: BLE001
+            self.failed = exc
+            raise StoreUnreachable(str(exc)) from exc
+        self._wake.set()  # our own thread answers too (harmless)
+        return n
+
+    def read_all(self) -> Dict[int, Optional[Dict[str, Any]]]:
+        """Every group rank's latest record (None where none was ever written).
+
+        Raises:
+            StoreUnreachable: if the store cannot be reached.
+        """
+        keys = [self._key(r) for r in range(self.world_size)]
+        try:
+            with self._lock:
+                missing = [k for k in keys if k not in self._present]
+                if missing and not self._fg.check(missing):
+                    for k in missing:
+                        if self._fg.check([k]):
+                            self._present.add(k)
+                else:
+                    self._present.update(missing)
+                have = [k for k in keys if k in self._present]
+                values = self._fg.multi_get(have) if have else []
+        except Exception as exc:  # noqa: BLE001
+            self.failed = exc
+            raise StoreUnreachable(str(exc)) from exc
+        out: Dict[int, Optional[Dict[str, Any]]] = {r: None for r in range(self.world_size)}
+        for k, v in zip(have, values):
+            try:
+                out[int(k.rsplit("/", 1)[1])] = json.loads(bytes(v).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                pass
+        return out
+
+    def settle(self, verdict: Dict[str, Any]) -> Dict[str, Any]:
+        """Offer ``verdict`` as the stall's verdict; returns the one in force (the first offered).
+
+        Raises:
+            StoreUnreachable: if the store cannot be reached.
+        """
+        mine = json.dumps(verdict, separators=(",", ":"))
+        try:
+            with self._lock:
+                got = self._fg.compare_set(KEY_PREFIX + "verdict", "", mine)
+        except Exception as exc:  # noqa: BLE001
+            self.failed = exc
+            raise StoreUnreachable(str(exc)) from exc
+        try:
+            return json.loads(bytes(got).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return verdict

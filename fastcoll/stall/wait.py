@@ -1,0 +1,451 @@
+"""Waiting without hanging: timed waits, the CUDA watchdog, and the per-group registry.
+
+Two ways to wait, chosen per group by :class:`StallGuard`:
+
+* **blocking** (gloo, any host-blocking backend): :func:`wait_or_diagnose`
+  waits for the Work with the stall timeout (``Work.wait(timedelta)``; a
+  ``torch.futures.Future`` through a done-callback and an Event). A timeout,
+  or an error meaning a peer is gone, becomes a diagnosis and a
+  :class:`StallError`. In torch 2.13 a gloo wait that timed out leaves the
+  Work and the group intact (a later wait can still complete), but fastcoll
+  raises anyway: the job is stalled;
+* **watchdog** (NCCL): the training thread never blocks on the host to
+  watch. :class:`Watchdog`'s thread polls the outstanding Works'
+  ``is_completed()``; when the oldest is older than the timeout (or failed
+  because a peer is gone) it diagnoses, aborts the process group (so the
+  stuck kernels end), and the training thread's next
+  :meth:`StallGuard.wait`/:meth:`StallGuard.check` raises the StallError.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .board import StateBoard
+from .diagnosis import diagnose
+from .errors import StallError, is_peer_failure, is_timeout
+from .state import SyncState
+from .timeout import resolve_stall_timeout
+
+__all__ = [
+    "StallGuard",
+    "Watchdog",
+    "board_for",
+    "guard_for",
+    "protected_wait",
+    "run_collective",
+    "state_for",
+    "wait_or_diagnose",
+]
+
+
+class _TimedOut(Exception):
+    pass
+
+
+def _timed_wait(work: Any, timeout: float) -> Any:
+    """``work.wait()`` bounded by ``timeout`` seconds; raises _TimedOut (or the backend's timeout error)."""
+    if isinstance(work, torch.futures.Future):
+        if not work.done():
+            ev = threading.Event()
+            work.add_done_callback(lambda _f: ev.set())
+            if not ev.wait(timeout):
+                raise _TimedOut()
+        return work.wait()
+    if isinstance(work, dist.Work):
+        return work.wait(datetime.timedelta(seconds=timeout))
+    return work.wait()
+
+
+def _completed(work: Any) -> bool:
+    try:
+        if isinstance(work, torch.futures.Future):
+            return work.done()
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def wait_or_diagnose(
+    work: Any,
+    state: SyncState,
+    timeout: float,
+    board: StateBoard,
+    what: Optional[str] = None,
+    seq: Optional[int] = None,
+    *,
+    grace: Optional[float] = None,
+) -> Any:
+    """Wait for ``work`` at most ``timeout`` seconds; on a stall or a dead peer, diagnose and raise.
+
+    Args:
+        work: A ``torch.distributed.Work``, a ``torch.futures.Future`` or
+            anything with ``wait()`` (waited without a bound).
+        state: This rank's state on the group (``waiting`` is set meanwhile).
+        timeout: Seconds (> 0).
+        board: The group's board.
+        what: What is awaited ("bucket 3"), for the report.
+        seq: Its sequence number (default: the last issued).
+        grace: Seconds the diagnosis waits for the other ranks' answers.
+
+    Returns:
+        What ``work.wait()`` returns.
+
+    Raises:
+        StallError: after ``timeout`` seconds, or at once when the backend
+            reports a dead peer (the cause chained).
+        Exception: any other error of the collective, unchanged.
+    """
+    since = time.time()
+    prev = state.waiting
+    state.waiting = (state.seq if seq is None else seq, what or "a collective", since)
+    try:
+        try:
+            return _timed_wait(work, timeout)
+        except _TimedOut:
+            cause = None
+        except StallError:
+            raise
+        except Exception as exc:
+            if not ((is_timeout(exc) and not _completed(work)) or is_peer_failure(exc)):
+                raise
+            cause = None if is_timeout(exc) and not is_peer_failure(exc) else exc
+            raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace) from exc
+        raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace)
+    finally:
+        state.waiting = prev
+
+
+class Watchdog:
+    """Polls outstanding Works from a thread; on a stall diagnoses, aborts, and arms the error.
+
+    Args:
+        state: This rank's state on the group.
+        board: The group's board.
+        timeout: Seconds an issued collective may stay incomplete.
+        abort: Called once after the diagnosis (e.g. ``group.abort`` for
+            NCCL, so stuck kernels end); None: nothing.
+        poll: Seconds between polls (default ``min(1, timeout / 10)``).
+        grace: Passed to :func:`diagnose`.
+        start: Start the thread now (tests drive :meth:`poll_once` instead).
+    """
+
+    def __init__(
+        self,
+        state: SyncState,
+        board: Optional[StateBoard],
+        timeout: float,
+        *,
+        abort: Optional[Callable[[], Any]] = None,
+        poll: Optional[float] = None,
+        grace: Optional[float] = None,
+        diagnose_fn: Optional[Callable[..., StallError]] = None,
+        start: bool = True,
+    ):
+        self.state = state
+        self.board = board
+        self.timeout = float(timeout)
+        self.abort = abort
+        self.poll = float(poll) if poll is not None else max(0.01, min(1.0, self.timeout / 10.0))
+        self.grace = grace
+        self._diagnose = diagnose_fn or (lambda **kw: diagnose(self.board, self.timeout, grace=self.grace, **kw))
+        self._outstanding: Deque[Tuple[Any, int, str, float]] = collections.deque()
+        #: The StallError the training thread raises at its next wait/check; None while healthy.
+        self.error: Optional[StallError] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fastcoll-stall-watchdog", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+
+    # training thread -------------------------------------------------------
+
+    def track(self, work: Any, seq: int, what: str) -> None:
+        """Watch ``work`` (collective ``seq``) from now on. Cheap: one deque append."""
+        self._outstanding.append((work, seq, what, time.time()))
+
+    def check(self) -> None:
+        """Raise the armed StallError, if any."""
+        err = self.error
+        if err is not None:
+            raise err
+
+    # watchdog thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            if self.poll_once() is not None:
+                return
+
+    def poll_once(self, now: Optional[float] = None) -> Optional[StallError]:
+        """One poll: drop completed Works, diagnose if the oldest is too old or failed. Returns the error once armed."""
+        if self.error is not None:
+            return self.error
+        dq = self._outstanding
+        cause: Optional[BaseException] = None
+        while dq:
+            work, seq, what, t = dq[0]
+            if not _completed(work):
+                break
+            exc = _work_exception(work)
+            if exc is not None and is_peer_failure(exc):
+                cause = exc
+                self.state.waiting = (seq, what, t)
+                break
+            dq.popleft()
+        now = time.time() if now is None else now
+        if not dq:
+            if self.state.waiting is not None and cause is None:
+                self.state.waiting = None
+            return None
+        work, seq, what, t = dq[0]
+        w = self.state.waiting
+        if w is None or w[0] != seq:
+            self.state.waiting = (seq, what, t)
+        if cause is None and now - t <= self.timeout:
+            return None
+        err = self._diagnose(cause=cause, waited=now - t)
+        self.error = err
+        if self.abort is not None:
+            try:
+                self.abort()
+            except Exception:  # noqa: BLE001 - the error is armed either way
+                pass
+        return err
+
+
+def _work_exception(work: Any) -> Optional[BaseException]:
+    try:
+        if isinstance(work, torch.futures.Future):
+            if work.done():
+                try:
+                    work.value()
+                except Exception as exc:  # noqa: BLE001
+                    return exc
+            return None
+        exc = work.exception()
+        return exc if isinstance(exc, BaseException) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# --------------------------------------------------------------- registry
+
+_lock = threading.RLock()
+_states: "weakref.WeakKeyDictionary[Any, SyncState]" = weakref.WeakKeyDictionary()
+_boards: "weakref.WeakKeyDictionary[Any, StateBoard]" = weakref.WeakKeyDictionary()
+_guards: "weakref.WeakKeyDictionary[Any, Dict[Tuple[float, str], StallGuard]]" = weakref.WeakKeyDictionary()
+_local_state: Optional[SyncState] = None
+
+
+def _group(group: Any) -> Any:
+    """The ProcessGroup object for ``group`` (None: the default group); None when not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if group is None:
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_default_group()
+    return group
+
+
+def state_for(group: Any = None) -> SyncState:
+    """The :class:`SyncState` of ``group`` (None: the default group), shared by every fastcoll caller on it."""
+    global _local_state
+    pg = _group(group)
+    with _lock:
+        if pg is None:
+            if _local_state is None:
+                _local_state = SyncState()
+            return _local_state
+        st = _states.get(pg)
+        if st is None:
+            st = SyncState(rank=dist.get_rank(), group_rank=dist.get_rank(pg))
+            _states[pg] = st
+        return st
+
+
+def board_for(group: Any = None, **kwargs: Any) -> StateBoard:
+    """The :class:`StateBoard` of ``group``, on its store (created and started at the first call; ``kwargs`` then go to it)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = _group(group)
+    if pg is None:
+        raise RuntimeError("fastcoll.stall: no process group is initialized")
+    with _lock:
+        b = _boards.get(pg)
+        if b is None:
+            store = c10d._get_process_group_store(pg)
+            ranks = dist.get_process_group_ranks(pg)
+            b = StateBoard(state_for(pg), store, dist.get_rank(pg), dist.get_world_size(pg), ranks, **kwargs)
+            _boards[pg] = b
+            weakref.finalize(pg, b.close)
+        return b
+
+
+def _backend_name(pg: Any) -> str:
+    try:
+        return str(dist.get_backend(pg)).lower()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+class StallGuard:
+    """Stall protection for one caller on one group: the group's state and board, a timeout, a way to wait.
+
+    Args:
+        group: The process group (None: the default group).
+        timeout: Seconds (> 0).
+        mode: ``"blocking"`` (timed host waits), ``"watchdog"`` (NCCL: a
+            polling thread, the training thread never blocks to watch), or
+            ``"auto"``: watchdog when the group's backend is NCCL.
+        abort: For the watchdog: called after its diagnosis (default:
+            ``group.abort()`` under NCCL, nothing otherwise).
+    """
+
+    def __init__(self, group: Any, timeout: float, *, mode: str = "auto", abort: Optional[Callable[[], Any]] = None):
+        if timeout <= 0:
+            raise ValueError("fastcoll.stall.StallGuard: timeout must be > 0 (a disabled guard is None)")
+        pg = _group(group)
+        self.group = group
+        self.timeout = float(timeout)
+        self.state = state_for(pg)
+        self.board = board_for(pg)
+        if mode == "auto":
+            mode = "watchdog" if "nccl" in _backend_name(pg) else "blocking"
+        if mode not in ("blocking", "watchdog"):
+            raise ValueError(f"fastcoll.stall.StallGuard: mode={mode!r}; use 'auto', 'blocking' or 'watchdog'")
+        self.mode = mode
+        self.watchdog: Optional[Watchdog] = None
+        if mode == "watchdog":
+            if abort is None and pg is not None and "nccl" in _backend_name(pg):
+                abort = pg.abort
+            self.watchdog = Watchdog(self.state, self.board, self.timeout, abort=abort)
+        self._seq_of: Dict[int, Tuple[int, str]] = {}
+
+    def issued(self, work: Any, seq: int, what: str) -> None:
+        """Tell the guard about a collective just started (its handle, sequence number, label)."""
+        wd = self.watchdog
+        if wd is not None:
+            wd.track(work, seq, what)
+            return
+        m = self._seq_of
+        if len(m) > 1024:
+            m.clear()
+        m[id(work)] = (seq, what)
+
+    def wait(self, work: Any, what: Optional[str] = None) -> Any:
+        """Wait for ``work`` under stall protection; returns what ``work.wait()`` returns."""
+        wd = self.watchdog
+        if wd is not None:
+            wd.check()
+            return work.wait()
+        info = self._seq_of.pop(id(work), None)
+        if info is None:
+            return wait_or_diagnose(work, self.state, self.timeout, self.board, what)
+        return wait_or_diagnose(work, self.state, self.timeout, self.board, info[1] if what is None else what, info[0])
+
+    def publish(self) -> bool:
+        """Publish the state now, from the calling thread (one store write): for rare events a dying rank
+        must leave behind, such as parameters found without gradients at the end of a backward."""
+        return self.board.publish()
+
+    def check(self) -> None:
+        """Raise the watchdog's StallError if it has fired (no-op in blocking mode)."""
+        wd = self.watchdog
+        if wd is not None:
+            wd.check()
+
+
+def guard_for(group: Any = None, stall_timeout: Optional[float] = None, *, mode: str = "auto") -> Optional[StallGuard]:
+    """The guard for ``group`` and ``stall_timeout`` (None: the default rule), or None when disabled (0) or not distributed.
+
+    Guards are cached per (group, resolved timeout, mode): the dist helpers'
+    calls share one.
+    """
+    pg = _group(group)
+    if pg is None:
+        return None
+    timeout = resolve_stall_timeout(stall_timeout, pg)
+    if timeout <= 0:
+        return None
+    with _lock:
+        per = _guards.get(pg)
+        if per is None:
+            per = {}
+            _guards[pg] = per
+        g = per.get((timeout, mode))
+        if g is None:
+            g = StallGuard(pg, timeout, mode=mode)
+            per[(timeout, mode)] = g
+        return g
+
+
+def protected_wait(work: Any, group: Any = None, what: Optional[str] = None, stall_timeout: Optional[float] = None) -> Any:
+    """``work.wait()`` under the group's stall protection (the default timeout rule unless given): for fastcoll.dist helpers."""
+    g = guard_for(group, stall_timeout)
+    if g is None:
+        return work.wait()
+    return g.wait(work, what)
+
+
+def _after_fork_in_child() -> None:
+    global _local_state, _lock
+    _lock = threading.RLock()
+    _states.clear()
+    _boards.clear()
+    _guards.clear()
+    _local_state = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def run_collective(
+    start: Callable[[], Any],
+    kind: str,
+    what: str,
+    tensor: "torch.Tensor",
+    group: Any = None,
+    stall_timeout: Optional[float] = None,
+) -> Any:
+    """Number, start and wait for one collective under stall protection: the one call a fastcoll.dist helper needs.
+
+    Args:
+        start: Starts the collective and returns its Work (``async_op=True``).
+        kind: "all_reduce", "broadcast", "all_gather", ...
+        what: A label equal on every rank ("reduce_mean", "agree").
+        tensor: The tensor communicated (its size and dtype are recorded).
+        group: The process group (None: the default group).
+        stall_timeout: Seconds; None: the default rule; 0: no protection.
+
+    Returns:
+        What the Work's ``wait()`` returns.
+    """
+    seq = state_for(group).note(kind, what, tensor.numel(), tensor.dtype)
+    work = start()
+    g = guard_for(group, stall_timeout)
+    if g is None:
+        return work.wait()
+    g.issued(work, seq, what)
+    return g.wait(work)

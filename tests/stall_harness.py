@@ -1,0 +1,153 @@
+"""Run a function on gloo ranks where some ranks are expected to die, hang or linger.
+
+:func:`run_stall_ranks` is :func:`multiproc.run_ranks` for stall tests: a
+rank may SIGKILL itself (its outcome is ``dead``), sleep for minutes (it is
+killed once the ranks the test needs have reported: ``killed``), or finish
+and linger so its board thread can still answer the others' stall requests.
+Every rank process is SIGKILLed and reaped before the call returns, whatever
+happens, so no rank outlives the test. The store is a FileStore, or a
+TCPStore hosted by rank 0 (``store="tcp"``) to test the store host's death.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fastcoll"])
+    return _CTX
+
+
+class Outcome(NamedTuple):
+    kind: str  #: "ok", "error", "dead" (exited without reporting) or "killed" (still running at the end)
+    value: Any  #: the return value, the error text, or the exit code
+    elapsed: float  #: seconds from the start of the run to the report (parent's clock)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeout, env):
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.enable()
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        if store_kind == "tcp":
+            store = dist.TCPStore("127.0.0.1", store_arg, world_size, rank == 0, timeout=datetime.timedelta(seconds=30))
+        else:
+            store = dist.FileStore(store_arg, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException as exc:  # noqa: BLE001 - report everything
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    # Linger: the board thread keeps answering the others' stall requests, and a
+    # TCPStore hosted here stays up. The parent kills every rank at the end.
+    while True:
+        time.sleep(60)
+
+
+def run_stall_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    need: Optional[Iterable[int]] = None,
+    timeout: float = 120.0,
+    pg_timeout: float = 120.0,
+    store: str = "file",
+    env: Optional[dict] = None,
+) -> Dict[int, Outcome]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns each rank's :class:`Outcome`.
+
+    Args:
+        need: Ranks whose outcome (a report or their death) ends the run (default: all).
+        timeout: Seconds before the run is declared hung (TimeoutError, every rank killed).
+        pg_timeout: The process group's own timeout.
+        store: "file" (FileStore) or "tcp" (TCPStore hosted by rank 0).
+        env: Extra environment variables in every rank.
+    """
+    ctx = _context()
+    tmpdir = tempfile.mkdtemp(prefix="fastcoll_stall_")
+    store_arg: Any = _free_port() if store == "tcp" else os.path.join(tmpdir, "store")
+    results = ctx.Queue()
+    need = set(range(world_size) if need is None else need)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, store, store_arg, args, results, pg_timeout, dict(env or {})),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    t0 = time.monotonic()
+    out: Dict[int, Outcome] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = t0 + timeout
+        while not need <= set(out):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(need - set(out))} did not report within {timeout:.0f}s; so far: {out}")
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+                out[rank] = Outcome("ok" if ok else "error", payload, time.monotonic() - t0)
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in out and p.exitcode is not None:
+                    # Drain a report that raced with the exit before calling it dead.
+                    try:
+                        while True:
+                            rank, ok, payload = results.get_nowait()
+                            out[rank] = Outcome("ok" if ok else "error", payload, time.monotonic() - t0)
+                    except queue.Empty:
+                        pass
+                    if r not in out:
+                        out[r] = Outcome("dead", p.exitcode, time.monotonic() - t0)
+        # Reports that arrived meanwhile from ranks the test did not need.
+        try:
+            while True:
+                rank, ok, payload = results.get(timeout=0.05)
+                out.setdefault(rank, Outcome("ok" if ok else "error", payload, time.monotonic() - t0))
+        except queue.Empty:
+            pass
+    finally:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
+            if p.is_alive():
+                p.kill()
+        for r, p in enumerate(procs):
+            if p.pid is not None:
+                p.join(timeout=10)
+            if r not in out:
+                out[r] = Outcome("killed", p.exitcode, time.monotonic() - t0)
+        results.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    alive = [p.pid for p in procs if p.pid is not None and p.is_alive()]
+    assert not alive, f"rank processes {alive} outlived the run"
+    return out

@@ -1,0 +1,729 @@
+"""Issue #12, "never hang silently": stall detection and diagnosis (fastcoll.stall) without fastcoll.DDP.
+
+Unit tests drive the culprit rules, the timeout rule, the board on an
+in-process HashStore (several "ranks" as boards on one store), the
+watchdog's polling and the timed wait with fakes and futures.
+
+Multi-rank tests run 3 gloo ranks (tests/stall_harness.py: every rank
+process is killed and reaped before the test returns) through the reducer's
+Communicator and fastcoll.stall.run_collective, as the reducer and the
+fastcoll.dist helpers will: a SIGKILLed rank, a rank sleeping before its
+backward, a rank missing a gradient, the store host's death, an extra
+collective on one rank, the watchdog path, and healthy training whose
+forward outlasts the stall timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from stall_harness import run_stall_ranks
+
+from fastcoll import stall
+from fastcoll.stall import diagnosis as diagnose_mod
+from fastcoll.stall import verdict as V
+from fastcoll.stall.state import SyncState
+
+TIMEOUT = 5.0  # the stall timeout of the multi-rank tests
+
+
+@pytest.fixture(autouse=True)
+def _fresh_emit():
+    diagnose_mod._reset_emitted()
+    yield
+    diagnose_mod._reset_emitted()
+
+
+# ------------------------------------------------------------------ records
+
+
+def _rec(rank, seq, *, phase="backward", iteration=3, waiting=None, ring=None, missing=(), stalled=None, answer=1):
+    """A record as a board publishes it; ``ring`` entries (seq, what) get hashes chained like SyncState.note's."""
+    st = SyncState(rank=rank, group_rank=rank)
+    for s, what in ring if ring is not None else [(i, f"bucket {i % 2}") for i in range(1, seq + 1)]:
+        while st.seq < s - 1:
+            st.note("all_reduce", f"bucket {st.seq % 2}", 100, torch.float32)
+        st.note("all_reduce", what, 100, torch.float32)
+    st.iteration = iteration
+    st.phase = phase
+    if waiting is not None:
+        st.waiting = (waiting, f"bucket {waiting % 2}", time.time() - 5)
+    if missing:
+        st.end_backward(list(missing))
+        st.phase = phase
+    rec = st.snapshot()
+    rec["seq"] = seq
+    rec["answer"] = answer
+    rec["stalled"] = stalled
+    return rec
+
+
+def test_rules_no_answer_names_the_silent_rank_with_its_last_state():
+    recs = {0: _rec(0, 6, waiting=5), 1: _rec(1, 6, waiting=5), 2: _rec(2, 4, phase="backward")}
+    line, culprits = V.culprit_line(recs, answered={0, 1})
+    assert culprits == [2]
+    assert line.startswith("fastcoll stall: rank 2 did not answer: dead or stuck outside gradient synchronization")
+    assert "backward of iteration 3" in line and "4 collectives issued" in line
+    # A rank that never published.
+    line, culprits = V.culprit_line({0: _rec(0, 6, waiting=5), 1: None}, answered={0})
+    assert culprits == [1] and "(never seen)" in line
+
+
+def test_rules_behind_names_the_rank_that_has_not_issued_the_awaited_collective():
+    recs = {0: _rec(0, 8, waiting=7), 1: _rec(1, 6, phase="forward"), 2: _rec(2, 8, waiting=7)}
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [1]
+    assert line == (
+        "fastcoll stall: rank 1 is behind: it has not issued collective #7 (bucket 1) that ranks 0, 2 wait for; "
+        "last seen in forward of iteration 3, 6 collectives issued"
+    )
+    # With gradients missing, the first line names the parameters.
+    recs[1] = _rec(1, 6, phase="finished backward", missing=["net.fc2.weight"])
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [1] and "no gradient for net.fc2.weight" in line and "finished backward" in line
+
+
+def test_rules_out_of_step_names_the_rank_with_the_extra_collective():
+    base = [(1, "bucket 0"), (2, "bucket 0"), (3, "bucket 0"), (4, "bucket 0")]
+    extra = [(1, "bucket 0"), (2, "reduce_mean"), (3, "bucket 0"), (4, "bucket 0"), (5, "bucket 0")]
+    recs = {
+        0: _rec(0, 4, phase="outside fastcoll", ring=base),
+        1: _rec(1, 5, ring=extra, waiting=5),
+        2: _rec(2, 4, phase="outside fastcoll", ring=base),
+    }
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [1]
+    assert "rank 1 is out of step (collective sequence numbers differ)" in line
+    assert "collective #2 is all_reduce of reduce_mean (100 x float32) on rank 1 but all_reduce of bucket 0" in line
+    # The divergence left the kept window: the chained hashes still tell.
+    recs = {
+        0: _rec(0, 20, phase="outside fastcoll", ring=[(s, "bucket 0") for s in range(1, 21)]),
+        1: _rec(1, 21, waiting=21, ring=[(1, "x")] + [(s, "bucket 0") for s in range(2, 22)]),
+        2: _rec(2, 20, phase="outside fastcoll", ring=[(s, "bucket 0") for s in range(1, 21)]),
+    }
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [1] and "collective history differs from ranks 0, 2's" in line
+
+
+def test_rules_different_sequence_number_and_nobody():
+    recs = {0: _rec(0, 9, waiting=9), 1: _rec(1, 9, waiting=7), 2: _rec(2, 9, waiting=9)}
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [1] and "rank 1 waits at a different collective sequence number: #7" in line
+    recs = {r: _rec(r, 9, waiting=9) for r in range(3)}
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [] and "no rank is behind" in line
+
+
+def test_rules_are_canonical_whoever_reads_and_whenever():
+    """The first line depends on the records only: not on the reader, not on the ages in them."""
+    recs = {0: _rec(0, 8, waiting=7), 1: _rec(1, 6, phase="forward"), 2: _rec(2, 8, waiting=7)}
+    later = json.loads(json.dumps(recs))
+    for rec in later.values():
+        rec["t"] += 3.0
+        rec["updated_ago"] += 3.0
+        if rec["waiting"]:
+            rec["waiting"]["for"] += 3.0
+    a = V.culprit_line(recs, {0, 1, 2})
+    b = V.culprit_line({int(k): v for k, v in later.items()}, {2, 1, 0})
+    assert a == b
+    # Group ranks are renamed to global ranks.
+    line, culprits = V.culprit_line(recs, {0, 1, 2}, rank_map=[4, 5, 6])
+    assert culprits == [5] and line.startswith("fastcoll stall: rank 5 is behind") and "ranks 4, 6 wait" in line
+
+
+def test_store_unreachable_line_is_rank_independent():
+    assert V.store_unreachable_line(0) == (
+        "fastcoll stall: rank 0 (the store host) is unreachable: dead, or its machine is; "
+        "the other ranks' states cannot be gathered",
+        [0],
+    )
+    assert V.store_unreachable_line(None)[1] == []
+
+
+# ------------------------------------------------------------------ state
+
+
+def test_sync_state_ring_and_snapshot():
+    st = SyncState(rank=3, group_rank=1)
+    for i in range(12):
+        assert st.note("all_reduce", f"bucket {i}", 10 + i, torch.float16) == i + 1
+    ring = st.snapshot()["ring"]
+    assert [e[0] for e in ring] == list(range(5, 13))  # the last 8, oldest first
+    assert ring[-1][1:5] == ["all_reduce", "bucket 11", 21, "float16"]
+    st.begin_forward()
+    st.begin_backward()
+    st.end_backward(["p%d" % i for i in range(15)])
+    snap = st.snapshot()
+    assert snap["phase"] == "finished backward" and snap["iteration"] == 1
+    assert len(snap["missing"]) == 10 and snap["n_missing"] == 15 and st.urgent
+    json.dumps(snap)  # JSON-able
+    st.end_iteration()
+    assert st.snapshot()["missing"] == [] and stall.describe_phase(st.snapshot()) == "outside fastcoll (after iteration 1)"
+    # Two ranks issuing the same collectives have the same history; a sparse gather's size does not count.
+    a, b = SyncState(), SyncState()
+    for s in (a, b):
+        s.note("all_reduce", "bucket 0", 5, torch.float32)
+    a.note("all_gather", "bucket 1 (sparse)", 7, torch.float32)
+    b.note("all_gather", "bucket 1 (sparse)", 9, torch.float32)
+    assert a.history == b.history
+    a.note("all_reduce", "x", 1, torch.float32)
+    b.note("all_reduce", "y", 1, torch.float32)
+    assert a.history != b.history
+
+
+def test_hot_path_costs_microseconds():
+    st = SyncState()
+    n = 20000
+    t = time.perf_counter()
+    for _ in range(n):
+        st.note("all_reduce", "bucket 3", 1000, torch.float32)
+    per_note = (time.perf_counter() - t) / n
+    t = time.perf_counter()
+    for i in range(n):
+        st.begin_forward(i)
+        st.begin_backward()
+        st.end_backward()
+        st.end_iteration()
+    per_iter = (time.perf_counter() - t) / n
+    # A bucket all-reduce takes tens of microseconds at least; an iteration milliseconds.
+    assert per_note < 10e-6, per_note
+    assert per_iter < 20e-6, per_iter
+
+
+# ------------------------------------------------------------------ timeout rule
+
+
+def test_timeout_rule(monkeypatch):
+    monkeypatch.delenv("FASTCOLL_STALL_TIMEOUT", raising=False)
+    assert stall.default_stall_timeout(pg_timeout=1800) == 300.0  # gloo's 30 min default: capped
+    assert stall.default_stall_timeout(pg_timeout=120) == 60.0
+    assert stall.resolve_stall_timeout(None, pg_timeout=120) == 60.0
+    assert stall.resolve_stall_timeout(0, pg_timeout=120) == 0.0
+    assert stall.resolve_stall_timeout(7, pg_timeout=120) == 7.0
+    assert stall.resolve_stall_timeout(datetime.timedelta(seconds=9)) == 9.0
+    monkeypatch.setenv("FASTCOLL_STALL_TIMEOUT", "12.5")
+    assert stall.resolve_stall_timeout(None, pg_timeout=120) == 12.5
+    assert stall.resolve_stall_timeout(3, pg_timeout=120) == 3.0  # an explicit value wins
+    monkeypatch.setenv("FASTCOLL_STALL_TIMEOUT", "0")
+    assert stall.resolve_stall_timeout(None, pg_timeout=120) == 0.0
+    monkeypatch.setenv("FASTCOLL_STALL_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="FASTCOLL_STALL_TIMEOUT"):
+        stall.resolve_stall_timeout(None, pg_timeout=120)
+    for bad in (-1, "x", True, float("nan")):
+        with pytest.raises(ValueError, match="stall_timeout"):
+            stall.resolve_stall_timeout(bad)
+
+
+def _pg_timeouts(rank, world_size):
+    g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=44))
+    return stall.process_group_timeout(), stall.process_group_timeout(g), stall.default_stall_timeout()
+
+
+def test_process_group_timeout_is_read_from_the_group(monkeypatch):
+    out = run_stall_ranks(_pg_timeouts, 2, pg_timeout=70, timeout=60, env={"FASTCOLL_STALL_TIMEOUT": ""})
+    for r in range(2):
+        assert out[r].kind == "ok", out[r]
+        assert out[r].value == (70.0, 44.0, 35.0)
+
+
+# ------------------------------------------------------------------ board on a HashStore
+
+
+def _boards(world, store, **kw):
+    return [
+        stall.StateBoard(SyncState(rank=r, group_rank=r), store, r, world, poll=0.05, store_host=None, **kw)
+        for r in range(world)
+    ]
+
+
+def test_board_publishes_once_per_iteration_and_answers_requests():
+    store = dist.HashStore()
+    (b,) = _boards(1, store, min_interval=0.0)
+    try:
+        time.sleep(0.3)
+        assert b.writes == 1  # the initial state; nothing changed since
+        b.state.begin_forward()
+        time.sleep(0.3)
+        assert b.writes == 2
+        for _ in range(5):  # phase changes inside an iteration are not published...
+            b.state.begin_backward()
+            b.state.end_iteration()
+        time.sleep(0.3)
+        assert b.writes == 2
+        b.state.end_backward(["w"])  # ...unless gradients are missing
+        time.sleep(0.3)
+        assert b.writes == 3 and b.read_all()[0]["missing"] == ["w"]
+        req = b.request()
+        time.sleep(0.3)
+        assert b.read_all()[0]["answer"] == req and b.writes == 4
+        assert b.settle({"line": "first"}) == {"line": "first"}
+        assert b.settle({"line": "second"}) == {"line": "first"}
+    finally:
+        b.close()
+
+
+def test_board_rate_limits_fast_iterations():
+    store = dist.HashStore()
+    (b,) = _boards(1, store, min_interval=0.5)
+    try:
+        t = time.time()
+        while time.time() - t < 1.6:
+            b.state.begin_forward()
+            time.sleep(0.001)
+        assert 2 <= b.writes <= 5, b.writes  # ~1 per 0.5 s although ~1000 iterations ran
+    finally:
+        b.close()
+
+
+def _diag_world(store, world=3, answering=(0, 1, 2)):
+    boards = _boards(world, store)
+    for r, b in enumerate(boards):
+        if r not in answering:
+            b.close()  # a dead rank: its last record stays, it answers nothing
+    return boards
+
+
+def test_diagnose_in_process_ranks_same_first_line(tmp_path, capsys):
+    store = dist.HashStore()
+    boards = _diag_world(store, answering=(0, 1))
+    try:
+        for b in boards:
+            b.state.begin_forward(3)
+            b.state.begin_backward()
+            b.state.note("all_reduce", "bucket 0", 100, torch.float32)
+        boards[2].publish()  # rank 2's last words: backward of iteration 3
+        boards[2].close()
+        for b in boards[:2]:
+            b.state.note("all_reduce", "bucket 1", 100, torch.float32)
+            b.state.waiting = (2, "bucket 1", time.time() - 5)
+        errs = [None, None]
+
+        def run(r):
+            errs[r] = stall.diagnose(boards[r], 5.0, waited=5.0, grace=1.0, trace_dir=str(tmp_path))
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+        t = time.time()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert time.time() - t < 3.0
+        e0, e1 = errs
+        assert isinstance(e0, stall.StallError) and isinstance(e0, RuntimeError)
+        assert e0.first_line == e1.first_line
+        assert e0.first_line.startswith("fastcoll stall: rank 2 did not answer")
+        assert "backward of iteration 3, 1 collectives issued" in e0.first_line
+        assert e0.culprits == [2] == e1.culprits
+        assert str(e0).splitlines()[0] == e0.first_line
+        assert "rank 2: no answer: dead or stuck outside gradient synchronization; last state" in e0.report
+        assert "waiting for bucket 1 (collective #2) of iteration 3" in e0.report
+        # Printed once per process, JSON written once (the first diagnosis of the process).
+        err = capsys.readouterr().err
+        assert err.count("fastcoll stall report from rank") == 1
+        data = json.loads((tmp_path / "stall-rank0.json").read_text()) if (tmp_path / "stall-rank0.json").exists() else None
+        data = data or json.loads((tmp_path / "stall-rank1.json").read_text())
+        assert data["first_line"] == e0.first_line and data["culprits"] == [2]
+    finally:
+        for b in boards:
+            b.close()
+
+
+class _DeadStore:
+    def __getattr__(self, name):
+        def fail(*a, **k):
+            raise RuntimeError("Broken pipe")
+
+        return fail
+
+
+def test_diagnose_store_unreachable_reports_own_state():
+    st = SyncState(rank=2, group_rank=2)
+    st.begin_forward(5)
+    st.note("all_reduce", "bucket 0", 10, torch.float32)
+    st.waiting = (1, "bucket 0", time.time() - 5)
+    b = stall.StateBoard(st, _DeadStore(), 2, 3, store_host=0, start=False)
+    err = stall.diagnose(b, 5.0, waited=5.0, cause=RuntimeError("Connection closed by peer"))
+    assert err.first_line.startswith("fastcoll stall: rank 0 (the store host) is unreachable")
+    assert err.culprits == [0]
+    lines = err.report.splitlines()
+    assert any(line.startswith("  rank 2 (this rank; pid") and "waiting for bucket 0" in line for line in lines)
+    assert "cause: RuntimeError: Connection closed by peer" in err.report
+    assert not err.data["store_reachable"]
+
+
+# ------------------------------------------------------------------ waiting
+
+
+def test_wait_or_diagnose_future_timeout_peer_failure_and_other_errors():
+    store = dist.HashStore()
+    (b,) = _boards(1, store)
+    try:
+        st = b.state
+        done = torch.futures.Future()
+        done.set_result(7)
+        assert stall.wait_or_diagnose(done, st, 1.0, b, "x") == 7
+        t = time.time()
+        with pytest.raises(stall.StallError) as ei:
+            stall.wait_or_diagnose(torch.futures.Future(), st, 0.5, b, "bucket 4", 9, grace=0.2)
+        assert 0.5 <= time.time() - t < 3.0
+        assert ei.value.data["waiting_for"] == {"seq": 9, "what": "bucket 4"}
+        assert st.waiting is None
+        dead = torch.futures.Future()
+        dead.set_exception(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234"))
+        with pytest.raises(stall.StallError) as ei:
+            stall.wait_or_diagnose(dead, st, 30.0, b, "bucket 0", grace=0.2)
+        assert isinstance(ei.value.__cause__, RuntimeError)
+        assert "Connection closed by peer" in ei.value.data["cause"]
+        other = torch.futures.Future()
+        other.set_exception(ValueError("bad argument"))
+        with pytest.raises(ValueError, match="bad argument"):
+            stall.wait_or_diagnose(other, st, 30.0, b)
+    finally:
+        b.close()
+
+
+class _FakeWork:
+    def __init__(self, done=False, exc=None):
+        self.done, self.exc = done, exc
+
+    def is_completed(self):
+        return self.done
+
+    def exception(self):
+        return self.exc
+
+    def wait(self):
+        return True
+
+
+def test_watchdog_polling_logic():
+    st = SyncState()
+    calls = []
+    aborted = []
+
+    def fake_diagnose(**kw):
+        calls.append(kw)
+        return stall.StallError("fastcoll stall: x\nreport", "fastcoll stall: x", [1])
+
+    wd = stall.Watchdog(st, None, 5.0, abort=lambda: aborted.append(1), diagnose_fn=fake_diagnose, start=False)
+    w1, w2 = _FakeWork(), _FakeWork()
+    wd.track(w1, 1, "bucket 0")
+    wd.track(w2, 2, "bucket 1")
+    t0 = wd._outstanding[0][3]
+    assert wd.poll_once(now=t0 + 1) is None
+    assert st.waiting[:2] == (1, "bucket 0")
+    w1.done = True
+    assert wd.poll_once(now=t0 + 2) is None and st.waiting[:2] == (2, "bucket 1")
+    w2.done = True
+    assert wd.poll_once(now=t0 + 3) is None and st.waiting is None and not wd._outstanding
+    wd.check()  # healthy: nothing raised
+    # An old incomplete work: diagnose once, abort once, arm the error.
+    w3 = _FakeWork()
+    wd.track(w3, 3, "bucket 0")
+    assert wd.poll_once(now=wd._outstanding[0][3] + 4.9) is None
+    err = wd.poll_once(now=wd._outstanding[0][3] + 5.1)
+    assert isinstance(err, stall.StallError) and len(calls) == 1 and aborted == [1]
+    assert wd.poll_once() is err and len(calls) == 1
+    with pytest.raises(stall.StallError):
+        wd.check()
+    # A work that failed because a peer is gone: diagnosed at once, with the cause.
+    calls.clear()
+    wd2 = stall.Watchdog(SyncState(), None, 100.0, diagnose_fn=fake_diagnose, start=False)
+    wd2.track(_FakeWork(done=True, exc=RuntimeError("NCCL error: remote process exited")), 1, "bucket 0")
+    assert wd2.poll_once() is not None and "NCCL error" in str(calls[0]["cause"])
+
+
+def test_watchdog_thread_arms_the_error():
+    st = SyncState()
+    wd = stall.Watchdog(st, None, 0.3, poll=0.05, diagnose_fn=lambda **kw: stall.StallError("r", "l", []))
+    try:
+        wd.track(_FakeWork(), 1, "bucket 0")
+        deadline = time.time() + 5
+        while wd.error is None and time.time() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(stall.StallError):
+            wd.check()
+    finally:
+        wd.close()
+
+
+def test_communicator_unprotected_is_a_plain_wait():
+    from fastcoll.reducer.comm import DONE, Communicator
+
+    c = Communicator(None, 1)
+    assert c.guard is None and c.wait(DONE) is True
+    fut = torch.futures.Future()
+    fut.set_result(3)
+    assert c.wait(fut) == 3
+    c.check()
+    # Listeners still see the communicator's own numbering.
+    f = Communicator(None, 1, force=True)
+    seen = []
+    f.add_listener(seen.append)
+    f.note_hook("bucket 0", torch.zeros(4))
+    assert [x.seq for x in seen] == [1] and f.seq == 1 and f.state.seq >= 1
+
+
+# ------------------------------------------------------------------ multi-rank
+
+
+def _comm(world_size, timeout=TIMEOUT):
+    from fastcoll.reducer.comm import Communicator
+
+    c = Communicator(None, world_size, stall_timeout=timeout)
+    assert c.guard is not None and c.guard.mode == "blocking"
+    return c
+
+
+def _iteration(comm, i, buckets=2, numel=256, before=None):
+    """One simulated synchronized iteration: forward, bucket all-reduces issued in backward, waits at its end.
+
+    ``before(stage)`` is called at "forward", "backward", "bucket <k>" (before issuing it) and "wait";
+    it may sleep, kill the process, or return "skip" to not issue that bucket.
+    """
+    st = comm.state
+    st.begin_forward(i)
+    if before:
+        before("forward")
+    st.begin_backward()
+    if before:
+        before("backward")
+    handles = []
+    for b in range(buckets):
+        if before and before(f"bucket {b}") == "skip":
+            continue
+        handles.append((comm.all_reduce(torch.ones(numel), f"bucket {b}"), f"bucket {b}"))
+    st.end_backward()
+    if before:
+        before("wait")
+    for h, what in handles:
+        comm.wait(h, what)
+    st.end_iteration()
+
+
+def _stall_result(fn):
+    """Run ``fn``; the StallError it raises, as picklable data (None if none)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except stall.StallError as e:
+        return {"line": e.first_line, "culprits": e.culprits, "report": e.report, "elapsed": time.monotonic() - t0}
+    return None
+
+
+def _kill_mid_backward(rank, world_size):
+    comm = _comm(world_size)
+    for i in range(1, 3):
+        _iteration(comm, i)
+
+    def before(stage):
+        if rank == 2 and stage == "bucket 1":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _stall_result(lambda: _iteration(comm, 3, before=before))
+
+
+def _check_trace(trace_dir, ranks, first_line):
+    for r in ranks:
+        data = json.loads((trace_dir / f"stall-rank{r}.json").read_text())
+        assert data["first_line"] == first_line and data["rank"] == r
+        assert data["report"].splitlines()[0] == first_line
+
+
+def test_killed_rank_is_named_by_the_survivors(tmp_path):
+    out = run_stall_ranks(_kill_mid_backward, 3, need={0, 1, 2}, env={"FASTCOLL_TRACE_DIR": str(tmp_path)})
+    assert out[2].kind == "dead" and out[2].value == -signal.SIGKILL
+    res = [out[r].value for r in (0, 1)]
+    assert all(out[r].kind == "ok" for r in (0, 1)), out
+    assert all(x is not None for x in res), out
+    assert res[0]["line"] == res[1]["line"]
+    line = res[0]["line"]
+    assert line.startswith("fastcoll stall: rank 2 did not answer: dead or stuck outside gradient synchronization"), line
+    assert res[0]["culprits"] == [2]
+    assert max(x["elapsed"] for x in res) < TIMEOUT + 30
+    _check_trace(tmp_path, (0, 1), line)
+
+
+def _sleep_before_backward(rank, world_size):
+    comm = _comm(world_size)
+    for i in range(1, 3):
+        _iteration(comm, i)
+
+    def before(stage):
+        if rank == 1 and stage == "forward":
+            time.sleep(120)
+
+    return _stall_result(lambda: _iteration(comm, 3, before=before))
+
+
+def test_sleeping_rank_is_named_behind(tmp_path):
+    out = run_stall_ranks(_sleep_before_backward, 3, need={0, 2}, env={"FASTCOLL_TRACE_DIR": str(tmp_path)})
+    assert out[1].kind == "killed", out[1]  # still asleep: killed by the harness
+    res = [out[r].value for r in (0, 2)]
+    assert all(out[r].kind == "ok" and out[r].value for r in (0, 2)), out
+    line = res[0]["line"]
+    assert res[1]["line"] == line
+    assert line.startswith("fastcoll stall: rank 1 is behind: it has not issued collective #5 (bucket 0)"), line
+    assert "last seen in forward of iteration 3" in line
+    assert res[0]["culprits"] == [1]
+    assert all(TIMEOUT <= x["elapsed"] < TIMEOUT + 15 for x in res), res
+    _check_trace(tmp_path, (0, 2), line)
+
+
+def _missing_gradient(rank, world_size):
+    comm = _comm(world_size)
+    for i in range(1, 3):
+        _iteration(comm, i)
+
+    def before(stage):
+        if rank == 2 and stage == "bucket 1":
+            return "skip"  # net.fc2.weight got no gradient here: bucket 1 is never complete
+        if rank == 2 and stage == "wait":
+            comm.state.end_backward(["net.fc2.weight"])
+            comm.guard.publish()
+            # The reducer raises at the next forward; the script dies.
+            os._exit(3)
+        return None
+
+    return _stall_result(lambda: _iteration(comm, 3, before=before))
+
+
+def test_rank_missing_a_gradient_is_named_with_the_parameter():
+    out = run_stall_ranks(_missing_gradient, 3, need={0, 1, 2})
+    assert out[2].kind == "dead" and out[2].value == 3
+    res = [out[r].value for r in (0, 1)]
+    assert all(out[r].kind == "ok" and out[r].value for r in (0, 1)), out
+    line = res[0]["line"]
+    assert res[1]["line"] == line
+    assert line.startswith("fastcoll stall: rank 2 did not answer"), line
+    assert "finished backward of iteration 3" in line and "no gradient for net.fc2.weight" in line
+    assert res[0]["culprits"] == [2]
+    assert max(x["elapsed"] for x in res) < TIMEOUT + 30
+
+
+def _kill_store_host(rank, world_size):
+    comm = _comm(world_size)
+    for i in range(1, 3):
+        _iteration(comm, i)
+
+    def before(stage):
+        if rank == 0 and stage == "backward":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _stall_result(lambda: _iteration(comm, 3, before=before))
+
+
+def test_store_host_death_is_reported_by_every_survivor(tmp_path):
+    out = run_stall_ranks(_kill_store_host, 3, need={0, 1, 2}, store="tcp", env={"FASTCOLL_TRACE_DIR": str(tmp_path)})
+    assert out[0].kind == "dead"
+    res = [out[r].value for r in (1, 2)]
+    assert all(out[r].kind == "ok" and out[r].value for r in (1, 2)), out
+    line = res[0]["line"]
+    assert res[1]["line"] == line
+    assert line.startswith("fastcoll stall: rank 0 (the store host) is unreachable"), line
+    assert res[0]["culprits"] == [0]
+    for r, x in zip((1, 2), res):
+        assert f"rank {r} (this rank; pid" in x["report"] and "waiting for bucket 0 (collective #5) of iteration 3" in x["report"]
+    assert max(x["elapsed"] for x in res) < TIMEOUT + 30
+    _check_trace(tmp_path, (1, 2), line)
+
+
+def _extra_collective(rank, world_size):
+    comm = _comm(world_size)
+
+    def before(stage):
+        if rank == 1 and stage == "backward":
+            t = torch.ones(256)  # a fastcoll.dist.reduce_mean of the loss, on rank 1 only
+            stall.run_collective(lambda: dist.all_reduce(t, async_op=True), "all_reduce", "reduce_mean", t, stall_timeout=TIMEOUT)
+
+    def train():
+        for i in range(1, 5):
+            _iteration(comm, i, buckets=1, before=before if i == 2 else None)
+
+    res = _stall_result(train)
+    return res, comm.state.seq
+
+
+def test_extra_collective_on_one_rank_is_named_out_of_step():
+    out = run_stall_ranks(_extra_collective, 3, need={0, 1, 2})
+    assert all(out[r].kind == "ok" for r in range(3)), out
+    # Ranks 0 and 2 finished (their collectives paired with rank 1's, shifted by one); rank 1 waits for a 6th.
+    assert out[0].value == (None, 4) and out[2].value == (None, 4)
+    res, seq = out[1].value
+    assert seq == 5 and res is not None
+    line = res["line"]
+    assert line.startswith("fastcoll stall: rank 1 is out of step (collective sequence numbers differ)"), line
+    assert "collective #2 is all_reduce of reduce_mean (256 x float32) on rank 1 but all_reduce of bucket 0" in line
+    assert res["culprits"] == [1]
+
+
+def _watchdog(rank, world_size):
+    from fastcoll.reducer.comm import Communicator
+
+    comm = Communicator(None, world_size)  # unprotected, then given a watchdog guard as under NCCL
+    comm.guard = stall.StallGuard(None, TIMEOUT, mode="watchdog")
+    for i in range(1, 3):
+        _iteration(comm, i)
+    if rank == 1:
+        time.sleep(120)
+    comm.state.begin_forward(3)
+    comm.state.begin_backward()
+    comm.all_reduce(torch.ones(8), "bucket 0")
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 60:  # the training thread never blocks: it keeps checking
+            comm.check()
+            time.sleep(0.05)
+    except stall.StallError as e:
+        return {"line": e.first_line, "elapsed": time.monotonic() - t0, "culprits": e.culprits}
+    return None
+
+
+def test_watchdog_path_on_gloo():
+    out = run_stall_ranks(_watchdog, 3, need={0, 2})
+    res = [out[r].value for r in (0, 2)]
+    assert all(out[r].kind == "ok" and out[r].value for r in (0, 2)), out
+    assert res[0]["line"] == res[1]["line"]
+    assert res[0]["line"].startswith("fastcoll stall: rank 1 is behind"), res[0]["line"]
+    assert "last seen outside fastcoll (after iteration 2)" in res[0]["line"]
+    assert all(TIMEOUT <= x["elapsed"] < TIMEOUT + 15 for x in res), res
+
+
+def _healthy(rank, world_size, iters, forward_s):
+    comm = _comm(world_size)
+    t = time.monotonic()
+
+    def before(stage):
+        if stage == "forward":
+            time.sleep(forward_s)
+
+    for i in range(1, iters + 1):
+        _iteration(comm, i, before=before)
+    for k in range(50):  # fast iterations: publications stay rate-limited
+        _iteration(comm, iters + 1 + k)
+    b = comm.guard.board
+    return {"elapsed": time.monotonic() - t, "writes": b.writes, "polls": b.polls, "seq": comm.state.seq}
+
+
+def test_healthy_training_with_forward_longer_than_the_timeout_does_not_raise():
+    out = run_stall_ranks(_healthy, 3, 2, TIMEOUT + 1.0, need={0, 1, 2})
+    for r in range(3):
+        assert out[r].kind == "ok", out[r]
+        v = out[r].value
+        assert v["seq"] == 2 * 52
+        # One initial write, one per slow iteration, at most a couple for the burst of fast ones.
+        assert v["writes"] <= 2 + 2 + 2, v
+        assert v["polls"] <= v["elapsed"] / 0.5 + 3, v
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v", *sys.argv[1:]]))
