@@ -105,7 +105,7 @@ class DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        ddp.reducer.rebuild_buckets()
+        ddp.reducer.prepare_layout()
         if ddp.require_forward_param_sync and ddp.broadcast_buffers and ddp._buffers_to_sync:
             ddp._sync_buffers(ddp._join.common_rank(False))
         should_sync = ddp._join.receive_requires_sync()

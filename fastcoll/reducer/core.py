@@ -49,7 +49,7 @@ from __future__ import annotations
 import enum
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,14 @@ import torch.distributed as dist
 from .._dtypes import check_comm_dtype
 from .bucket import GradBucket, PackArgs
 from .._knobs import force_collectives
-from .comm import Collective, Communicator
+from ..bucketing import Caps
+from .comm import Communicator
 from .layout import BucketSet
+from .timeline import Timeline
+from .settings import ReducerSettings
+from .tuning import LayoutTuning
 from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
-from .health import Divisor, GradHealth, check_divisor, inverse_divisor
+from .health import Divisor, GradHealth
 from .usage import ParameterUsage, marked_twice_error, unfinished_error
 
 __all__ = ["Phase", "Reducer"]
@@ -105,14 +109,14 @@ def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[t
     return hook
 
 
-class Reducer:
+class Reducer(ReducerSettings):
     """Bucketed, overlapped gradient averaging for a list of parameters.
 
     Args:
         params: Parameters to reduce (requires_grad, floating, one device type).
         names: Qualified name of each parameter, for messages and :meth:`bucket_info`.
         process_group: Group to reduce over (None: default group).
-        bucket_cap_bytes: Byte cap of every bucket but the first of each (device, dtype).
+        bucket_cap_bytes: Byte cap of every bucket but the first of each (device, dtype), or a list of caps per bucket.
         first_bucket_bytes: Byte cap of the first bucket of each (device, dtype).
         find_unused_parameters: Search the autograd graph from the outputs
             each iteration and mark unreached parameters ready.
@@ -127,6 +131,9 @@ class Reducer:
             (``nn.Embedding(sparse=True)`` weights): each gets a bucket of its
             own and its gradient is scaled and summed as a sparse tensor.
         compute_grad_norm, check_nonfinite: Gradient health (:mod:`.health`).
+        record_timeline: Record per-bucket event times (:mod:`.timeline`).
+        autotune: Tune the bucket layout while training (``bucket_cap_mb="auto"``, :mod:`.tuning`);
+            ``bucket_cap_bytes`` is then the default the tuner starts from.
     """
 
     def __init__(
@@ -135,7 +142,7 @@ class Reducer:
         names: Sequence[str],
         process_group: Optional[dist.ProcessGroup] = None,
         *,
-        bucket_cap_bytes: int = 25 * 1024 * 1024,
+        bucket_cap_bytes: Caps = 25 * 1024 * 1024,
         first_bucket_bytes: int = 1024 * 1024,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -144,6 +151,8 @@ class Reducer:
         sparse_params: Sequence[int] = (),
         compute_grad_norm: bool = False,
         check_nonfinite: bool = False,
+        record_timeline: bool = True,
+        autotune: bool = False,
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -153,10 +162,11 @@ class Reducer:
         check_comm_dtype(comm_dtype)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
         self.comm = Communicator(process_group, self.world_size, force_collectives())
         #: Run-time divisor folded into the pack: gradients are averaged over this many ranks.
         self.divisor: float = float(self.world_size)
-        self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.bucket_cap_bytes: Caps = bucket_cap_bytes if isinstance(bucket_cap_bytes, int) else [int(c) for c in bucket_cap_bytes]
         self.first_bucket_bytes = int(first_bucket_bytes)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
@@ -172,6 +182,8 @@ class Reducer:
         )  # fmt: skip
         self._hook: Optional[CommHook] = None
         self._phase = _IDLE
+        self.timeline = Timeline(enabled=bool(record_timeline))
+        self._tuning = LayoutTuning() if autotune else None
         self.health = GradHealth(bool(compute_grad_norm), bool(check_nonfinite), self.params[0].device)
         self._user_divisor: Divisor = None
         self._how = PackArgs()
@@ -185,6 +197,11 @@ class Reducer:
     @property
     def static_graph(self) -> bool:
         return self.usage.static_graph
+
+    @property
+    def reducing(self) -> bool:
+        """A backward is being reduced (started, or ended with buckets left): no reconfiguration now."""
+        return self._phase is _BACKWARD or self._phase is _UNFINISHED
 
     # ------------------------------------------------------------------ layout
 
@@ -201,8 +218,8 @@ class Reducer:
         self._reset_progress()
 
     def _index_reductions(self) -> None:
-        dense = self._hook if self._hook is not None else AllReduce(self.comm)
-        sparse = SparseSum(self.comm)
+        dense = self._hook if self._hook is not None else AllReduce(self.comm, self.timeline)
+        sparse = SparseSum(self.comm, self.timeline)
         self._reductions = [sparse if b.sparse else dense for b in self._set.buckets]
 
     def _count_expected(self) -> None:
@@ -219,25 +236,6 @@ class Reducer:
         self._packed = bytearray(len(self.params))
         self._next_bucket = 0
         self._bucket_of, self._eager_slots, self._slot_pos = s.bucket_of, s.eager_slots, s.slot_pos
-
-    def layout(self) -> List[List[int]]:
-        """The current buckets as lists of parameter indices, in reduction order."""
-        return self._set.layout()
-
-    def bucket_info(self) -> List[Dict[str, Any]]:
-        """Each bucket's index, parameter names, dtype, device, numel, bytes and wire dtype, in reduction order."""
-        return self._set.info()
-
-    @property
-    def recorded_order(self) -> Optional[List[int]]:
-        """The gradient-ready order recorded in the first synchronized backward, until the rebuild takes it."""
-        rec = self._set.order.recorded
-        return None if rec is None else list(rec)
-
-    @property
-    def rebuilt(self) -> bool:
-        """Whether the one layout rebuild from the ready order has happened (or never will)."""
-        return self._set.order.rebuilt
 
     def rebuild_buckets(self) -> bool:
         """Rebuild the layout from the recorded ready order, once; rank 0's order wins.
@@ -256,18 +254,6 @@ class Reducer:
             self._install_layout(layout)
         return True
 
-    # ------------------------------------------------------- inspection seams
-
-    def add_collective_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
-        """Call ``fn`` with a :class:`~fastcoll.reducer.comm.Collective` for every collective issued; returns its remover."""
-        return self.comm.add_listener(fn)
-
-    def stats(self) -> Dict[str, int]:
-        """Counters: completed synchronized ``iterations``, ``unused_searches`` run, ``collectives`` issued,
-        ``host_reads`` of the used-parameter map (each a host synchronization; none without find_unused_parameters)."""
-        u = self.usage
-        return {"iterations": u.iterations, "unused_searches": u.searches, "collectives": self.comm.seq, "host_reads": u.host_reads}
-
     # ---------------------------------------------------------------- forward
 
     def prepare_for_forward(self) -> None:
@@ -277,9 +263,18 @@ class Reducer:
             RuntimeError: if the previous synchronized backward left some
                 parameters without gradients, naming them.
         """
-        if self._phase is _BACKWARD or self._phase is _UNFINISHED:
+        if self.reducing:
             self._raise_unfinished()
+        self.prepare_layout()
+        self.timeline.begin_iteration(len(self._set.buckets))
+
+    def prepare_layout(self) -> None:
+        """Layout changes due at a forward, on every rank alike (joined ranks too): the one rebuild, then autotuning steps."""
         self.rebuild_buckets()
+        if self._tuning is not None and self._set.order.rebuilt and not self._tuning.frozen and not self.closed:
+            layout = self._tuning.next_layout(self)
+            if layout is not None and layout != self.layout():
+                self._install_layout(layout)
 
     def prepare_for_backward(self, outputs: Optional[Any] = None) -> None:
         """Arm the hooks for the next backward.
@@ -316,6 +311,7 @@ class Reducer:
         if usage.track_used:
             usage.local_used[idx] = 1
         pos = self._bucket_of[idx]
+        self.timeline.ready(pos)
         if rem == 1:
             if observed is not None:
                 observed.append(idx)
@@ -328,27 +324,13 @@ class Reducer:
         if left == 0 and pos == self._next_bucket:
             self._advance()
 
-    def set_gradient_divisor(self, divisor: Any) -> None:
-        """Divide the next synchronized backwards' summed gradients by ``divisor`` (float, 1-element tensor, None: the default)."""
-        self._user_divisor = check_divisor(divisor)
-
-    def _pack_args(self) -> PackArgs:
-        """This backward's pack factor: 1/divisor (a comm hook divides by the world size itself, so it gets world_size/divisor)."""
-        d = self._user_divisor
-        hook = self._hook is not None
-        if d is None:
-            return PackArgs(1.0 if hook else 1.0 / self.divisor)
-        base = float(self.world_size) if hook else 1.0
-        if isinstance(d, torch.Tensor):
-            return PackArgs(base, inverse_divisor(d, self.usage.device))
-        return PackArgs(base / d)
-
     def _start_backward(self) -> None:
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         self._phase = _BACKWARD
         if first:
             self._how = self._pack_args()
             self.health.begin_iteration()
+            self.timeline.backward_start()
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         if first:
             usage = self.usage
@@ -375,6 +357,7 @@ class Reducer:
     def _on_backward_end(self) -> None:
         """Engine callback at the end of a backward in which hooks fired."""
         self._phase = _UNFINISHED
+        self.timeline.backward_end()
         if self.usage.learning_static_graph:
             # The learning backward launched nothing: everything it counted is ready now.
             self.usage.learn_from_hooks()
@@ -386,6 +369,7 @@ class Reducer:
 
     def _finalize(self) -> None:
         usage, health = self.usage, self.health
+        self.timeline.finalize_start()
         health.find_local_nonfinite(self._set.buckets)  # before write-back, while local values are in the gradients
         pairs = list(zip(self._set.buckets, self._inflight))
         if usage.used_map_started:
@@ -407,6 +391,7 @@ class Reducer:
         if used is not None and health.sums is not None:  # gradients kept by parameters unused everywhere count too
             health.add_outside([p.grad for i, p in enumerate(self.params) if not used[i] and not self._sparse[i] and p.grad is not None])
         total = health.finish(self.params)
+        self.timeline.finalize_end()
         self._end_iteration(joined=False)
         if total is not None and not bool(torch.isfinite(total)):
             self._raise_nonfinite()
@@ -429,6 +414,7 @@ class Reducer:
         if learned:
             self._count_expected()
         self._set.order.end_iteration(joined)
+        self.timeline.end_iteration()
         self._inflight = [None] * len(self._set.buckets)
         self._phase = _IDLE
 
@@ -455,43 +441,6 @@ class Reducer:
         for f in inflight:
             f.finish(None)
         self._end_iteration(joined=True)
-
-    # -------------------------------------------------------- configuration
-
-    def _check_idle(self, what: str) -> None:
-        if self._phase is _BACKWARD or self._phase is _UNFINISHED:
-            raise RuntimeError(f"fastcoll.DDP: cannot {what} while a backward pass is being reduced; do it between iterations")
-
-    def set_static_graph(self) -> None:
-        """Switch to static-graph mode; only before the first synchronized iteration."""
-        self.usage.enable_static_graph()
-        self._set.order.enable()
-
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
-        """Install ``hook`` (already validated by :class:`fastcoll.DDP`); between iterations only."""
-        self._check_idle("register a comm hook")
-        if self.comm_dtype is not None:
-            raise RuntimeError("fastcoll.DDP: a comm hook cannot be combined with comm_dtype")
-        sparse = [self.names[i] for i, s in enumerate(self._sparse) if s]
-        if sparse:
-            raise RuntimeError(
-                f"fastcoll.DDP: comm hooks are not supported with sparse gradients (parameter '{sparse[0]}' belongs "
-                "to an nn.Embedding/EmbeddingBag with sparse=True); use sparse=False or no comm hook"
-            )
-        self._hook = CommHook(self.comm, hook, state)
-        self._index_reductions()
-
-    def set_comm_dtype(self, comm_dtype: Optional[torch.dtype]) -> None:
-        """Change the wire dtype (reallocates the bucket buffers, keeping the layout); between iterations only."""
-        check_comm_dtype(comm_dtype)
-        self._check_idle("change comm_dtype")
-        if comm_dtype is not None and self._hook is not None:
-            raise RuntimeError("fastcoll.DDP: comm_dtype cannot be combined with a comm hook")
-        if comm_dtype == self.comm_dtype:
-            return
-        self.comm_dtype = comm_dtype
-        if not self.closed:
-            self._install_layout(self.layout())
 
     # ----------------------------------------------------------------- errors
 

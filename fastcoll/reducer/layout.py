@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._knobs import early_pack_min_numel
-from ..bucketing import ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
+from ..bucketing import Caps, ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
 from .bucket import GradBucket
 from .comm import Communicator
 
@@ -154,7 +154,7 @@ class BucketSet:
         names: Sequence[str],
         sparse: Sequence[bool],
         first_bucket_bytes: int,
-        bucket_cap_bytes: int,
+        bucket_cap_bytes: Caps,
         as_view: bool,
         record_order: bool,
     ):
@@ -166,6 +166,8 @@ class BucketSet:
         self.as_view = as_view
         self.specs = [ParamSpec.of(p, bool(sparse[i])) for i, p in enumerate(params)]
         self.order = ReadyOrder(enabled=record_order)
+        #: The reduction order of the rebuild (rank 0's), once it happened.
+        self.rebuild_order: Optional[List[int]] = None
         self.buckets: List[GradBucket] = []
         self.bucket_of: List[int] = []
         self.eager_slots: List[Optional[torch.Tensor]] = []
@@ -205,6 +207,7 @@ class BucketSet:
             t = torch.tensor(order, dtype=torch.int64, device=device)
             comm.broadcast(t, "layout", group_src=0)
             order = t.tolist()
+        self.rebuild_order = order
         return assign_buckets(self.specs, order, self.first_bucket_bytes, self.bucket_cap_bytes)
 
     def info(self) -> List[Dict[str, Any]]:

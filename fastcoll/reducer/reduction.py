@@ -26,6 +26,7 @@ from ..comm_hooks import call_hook, hook_result
 from .. import ops
 from .bucket import GradBucket, PackArgs
 from .comm import DONE, Communicator
+from .timeline import Timeline
 
 __all__ = ["AllReduce", "CommHook", "InFlight", "SparseSum", "ZeroBuffers"]
 
@@ -33,10 +34,11 @@ __all__ = ["AllReduce", "CommHook", "InFlight", "SparseSum", "ZeroBuffers"]
 class InFlight:
     """A reduction under way. This base class is the replayed kind: it only waits."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "timeline")
 
-    def __init__(self, handle: Any):
+    def __init__(self, handle: Any, timeline: Optional[Timeline] = None):
         self.handle = handle
+        self.timeline = timeline
 
     def after_used_map(self) -> None:
         """Issue what comes after the used-parameter all-reduce (nothing, for most)."""
@@ -76,27 +78,43 @@ class ZeroBuffers:
 # ------------------------------------------------------------------ all-reduce
 
 
+def _write_back(tl: Timeline, b: GradBucket, src: torch.Tensor, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor]) -> None:
+    tl.completed(b.pos)
+    tl.writeback_start(b.pos)
+    b.write_back(src, used, sumsq=sumsq)
+    tl.writeback_end(b.pos)
+
+
+def _packed(tl: Timeline, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> None:
+    tl.pack_start(b.pos)
+    b.pack(how, done)
+    tl.pack_end(b.pos)
+
+
 class _Reduced(InFlight):
     __slots__ = ("bucket",)
 
-    def __init__(self, bucket: GradBucket, handle: Any):
-        super().__init__(handle)
+    def __init__(self, bucket: GradBucket, handle: Any, timeline: Timeline):
+        super().__init__(handle, timeline)
         self.bucket = bucket
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         self.handle.wait()
-        self.bucket.write_back(self.bucket.comm, used, sumsq=sumsq)
+        _write_back(self.timeline, self.bucket, self.bucket.comm, used, sumsq)
 
 
 class AllReduce:
     """Pack scaled by 1/divisor (cast to the wire dtype), one SUM all-reduce, unpack (cast back)."""
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, timeline: Timeline):
         self.comm = comm
+        self.timeline = timeline
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
-        b.pack(how, done)
-        return _Reduced(b, self.comm.all_reduce(b.comm, f"bucket {b.pos}") if b.numel else DONE)
+        _packed(self.timeline, b, how, done)
+        handle = self.comm.all_reduce(b.comm, f"bucket {b.pos}") if b.numel else DONE
+        self.timeline.issued(b.pos)
+        return _Reduced(b, handle, self.timeline)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
         if b.numel:
@@ -110,27 +128,30 @@ class AllReduce:
 class _Hooked(InFlight):
     __slots__ = ("bucket", "hook")
 
-    def __init__(self, bucket: GradBucket, handle: Any, hook: Callable):
-        super().__init__(handle)
+    def __init__(self, bucket: GradBucket, handle: Any, hook: Callable, timeline: Timeline):
+        super().__init__(handle, timeline)
         self.bucket = bucket
         self.hook = hook
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
-        self.bucket.write_back(hook_result(self.hook, self.bucket, self.handle.wait()), used, sumsq=sumsq)
+        _write_back(self.timeline, self.bucket, hook_result(self.hook, self.bucket, self.handle.wait()), used, sumsq)
 
 
 class CommHook:
     """Pack without scaling (the hook divides; a user divisor d is folded in as world_size/d), call the hook, unpack its future's value."""
 
-    def __init__(self, comm: Communicator, hook: Callable, state: Any):
+    def __init__(self, comm: Communicator, hook: Callable, state: Any, timeline: Timeline):
         self.comm = comm
         self.hook = hook
         self.state = state
+        self.timeline = timeline
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
-        b.pack(how, done)
+        _packed(self.timeline, b, how, done)
         self.comm.note_hook(f"bucket {b.pos}", b.flat)
-        return _Hooked(b, call_hook(self.hook, self.state, b), self.hook)
+        fut = call_hook(self.hook, self.state, b)
+        self.timeline.issued(b.pos)
+        return _Hooked(b, fut, self.hook, self.timeline)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
         z = GradBucket(b.pos, b.count, b.param_indices, b.params, b.names, buffer=zeros.get(b.device, b.dtype, b.numel))
@@ -145,8 +166,8 @@ class CommHook:
 class _SparseSummed(InFlight):
     __slots__ = ("bucket", "replay")
 
-    def __init__(self, bucket: GradBucket, handle: Any, replay: bool = False):
-        super().__init__(handle)  # a SparseExchange, or the scaled gradient itself (no collective)
+    def __init__(self, bucket: GradBucket, handle: Any, timeline: Timeline, replay: bool = False):
+        super().__init__(handle, timeline)  # a SparseExchange, or the scaled gradient itself (no collective)
         self.bucket = bucket
         self.replay = replay
 
@@ -159,6 +180,7 @@ class _SparseSummed(InFlight):
         reduced = h.result() if isinstance(h, SparseExchange) else h
         if self.replay:
             return
+        self.timeline.completed(self.bucket.pos)
         p = self.bucket.params[0]
         if used is None or used[0]:
             p.grad = reduced
@@ -178,8 +200,9 @@ class SparseSum:
     every rank issues the same collectives.
     """
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, timeline: Timeline):
         self.comm = comm
+        self.timeline = timeline
 
     def _exchange(self, b: GradBucket, grad: torch.Tensor) -> Any:
         if not self.comm.active:
@@ -202,7 +225,9 @@ class SparseSum:
             if how.nonfinite is not None:
                 how.nonfinite.bitwise_or_((~torch.isfinite(g._values())).any().to(torch.int32))
             scaled = g * how.scale if how.scale_by is None else g * (how.scale * how.scale_by.reshape(()).to(g.dtype))
-        return _SparseSummed(b, self._exchange(b, scaled))
+        exchange = self._exchange(b, scaled)
+        self.timeline.issued(b.pos)
+        return _SparseSummed(b, exchange, self.timeline)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
-        return _SparseSummed(b, self._exchange(b, empty_sparse_grad(b.params[0])), replay=True)
+        return _SparseSummed(b, self._exchange(b, empty_sparse_grad(b.params[0])), self.timeline, replay=True)

@@ -1,0 +1,51 @@
+"""What :class:`fastcoll.DDP` shows of its synchronization: buckets, timeline, Chrome trace, tuning report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Union
+
+import torch.distributed as dist
+
+__all__ = ["SyncInspection"]
+
+
+class SyncInspection:
+    """Expects the wrapper's ``reducer`` and ``process_group``."""
+
+    def bucket_info(self) -> List[Dict[str, Any]]:
+        """Each bucket, in reduction order: ``index``, parameter ``names`` (relative to ``.module``),
+        ``dtype``, ``device``, ``numel``, ``bytes`` (of the gradients), ``comm_dtype`` and
+        ``comm_bytes`` (what one all-reduce of it carries), ``sparse`` and ``packed_early``.
+        Reflects the rebuilt (and, with ``bucket_cap_mb="auto"``, the tuned) layout."""
+        return self.reducer.bucket_info()
+
+    def sync_timeline(self) -> List[Dict[str, Any]]:
+        """The last synchronized iterations' events (up to 8), oldest first.
+
+        Per iteration: times in microseconds relative to the start of backward
+        (the first gradient hook): ``forward_start_us``, ``backward_end_us``
+        (the end of backward compute), ``finalize_start_us`` /
+        ``finalize_end_us``, ``exposed_sync_us`` (end of backward compute to
+        the last gradient written back: the synchronization the backward did
+        not hide) and ``step_us``; and per bucket: gradient-ready times of its
+        first and last parameter, pack start/end, collective issued/completed,
+        write-back start/end. Empty with ``record_timeline=False`` (then only
+        the iteration-level times are kept, for ``bucket_cap_mb="auto"``).
+        """
+        return self.reducer.timeline.iterations()
+
+    def export_chrome_trace(self, path: Union[str, Path]) -> Path:
+        """Write the recorded iterations as a Chrome / Perfetto trace (JSON ``traceEvents``); returns the path.
+
+        Events are named after their bucket (``bucket 3 pack``, ``bucket 3
+        all-reduce``, ``bucket 3 write-back``), one track per kind, with this
+        rank as the process; traces of several ranks can be loaded together.
+        """
+        rank = dist.get_rank(self.process_group)
+        return self.reducer.timeline.export_chrome_trace(path, rank=rank)
+
+    def tuning_report(self) -> List[Dict[str, Any]]:
+        """With ``bucket_cap_mb="auto"``: every candidate layout with its measured median step and
+        exposed synchronization times, and which one was chosen (empty before tuning starts or without "auto")."""
+        return self.reducer.tuning_report()

@@ -1,0 +1,121 @@
+"""The reducer's between-iterations side: configuration changes and read-only inspection.
+
+:class:`ReducerSettings` is the part of :class:`~fastcoll.reducer.Reducer`
+that is never called during a backward: switching to a static graph,
+installing a comm hook or a wire dtype, the gradient divisor, and what tests
+and tools may read (layout, bucket info, the recorded ready order, counters,
+collective listeners, the tuning report). The iteration protocol itself is
+in :mod:`.core`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .._dtypes import check_comm_dtype
+from .bucket import PackArgs
+from .comm import Collective
+from .health import check_divisor, inverse_divisor
+from .reduction import CommHook
+
+__all__ = ["ReducerSettings"]
+
+
+class ReducerSettings:
+    """Configuration and inspection methods of :class:`~fastcoll.reducer.Reducer` (see the module docstring)."""
+
+    def set_gradient_divisor(self, divisor: Any) -> None:
+        """Divide the next synchronized backwards' summed gradients by ``divisor`` (float, 1-element tensor, None: the default)."""
+        self._user_divisor = check_divisor(divisor)
+
+    def _pack_args(self) -> PackArgs:
+        """This backward's pack factor: 1/divisor (a comm hook divides by the world size itself, so it gets world_size/divisor)."""
+        d = self._user_divisor
+        hook = self._hook is not None
+        if d is None:
+            return PackArgs(1.0 if hook else 1.0 / self.divisor)
+        base = float(self.world_size) if hook else 1.0
+        if isinstance(d, torch.Tensor):
+            return PackArgs(base, inverse_divisor(d, self.usage.device))
+        return PackArgs(base / d)
+
+    # -------------------------------------------------------- configuration
+
+    def _check_idle(self, what: str) -> None:
+        if self.reducing:
+            raise RuntimeError(f"fastcoll.DDP: cannot {what} while a backward pass is being reduced; do it between iterations")
+
+    def set_static_graph(self) -> None:
+        """Switch to static-graph mode; only before the first synchronized iteration."""
+        self.usage.enable_static_graph()
+        self._set.order.enable()
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Install ``hook`` (already validated by :class:`fastcoll.DDP`); between iterations only."""
+        self._check_idle("register a comm hook")
+        if self.comm_dtype is not None:
+            raise RuntimeError("fastcoll.DDP: a comm hook cannot be combined with comm_dtype")
+        if self._tuning is not None:
+            raise RuntimeError(
+                "fastcoll.DDP: a comm hook cannot be combined with bucket_cap_mb='auto': tuning switches bucket layouts, "
+                "and stateful hooks (PowerSGD, post-local SGD) key their state by bucket index; pass a fixed bucket_cap_mb"
+            )
+        sparse = [self.names[i] for i, s in enumerate(self._sparse) if s]
+        if sparse:
+            raise RuntimeError(
+                f"fastcoll.DDP: comm hooks are not supported with sparse gradients (parameter '{sparse[0]}' belongs "
+                "to an nn.Embedding/EmbeddingBag with sparse=True); use sparse=False or no comm hook"
+            )
+        self._hook = CommHook(self.comm, hook, state, self.timeline)
+        self._index_reductions()
+
+    def set_comm_dtype(self, comm_dtype: Optional[torch.dtype]) -> None:
+        """Change the wire dtype (reallocates the bucket buffers, keeping the layout); between iterations only."""
+        check_comm_dtype(comm_dtype)
+        self._check_idle("change comm_dtype")
+        if comm_dtype is not None and self._hook is not None:
+            raise RuntimeError("fastcoll.DDP: comm_dtype cannot be combined with a comm hook")
+        if comm_dtype == self.comm_dtype:
+            return
+        self.comm_dtype = comm_dtype
+        if not self.closed:
+            self._install_layout(self.layout())
+
+    # ------------------------------------------------------------ inspection
+
+    def layout(self) -> List[List[int]]:
+        """The current buckets as lists of parameter indices, in reduction order."""
+        return self._set.layout()
+
+    def bucket_info(self) -> List[Dict[str, Any]]:
+        """Each bucket's index, parameter names, dtype, device, numel, bytes and wire dtype, in reduction order."""
+        return self._set.info()
+
+    @property
+    def recorded_order(self) -> Optional[List[int]]:
+        """The gradient-ready order recorded in the first synchronized backward, until the rebuild takes it."""
+        rec = self._set.order.recorded
+        return None if rec is None else list(rec)
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the one layout rebuild from the ready order has happened (or never will)."""
+        return self._set.order.rebuilt
+
+    # ------------------------------------------------------- inspection seams
+
+    def add_collective_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
+        """Call ``fn`` with a :class:`~fastcoll.reducer.comm.Collective` for every collective issued; returns its remover."""
+        return self.comm.add_listener(fn)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters: completed synchronized ``iterations``, ``unused_searches`` run, ``collectives`` issued,
+        ``host_reads`` of the used-parameter map (each a host synchronization; none without find_unused_parameters)."""
+        u = self.usage
+        return {"iterations": u.iterations, "unused_searches": u.searches, "collectives": self.comm.seq, "host_reads": u.host_reads}
+
+    def tuning_report(self) -> List[Dict[str, Any]]:
+        """``bucket_cap_mb="auto"``: each candidate layout with its measured medians and which was chosen."""
+        return [] if self._tuning is None else self._tuning.report()
