@@ -35,7 +35,8 @@ Integration (the reducer, with ``bucket_cap_mb="auto"``)::
     # after the one ready-order rebuild (every rank now has rank 0's order):
     tuner = AutoTuner(specs, order, first_cap_bytes, default_caps,
                       budget=autotune_steps() - iterations_so_far - 1)
-    # at the start of every synchronized forward until tuner.frozen:
+    # at the start of every synchronized forward (one whose backward will be
+    # reduced: not under no_sync) until tuner.frozen:
     if a tuned iteration just ended:
         tuner.observe(*timeline.last_times())      # (exposed_s, step_s); (None, None) if it did not complete
     if tuner.measured_all:
@@ -422,7 +423,11 @@ class AutoTuner:
         return k
 
     def observe(self, exposed_s: float | None, step_s: float | None) -> None:
-        """Measurements of the tuned iteration that just ended, in order (None: it did not complete; not counted)."""
+        """Measurements of the tuned iteration that just ended, in order.
+
+        None (it did not complete): its slot of the schedule passes without a
+        measurement. Ignored when no handed-out iteration awaits one.
+        """
         if self._observed >= min(self._started, len(self.schedule)):
             return  # nothing is waiting for a measurement
         slot = self.schedule[self._observed]
