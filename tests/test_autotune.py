@@ -268,3 +268,12 @@ def test_mixed_dtypes_group_separately():
     for c in t.candidates:
         for b in c.layout:
             assert len({specs[i].key for i in b}) == 1
+
+
+def test_model_prefers_fewer_buckets_among_near_equal_predictions():
+    # 1 ms per collective, almost free bytes: every layout exposes about one collective (~1 ms),
+    # so the model's pick is the fewest buckets: 64 MiB is the first grid cap giving 2 buckets (1 MiB + 49 MiB).
+    t = tuner(cost=CostModel(1e-3, 1e-13), backward_s=0.05)
+    label, caps, first = t._model_choice()
+    assert label == "model: 64 MiB" and caps == 64 * MIB and first == MIB
+    assert all(mb >= 1 for mb in autotune._MODEL_SINGLE_MB + autotune._MODEL_LIST_STARTS_MB)

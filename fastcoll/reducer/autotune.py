@@ -84,10 +84,15 @@ SINGLE_CAPS_MB: tuple[float, ...] = (1, 5, 25, 100)
 #: Growing per-bucket cap lists tried (MiB, the last repeating).
 GROWING_CAPS_MB: tuple[tuple[float, ...], ...] = ((1, 4, 16, 64), (2, 8, 32))
 # The grid the cost model searches for its own candidate.
-_MODEL_SINGLE_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-_MODEL_LIST_STARTS_MB = (0.25, 0.5, 1, 2, 4)
+# Nothing below 1 MiB: the model has no per-bucket host cost (pack, launch, a
+# communication thread competing with the backward's compute), so it always
+# favours finer buckets; measured on 2 CPU ranks, sub-MiB caps lost every time.
+_MODEL_SINGLE_MB = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_MODEL_LIST_STARTS_MB = (1, 2, 4)
 _MODEL_LIST_RATIOS = (2, 4)
 _MODEL_LIST_TOPS_MB = (16, 64, 256)
+# Grid points predicted within this of the best (relative, absolute seconds) count as equal: the fewest buckets wins.
+_MODEL_SLACK = (0.05, 1e-4)
 
 
 def autotune_steps() -> int:
@@ -344,21 +349,27 @@ class AutoTuner:
         return out
 
     def _model_choice(self) -> tuple[str, Caps, int]:
-        """The grid point the cost model predicts best (ties: fewer buckets, then the earlier grid point)."""
+        """The grid point the cost model predicts best.
+
+        Predictions within :data:`_MODEL_SLACK` of the best are treated as
+        equal (the model is optimistic about many small buckets): among them
+        the fewest buckets, then the earlier grid point.
+        """
         grid: list[tuple[Caps, int]] = [_single(mb, self.first_cap_bytes) for mb in _MODEL_SINGLE_MB]
         for start in _MODEL_LIST_STARTS_MB:
             for ratio in _MODEL_LIST_RATIOS:
                 for top in _MODEL_LIST_TOPS_MB:
                     if start < top:
                         grid.append((_growing(start, ratio, top), self.first_cap_bytes))
-        best: tuple[float, int, int] | None = None
+        scored = []
         for j, (caps, f) in enumerate(grid):
             layout = assign_buckets(self.specs, self.order, f, caps)
             pred = predict_exposed_s(self.specs, self.order, layout, self.cost, self.backward_s)  # type: ignore[arg-type]
-            key = (round(pred, 9), len(layout), j)
-            if best is None or key < best:
-                best = key
-        caps, f = grid[best[2]]  # type: ignore[index]
+            scored.append((pred, len(layout), j))
+        best_pred = min(p for p, _, _ in scored)
+        rel, absolute = _MODEL_SLACK
+        near = [(n, j) for p, n, j in scored if p <= best_pred * (1 + rel) + absolute]
+        caps, f = grid[min(near)[1]]
         return f"model: {_caps_label(caps)}", caps, f
 
     # --------------------------------------------------------------- schedule
