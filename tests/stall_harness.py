@@ -45,13 +45,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeout, env):
+def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeout, env, linger_s):
     import faulthandler
 
     import torch
     import torch.distributed as dist
 
     faulthandler.enable()
+    parent = os.getppid()
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
@@ -67,9 +68,12 @@ def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeo
     except BaseException as exc:  # noqa: BLE001 - report everything
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     # Linger: the board thread keeps answering the others' stall requests, and a
-    # TCPStore hosted here stays up. The parent kills every rank at the end.
-    while True:
-        time.sleep(60)
+    # TCPStore hosted here stays up. The parent kills every rank at the end; should
+    # it die first, the rank leaves when orphaned, or after linger_s at the latest.
+    deadline = time.monotonic() + linger_s
+    while time.monotonic() < deadline and os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
 
 
 def run_stall_ranks(
@@ -99,7 +103,7 @@ def run_stall_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, store, store_arg, args, results, pg_timeout, dict(env or {})),
+            args=(fn, r, world_size, store, store_arg, args, results, pg_timeout, dict(env or {}), timeout),
             daemon=True,
         )
         for r in range(world_size)

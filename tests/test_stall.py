@@ -225,10 +225,17 @@ def test_timeout_rule(monkeypatch):
 
 def _pg_timeouts(rank, world_size):
     g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=44))
+    pg = dist.distributed_c10d._get_default_group()
+    # gloo: timed host waits, for CPU and CUDA tensors alike; guards are cached; 0 disables.
+    assert stall.backend_of(pg) == stall.backend_of(pg, "cpu") == stall.backend_of(pg, "cuda") == "gloo"
+    guard = stall.guard_for(None, 5)
+    assert guard.mode == "blocking" and guard.watchdog is None and stall.guard_for(None, 5) is guard
+    assert stall.guard_for(None, 0) is None and stall.guard_for(g, 5) is not guard
+    assert stall.state_for(None) is stall.state_for(pg) is guard.state
     return stall.process_group_timeout(), stall.process_group_timeout(g), stall.default_stall_timeout()
 
 
-def test_process_group_timeout_is_read_from_the_group(monkeypatch):
+def test_process_group_timeout_and_guards():
     out = run_stall_ranks(_pg_timeouts, 2, pg_timeout=70, timeout=60, env={"FASTCOLL_STALL_TIMEOUT": ""})
     for r in range(2):
         assert out[r].kind == "ok", out[r]
@@ -383,6 +390,11 @@ def test_wait_or_diagnose_future_timeout_peer_failure_and_other_errors():
             stall.wait_or_diagnose(dead, st, 30.0, b, "bucket 0", grace=0.2)
         assert isinstance(ei.value.__cause__, RuntimeError)
         assert "Connection closed by peer" in ei.value.data["cause"]
+        late = torch.futures.Future()  # the backend's own timeout: the Work failed
+        late.set_exception(RuntimeError("Timed out waiting 1800000ms for recv operation to complete"))
+        with pytest.raises(stall.StallError) as ei:
+            stall.wait_or_diagnose(late, st, 30.0, b, "bucket 0", grace=0.2)
+        assert "Timed out waiting" in ei.value.data["cause"]
         other = torch.futures.Future()
         other.set_exception(ValueError("bad argument"))
         with pytest.raises(ValueError, match="bad argument"):
@@ -710,6 +722,9 @@ def _healthy(rank, world_size, iters, forward_s):
         _iteration(comm, i, before=before)
     for k in range(50):  # fast iterations: publications stay rate-limited
         _iteration(comm, iters + 1 + k)
+    t_b = torch.full((4,), float(rank))
+    comm.broadcast(t_b, "layout")  # a protected broadcast (async + timed wait)
+    assert t_b.tolist() == [0.0] * 4
     b = comm.guard.board
     return {"elapsed": time.monotonic() - t, "writes": b.writes, "polls": b.polls, "seq": comm.state.seq}
 
@@ -719,7 +734,7 @@ def test_healthy_training_with_forward_longer_than_the_timeout_does_not_raise():
     for r in range(3):
         assert out[r].kind == "ok", out[r]
         v = out[r].value
-        assert v["seq"] == 2 * 52
+        assert v["seq"] == 2 * 52 + 1
         # One initial write, one per slow iteration, at most a couple for the burst of fast ones.
         assert v["writes"] <= 2 + 2 + 2, v
         assert v["polls"] <= v["elapsed"] / 0.5 + 3, v

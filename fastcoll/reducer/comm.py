@@ -67,6 +67,8 @@ class Communicator:
             stall (None: the default rule of
             :func:`fastcoll.stall.resolve_stall_timeout`; 0: no protection,
             the default here so that a bare Communicator starts no thread).
+        device: The device of the reduced tensors: CUDA tensors on NCCL are
+            watched from a thread instead of waited for with a timeout.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class Communicator:
         force: bool = False,
         *,
         stall_timeout: Optional[float] = 0,
+        device: Optional[torch.device] = None,
     ):
         self.group = group
         self.world_size = world_size
@@ -86,7 +89,7 @@ class Communicator:
         #: The group's synchronization state (shared with every fastcoll caller on the group).
         self.state: SyncState = state_for(group)
         #: The stall guard, or None when unprotected (then :meth:`wait` is a plain wait).
-        self.guard = guard_for(group, stall_timeout) if self.active and stall_timeout != 0 else None
+        self.guard = guard_for(group, stall_timeout, device=device) if self.active and stall_timeout != 0 else None
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
         """Call ``fn(collective)`` for every collective issued from now on; returns a function that removes it."""

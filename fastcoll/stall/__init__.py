@@ -15,6 +15,17 @@ Pieces, from the hot path out:
   per-group registry (``wait.py``): how a wait becomes a diagnosis;
 * the timeout rule (``timeout.py``): ``FASTCOLL_STALL_TIMEOUT``, else half
   the process group's timeout capped at 300 s; 0 disables.
+
+Wiring, in short: the reducer builds its ``Communicator(group, world_size,
+force, stall_timeout=..., device=...)`` (None: the default rule; the
+communicator then holds ``guard``, a :class:`StallGuard`, and ``state``, the
+group's :class:`SyncState`), waits with ``comm.wait(handle, what)`` instead
+of ``handle.wait()``, and marks the phases on ``comm.state``
+(``begin_forward``, ``begin_backward``, ``end_backward(missing)``,
+``end_iteration``). Collectives outside the reducer go through
+:func:`run_collective` (start, number, wait) or :func:`protected_wait`.
+Labels (``what``) must be the same on every rank: they are compared.
+After a :class:`StallError` the process group is not to be used again.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from .verdict import culprit_line, render_report
 from .wait import (
     StallGuard,
     Watchdog,
+    backend_of,
     board_for,
     guard_for,
     protected_wait,
@@ -49,6 +61,7 @@ __all__ = [
     "StoreUnreachable",
     "SyncState",
     "Watchdog",
+    "backend_of",
     "board_for",
     "culprit_line",
     "default_grace",

@@ -45,7 +45,7 @@ _emitted = False
 
 def default_grace(timeout: float, poll: float) -> float:
     """Seconds a diagnosing rank waits for the others' answers: long enough for a few polls, at most 10 s."""
-    return min(10.0, max(2.5, 4.0 * poll, 0.05 * float(timeout or 0.0)))
+    return min(10.0, max(3.0, 4.0 * poll, 0.05 * float(timeout or 0.0)))
 
 
 def _short(exc: Optional[BaseException], limit: int = 240) -> Optional[str]:

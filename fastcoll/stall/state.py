@@ -43,6 +43,8 @@ MAX_MISSING = 10
 
 _time = time.time
 _crc32 = zlib.crc32
+#: Encoded collective signatures, memoized (a job issues a few distinct ones, over and over).
+_SIGNATURES: Dict[tuple, bytes] = {}
 
 
 class SyncState:
@@ -90,7 +92,13 @@ class SyncState:
         hashed (a sparse exchange records each rank's own row count).
         """
         seq = self.seq + 1
-        h = _crc32(f"{kind}|{what}|{dtype}|{-1 if kind == 'all_gather' else numel}".encode(), self.history)
+        key = (kind, what, dtype, numel)
+        sig = _SIGNATURES.get(key)
+        if sig is None:
+            sig = f"{kind}|{what}|{dtype}|{-1 if kind == 'all_gather' else numel}".encode()
+            if len(_SIGNATURES) < 4096:
+                _SIGNATURES[key] = sig
+        h = _crc32(sig, self.history)
         self.history = h
         self._ring[seq % RING] = (seq, kind, what, numel, dtype, _time(), h)
         self.seq = seq

@@ -42,6 +42,7 @@ __all__ = [
     "board_for",
     "guard_for",
     "protected_wait",
+    "backend_of",
     "run_collective",
     "state_for",
     "wait_or_diagnose",
@@ -116,9 +117,12 @@ def wait_or_diagnose(
         except StallError:
             raise
         except Exception as exc:
-            if not ((is_timeout(exc) and not _completed(work)) or is_peer_failure(exc)):
+            peer = is_peer_failure(exc)
+            if not (peer or is_timeout(exc)):
                 raise
-            cause = None if is_timeout(exc) and not is_peer_failure(exc) else exc
+            # Our own bound ran out (the Work is still pending): a stall, no cause to show.
+            # A dead peer, or the backend's own timeout (the Work failed): shown as the cause.
+            cause = exc if peer or _completed(work) else None
             raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace) from exc
         raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace)
     finally:
@@ -309,36 +313,70 @@ def _backend_name(pg: Any) -> str:
         return ""
 
 
+def backend_of(pg: Any, device: Any = None) -> str:
+    """The backend running ``pg``'s collectives on ``device`` (default: CPU), lower case: "gloo", "nccl", ..."""
+    if pg is None:
+        return ""
+    dev = torch.device("cpu" if device is None else device)
+    try:
+        return str(pg._get_backend(dev).name()).lower()
+    except Exception:  # noqa: BLE001 - no backend for this device type in the group: its only one
+        return _backend_name(pg)
+
+
+def _weak_abort(pg: Any) -> Callable[[], None]:
+    ref = weakref.ref(pg)
+
+    def abort() -> None:
+        g = ref()
+        if g is not None:
+            g.abort()
+
+    return abort
+
+
 class StallGuard:
     """Stall protection for one caller on one group: the group's state and board, a timeout, a way to wait.
 
     Args:
         group: The process group (None: the default group).
         timeout: Seconds (> 0).
-        mode: ``"blocking"`` (timed host waits), ``"watchdog"`` (NCCL: a
-            polling thread, the training thread never blocks to watch), or
-            ``"auto"``: watchdog when the group's backend is NCCL.
+        mode: ``"blocking"`` (timed host waits: gloo), ``"watchdog"`` (a
+            polling thread, the training thread never blocks to watch: NCCL),
+            or ``"auto"``: blocking when the group runs ``device``'s
+            collectives on gloo (see :func:`backend_of`), watchdog otherwise
+            (NCCL; and backends whose ``Work.wait`` may not take a timeout).
         abort: For the watchdog: called after its diagnosis (default:
             ``group.abort()`` under NCCL, nothing otherwise).
+        device: The device of the tensors communicated (decides "auto").
     """
 
-    def __init__(self, group: Any, timeout: float, *, mode: str = "auto", abort: Optional[Callable[[], Any]] = None):
+    def __init__(
+        self,
+        group: Any,
+        timeout: float,
+        *,
+        mode: str = "auto",
+        abort: Optional[Callable[[], Any]] = None,
+        device: Any = None,
+    ):
         if timeout <= 0:
             raise ValueError("fastcoll.stall.StallGuard: timeout must be > 0 (a disabled guard is None)")
-        pg = _group(group)
-        self.group = group
+        pg = _group(group)  # not kept: the registry holds guards weakly keyed by their group
         self.timeout = float(timeout)
         self.state = state_for(pg)
         self.board = board_for(pg)
+        backend = backend_of(pg, device)
+        nccl = "nccl" in backend
         if mode == "auto":
-            mode = "watchdog" if "nccl" in _backend_name(pg) else "blocking"
+            mode = "blocking" if backend in ("gloo", "") else "watchdog"
         if mode not in ("blocking", "watchdog"):
             raise ValueError(f"fastcoll.stall.StallGuard: mode={mode!r}; use 'auto', 'blocking' or 'watchdog'")
         self.mode = mode
         self.watchdog: Optional[Watchdog] = None
         if mode == "watchdog":
-            if abort is None and pg is not None and "nccl" in _backend_name(pg):
-                abort = pg.abort
+            if abort is None and nccl:
+                abort = _weak_abort(pg)
             self.watchdog = Watchdog(self.state, self.board, self.timeout, abort=abort)
         self._seq_of: Dict[int, Tuple[int, str]] = {}
 
@@ -376,11 +414,14 @@ class StallGuard:
             wd.check()
 
 
-def guard_for(group: Any = None, stall_timeout: Optional[float] = None, *, mode: str = "auto") -> Optional[StallGuard]:
+def guard_for(
+    group: Any = None, stall_timeout: Optional[float] = None, *, mode: str = "auto", device: Any = None
+) -> Optional[StallGuard]:
     """The guard for ``group`` and ``stall_timeout`` (None: the default rule), or None when disabled (0) or not distributed.
 
-    Guards are cached per (group, resolved timeout, mode): the dist helpers'
-    calls share one.
+    Guards are cached per (group, resolved timeout, mode, device type): the
+    dist helpers' calls share one. ``device``: the tensors' device (picks the
+    watchdog for CUDA tensors on NCCL).
     """
     pg = _group(group)
     if pg is None:
@@ -393,16 +434,19 @@ def guard_for(group: Any = None, stall_timeout: Optional[float] = None, *, mode:
         if per is None:
             per = {}
             _guards[pg] = per
-        g = per.get((timeout, mode))
+        key = (timeout, mode, None if device is None else torch.device(device).type)
+        g = per.get(key)
         if g is None:
-            g = StallGuard(pg, timeout, mode=mode)
-            per[(timeout, mode)] = g
+            g = StallGuard(pg, timeout, mode=mode, device=device)
+            per[key] = g
         return g
 
 
-def protected_wait(work: Any, group: Any = None, what: Optional[str] = None, stall_timeout: Optional[float] = None) -> Any:
+def protected_wait(
+    work: Any, group: Any = None, what: Optional[str] = None, stall_timeout: Optional[float] = None, device: Any = None
+) -> Any:
     """``work.wait()`` under the group's stall protection (the default timeout rule unless given): for fastcoll.dist helpers."""
-    g = guard_for(group, stall_timeout)
+    g = guard_for(group, stall_timeout, device=device)
     if g is None:
         return work.wait()
     return g.wait(work, what)
@@ -444,7 +488,7 @@ def run_collective(
     """
     seq = state_for(group).note(kind, what, tensor.numel(), tensor.dtype)
     work = start()
-    g = guard_for(group, stall_timeout)
+    g = guard_for(group, stall_timeout, device=tensor.device)
     if g is None:
         return work.wait()
     g.issued(work, seq, what)
