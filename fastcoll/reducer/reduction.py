@@ -112,8 +112,9 @@ class AllReduce:
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         _packed(self.timeline, b, how, done)
+        self.timeline.issued(b.pos)  # stamped before the call: the collective may complete before it returns
         handle = self.comm.all_reduce(b.comm, f"bucket {b.pos}") if b.numel else DONE
-        self.timeline.issued(b.pos)
+        self.timeline.watch(handle, b.pos)  # "completed" when the collective completes, not when finalize waits
         return _Reduced(b, handle, self.timeline)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
@@ -149,8 +150,9 @@ class CommHook:
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         _packed(self.timeline, b, how, done)
         self.comm.note_hook(f"bucket {b.pos}", b.flat)
-        fut = call_hook(self.hook, self.state, b)
         self.timeline.issued(b.pos)
+        fut = call_hook(self.hook, self.state, b)
+        self.timeline.watch(fut, b.pos)
         return _Hooked(b, fut, self.hook, self.timeline)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
@@ -225,8 +227,8 @@ class SparseSum:
             if how.nonfinite is not None:
                 how.nonfinite.bitwise_or_((~torch.isfinite(g._values())).any().to(torch.int32))
             scaled = g * how.scale if how.scale_by is None else g * (how.scale * how.scale_by.reshape(()).to(g.dtype))
-        exchange = self._exchange(b, scaled)
         self.timeline.issued(b.pos)
+        exchange = self._exchange(b, scaled)
         return _SparseSummed(b, exchange, self.timeline)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
