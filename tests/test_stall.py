@@ -112,6 +112,20 @@ def test_rules_out_of_step_names_the_rank_with_the_extra_collective():
     }
     line, culprits = V.culprit_line(recs, answered={0, 1, 2})
     assert culprits == [1] and "collective history differs from ranks 0, 2's" in line
+    # No majority: gloo aborted rank 0 on the size mismatch; rank 1 (the extra collective) and rank 2 disagree.
+    recs = {
+        0: _rec(0, 1, phase="forward", ring=base[:1]),
+        1: _rec(1, 2, ring=extra[:2], waiting=2),
+        2: _rec(2, 2, ring=base[:2], waiting=2),
+    }
+    line, culprits = V.culprit_line(recs, answered={1, 2})
+    assert culprits == [0, 1, 2]
+    assert line == (
+        "fastcoll stall: ranks 1, 2 are out of step (collective sequence numbers differ): collective #2 is "
+        "all_reduce of reduce_mean (100 x float32) on rank 1 but all_reduce of bucket 0 (100 x float32) on rank 2: "
+        "one side issued a collective the other did not (no majority tells which); also rank 0 did not answer "
+        "(dead or stuck outside gradient synchronization)"
+    )
 
 
 def test_rules_different_sequence_number_and_nobody():
@@ -676,6 +690,34 @@ def test_extra_collective_on_one_rank_is_named_out_of_step():
     assert line.startswith("fastcoll stall: rank 1 is out of step (collective sequence numbers differ)"), line
     assert "collective #2 is all_reduce of reduce_mean (256 x float32) on rank 1 but all_reduce of bucket 0" in line
     assert res["culprits"] == [1]
+
+
+def _extra_scalar_collective(rank, world_size):
+    comm = _comm(world_size)
+
+    def before(stage):
+        if rank == 1 and stage == "backward":
+            t = torch.ones(())  # fastcoll.dist.reduce_mean(loss) on rank 1 only: its size differs from bucket 0's
+            stall.run_collective(lambda: dist.all_reduce(t, async_op=True), "all_reduce", "reduce_mean", t, stall_timeout=TIMEOUT)
+
+    def train():
+        for i in range(1, 5):
+            _iteration(comm, i, buckets=1, before=before if i == 2 else None)
+
+    return _stall_result(train)
+
+
+def test_extra_collective_of_another_size_is_blamed_on_its_rank():
+    """gloo aborts a process whose collective receives more bytes than it expects (SIGABRT from an EnforceNotMet
+    in its thread): here rank 1, whose scalar met the others' bucket. The survivors name it."""
+    out = run_stall_ranks(_extra_scalar_collective, 3, need={0, 1, 2})
+    survivors = [r for r in range(3) if out[r].kind == "ok"]
+    assert len(survivors) >= 1 and all(out[r].kind in ("ok", "dead") for r in range(3)), out
+    lines = {out[r].value["line"] for r in survivors if out[r].value}
+    assert len(lines) == 1, out
+    line = lines.pop()
+    assert "rank 1" in line or "ranks 1" in line, line
+    assert all(1 in out[r].value["culprits"] for r in survivors if out[r].value), out
 
 
 def _watchdog(rank, world_size):

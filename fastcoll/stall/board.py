@@ -153,7 +153,9 @@ class StateBoard:
             try:
                 st = self.state
                 now = time.time()
-                if st.urgent or self._poked or (st.iteration != last_iter and now - last_t >= self.min_interval):
+                # The first iteration is published without waiting out min_interval after the initial state.
+                due = now - last_t >= self.min_interval or self.writes <= 1
+                if st.urgent or self._poked or (st.iteration != last_iter and due):
                     st.urgent = False
                     self._poked = False
                     last_iter, last_t = st.iteration, now

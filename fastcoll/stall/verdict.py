@@ -10,8 +10,9 @@ sorted, no ages, no "this rank"), by the first rule that applies:
 1. **out of step**: two ranks' collective histories (a CRC chained over
    every collective's kind, label, dtype and size) differ at a sequence
    number both still keep: a collective issued on some ranks only. The
-   ranks outside the largest group (ties: the group of the lowest rank) are
-   named, with the first collective seen to differ;
+   ranks outside the largest group are named, with the first collective seen
+   to differ; without a majority (two ranks, or the ones that could tell are
+   dead) every side is named. Ranks that did not answer are added;
 2. **no answer**: ranks that did not answer the stall request (dead, or stuck
    holding the interpreter outside fastcoll), with their last recorded state;
 3. **behind**: ranks not waiting in fastcoll that have not issued the
@@ -120,6 +121,9 @@ def _out_of_step(records: Records) -> Optional[Tuple[List[int], str]]:
     for r, e in entries.items():
         groups.setdefault(e[6], []).append(r)
     ordered = _largest_first(groups)
+    if len(ordered[0]) == len(ordered[1]):
+        # No majority (two ranks, or the ranks that could tell are dead): name every side.
+        return _out_of_step_tie(by_seq, split_at, ordered)
     ref, culprits = ordered[0], sorted(r for g in ordered[1:] for r in g)
     # The first collective whose own signature differs between a culprit and the reference group.
     for seq in sorted(s for s in by_seq if s >= split_at):
@@ -140,6 +144,31 @@ def _out_of_step(records: Records) -> Optional[Tuple[List[int], str]]:
         f"{_ranks_text(culprits)} {_verb(culprits, 'is', 'are')} out of step (collective sequence numbers differ): "
         f"{_verb(culprits, 'its', 'their')} collective history differs from {_ranks_text(ref)}'s at #{split_at}: "
         "a collective issued on some ranks only, earlier"
+    )
+    return culprits, text
+
+
+def _out_of_step_tie(
+    by_seq: Dict[int, Dict[int, Sequence[Any]]], split_at: int, ordered: List[List[int]]
+) -> Tuple[List[int], str]:
+    culprits = sorted(r for g in ordered for r in g)
+    for seq in sorted(s for s in by_seq if s >= split_at):
+        ents = by_seq[seq]
+        by_sig: Dict[Any, List[int]] = {}
+        for r in culprits:
+            if r in ents:
+                by_sig.setdefault(_sig(ents[r]), []).append(r)
+        if len(by_sig) > 1:
+            sides = sorted((sorted(g) for g in by_sig.values()), key=lambda g: g[0])
+            parts = " but ".join(f"{_sig_text(ents[g[0]])} on {_ranks_text(g)}" for g in sides)
+            text = (
+                f"{_ranks_text(culprits)} are out of step (collective sequence numbers differ): collective #{seq} is "
+                f"{parts}: one side issued a collective the other did not (no majority tells which)"
+            )
+            return culprits, text
+    text = (
+        f"{_ranks_text(culprits)} are out of step (collective sequence numbers differ): their collective histories "
+        f"differ at #{split_at} (no majority tells which rank issued a collective the others did not)"
     )
     return culprits, text
 
@@ -234,8 +263,15 @@ def culprit_line(records: Records, answered: Iterable[int], rank_map: Optional[S
         # Rename group ranks to global ranks before writing any text.
         records = {_global(rank_map, r): rec for r, rec in records.items()}
         answered = {_global(rank_map, r) for r in answered}
-    for rule in (_out_of_step, _no_answer, _behind, _different_seq):
-        found = rule(records) if rule is _out_of_step else rule(records, answered)
+    found = _out_of_step(records)
+    if found is not None:
+        culprits, text = found
+        dead = sorted(r for r in records if r not in answered)
+        if dead:  # e.g. gloo aborts a process on a size mismatch: not always the culprit's
+            text += f"; also {_ranks_text(dead)} did not answer (dead or stuck outside gradient synchronization)"
+        return PREFIX + text, sorted(set(culprits) | set(dead))
+    for rule in (_no_answer, _behind, _different_seq):
+        found = rule(records, answered)
         if found is not None:
             culprits, text = found
             return PREFIX + text, sorted(culprits)
