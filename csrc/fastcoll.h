@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "dtypes.h"
@@ -28,15 +29,62 @@ struct Segment {
 // Checks the arguments of flatten_scale (pack=true: tensors -> flat) or
 // unflatten_scale (pack=false: flat -> tensors) and returns the segments in
 // flat order. Throws (ValueError/TypeError/RuntimeError, naming the culprit,
-// prefixed "fastcoll.flatten_scale: " or "fastcoll.unflatten_scale: ") before
-// anything is written.
+// prefixed "fastcoll.flatten_scale: " or "fastcoll.unflatten_scale: ", or
+// `op` when given) before anything is written.
 std::vector<Segment> plan_segments(
     at::TensorList tensors,
     const at::Tensor& flat,
-    bool pack);
+    bool pack,
+    const char* op = nullptr);
+
+// The gradient-health ops (flatten_scale_ex, unflatten_scale_ex,
+// sum_of_squares): a segment plan plus the small tensors they read or write,
+// all on the plan's device. Built by the plan_* functions below (csrc/ops.cpp),
+// which check everything first, like plan_segments.
+struct HealthPlan {
+  // flatten_scale_ex / unflatten_scale_ex: plan_segments'. sum_of_squares: one
+  // segment per non-empty tensor, dst == nullptr and dst_dtype == src_dtype
+  // (the values are read, not copied), flat_offset counting elements of the
+  // tensors laid end to end.
+  std::vector<Segment> segments;
+  // flatten_scale_ex: the factor is scale * *scale_by (a float, or a double
+  // when scale_by_f64) when given, read where it lives (on the device).
+  const void* scale_by = nullptr;
+  bool scale_by_f64 = false;
+  // flatten_scale_ex: set to 1 when a written value is NaN or +-Inf; never 0.
+  int32_t* nonfinite = nullptr;
+  // unflatten_scale_ex / sum_of_squares: overwritten with the float64 sum of
+  // the squares of the values written (read), in a thread-independent order.
+  double* sumsq = nullptr;
+};
+
+HealthPlan plan_flatten_scale_ex(
+    at::TensorList tensors,
+    const at::Tensor& out,
+    const std::optional<at::Tensor>& scale_by,
+    const std::optional<at::Tensor>& nonfinite);
+HealthPlan plan_unflatten_scale_ex(
+    const at::Tensor& flat,
+    at::TensorList tensors,
+    const std::optional<at::Tensor>& sumsq);
+HealthPlan plan_sum_of_squares(at::TensorList tensors, const at::Tensor& out);
 
 // CPU inner loop: copies n elements from src to dst, multiplied by scale and cast.
 using CopyFn = void (*)(const void* src, void* dst, int64_t n, double scale);
+
+// CPU copies of the health ops (cpu/copy_scale.h): the same values and bits
+// as a CopyFn with the same scale, and what they stored observed on the way:
+// the float64 sum of the squares, in a fixed order that depends on n and the
+// values only (element i goes to lane i % 32, lanes added in a fixed tree), or
+// whether any is NaN or +-Inf. A null dst reads only (the source's own values
+// at a scale of 1: sum_of_squares).
+using CopySumSqFn = double (*)(const void* src, void* dst, int64_t n, double scale);
+using CopyCheckFn = bool (*)(const void* src, void* dst, int64_t n, double scale);
+struct HealthFns {
+  CopyFn copy;
+  CopySumSqFn copy_sumsq;
+  CopyCheckFn copy_check;
+};
 
 // CPU calls that write at least this many bytes use non-temporal (cache-
 // bypassing) stores; FASTCOLL_CPU_STREAM_MIN_BYTES sets the initial value.

@@ -6,8 +6,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "dtypes.h"
 #include "fastcoll.h"
@@ -47,6 +50,72 @@ std::string shape_str(at::IntArrayRef a) {
   return s + ")";
 }
 
+// The checks of one listed tensor (tensors[i]) against the op's flat buffer
+// (or sum_of_squares' out): layout, device, dtype, dense.
+void check_listed(const char* op, const at::Tensor& t, size_t i, const at::Tensor& flat, const std::string& flat_name) {
+  const std::string what = "tensors[" + std::to_string(i) + "]";
+  check_strided(op, t, what);
+  TORCH_CHECK(
+      t.device() == flat.device(), op, ": ", what, " is on ", t.device(), " but ", flat_name,
+      " is on ", flat.device(), "; move them to one device");
+  check_dtype(op, t, what);
+  TORCH_CHECK_VALUE(
+      t.numel() <= 1 || t.is_non_overlapping_and_dense(), op, ": ", what, " (shape ",
+      shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
+      ") is not dense and non-overlapping; make it .contiguous() first");
+}
+
+// ---- The small tensors of the health ops (same words as fastcoll/_reference.py) ----
+
+// "a float32 tensor of shape (2,) on cpu"
+std::string describe(const at::Tensor& t) {
+  const std::string dt = dtype_name(t.scalar_type());
+  const bool strided = t.layout() == at::kStrided;
+  const bool vowel = strided && std::string("aeiou").find(dt[0]) != std::string::npos;
+  return std::string(vowel ? "an " : "a ") + (strided ? "" : "non-strided ") + dt + " tensor of shape " +
+      shape_str(t.sizes()) + " on " + t.device().str();
+}
+
+// `t` must be strided, of one of `dtypes`, on `device`, with exactly one (or,
+// with at_least_one, at least one) element; `need` says so in the message.
+void check_small(
+    const char* op, const at::Tensor& t, const char* name, std::initializer_list<at::ScalarType> dtypes,
+    const char* need, const at::Device& device, bool at_least_one) {
+  const bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end();
+  TORCH_CHECK_TYPE(
+      t.layout() == at::kStrided && dtype_ok, op, ": ", name, " must be ", need, " on ", device, ", got ", describe(t));
+  TORCH_CHECK(t.device() == device, op, ": ", name, " must be ", need, " on ", device, ", got ", describe(t));
+  TORCH_CHECK_VALUE(
+      at_least_one ? t.numel() >= 1 : t.numel() == 1, op, ": ", name, " must be ", need, " on ", device, ", got ",
+      describe(t));
+}
+
+// The element of `t` the op reads or writes (its first) shares no byte with any of `others`.
+void check_apart(
+    const char* op, const at::Tensor& t, const char* name,
+    const std::vector<std::pair<std::string, const at::Tensor*>>& others) {
+  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto hi = lo + t.element_size();
+  for (const auto& [other_name, o] : others) {
+    if (o == nullptr || o->numel() == 0) continue;
+    const auto o_lo = reinterpret_cast<uintptr_t>(o->data_ptr());
+    const auto o_hi = o_lo + o->numel() * o->element_size();
+    TORCH_CHECK_VALUE(
+        !(lo < o_hi && o_lo < hi), op, ": ", name, " overlaps ", other_name, "; give ", name, " memory of its own");
+  }
+}
+
+std::vector<std::pair<std::string, const at::Tensor*>> listed(at::TensorList tensors) {
+  std::vector<std::pair<std::string, const at::Tensor*>> v;
+  v.reserve(tensors.size() + 2);
+  for (size_t i = 0; i < tensors.size(); ++i) v.emplace_back("tensors[" + std::to_string(i) + "]", &tensors[i]);
+  return v;
+}
+
+constexpr const char* kNeedScaleBy = "a float32 or float64 tensor with 1 element";
+constexpr const char* kNeedFlag = "an int32 tensor with at least 1 element";
+constexpr const char* kNeedSum = "a float64 tensor with 1 element";
+
 }  // namespace
 
 int dtype_code(at::ScalarType t) {
@@ -63,8 +132,8 @@ int dtype_code(at::ScalarType t) {
   }
 }
 
-std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& flat, bool pack) {
-  const char* op = pack ? "fastcoll.flatten_scale" : "fastcoll.unflatten_scale";
+std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& flat, bool pack, const char* op_name) {
+  const char* op = op_name != nullptr ? op_name : pack ? "fastcoll.flatten_scale" : "fastcoll.unflatten_scale";
   const std::string flat_name = pack ? "out" : "flat";
   TORCH_CHECK_VALUE(!tensors.empty(), op, ": tensors is empty; pass at least one tensor");
   check_strided(op, flat, flat_name);
@@ -79,16 +148,7 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
   int64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    const std::string what = "tensors[" + std::to_string(i) + "]";
-    check_strided(op, t, what);
-    TORCH_CHECK(
-        t.device() == flat.device(), op, ": ", what, " is on ", t.device(), " but ", flat_name,
-        " is on ", flat.device(), "; move them to one device");
-    check_dtype(op, t, what);
-    TORCH_CHECK_VALUE(
-        t.numel() <= 1 || t.is_non_overlapping_and_dense(), op, ": ", what, " (shape ",
-        shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
-        ") is not dense and non-overlapping; make it .contiguous() first");
+    check_listed(op, t, i, flat, flat_name);
     offsets.push_back(total);
     total += t.numel();
   }
@@ -150,9 +210,80 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
   return segments;
 }
 
+// Checks in the order of fastcoll/_reference.py: the list and the flat buffer
+// (plan_segments), scale_by, nonfinite (or sumsq), then overlaps.
+HealthPlan plan_flatten_scale_ex(
+    at::TensorList tensors, const at::Tensor& out, const std::optional<at::Tensor>& scale_by,
+    const std::optional<at::Tensor>& nonfinite) {
+  const char* op = "fastcoll.flatten_scale_ex";
+  HealthPlan plan;
+  plan.segments = plan_segments(tensors, out, /*pack=*/true, op);
+  const at::Tensor* by = scale_by.has_value() ? &*scale_by : nullptr;
+  if (by != nullptr) check_small(op, *by, "scale_by", {at::kFloat, at::kDouble}, kNeedScaleBy, out.device(), false);
+  if (nonfinite.has_value()) check_small(op, *nonfinite, "nonfinite", {at::kInt}, kNeedFlag, out.device(), true);
+  if (by != nullptr) check_apart(op, *by, "scale_by", {{"out", &out}});
+  if (nonfinite.has_value()) {
+    auto others = listed(tensors);
+    others.insert(others.begin(), {"out", &out});
+    others.emplace_back("scale_by", by);
+    check_apart(op, *nonfinite, "nonfinite", others);
+  }
+  if (by != nullptr) {
+    plan.scale_by = by->data_ptr();
+    plan.scale_by_f64 = by->scalar_type() == at::kDouble;
+  }
+  if (nonfinite.has_value()) plan.nonfinite = nonfinite->data_ptr<int32_t>();
+  return plan;
+}
+
+HealthPlan plan_unflatten_scale_ex(
+    const at::Tensor& flat, at::TensorList tensors, const std::optional<at::Tensor>& sumsq) {
+  const char* op = "fastcoll.unflatten_scale_ex";
+  HealthPlan plan;
+  plan.segments = plan_segments(tensors, flat, /*pack=*/false, op);
+  if (sumsq.has_value()) {
+    check_small(op, *sumsq, "sumsq", {at::kDouble}, kNeedSum, flat.device(), false);
+    auto others = listed(tensors);
+    others.insert(others.begin(), {"flat", &flat});
+    check_apart(op, *sumsq, "sumsq", others);
+    plan.sumsq = sumsq->data_ptr<double>();
+  }
+  return plan;
+}
+
+HealthPlan plan_sum_of_squares(at::TensorList tensors, const at::Tensor& out) {
+  const char* op = "fastcoll.sum_of_squares";
+  TORCH_CHECK_VALUE(!tensors.empty(), op, ": tensors is empty; pass at least one tensor");
+  for (size_t i = 0; i < tensors.size(); ++i) check_listed(op, tensors[i], i, out, "out");
+  check_small(op, out, "out", {at::kDouble}, kNeedSum, out.device(), false);
+  check_apart(op, out, "out", listed(tensors));
+  HealthPlan plan;
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    Segment s;
+    s.src = t.data_ptr();
+    s.dst = nullptr;
+    s.numel = t.numel();
+    s.flat_offset = offset;
+    s.src_dtype = t.scalar_type();
+    s.dst_dtype = t.scalar_type();
+    plan.segments.push_back(s);
+    offset += t.numel();
+  }
+  plan.sumsq = out.data_ptr<double>();
+  return plan;
+}
+
 }  // namespace fastcoll
 
 TORCH_LIBRARY(fastcoll, m) {
   m.def("flatten_scale(Tensor[] tensors, Tensor(a!) out, float scale=1.0) -> ()");
   m.def("unflatten_scale(Tensor flat, Tensor(a!)[] tensors, float scale=1.0) -> ()");
+  // Gradient health (HealthPlan in fastcoll.h; semantics in fastcoll/ops.py and fastcoll/_reference.py).
+  m.def(
+      "flatten_scale_ex(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor? scale_by=None, "
+      "Tensor(b!)? nonfinite=None) -> ()");
+  m.def("unflatten_scale_ex(Tensor flat, Tensor(a!)[] tensors, float scale=1.0, Tensor(b!)? sumsq=None) -> ()");
+  m.def("sum_of_squares(Tensor[] tensors, Tensor(a!) out) -> ()");
 }

@@ -9,6 +9,10 @@
 // the destination's lines are not first read from memory only to be
 // overwritten. That removes a third of the memory traffic of a large copy.
 // The baseline build's "streaming" variants are its regular loops.
+//
+// The copies of the gradient-health ops, which observe the values they store
+// (sum of squares, non-finite check), are here too, compiled twice the same
+// way; see the bottom of the file.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,8 +20,10 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -107,10 +113,16 @@ inline void stream_copy_bytes(const char* src, char* dst, int64_t nbytes) {
 constexpr bool kCanStream = false;
 #endif
 
+// Whether the multiply of S -> D runs in float64: either side is float64, or
+// kF64 asks for it (flatten_scale_ex with a float64 scale_by).
+template <typename S, typename D, bool kF64>
+constexpr bool kDoubleMath = kF64 || std::is_same_v<S, double> || std::is_same_v<D, double>;
+
 // kStream: non-temporal stores (see the top of this file); only meaningful in the AVX2 build.
-template <typename S, typename D, bool kStream>
+// kF64: multiply in float64 whatever the dtypes (see kDoubleMath).
+template <typename S, typename D, bool kStream, bool kF64 = false>
 void copy_scale(const S* src, D* dst, int64_t n, double scale) {
-  constexpr bool kHasDouble = std::is_same_v<S, double> || std::is_same_v<D, double>;
+  constexpr bool kHasDouble = kDoubleMath<S, D, kF64>;
   if constexpr (std::is_same_v<S, D>) {
     if (scale == 1.0) {  // x * 1 is exact: a plain copy gives the same bits
       if (src == dst) return;
@@ -160,9 +172,9 @@ void copy_scale(const S* src, D* dst, int64_t n, double scale) {
   }
 }
 
-template <typename S, typename D, bool kStream>
+template <typename S, typename D, bool kStream, bool kF64 = false>
 void copy_scale_erased(const void* src, void* dst, int64_t n, double scale) {
-  copy_scale<S, D, kStream>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale);
+  copy_scale<S, D, kStream, kF64>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale);
 }
 
 template <typename S>
@@ -195,6 +207,396 @@ CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming) {
   }
   TORCH_CHECK(fn != nullptr, "fastcoll internal error: no CPU kernel for ", src, " -> ", dst, ". Please report this");
   return fn;
+}
+
+
+// ---------------------------------------------------------------------------
+// Gradient health: copies that observe every value they store.
+//
+// Same values, same bits as copy_scale<S, D, kStream, kF64> (same float or
+// float64 math, same conversions; at a scale of exactly 1 between equal dtypes
+// the bits are copied as they are), and an observer sees each stored value as
+// it leaves the registers, so a sum of squares or a non-finite check costs no
+// second pass over memory:
+// * SquaresObserver: the float64 sum of the squares of the stored values.
+//   Element i of the call goes to lane i % kSqLanes, each lane adds its
+//   elements in increasing i (with add_square), and the lanes are combined in
+//   a fixed tree: the result depends on n and the values only, never on
+//   addresses, alignment or threads. The vector loop keeps the lanes in
+//   registers, rotated by where it starts (after the scalar head that aligns
+//   non-temporal stores), and puts them back in place when it ends.
+// * NonFiniteObserver: whether any stored value is NaN or +-Inf.
+// A null destination (or one equal to the source at a scale of 1) makes the
+// call read-only: the observer sees the source's own values (sum_of_squares).
+// Unlike copy_scale, the streaming variants do not end with a store fence:
+// the caller fences once when its whole range is done (health_cpu.cpp).
+// ---------------------------------------------------------------------------
+
+constexpr int kSqLanes = 32;
+constexpr int64_t kObsStep = 4 * FVec::size();  // elements per vector step: one round of the lanes
+static_assert(kObsStep == kSqLanes, "a vector step is one round of the lanes");
+
+// acc + x * x, rounded once in the AVX2 build (FMA) and twice in the baseline
+// build; the same everywhere in a build. For values of float, float16 or
+// bfloat16, x * x is exact in float64 and the two builds agree too.
+inline double add_square(double acc, double x) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return std::fma(x, x, acc);
+#else
+  return acc + x * x;
+#endif
+}
+
+// An observer's vector loop keeps its state in a local Acc (begin() returns
+// it, vector() updates it, end() takes it back): a local whose address does
+// not escape stays in registers, while a member would be reloaded after every
+// store of the loop (the stores may alias it).
+struct SquaresObserver {
+  static constexpr bool kNeedsStored = true;  // vector(): the values rounded to the destination dtype
+  alignas(32) double lanes[kSqLanes] = {};
+  int64_t rot = 0;  // the vector loop's lane j is lanes[(rot + j) % kSqLanes]
+#if defined(CPU_CAPABILITY_AVX2)
+  struct Acc {
+    __m256d v[kSqLanes / 4];
+  };
+#else
+  struct Acc {
+    double v[kSqLanes];
+  };
+#endif
+
+  void lane(int64_t k, double x) {
+    lanes[k] = add_square(lanes[k], x);
+  }
+  void scalar(int64_t i, double x) {
+    lane(i % kSqLanes, x);
+  }
+  Acc begin(int64_t i) {
+    rot = i % kSqLanes;
+    alignas(32) double rotated[kSqLanes];
+    for (int j = 0; j < kSqLanes; ++j) rotated[j] = lanes[(rot + j) % kSqLanes];
+    Acc acc;
+#if defined(CPU_CAPABILITY_AVX2)
+    for (int q = 0; q < kSqLanes / 4; ++q) acc.v[q] = _mm256_load_pd(rotated + 4 * q);
+#else
+    std::memcpy(acc.v, rotated, sizeof(rotated));
+#endif
+    return acc;
+  }
+  // The kObsStep values of one step, as 4 float vectors in element order.
+  static void vector(Acc& acc, const FVec* v) {
+#if defined(CPU_CAPABILITY_AVX2)
+    for (int q = 0; q < 4; ++q) {
+      const __m256 f = v[q];
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+      acc.v[2 * q] = _mm256_fmadd_pd(lo, lo, acc.v[2 * q]);
+      acc.v[2 * q + 1] = _mm256_fmadd_pd(hi, hi, acc.v[2 * q + 1]);
+    }
+#else
+    float f[kSqLanes];
+    for (int q = 0; q < 4; ++q) v[q].store(f + q * FVec::size());
+    for (int j = 0; j < kSqLanes; ++j) acc.v[j] = add_square(acc.v[j], static_cast<double>(f[j]));
+#endif
+  }
+  void end(const Acc& acc) {
+    alignas(32) double rotated[kSqLanes];
+#if defined(CPU_CAPABILITY_AVX2)
+    for (int q = 0; q < kSqLanes / 4; ++q) _mm256_store_pd(rotated + 4 * q, acc.v[q]);
+#else
+    std::memcpy(rotated, acc.v, sizeof(rotated));
+#endif
+    for (int j = 0; j < kSqLanes; ++j) lanes[(rot + j) % kSqLanes] = rotated[j];
+  }
+  double result() {
+    for (int w = kSqLanes / 2; w > 0; w /= 2) {
+      for (int k = 0; k < w; ++k) lanes[k] += lanes[k + w];
+    }
+    return lanes[0];
+  }
+};
+
+struct NonFiniteObserver {
+  // vector(): the products before the cast to the destination dtype, checked
+  // against finite_bound<D>() (the cast rounds to nearest even, so |v| below
+  // the bound is finite after it and |v| at or above it, or NaN, is not).
+  static constexpr bool kNeedsStored = false;
+  float bound;
+  bool bad = false;
+  struct Acc {
+#if defined(CPU_CAPABILITY_AVX2)
+    __m256 seen;   // lanes that met a value at or above the bound, or NaN
+    __m256 bound;
+#else
+    bool bad;
+    float bound;
+#endif
+  };
+
+  explicit NonFiniteObserver(float bound_) : bound(bound_) {}
+  void lane(int64_t, double x) {  // x: a stored value
+    bad |= !(std::fabs(x) < std::numeric_limits<double>::infinity());
+  }
+  void scalar(int64_t i, double x) {
+    lane(i, x);
+  }
+  Acc begin(int64_t) {
+#if defined(CPU_CAPABILITY_AVX2)
+    return {_mm256_setzero_ps(), _mm256_set1_ps(bound)};
+#else
+    return {false, bound};
+#endif
+  }
+  static void vector(Acc& acc, const FVec* v) {
+#if defined(CPU_CAPABILITY_AVX2)
+    for (int q = 0; q < 4; ++q) acc.seen = _mm256_or_ps(acc.seen, _mm256_cmp_ps(v[q].abs(), acc.bound, _CMP_NLT_UQ));
+#else
+    float f[kSqLanes];
+    for (int q = 0; q < 4; ++q) v[q].store(f + q * FVec::size());
+    for (int j = 0; j < kSqLanes; ++j) acc.bad |= !(std::fabs(f[j]) < acc.bound);
+#endif
+  }
+  void end(const Acc& acc) {
+#if defined(CPU_CAPABILITY_AVX2)
+    bad |= _mm256_movemask_ps(acc.seen) != 0;
+#else
+    bad |= acc.bad;
+#endif
+  }
+  bool result() const {
+    return bad;
+  }
+};
+
+// |v| below this float is finite once v is rounded to D (to nearest even):
+// float16's largest finite value is 65504 and 65520 the halfway point to the
+// next binade; bfloat16's is 0x7F7F0000 and the halfway point 0x7F7F8000.
+template <typename D>
+inline float finite_bound() {
+  if constexpr (std::is_same_v<D, c10::Half>) {
+    return 65520.0f;
+  } else if constexpr (std::is_same_v<D, c10::BFloat16>) {
+    const uint32_t bits = 0x7F7F8000u;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  } else {
+    return std::numeric_limits<float>::infinity();
+  }
+}
+
+// Stores a and b (2 * FVec::size() values) to p as D, like FloatPair<D>::store
+// / stream; with kKeep, a and b become the values as stored.
+template <typename D, bool kStream, bool kKeep>
+inline void put_pair(D* p, FVec& a, FVec& b) {
+  if constexpr (std::is_same_v<D, float>) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kStream) {
+      FloatPair<float>::stream(p, a, b);
+      return;
+    }
+#endif
+    FloatPair<float>::store(p, a, b);
+  } else {
+    const auto r = at::vec::convert_from_float<D>(a, b);
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kStream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), r);
+    } else {
+      r.store(p);
+    }
+#else
+    r.store(p);
+#endif
+    if constexpr (kKeep) std::tie(a, b) = at::vec::convert_to_float<D>(r);
+  }
+}
+
+// kObsStep elements of T copied as they are (to dst unless it is null;
+// non-temporal stores with kStream, dst then 32-byte aligned), and their values
+// as 4 float vectors.
+template <typename T, bool kStream>
+inline void copy_bits_step(const T* src, T* dst, FVec* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int q = 0; q < 4; ++q) v[q] = FVec::loadu(src + q * FVec::size());
+    if (dst != nullptr) {
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kStream) {
+        for (int q = 0; q < 4; ++q) _mm256_stream_ps(dst + q * FVec::size(), v[q]);
+        return;
+      }
+#endif
+      for (int q = 0; q < 4; ++q) v[q].store(dst + q * FVec::size());
+    }
+  } else {  // float16 / bfloat16
+    using RVec = Vectorized<T>;
+    static_assert(2 * RVec::size() == kObsStep, "two 16-bit vectors make a step");
+    const RVec r0 = RVec::loadu(src);
+    const RVec r1 = RVec::loadu(src + RVec::size());
+    if (dst != nullptr) {
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kStream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), r0);
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + RVec::size()), r1);
+      } else {
+        r0.store(dst);
+        r1.store(dst + RVec::size());
+      }
+#else
+      r0.store(dst);
+      r1.store(dst + RVec::size());
+#endif
+    }
+    std::tie(v[0], v[1]) = at::vec::convert_to_float<T>(r0);
+    std::tie(v[2], v[3]) = at::vec::convert_to_float<T>(r1);
+  }
+}
+
+// Float math (neither side float64): D(float(x) * fscale), or with kIdentity
+// (S == D, scale exactly 1) the bits of x; dst may be null (read-only, kIdentity only).
+template <typename S, typename D, bool kStream, bool kIdentity, typename Obs>
+void observed_float(const S* src, D* dst, int64_t n, float fscale, Obs& obs) {
+  auto value = [&](int64_t i) -> D {
+    if constexpr (kIdentity) {
+      return src[i];
+    } else {
+      return static_cast<D>(static_cast<float>(src[i]) * fscale);
+    }
+  };
+  const FVec vscale(fscale);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kStream) {
+    for (; i < n && !aligned32(dst + i); ++i) {  // scalar head up to the destination's 32-byte boundary
+      const D d = value(i);
+      dst[i] = d;
+      obs.scalar(i, static_cast<double>(static_cast<float>(d)));
+    }
+  }
+#endif
+  auto acc = obs.begin(i);
+  for (; i + kObsStep <= n; i += kObsStep) {
+    FVec v[4];
+    if constexpr (kIdentity) {
+      copy_bits_step<S, kStream>(src + i, dst == nullptr ? nullptr : dst + i, v);
+    } else {
+      FloatPair<S>::load(src + i, v[0], v[1]);
+      FloatPair<S>::load(src + i + 2 * FVec::size(), v[2], v[3]);
+      for (int q = 0; q < 4; ++q) v[q] = v[q] * vscale;
+      put_pair<D, kStream, Obs::kNeedsStored>(dst + i, v[0], v[1]);
+      put_pair<D, kStream, Obs::kNeedsStored>(dst + i + 2 * FVec::size(), v[2], v[3]);
+    }
+    Obs::vector(acc, v);
+  }
+  obs.end(acc);
+  for (; i < n; ++i) {
+    const D d = value(i);
+    if (dst != nullptr) dst[i] = d;
+    obs.scalar(i, static_cast<double>(static_cast<float>(d)));
+  }
+}
+
+// float64 math: D(double(x) * scale), or with identity (S == D, scale exactly
+// 1) the bits of x; dst may be null (read-only, identity only). Written in
+// rounds of kSqLanes so that the compiler can vectorize it.
+template <typename S, typename D, typename Obs>
+void observed_double(const S* src, D* dst, int64_t n, double scale, bool identity, Obs& obs) {
+  auto value = [&](int64_t i) -> D {
+    if constexpr (std::is_same_v<S, D>) {
+      if (identity) return src[i];
+    }
+    return static_cast<D>(static_cast<double>(src[i]) * scale);
+  };
+  int64_t i = 0;
+  for (; i + kSqLanes <= n; i += kSqLanes) {
+    for (int k = 0; k < kSqLanes; ++k) {
+      const D d = value(i + k);
+      if (dst != nullptr) dst[i + k] = d;
+      obs.lane(k, static_cast<double>(d));
+    }
+  }
+  for (; i < n; ++i) {
+    const D d = value(i);
+    if (dst != nullptr) dst[i] = d;
+    obs.scalar(i, static_cast<double>(d));
+  }
+}
+
+// The observed copy of n elements; the same values and bits as copy_scale<S, D, kStream, kF64>.
+template <typename S, typename D, bool kStream, bool kF64, typename Obs>
+void copy_observed(const S* src, D* dst, int64_t n, double scale, Obs& obs) {
+  const bool identity = std::is_same_v<S, D> && scale == 1.0;  // copy_scale copies bits here too
+  if (identity && static_cast<const void*>(dst) == static_cast<const void*>(src)) dst = nullptr;  // in place: nothing changes
+  if constexpr (kDoubleMath<S, D, kF64>) {
+    observed_double<S, D>(src, dst, n, scale, identity, obs);
+  } else {
+    if constexpr (std::is_same_v<S, D>) {
+      if (identity) {
+        if (dst == nullptr) {
+          observed_float<S, D, false, true>(src, dst, n, 1.0f, obs);
+        } else {
+          observed_float<S, D, kStream, true>(src, dst, n, 1.0f, obs);
+        }
+        return;
+      }
+    }
+    observed_float<S, D, kStream, false>(src, dst, n, static_cast<float>(scale), obs);
+  }
+}
+
+template <typename S, typename D, bool kStream, bool kF64>
+double copy_sumsq_erased(const void* src, void* dst, int64_t n, double scale) {
+  SquaresObserver obs;
+  copy_observed<S, D, kStream, kF64>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale, obs);
+  return obs.result();
+}
+
+template <typename S, typename D, bool kStream, bool kF64>
+bool copy_check_erased(const void* src, void* dst, int64_t n, double scale) {
+  NonFiniteObserver obs(finite_bound<D>());
+  copy_observed<S, D, kStream, kF64>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale, obs);
+  return obs.result();
+}
+
+template <typename S, typename D, bool kStream, bool kF64>
+HealthFns health_fns_of() {
+  return {&copy_scale_erased<S, D, kStream, kF64>, &copy_sumsq_erased<S, D, kStream, kF64>,
+          &copy_check_erased<S, D, kStream, kF64>};
+}
+
+template <typename S>
+HealthFns pick_health_from(at::ScalarType dst, bool streaming, bool f64) {
+  const bool stream = streaming && kCanStream;
+  switch (dst) {
+#define FASTCOLL_PICK_HEALTH_TO(code, T, st, name)                                         \
+  case at::ScalarType::st:                                                                 \
+    return f64 ? (stream ? health_fns_of<S, T, true, true>() : health_fns_of<S, T, false, true>()) \
+               : (stream ? health_fns_of<S, T, true, false>() : health_fns_of<S, T, false, false>());
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_PICK_HEALTH_TO)
+#undef FASTCOLL_PICK_HEALTH_TO
+    default:
+      return {nullptr, nullptr, nullptr};
+  }
+}
+
+// The plain, sum-of-squares and non-finite-checking copies for one (source,
+// destination) dtype pair of the table in dtypes.h; f64: multiply in float64
+// whatever the dtypes. sum_of_squares passes the source dtype twice, a null
+// destination and a scale of 1: the observer then sees the source's values.
+HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64) {
+  HealthFns fns{nullptr, nullptr, nullptr};
+  switch (src) {
+#define FASTCOLL_PICK_HEALTH_FROM(code, T, st, name) \
+  case at::ScalarType::st:                           \
+    fns = pick_health_from<T>(dst, streaming, f64);  \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_PICK_HEALTH_FROM)
+#undef FASTCOLL_PICK_HEALTH_FROM
+    default:
+      break;
+  }
+  TORCH_CHECK(fns.copy != nullptr, "fastcoll internal error: no CPU health kernel for ", src, " -> ", dst, ". Please report this");
+  return fns;
 }
 
 }  // namespace FASTCOLL_CPU_NS

@@ -1,8 +1,9 @@
 // The per-chunk work of the CUDA kernel and its host-side chunk table.
 //
 // Written so that it also compiles as plain C++: nvcc builds it into the
-// kernel (flatten_scale_cuda.cu), and the C++ test (tests/cpp) runs the very
-// same code on the CPU, calling run_chunk once per (chunk, thread) the way a
+// kernels (flatten_scale_cuda.cu, and health_cuda.cu for the gradient-health
+// ops, which run the same chunk loop with an observer of the stored values),
+// and the C++ test (tests/cpp) runs the very same code on the CPU, calling run_chunk once per (chunk, thread) the way a
 // launch would, to check the chunk table and the head / 16-byte vector / tail
 // split against a float64 reference without a GPU.
 #pragma once
@@ -136,11 +137,12 @@ FASTCOLL_HOST_DEVICE D convert_scale(S x, M scale) {
 
 // Per-chunk index math is 32-bit (a chunk has at most kMaxChunkElements elements),
 // which keeps the kernel's register count down.
-// Thread `tid` of `nthreads` maps elements tid, tid + nthreads, ... of [0, n)
-// through `f`, kUnroll loads in flight before the first store. In and Out are
-// single elements or 16-byte Packs of them.
-template <typename In, typename Out, typename F>
-FASTCOLL_HOST_DEVICE void strided_map(const In* src, Out* dst, int n, F f, int tid, int nthreads) {
+// Thread `tid` of `nthreads` hands elements tid, tid + nthreads, ... of [0, n)
+// to `sink(i, value)`, kUnroll loads in flight before the first hand-over. In
+// is a single element or a 16-byte Pack of them. The order in which one thread
+// hands over its elements depends only on n, tid and nthreads.
+template <typename In, typename Sink>
+FASTCOLL_HOST_DEVICE void strided_each(const In* src, int n, Sink sink, int tid, int nthreads) {
   for (int base = tid; base < n; base += kUnroll * nthreads) {
     In in[kUnroll];
 FASTCOLL_UNROLL
@@ -151,43 +153,131 @@ FASTCOLL_UNROLL
 FASTCOLL_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * nthreads;
-      if (i < n) dst[i] = f(in[u]);
+      if (i < n) sink(i, in[u]);
     }
   }
 }
 
-// x * scale as D, one element or every lane of a Pack.
-template <typename S, typename D, typename M>
-struct ScaleElement {
-  M scale;
-  FASTCOLL_HOST_DEVICE D operator()(S x) const {
-    return convert_scale<S, D, M>(x, scale);
+// The sink of strided_map: dst[i] = f(value).
+template <typename Out, typename F>
+struct StoreMapped {
+  Out* dst;
+  F f;
+  template <typename In>
+  FASTCOLL_HOST_DEVICE void operator()(int i, const In& x) const {
+    dst[i] = f(x);
   }
 };
 
-template <typename S, typename D, typename M, int N>
-struct ScalePack {
-  M scale;
-  FASTCOLL_HOST_DEVICE Pack<D, N> operator()(const Pack<S, N>& x) const {
-    Pack<D, N> out;
+// Thread `tid` of `nthreads` maps elements tid, tid + nthreads, ... of [0, n)
+// through `f`, kUnroll loads in flight before the first store. In and Out are
+// single elements or 16-byte Packs of them.
+template <typename In, typename Out, typename F>
+FASTCOLL_HOST_DEVICE void strided_map(const In* src, Out* dst, int n, F f, int tid, int nthreads) {
+  strided_each(src, n, StoreMapped<Out, F>{dst, f}, tid, nthreads);
+}
+
+// ---- Observers: what the health ops learn from the values a chunk stores (or reads) ----
+
+// Sees nothing: the plain copy (flatten_scale / unflatten_scale).
+struct NoHealth {
+  template <typename T>
+  FASTCOLL_HOST_DEVICE void see(const T&) {}
+};
+
+template <typename T>
+FASTCOLL_HOST_DEVICE double as_double(const T& v) {
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
+    return static_cast<double>(v);
+  } else {
+    return static_cast<double>(static_cast<float>(v));  // float16 / bfloat16: exact
+  }
+}
+
+// Whether any value seen is NaN or +-Inf (x - x is 0 exactly for finite x).
+struct NonFiniteSeen {
+  bool bad = false;
+  template <typename T>
+  FASTCOLL_HOST_DEVICE void see(const T& v) {
+    const double x = as_double(v);
+    bad |= !(x - x == 0.0);
+  }
+};
+
+// The float64 sum of the squares of the values seen, in the order seen.
+struct SquaresSeen {
+  double sum = 0.0;
+  template <typename T>
+  FASTCOLL_HOST_DEVICE void see(const T& v) {
+    const double x = as_double(v);
+    sum += x * x;
+  }
+};
+
+template <typename H>
+constexpr bool kObserves = !std::is_same_v<H, NoHealth>;
+
+// The sinks of a read-only pass (sum_of_squares): every element, or every lane of a Pack, to the observer.
+template <typename H>
+struct SeeElement {
+  H* health;
+  template <typename T>
+  FASTCOLL_HOST_DEVICE void operator()(int, const T& x) const {
+    health->see(x);
+  }
+};
+
+template <typename T, int N, typename H>
+struct SeePack {
+  H* health;
+  FASTCOLL_HOST_DEVICE void operator()(int, const Pack<T, N>& x) const {
 FASTCOLL_UNROLL
-    for (int k = 0; k < N; ++k) out.v[k] = convert_scale<S, D, M>(x.v[k], scale);
+    for (int k = 0; k < N; ++k) health->see(x.v[k]);
+  }
+};
+
+// x * scale as D, one element or every lane of a Pack; an observer H (not
+// NoHealth) sees each value as stored.
+template <typename S, typename D, typename M, typename H = NoHealth>
+struct ScaleElement {
+  M scale;
+  H* health = nullptr;
+  FASTCOLL_HOST_DEVICE D operator()(S x) const {
+    const D out = convert_scale<S, D, M>(x, scale);
+    if constexpr (kObserves<H>) health->see(out);
     return out;
   }
 };
 
-template <typename S, typename D, typename M>
-FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int n, M scale, int tid, int nthreads) {
-  strided_map(src, dst, n, ScaleElement<S, D, M>{scale}, tid, nthreads);
+template <typename S, typename D, typename M, int N, typename H = NoHealth>
+struct ScalePack {
+  M scale;
+  H* health = nullptr;
+  FASTCOLL_HOST_DEVICE Pack<D, N> operator()(const Pack<S, N>& x) const {
+    Pack<D, N> out;
+FASTCOLL_UNROLL
+    for (int k = 0; k < N; ++k) {
+      out.v[k] = convert_scale<S, D, M>(x.v[k], scale);
+      if constexpr (kObserves<H>) health->see(out.v[k]);
+    }
+    return out;
+  }
+};
+
+template <typename S, typename D, typename M, typename H = NoHealth>
+FASTCOLL_HOST_DEVICE void scalar_range(const S* src, D* dst, int n, M scale, int tid, int nthreads, H* health = nullptr) {
+  strided_map(src, dst, n, ScaleElement<S, D, M, H>{scale, health}, tid, nthreads);
 }
 
 // One thread's share of a chunk: a scalar head up to the source's 16-byte
 // boundary, 16-byte vectors when the destination is then aligned too, a scalar
 // tail; a scalar loop over everything when source and destination are not
 // co-aligned. Every thread computes the same split, so each element is
-// written by exactly one thread.
-template <typename S, typename D, typename M>
-FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int n, M scale, int tid, int nthreads) {
+// written by exactly one thread. An observer (health, not NoHealth) sees the
+// values this thread stores, in the order it stores them: an order fixed by
+// n, the addresses' alignment, tid and nthreads.
+template <typename S, typename D, typename M, typename H = NoHealth>
+FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int n, M scale, int tid, int nthreads, H* health = nullptr) {
   constexpr int kWidest = sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D);
   constexpr int kVec = kVecBytes / kWidest;
   constexpr uintptr_t kSrcAlign = kVec * sizeof(S);
@@ -197,16 +287,32 @@ FASTCOLL_HOST_DEVICE void copy_chunk(const S* src, D* dst, int n, M scale, int t
   int head = static_cast<int>(((kSrcAlign - src_addr % kSrcAlign) % kSrcAlign) / sizeof(S));
   if (head > n) head = n;
   if ((dst_addr + head * sizeof(D)) % kDstAlign != 0) {
-    scalar_range<S, D, M>(src, dst, n, scale, tid, nthreads);
+    scalar_range<S, D, M, H>(src, dst, n, scale, tid, nthreads, health);
     return;
   }
-  scalar_range<S, D, M>(src, dst, head, scale, tid, nthreads);
+  scalar_range<S, D, M, H>(src, dst, head, scale, tid, nthreads, health);
   const int nvec = (n - head) / kVec;
   const auto* vsrc = reinterpret_cast<const Pack<S, kVec>*>(src + head);
   auto* vdst = reinterpret_cast<Pack<D, kVec>*>(dst + head);
-  strided_map(vsrc, vdst, nvec, ScalePack<S, D, M, kVec>{scale}, tid, nthreads);
+  strided_map(vsrc, vdst, nvec, ScalePack<S, D, M, kVec, H>{scale, health}, tid, nthreads);
   const int done = head + nvec * kVec;
-  scalar_range<S, D, M>(src + done, dst + done, n - done, scale, tid, nthreads);
+  scalar_range<S, D, M, H>(src + done, dst + done, n - done, scale, tid, nthreads, health);
+}
+
+// One thread's share of a read-only chunk (sum_of_squares): the same split on
+// the source's alignment alone, every value read handed to the observer.
+template <typename S, typename H>
+FASTCOLL_HOST_DEVICE void read_chunk(const S* src, int n, int tid, int nthreads, H* health) {
+  constexpr int kVec = kVecBytes / sizeof(S);
+  constexpr uintptr_t kAlign = kVecBytes;
+  const auto addr = reinterpret_cast<uintptr_t>(src);
+  int head = static_cast<int>(((kAlign - addr % kAlign) % kAlign) / sizeof(S));
+  if (head > n) head = n;
+  strided_each(src, head, SeeElement<H>{health}, tid, nthreads);
+  const int nvec = (n - head) / kVec;
+  strided_each(reinterpret_cast<const Pack<S, kVec>*>(src + head), nvec, SeePack<S, kVec, H>{health}, tid, nthreads);
+  const int done = head + nvec * kVec;
+  strided_each(src + done, n - done, SeeElement<H>{health}, tid, nthreads);
 }
 
 template <typename S, typename D>
@@ -240,6 +346,83 @@ FASTCOLL_HOST_DEVICE void run_chunk(const ChunkDesc& d, double scale, int tid, i
     break;
     FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_RUN_FROM)
 #undef FASTCOLL_RUN_FROM
+  }
+}
+
+// ---- The health ops (csrc/cuda/health_cuda.cu) ----
+
+// flatten_scale_ex's factor: scale, times *by when by is not null (one float,
+// or one double when by_f64, read where it lives: device memory in a kernel).
+struct Factor {
+  double scale;
+  const void* by;
+  bool by_f64;
+};
+
+// The chunk as run_typed copies it, with the factor applied in the chunk's
+// math (float unless a side or by is double: the same as the CPU kernels) and
+// the stored values shown to `health`. kScaleBy false: f.by is ignored (and
+// the float64-factor variant of every pair is not compiled).
+template <typename S, typename D, bool kScaleBy, typename H>
+FASTCOLL_HOST_DEVICE void run_typed_seen(const ChunkDesc& d, const Factor& f, H* health, int tid, int nthreads) {
+  const auto* src = reinterpret_cast<const S*>(d.src);
+  auto* dst = reinterpret_cast<D*>(d.dst);
+  const int n = static_cast<int>(d.numel);
+  using M = opmath_t<S, D>;
+  if constexpr (kScaleBy) {
+    if (f.by != nullptr && f.by_f64) {
+      copy_chunk<S, D, double, H>(src, dst, n, f.scale * *static_cast<const double*>(f.by), tid, nthreads, health);
+      return;
+    }
+    if (f.by != nullptr) {
+      const M m = static_cast<M>(f.scale) * static_cast<M>(*static_cast<const float*>(f.by));
+      copy_chunk<S, D, M, H>(src, dst, n, m, tid, nthreads, health);
+      return;
+    }
+  }
+  copy_chunk<S, D, M, H>(src, dst, n, static_cast<M>(f.scale), tid, nthreads, health);
+}
+
+template <typename S, bool kScaleBy, typename H>
+FASTCOLL_HOST_DEVICE void run_from_seen(const ChunkDesc& d, int dst_code, const Factor& f, H* health, int tid, int nthreads) {
+  switch (dst_code) {
+#define FASTCOLL_RUN_SEEN_TO(code, T, st, name)                       \
+  case code:                                                          \
+    run_typed_seen<S, T, kScaleBy, H>(d, f, health, tid, nthreads);   \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_RUN_SEEN_TO)
+#undef FASTCOLL_RUN_SEEN_TO
+  }
+}
+
+// Thread `tid` of `nthreads`' part of chunk `d`, copied by factor `f`, the values stored shown to `health`.
+template <bool kScaleBy, typename H>
+FASTCOLL_HOST_DEVICE void run_chunk_seen(const ChunkDesc& d, const Factor& f, H* health, int tid, int nthreads) {
+  const int src_code = static_cast<int>(d.kinds >> kDtypeCodeBits);
+  const int dst_code = static_cast<int>(d.kinds & ((1 << kDtypeCodeBits) - 1));
+  switch (src_code) {
+#define FASTCOLL_RUN_SEEN_FROM(code, T, st, name)                           \
+  case code:                                                                \
+    run_from_seen<T, kScaleBy, H>(d, dst_code, f, health, tid, nthreads);   \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_RUN_SEEN_FROM)
+#undef FASTCOLL_RUN_SEEN_FROM
+  }
+}
+
+// Thread `tid` of `nthreads`' part of read-only chunk `d` (sum_of_squares:
+// d.dst is unused, the source dtype is both codes), shown to `health`.
+template <typename H>
+FASTCOLL_HOST_DEVICE void read_chunk_seen(const ChunkDesc& d, H* health, int tid, int nthreads) {
+  const int src_code = static_cast<int>(d.kinds >> kDtypeCodeBits);
+  const int n = static_cast<int>(d.numel);
+  switch (src_code) {
+#define FASTCOLL_READ_SEEN(code, T, st, name)                                        \
+  case code:                                                                         \
+    read_chunk<T, H>(reinterpret_cast<const T*>(d.src), n, tid, nthreads, health);   \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_READ_SEEN)
+#undef FASTCOLL_READ_SEEN
   }
 }
 
