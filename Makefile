@@ -65,22 +65,37 @@ cuda-build-check:
 # index there): `make gpu-wheels` here, then carry .gpu-wheels to the GPU machine.
 GPU_PY ?= 3.12
 GPU_WHEELS := pytest pytest-timeout hypothesis expecttest rich ninja "setuptools>=77"
-gpu-wheels: $(VENV)/.deps-stamp
+gpu-wheels:
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 	  --platform any -d .gpu-wheels $(GPU_WHEELS)
 
-# On a machine whose python already has a CUDA build of torch (the GPU machine):
-# build in place with the CUDA kernels, run the CUDA tests and the GPU benchmarks.
-# Installs carried wheels from .gpu-wheels first when that folder exists.
+# On a machine whose python already has a CUDA build of torch (the GPU machine), one step per
+# device call (README, "On a GPU machine, step by step"); benchmarks/gpu_check.sh runs each.
+# gpu-build: build in place with the CUDA kernels (TORCH_CUDA_ARCH_LIST, default 9.0+PTX), print
+# build_info; gpu-test: pytest -m cuda (junit XML); gpu-bench-ops: the ops benchmark and the
+# slot-padding timings; gpu-bench-ddp: the DDP benchmark twice, FASTCOLL_FORCE_COLLECTIVES=0 and =1.
+# Each step installs the carried wheels from .gpu-wheels when that folder exists, builds first when
+# no usable build is there, and writes its log (and JSON) to GPU_OUT even when it fails ("exit=N"
+# ends each log); gpu-check runs them all, a failing one not stopping the others.
+# gpu-pad-counts: the slot-padding counts (issue 14 item 7), no GPU needed.
+GPU_OUT ?= $${OUT:-benchmarks/out/gpu}
+GPU_STEP = GPU_OUT="$(GPU_OUT)" PYTHON="$(PYTHON)" PYTEST_ARGS="$(PYTEST_ARGS)" GPU_WHEELS='$(GPU_WHEELS)' \
+  bash benchmarks/gpu_check.sh
+.PHONY: gpu-build gpu-test gpu-bench-ops gpu-bench-ddp gpu-pad-counts
+gpu-build:
+	$(GPU_STEP) build
+gpu-test:
+	$(GPU_STEP) test
+gpu-bench-ops:
+	$(GPU_STEP) bench-ops
+gpu-bench-ddp:
+	$(GPU_STEP) bench-ddp
+gpu-pad-counts:
+	$(GPU_STEP) pad-counts
 gpu-check:
-	if [ -d .gpu-wheels ]; then $(PYTHON) -m pip install -q --no-index --find-links .gpu-wheels $(GPU_WHEELS); fi
-	FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" $(PYTHON) setup.py -q build_ext --inplace
-	$(PYTHON) -c "import fastcoll, json; print(json.dumps(fastcoll.build_info(), indent=1))"
-	$(PYTHON) -m pytest -q -m cuda tests $(PYTEST_ARGS)
-	$(PYTHON) -m fastcoll.bench ops --device cuda
-	$(PYTHON) -m fastcoll.bench ddp --device cuda
-	if [ -n "$$OUT" ]; then cp benchmarks/out/*_cuda.* "$$OUT"/; fi  # the device tool brings $$OUT back
+	rc=0; for s in build test bench-ops bench-ddp; do $(GPU_STEP) $$s || rc=1; done; exit $$rc
 
 clean:
 	rm -rf build *.egg-info fastcoll/*.so $(VENV)/.build-stamp

@@ -37,8 +37,19 @@ step is dominated by writing the gradients and synchronizing them.
 Targets (issue 3), printed as PASS/MISS and never asserted: on CPU with 2 gloo
 ranks, fastcoll's step at most 1.0x torch DDP's on every model and its sync
 overhead no larger than torch DDP's; on a GPU (one rank, NCCL) at most 0.95x.
-With one rank fastcoll.DDP issues no all-reduce at all while torch DDP still
-does, so the GPU rows compare the wrappers' local work (pack, unpack, hooks).
+
+With one GPU (one rank) fastcoll.DDP issues no collective at all while torch
+DDP still does, so ``--device cuda`` measures twice, each pass in its own
+ranks, and labels both in the tables and the JSON (``row["collectives"]``,
+``config["collective_passes"]``): ``plain`` (FASTCOLL_FORCE_COLLECTIVES=0: the
+wrappers' local work, pack, unpack and hooks, against torch DDP with its
+all-reduces) and ``forced`` (FASTCOLL_FORCE_COLLECTIVES=1: fastcoll issues its
+all-reduces and broadcasts as at any world size, the like-for-like one-GPU
+comparison with communication; labels end in " [comm forced]"). With the
+variable set in the environment only that pass runs (``=1``: forced, ``=0``:
+plain). A pass that fails is reported in ``config["passes"]`` and the other
+still runs; the JSON is written after each pass. CPU runs (2 gloo ranks)
+communicate anyway and have a single, unlabelled pass.
 
 ``--quick`` (about 1-2 minutes on 2 cores) takes 5 samples of 30 ms instead of
 15 of 100 ms, times the GPT-2-shaped set without gradient_as_bucket_view only
@@ -92,6 +103,15 @@ METHOD_DESCRIPTIONS = {
     "fastcoll": "fastcoll.DDP(module, gradient_as_bucket_view=...)",
 }
 COMM_DTYPES = (("fp16", torch.float16), ("bf16", torch.bfloat16))
+#: One-rank (CUDA) runs: the FASTCOLL_FORCE_COLLECTIVES passes, their label suffix and description.
+COLLECTIVE_PASSES = ("plain", "forced")
+PASS_SUFFIX = {"plain": "", "forced": " [comm forced]"}
+PASS_DESCRIPTIONS = {
+    "plain": "FASTCOLL_FORCE_COLLECTIVES=0: at world size 1 fastcoll.DDP issues no collective, torch DDP does "
+    "(the wrappers' local work: pack, unpack, hooks)",
+    "forced": "FASTCOLL_FORCE_COLLECTIVES=1: fastcoll.DDP issues its all-reduces and broadcasts as at any world size, "
+    "as torch DDP does (the one-GPU comparison with communication)",
+}
 COMM_METHODS = ("no_sync", "torch fp16 hook", "fastcoll fp16", "torch bf16 hook", "fastcoll bf16")
 COMM_DESCRIPTIONS = {
     "torch fp16 hook": "torch DDP + torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
@@ -291,6 +311,20 @@ def _config(args: Any, device: str) -> Dict[str, Any]:
     cfg["backend"] = "nccl" if device == "cuda" else "gloo"
     cfg["threads"] = _threads_per_rank(args, cfg["world_size"])
     return cfg
+
+
+def collective_passes(cfg: Dict[str, Any]) -> List[Optional[str]]:
+    """The FASTCOLL_FORCE_COLLECTIVES passes to run: ``[None]`` (one unlabelled pass) unless the world has one rank.
+
+    At world size 1: both ("plain", "forced") when FASTCOLL_FORCE_COLLECTIVES is
+    unset, else only the one it names (a value other than "" or "0" forces).
+    """
+    if cfg["world_size"] > 1:
+        return [None]
+    value = os.environ.get("FASTCOLL_FORCE_COLLECTIVES")
+    if value is None:
+        return list(COLLECTIVE_PASSES)
+    return ["plain" if value.strip() in ("", "0") else "forced"]
 
 
 def _threads_per_rank(args: Any, world_size: int) -> int:
@@ -650,6 +684,8 @@ def _row(case, cfg, samples, info, checks, inner, nparams, numel) -> Dict[str, A
 
 def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], cases: List[Case], out_path: str, progress_q: Any) -> None:
     device = cfg["device"]
+    if cfg.get("collectives") is not None:  # before any wrapper or helper reads it
+        os.environ["FASTCOLL_FORCE_COLLECTIVES"] = "1" if cfg["collectives"] == "forced" else "0"
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
 
@@ -675,27 +711,10 @@ def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], cases: Lis
 # ---------------------------------------------------------------------------
 
 
-def measure(args: Any = None) -> Dict[str, Any]:
-    """Spawn the ranks, run the benchmark and return its results.
-
-    Args:
-        args: An argparse namespace (or None) with optional ``device``,
-            ``quick``, ``smoke`` and ``threads`` attributes, as the CLI gives.
-
-    Returns:
-        ``{"benchmark": "ddp", "config": {...}, "implementation": ...,
-        "comm_dtype": {...}, "results": [row, ...]}``; each row has the model,
-        the gradient_as_bucket_view setting, per method the timing summary
-        (seconds), ``sync_overhead_s``, ``peak_mem_bytes``,
-        ``sent_bytes_per_step`` and ``buckets``, plus ``ratios``, ``targets``
-        (fp32 rows) and the gradient check ``grads``.
-    """
+def _run_pass(cfg: Dict[str, Any], cases: List[Case], bar: Any) -> Dict[str, Any]:
+    """Spawn the ranks of one pass and wait for them; returns rank 0's ``{"rows", "implementation"}``."""
     import torch.multiprocessing as tmp
 
-    device = getattr(args, "device", "cpu") or "cpu"
-    cfg = _config(args, device)
-    with_comm = comm_dtype_supported()
-    cases = build_cases(cfg, with_comm)
     ws = cfg["world_size"]
     with tempfile.TemporaryDirectory(prefix="fastcoll_bench_ddp_") as tmpdir:
         out_path = os.path.join(tmpdir, "result.json")
@@ -707,35 +726,101 @@ def measure(args: Any = None) -> Dict[str, Any]:
             nprocs=ws,
             join=False,
         )
-        with common.progress(progress_units(cases, cfg), f"ddp: starting {ws} rank{'s' if ws > 1 else ''}") as bar:
-            done = False
-            while not done:
-                done = ctx.join(timeout=0.2)
-                while True:
-                    try:
-                        what, value = progress_q.get_nowait()
-                    except queue_mod.Empty:
-                        break
-                    if what == "advance":
-                        bar.advance(value)
-                    else:
-                        bar.describe(value)
+        done = False
+        while not done:
+            done = ctx.join(timeout=0.2)
+            while True:
+                try:
+                    what, value = progress_q.get_nowait()
+                except queue_mod.Empty:
+                    break
+                if what == "advance":
+                    bar.advance(value)
+                else:
+                    bar.describe(value)
         with open(out_path) as f:
-            result = json.load(f)
+            return json.load(f)
+
+
+def measure(args: Any = None, on_pass: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Spawn the ranks, run the benchmark and return its results.
+
+    Args:
+        args: An argparse namespace (or None) with optional ``device``,
+            ``quick``, ``smoke`` and ``threads`` attributes, as the CLI gives.
+        on_pass: Called with the results so far after each pass (see
+            :func:`collective_passes`), e.g. to write them before the next starts.
+
+    Returns:
+        ``{"benchmark": "ddp", "config": {...}, "implementation": ...,
+        "comm_dtype": {...}, "results": [row, ...]}``; each row has the model,
+        the gradient_as_bucket_view setting, per method the timing summary
+        (seconds), ``sync_overhead_s``, ``peak_mem_bytes``,
+        ``sent_bytes_per_step`` and ``buckets``, plus ``ratios``, ``targets``
+        (fp32 rows) and the gradient check ``grads``. One-rank runs also
+        have ``config["collective_passes"]`` (the passes asked for),
+        ``config["passes"]`` (``{pass: {"ok": bool, "error": str}}``) and, per
+        row, ``collectives`` ("plain" or "forced").
+    """
+    device = getattr(args, "device", "cpu") or "cpu"
+    cfg = _config(args, device)
+    with_comm = comm_dtype_supported()
+    cases = build_cases(cfg, with_comm)
+    ws = cfg["world_size"]
+    passes = collective_passes(cfg)
+    rows: List[Dict[str, Any]] = []
+    implementation: Optional[str] = None
+    status: Dict[str, Dict[str, Any]] = {}
+    payload: Dict[str, Any] = {}
+    units = progress_units(cases, cfg) * len(passes)
+    with common.progress(units, f"ddp: starting {ws} rank{'s' if ws > 1 else ''}") as bar:
+        for p in passes:
+            try:
+                result = _run_pass({**cfg, "collectives": p}, cases, bar)
+            except Exception as exc:
+                if p is None:
+                    raise
+                error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"  # one line (spawn's errors hold a traceback)
+                status[p] = {"ok": False, "error": error}
+                common.say(f"[red]fastcoll.bench ddp: the '{p}' pass ({PASS_DESCRIPTIONS[p]}) failed: {error}[/red]")
+            else:
+                implementation = result["implementation"]
+                for r in result["rows"]:
+                    if p is not None:
+                        r["collectives"] = p
+                        r["label"] += PASS_SUFFIX[p]
+                rows += result["rows"]
+                if p is not None:
+                    status[p] = {"ok": True}
+            payload = _payload(cfg, cases, with_comm, implementation, rows, passes, status)
+            if on_pass is not None:
+                on_pass(payload)
+    return payload
+
+
+def _payload(cfg, cases, with_comm, implementation, rows, passes, status) -> Dict[str, Any]:
+    config: Dict[str, Any] = {
+        **cfg,
+        "models": [dataclasses.asdict(c.spec) for c in cases if c.section == "fp32" and not c.gabv],
+        "methods": {**METHOD_DESCRIPTIONS, **(COMM_DESCRIPTIONS if with_comm else {})},
+        "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
+        "synthetic_models": "parameters of the model's shapes, forward = sum_i p_i.sum() * x_i: the step is "
+        "dominated by writing and synchronizing the gradients",
+        "targets": {
+            "cpu": f"step <= {CPU_TARGET}x torch DDP and sync overhead <= torch DDP's",
+            "cuda": f"step <= {GPU_TARGET}x torch DDP",
+        },
+    }
+    if passes != [None]:
+        config["collective_passes"] = list(passes)
+        config["passes"] = dict(status)
+        config["pass_descriptions"] = {p: PASS_DESCRIPTIONS[p] for p in passes}
     return {
         "benchmark": "ddp",
-        "config": {
-            **cfg,
-            "models": [dataclasses.asdict(c.spec) for c in cases if c.section == "fp32" and not c.gabv],
-            "methods": {**METHOD_DESCRIPTIONS, **(COMM_DESCRIPTIONS if with_comm else {})},
-            "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
-            "synthetic_models": "parameters of the model's shapes, forward = sum_i p_i.sum() * x_i: the step is "
-            "dominated by writing and synchronizing the gradients",
-            "targets": {"cpu": f"step <= {CPU_TARGET}x torch DDP and sync overhead <= torch DDP's", "cuda": f"step <= {GPU_TARGET}x torch DDP"},
-        },
-        "implementation": result["implementation"],
+        "config": config,
+        "implementation": implementation,
         "comm_dtype": {"supported": with_comm, "measured": with_comm},
-        "results": result["rows"],
+        "results": list(rows),
     }
 
 
@@ -760,11 +845,23 @@ def _signed_time(seconds: Optional[float]) -> str:
 
 
 def print_results(payload: Dict[str, Any]) -> None:
-    """Print the timing table, the memory/traffic table and (when measured) the comm_dtype table."""
+    """Print the timing table, the memory/traffic table and (when measured) the comm_dtype table, per pass."""
+    passes = payload["config"].get("collective_passes") or [None]
+    for p in passes:
+        results = [r for r in payload["results"] if r.get("collectives") == p]
+        if p is not None and not results:
+            error = payload["config"].get("passes", {}).get(p, {}).get("error", "no rows")
+            common.say(f"[red]fastcoll ddp: no results for the '{p}' pass ({PASS_DESCRIPTIONS[p]}): {error}[/red]")
+            continue
+        _print_tables(payload, results, p)
+
+
+def _print_tables(payload: Dict[str, Any], results: List[Dict[str, Any]], collectives: Optional[str]) -> None:
     cfg = payload["config"]
     device = cfg["device"]
     cpu = device == "cpu"
-    rows = [r for r in payload["results"] if r["section"] == "fp32"]
+    rows = [r for r in results if r["section"] == "fp32"]
+    title_pass = "" if collectives is None else f", {'collectives forced' if collectives == 'forced' else 'no collectives'}"
     columns = ["model", "view", "no_sync", "torch DDP", "fastcoll", "fastcoll/torch", "sync torch", "sync fastcoll", "grads"]
     columns += [f"step ≤{CPU_TARGET}x", "sync ≤ torch"] if cpu else [f"step ≤{GPU_TARGET}x"]
     table = []
@@ -789,8 +886,13 @@ def print_results(payload: Dict[str, Any]) -> None:
     where = (
         f"{cfg['world_size']} gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each"
         if cpu
-        else f"{cfg['world_size']} rank on NCCL" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
-        + " (with one rank fastcoll.DDP issues no all-reduce; torch DDP does)"
+        else f"{cfg['world_size']} rank on NCCL"
+        + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
+        + (
+            " (with one rank fastcoll.DDP issues no all-reduce; torch DDP does)"
+            if collectives != "forced"
+            else " with FASTCOLL_FORCE_COLLECTIVES=1 (fastcoll.DDP issues its all-reduces and broadcasts, as torch DDP does)"
+        )
     )
     caption = (
         f"{where}; ops: {payload['implementation']}. Median step (slowest rank) = zero_grad + forward + backward, "
@@ -800,7 +902,9 @@ def print_results(payload: Dict[str, Any]) -> None:
         "* synthetic: parameters of the model's shapes, forward = sum_i p_i.sum() * x_i, so the step is dominated "
         "by gradient synchronization. Targets are informational, never asserted."
     )
-    common.render_table(f"fastcoll ddp: fastcoll.DDP vs torch DDP, step time ({device})", columns, table, caption=caption)
+    common.render_table(
+        f"fastcoll ddp: fastcoll.DDP vs torch DDP, step time ({device}{title_pass})", columns, table, caption=caption
+    )
 
     columns = ["model", "view", "params", "grad MiB", "buckets torch", "buckets fastcoll", "peak MiB torch", "peak MiB fastcoll"]
     columns += ["sent MiB torch", "sent MiB fastcoll"] if cpu else []
@@ -832,9 +936,9 @@ def print_results(payload: Dict[str, Any]) -> None:
         + ("; sent: bytes a rank wrote to its sockets in one step (/proc/self/io wchar)" if cpu else "")
         + "; buckets after the rebuild of the first iteration."
     )
-    common.render_table(f"fastcoll ddp: memory and traffic ({device})", columns, table, caption=caption)
+    common.render_table(f"fastcoll ddp: memory and traffic ({device}{title_pass})", columns, table, caption=caption)
 
-    comm = [r for r in payload["results"] if r["section"] == "comm_dtype"]
+    comm = [r for r in results if r["section"] == "comm_dtype"]
     if not payload["comm_dtype"]["supported"]:
         common.say("[yellow]comm_dtype rows skipped: this checkout's fastcoll.DDP has no comm_dtype argument (issue 5)[/yellow]")
         return
@@ -858,7 +962,7 @@ def print_results(payload: Dict[str, Any]) -> None:
             ]
         table.append(line)
     common.render_table(
-        f"fastcoll ddp: comm_dtype vs torch DDP + compress hooks ({device})",
+        f"fastcoll ddp: comm_dtype vs torch DDP + compress hooks ({device}{title_pass})",
         columns,
         table,
         caption="ratio = fastcoll comm_dtype step / torch DDP + the same-dtype compress hook step (<1: fastcoll faster); "
@@ -916,8 +1020,8 @@ def run(args: Any = None) -> int:
     """CLI entry (``python -m fastcoll.bench ddp``): measure, print the tables, write JSON and a chart.
 
     Returns:
-        0 on success, 1 if fastcoll's gradients differ from torch DDP's, 2 if
-        ``--device cuda`` is asked for without a GPU.
+        0 on success, 1 if fastcoll's gradients differ from torch DDP's or a
+        pass failed, 2 if ``--device cuda`` is asked for without a GPU.
     """
     device = getattr(args, "device", "cpu") or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -936,15 +1040,18 @@ def run(args: Any = None) -> int:
         "[dim]ResNet-50 and GPT-2 rows (*) are synthetic: parameters of those shapes with a forward of one "
         "read per parameter, so their step is dominated by gradient synchronization.[/dim]"
     )
-    payload = measure(args)
+    path = common.resolve_json_path(args, f"ddp_{device}")
+    # Written after every pass too, so that a later pass that hangs or dies leaves the earlier results.
+    payload = measure(args, on_pass=lambda partial: common.write_json(path, partial, device))
     print_results(payload)
     _summary(payload)
-    path = common.resolve_json_path(args, f"ddp_{device}")
     common.write_json(path, payload, device)
-    png = chart(path.with_suffix(".png"), payload)
-    common.say(f"wrote {path}" + (f" and {png}" if png else " (matplotlib missing: no chart)"))
+    png = chart(path.with_suffix(".png"), payload) if payload["results"] else None
+    why = "matplotlib missing" if payload["results"] else "no results"
+    common.say(f"wrote {path}" + (f" and {png}" if png else f" ({why}: no chart)"))
     ok = all(c["close"] for r in payload["results"] for c in r["grads"].values())
-    return 0 if ok else 1
+    passes_ok = all(st["ok"] for st in payload["config"].get("passes", {}).values())
+    return 0 if ok and passes_ok else 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:
