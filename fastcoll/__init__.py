@@ -21,6 +21,7 @@ from .dist import (
     synchronize,
 )
 from .errors import NonFiniteGradError
+from .stall import StallError
 from .reducer import GradBucket
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "NonFiniteGradError",
+    "StallError",
     "__version__",
     "all_reduce_dict",
     "allreduce_grads",

@@ -16,6 +16,7 @@ from . import ops
 from ._dtypes import is_fusable
 from ._knobs import force_collectives
 from .bucketing import split_by_bytes
+from .stall import run_collective
 
 __all__ = ["CoalescedBroadcast", "broadcast_coalesced"]
 
@@ -105,8 +106,11 @@ class CoalescedBroadcast:
         """Bytes of staging memory held (one buffer per device, the size of its largest message)."""
         return sum(s.numel() for s in self._staging)
 
-    def __call__(self, group: Optional[dist.ProcessGroup], group_src: int = 0) -> None:
-        """Broadcast from group rank ``group_src`` of ``group`` (None: the default group)."""
+    def __call__(self, group: Optional[dist.ProcessGroup], group_src: int = 0, stall_timeout: Optional[float] = 0) -> None:
+        """Broadcast from group rank ``group_src`` of ``group`` (None: the default group).
+
+        ``stall_timeout``: as :class:`fastcoll.DDP`'s (0: unprotected, None: the default rule).
+        """
         if not self.messages or (dist.get_world_size(group) == 1 and not force_collectives()):
             return
         is_src = dist.get_rank(group) == group_src
@@ -117,7 +121,10 @@ class CoalescedBroadcast:
                         ops.flatten_scale(ts, section, 1.0)
                     for section, t in m.copied:
                         section.copy_(t)
-                dist.broadcast(m.message, group=group, group_src=group_src)
+                run_collective(
+                    lambda m=m: dist.broadcast(m.message, group=group, group_src=group_src, async_op=True),
+                    "broadcast", "buffers/parameters", m.message, group, stall_timeout,
+                )  # fmt: skip
                 if not is_src:
                     for section, ts in m.fused:
                         ops.unflatten_scale(section, ts, 1.0)
@@ -130,6 +137,7 @@ def broadcast_coalesced(
     group: Optional[dist.ProcessGroup],
     group_src: int = 0,
     cap_bytes: int = DEFAULT_CAP_BYTES,
+    stall_timeout: Optional[float] = 0,
 ) -> None:
     """Broadcast ``tensors`` in place from group rank ``group_src``, coalesced (see :class:`CoalescedBroadcast`)."""
-    CoalescedBroadcast(tensors, cap_bytes)(group, group_src)
+    CoalescedBroadcast(tensors, cap_bytes)(group, group_src, stall_timeout)

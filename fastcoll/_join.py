@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ._broadcast import broadcast_coalesced
+from .stall import protected_wait, run_collective
 
 __all__ = ["DDPJoinHook", "JoinState", "JoinSupport"]
 
@@ -51,14 +52,17 @@ class JoinState:
         work, self._count_work = self._count_work, None
         if work is None:
             return float(world_size)
-        work.wait()
+        protected_wait(work, self.ddp.process_group, "join: ranks still training", self.ddp.stall_timeout, self.ddp.device)
         return float(work.get_future().value()[0].item())
 
     def common_rank(self, candidate: bool) -> int:
         """The highest group rank among the ranks passing ``candidate=True`` (an all-reduce MAX)."""
         ddp = self.ddp
         t = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        run_collective(
+            lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group, async_op=True),
+            "all_reduce", "join: source rank", t, ddp.process_group, ddp.stall_timeout,
+        )  # fmt: skip
         rank = int(t.item())
         if rank < 0:
             raise RuntimeError("fastcoll.DDP.join: join protocol error: no rank offered to be the source of the model state")
@@ -75,7 +79,7 @@ class JoinState:
     def receive_requires_sync(self) -> bool:
         """On a joined rank: whether the ranks still training run a synchronized backward this iteration."""
         work, flag = self._requires_sync_all_reduce(False)
-        work.wait()
+        protected_wait(work, self.ddp.process_group, "join: requires sync", self.ddp.stall_timeout, self.ddp.device)
         return flag.item() != 0
 
     def sync_final_model(self, is_last_joiner: bool) -> None:
@@ -83,7 +87,7 @@ class JoinState:
         ddp = self.ddp
         src = self.common_rank(is_last_joiner)
         with torch.no_grad():
-            broadcast_coalesced(ddp._sync_states(), ddp.process_group, src, ddp.broadcast_bucket_size)
+            broadcast_coalesced(ddp._sync_states(), ddp.process_group, src, ddp.broadcast_bucket_size, ddp.stall_timeout)
 
 
 class DDPJoinHook(JoinHook):

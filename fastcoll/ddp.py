@@ -27,6 +27,7 @@ from .comm_hooks import CommHookRegistration
 from .dist._agree import agree
 from .dist.backends import backend_name, bound_device, pick_comm_device
 from .reducer import Reducer
+from .stall import resolve_stall_timeout
 
 __all__ = ["DDP", "DistributedDataParallel"]
 
@@ -238,6 +239,16 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
             (:meth:`sync_timeline`, :meth:`export_chrome_trace`); about 0.2 µs
             per gradient and per bucket event. Iteration-level times are kept
             either way.
+        stall_timeout: Seconds a rank may wait inside fastcoll's gradient
+            synchronization (bucket reductions, the used-parameter all-reduce,
+            buffer broadcasts, join's collectives) before every live rank
+            gathers every rank's state through the process group's store and
+            raises :class:`fastcoll.StallError` with one report naming the
+            culprit (see "When a job hangs" in the README). None:
+            ``FASTCOLL_STALL_TIMEOUT`` if set, else half the process group's
+            timeout capped at 300 s; 0 disables. A dead peer is reported
+            within seconds. Only waiting inside synchronization counts, never
+            the rank's own compute.
 
     Raises:
         RuntimeError: the process group is not initialized, no parameter
@@ -267,6 +278,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         compute_grad_norm: bool = False,
         check_nonfinite: bool = False,
         record_timeline: bool = True,
+        stall_timeout: Optional[float] = None,
     ):
         super().__init__()
         JoinSupport.__init__(self)
@@ -300,6 +312,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         self.compute_grad_norm = bool(compute_grad_norm)
         self.check_nonfinite = bool(check_nonfinite)
         self.record_timeline = bool(record_timeline)
+        self.stall_timeout = stall_timeout
 
         # Local checks; a failure is shared with the other ranks by the
         # signature exchange below, so that every rank raises and none hangs.
@@ -307,6 +320,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         error: Optional[BaseException] = None
         try:
             cfg = _check_arguments(named, bucket_cap_mb, first_bucket_mb, comm_dtype, device_ids, output_device)
+            resolve_stall_timeout(stall_timeout, process_group)  # a bad value raises here, on every rank
         except (ValueError, RuntimeError, TypeError) as exc:
             error, cfg = exc, None
         self._verify_across_ranks(named, error, device_ids)
@@ -319,7 +333,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
 
         self._build()
         if init_sync:
-            broadcast_coalesced(self._sync_states(), self.process_group, 0, self.broadcast_bucket_size)
+            broadcast_coalesced(self._sync_states(), self.process_group, 0, self.broadcast_bucket_size, self.stall_timeout)
         if comm_dtype is not None:
             self._comm_hook_desc = f"comm_dtype={comm_dtype}"
         if static_graph:
@@ -354,6 +368,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
             check_nonfinite=self.check_nonfinite,
             record_timeline=self.record_timeline,
             autotune=self.bucket_caps == AUTO,
+            stall_timeout=self.stall_timeout,
         )
 
     def _sync_states(self) -> List[torch.Tensor]:
@@ -492,7 +507,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
     def _sync_buffers(self, group_src: int = 0) -> None:
         """Broadcast the module's buffers from group rank ``group_src``."""
         with torch.no_grad():
-            self._buffer_broadcast(self.process_group, group_src)
+            self._buffer_broadcast(self.process_group, group_src, self.stall_timeout)
 
     # -------------------------------------------------------------------- join
 

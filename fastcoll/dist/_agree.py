@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .backends import comm_device
+from .backends import comm_device, finish_collective, start_collective
 from .process import Group, collectives_needed, get_world_size
 
 __all__ = ["agree", "all_gather_bytes", "bytes_to_tensor", "tensor_to_bytes"]
@@ -43,11 +43,17 @@ def tensor_to_bytes(tensor: torch.Tensor, size: int | None = None) -> bytes:
     return t.cpu().numpy().tobytes()
 
 
+def _all_gather(parts: list[torch.Tensor], mine: torch.Tensor, group: Group) -> None:
+    """``dist.all_gather`` under the group's stall protection (numbered, bounded wait)."""
+    work = start_collective(lambda: dist.all_gather(parts, mine, group=group, async_op=True), "all_gather", "fastcoll.dist agree", mine, group)
+    finish_collective(work, group, "fastcoll.dist agree", mine.device)
+
+
 def all_gather_bytes(payload: bytes, sizes: Sequence[int], group: Group, device: torch.device) -> list[bytes]:
     """Every rank's ``payload``, in group-rank order, given every rank's length ``sizes``."""
     mine = bytes_to_tensor(payload, device, max(sizes))
     parts = [torch.empty_like(mine) for _ in sizes]
-    dist.all_gather(parts, mine, group=group)
+    _all_gather(parts, mine, group)
     return [tensor_to_bytes(t, n) for t, n in zip(parts, sizes)]
 
 
@@ -55,7 +61,7 @@ def _all_gather_ints(values: Sequence[int], group: Group, device: torch.device) 
     """Every rank's ``values`` (the same count on every rank), in group-rank order."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
+    _all_gather(parts, mine, group)
     return torch.stack(parts).cpu().tolist()
 
 

@@ -18,7 +18,7 @@ So a script that keeps its tensors on ``cuda:{local_rank}`` but never calls
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -174,7 +174,7 @@ def release_buffers() -> None:
 
 
 def all_reduce_flat(
-    flat: torch.Tensor, group: Group, async_op: bool = False, device: torch.device | None = None
+    flat: torch.Tensor, group: Group, async_op: bool = False, device: torch.device | None = None, what: str = "fastcoll.dist"
 ) -> Any | None:
     """SUM-all-reduce ``flat`` in place, staging it through the communication device if needed.
 
@@ -190,8 +190,36 @@ def all_reduce_flat(
         The work handle for an asynchronous reduce, else None.
     """
     if group_supports(flat.device, group):
-        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        work = start_collective(lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), "all_reduce", what, flat, group)
+        if async_op:
+            return work
+        finish_collective(work, group, what, flat.device)
+        return None
     staged = flat.to(device if device is not None else comm_device(group, [flat]), copy=True)
-    dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group)
+    work = start_collective(lambda: dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True), "all_reduce", what, staged, group)
+    finish_collective(work, group, what, staged.device)
     flat.copy_(staged)
     return None
+
+
+def start_collective(start: Callable[[], Any], kind: str, what: str, tensor: torch.Tensor, group: Group) -> Any:
+    """Number a collective in the group's stall state, start it (``start`` returns its Work) and let the stall guard watch it.
+
+    ``what`` must be the same on every rank (it is compared in stall reports).
+    Wait for the returned Work with :func:`finish_collective`.
+    """
+    from ..stall import guard_for, state_for
+
+    seq = state_for(group).note(kind, what, tensor.numel(), tensor.dtype)
+    work = start()
+    guard = guard_for(group, None, device=tensor.device)
+    if guard is not None:
+        guard.issued(work, seq, what)
+    return work
+
+
+def finish_collective(work: Any, group: Group, what: str, device: torch.device) -> Any:
+    """Wait for a Work from :func:`start_collective`, bounded by the stall timeout (:class:`fastcoll.StallError` on a stall)."""
+    from ..stall import protected_wait
+
+    return protected_wait(work, group, what, None, device)

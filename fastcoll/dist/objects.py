@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._agree import agree, all_gather_bytes, bytes_to_tensor, tensor_to_bytes
-from .backends import comm_device
+from .backends import comm_device, finish_collective, start_collective
 from .process import Group, collectives_needed, get_rank, get_world_size
 from .serialize import dumps
 
@@ -81,7 +81,8 @@ def broadcast(obj: Any, src: int = 0, group: Group = None) -> Any:
             error = exc
     size = agree(what, group=group, values=[len(payload)], error=error, device=device)[group_src][0]
     buf = bytes_to_tensor(payload, device) if is_src else torch.empty(size, dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src, group=group)
+    work = start_collective(lambda: dist.broadcast(buf, src=src, group=group, async_op=True), "broadcast", what, buf, group)
+    finish_collective(work, group, what, device)
     return obj if is_src else pickle.loads(tensor_to_bytes(buf))
 
 
@@ -99,7 +100,8 @@ def _gather_objects(obj: Any, group: Group, what: str, to_group_rank0: bool) -> 
     mine = bytes_to_tensor(payload, device, max(sizes))
     is_root = dist.get_rank(group) == 0
     parts = [torch.empty_like(mine) for _ in sizes] if is_root else None
-    dist.gather(mine, parts, group=group, group_dst=0)
+    work = start_collective(lambda: dist.gather(mine, parts, group=group, group_dst=0, async_op=True), "gather", what, mine, group)
+    finish_collective(work, group, what, device)
     if parts is None:
         return None
     return [pickle.loads(tensor_to_bytes(t, n)) for t, n in zip(parts, sizes)]

@@ -62,7 +62,7 @@ def _reduce_packed(
         meanwhile()
     for work, flat, dests in pending:
         if work is not None:
-            work.wait()
+            backends.finish_collective(work, group, "fastcoll.dist", flat.device)
         ops.unflatten_scale(flat, dests, 1.0)
 
 
@@ -262,9 +262,9 @@ def _mean_one(t: torch.Tensor, ws: int, group: Group, device: torch.device) -> A
 
 def _mean_each(tensors: Sequence[torch.Tensor], ws: int, group: Group, device: torch.device) -> None:
     """Average tensors in place one by one (their reduces overlap each other)."""
-    works = [w for w in (_mean_one(t, ws, group, device) for t in tensors) if w is not None]
-    for work in works:
-        work.wait()
+    works = [(w, t) for t, w in ((t, _mean_one(t, ws, group, device)) for t in tensors) if w is not None]
+    for work, t in works:
+        backends.finish_collective(work, group, "fastcoll.dist", t.device)
 
 
 def _unique_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

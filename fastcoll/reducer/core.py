@@ -134,6 +134,9 @@ class Reducer(ReducerSettings):
         record_timeline: Record per-bucket event times (:mod:`.timeline`).
         autotune: Tune the bucket layout while training (``bucket_cap_mb="auto"``, :mod:`.tuning`);
             ``bucket_cap_bytes`` is then the default the tuner starts from.
+        stall_timeout: Seconds a wait for a collective may take before every
+            rank diagnoses the stall (:mod:`fastcoll.stall`); None: the default
+            rule; 0 (the default for a bare Reducer): no protection.
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class Reducer(ReducerSettings):
         check_nonfinite: bool = False,
         record_timeline: bool = True,
         autotune: bool = False,
+        stall_timeout: Optional[float] = 0,
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -163,7 +167,9 @@ class Reducer(ReducerSettings):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.comm = Communicator(process_group, self.world_size, force_collectives())
+        self.comm = Communicator(
+            process_group, self.world_size, force_collectives(), stall_timeout=stall_timeout, device=self.params[0].device
+        )
         #: Run-time divisor folded into the pack: gradients are averaged over this many ranks.
         self.divisor: float = float(self.world_size)
         self.bucket_cap_bytes: Caps = bucket_cap_bytes if isinstance(bucket_cap_bytes, int) else [int(c) for c in bucket_cap_bytes]
@@ -267,6 +273,7 @@ class Reducer(ReducerSettings):
             self._raise_unfinished()
         self.prepare_layout()
         self.timeline.begin_iteration(len(self._set.buckets))
+        self.comm.state.begin_forward(self.usage.iterations)
 
     def prepare_layout(self) -> None:
         """Layout changes due at a forward, on every rank alike (joined ranks too): the one rebuild, then autotuning steps."""
@@ -331,6 +338,7 @@ class Reducer(ReducerSettings):
             self._how = self._pack_args()
             self.health.begin_iteration()
             self.timeline.backward_start()
+            self.comm.state.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         if first:
             usage = self.usage
@@ -364,7 +372,13 @@ class Reducer(ReducerSettings):
             self._pending = [0] * len(self._set.buckets)
             self._advance()
         if self._next_bucket < len(self._set.buckets):
-            return  # some gradients are missing: reported at the next forward
+            # Some gradients are missing: raised at the next forward; published now, so
+            # that a stall report on the other ranks names them even if this rank dies.
+            self.comm.state.end_backward(self.unfinished_names())
+            if self.comm.guard is not None:
+                self.comm.guard.publish()
+            return
+        self.comm.state.end_backward()
         self._finalize()
 
     def _finalize(self) -> None:
@@ -415,6 +429,7 @@ class Reducer(ReducerSettings):
             self._count_expected()
         self._set.order.end_iteration(joined)
         self.timeline.end_iteration()
+        self.comm.state.end_iteration()
         self._inflight = [None] * len(self._set.buckets)
         self._phase = _IDLE
 

@@ -34,18 +34,24 @@ __all__ = ["AllReduce", "CommHook", "InFlight", "SparseSum", "ZeroBuffers"]
 class InFlight:
     """A reduction under way. This base class is the replayed kind: it only waits."""
 
-    __slots__ = ("handle", "timeline")
+    __slots__ = ("handle", "timeline", "comm", "what")
 
-    def __init__(self, handle: Any, timeline: Optional[Timeline] = None):
+    def __init__(self, handle: Any, timeline: Optional[Timeline] = None, comm: Optional[Communicator] = None, what: str = ""):
         self.handle = handle
         self.timeline = timeline
+        self.comm = comm
+        self.what = what
+
+    def wait(self) -> Any:
+        """Wait for the handle (bounded by the stall timeout when the communicator has one)."""
+        return self.handle.wait() if self.comm is None else self.comm.wait(self.handle, self.what)
 
     def after_used_map(self) -> None:
         """Issue what comes after the used-parameter all-reduce (nothing, for most)."""
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         """Wait for the reduction (and write it back; not for a replay)."""
-        self.handle.wait()
+        self.wait()
 
 
 class ZeroBuffers:
@@ -53,8 +59,8 @@ class ZeroBuffers:
 
     A replayed collective receives the training ranks' sum (and a comm hook
     may write into its buffer), so each use must complete before the buffer
-    is zeroed again for the next: :meth:`use` waits. The joined rank thus
-    issues its bucket collectives one after another, still in bucket order.
+    is zeroed again for the next: the replay waits for each. The joined rank
+    thus issues its bucket collectives one after another, still in bucket order.
     """
 
     def __init__(self) -> None:
@@ -68,11 +74,6 @@ class ZeroBuffers:
             buf = self._bufs[key] = torch.zeros(numel, dtype=dtype, device=device)
             return buf
         return buf[:numel].zero_()
-
-    @staticmethod
-    def use(handle: Any) -> None:
-        """Wait for the collective (or hook future) reading the buffer just handed out."""
-        handle.wait()
 
 
 # ------------------------------------------------------------------ all-reduce
@@ -94,12 +95,12 @@ def _packed(tl: Timeline, b: GradBucket, how: PackArgs, done: Optional[Sequence[
 class _Reduced(InFlight):
     __slots__ = ("bucket",)
 
-    def __init__(self, bucket: GradBucket, handle: Any, timeline: Timeline):
-        super().__init__(handle, timeline)
+    def __init__(self, bucket: GradBucket, handle: Any, timeline: Timeline, comm: Communicator):
+        super().__init__(handle, timeline, comm, f"bucket {bucket.pos}")
         self.bucket = bucket
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
-        self.handle.wait()
+        self.wait()
         _write_back(self.timeline, self.bucket, self.bucket.comm, used, sumsq)
 
 
@@ -115,11 +116,11 @@ class AllReduce:
         self.timeline.issued(b.pos)  # stamped before the call: the collective may complete before it returns
         handle = self.comm.all_reduce(b.comm, f"bucket {b.pos}") if b.numel else DONE
         self.timeline.watch(handle, b.pos)  # "completed" when the collective completes, not when finalize waits
-        return _Reduced(b, handle, self.timeline)
+        return _Reduced(b, handle, self.timeline, self.comm)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
         if b.numel:
-            zeros.use(self.comm.all_reduce(zeros.get(b.device, b.comm.dtype, b.numel), f"bucket {b.pos}"))
+            self.comm.wait(self.comm.all_reduce(zeros.get(b.device, b.comm.dtype, b.numel), f"bucket {b.pos}"), f"bucket {b.pos}")
         return InFlight(DONE)
 
 
@@ -129,13 +130,13 @@ class AllReduce:
 class _Hooked(InFlight):
     __slots__ = ("bucket", "hook")
 
-    def __init__(self, bucket: GradBucket, handle: Any, hook: Callable, timeline: Timeline):
-        super().__init__(handle, timeline)
+    def __init__(self, bucket: GradBucket, handle: Any, hook: Callable, timeline: Timeline, comm: Communicator):
+        super().__init__(handle, timeline, comm, f"bucket {bucket.pos} (comm hook)")
         self.bucket = bucket
         self.hook = hook
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
-        _write_back(self.timeline, self.bucket, hook_result(self.hook, self.bucket, self.handle.wait()), used, sumsq)
+        _write_back(self.timeline, self.bucket, hook_result(self.hook, self.bucket, self.wait()), used, sumsq)
 
 
 class CommHook:
@@ -149,16 +150,18 @@ class CommHook:
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         _packed(self.timeline, b, how, done)
-        self.comm.note_hook(f"bucket {b.pos}", b.flat)
+        gseq = self.comm.note_hook(f"bucket {b.pos}", b.flat)
         self.timeline.issued(b.pos)
         fut = call_hook(self.hook, self.state, b)
         self.timeline.watch(fut, b.pos)
-        return _Hooked(b, fut, self.hook, self.timeline)
+        if self.comm.guard is not None:
+            self.comm.guard.issued(fut, gseq, f"bucket {b.pos} (comm hook)")
+        return _Hooked(b, fut, self.hook, self.timeline, self.comm)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
         z = GradBucket(b.pos, b.count, b.param_indices, b.params, b.names, buffer=zeros.get(b.device, b.dtype, b.numel))
         self.comm.note_hook(f"bucket {b.pos}", z.flat)
-        zeros.use(call_hook(self.hook, self.state, z))
+        self.comm.wait(call_hook(self.hook, self.state, z), f"bucket {b.pos} (comm hook)")
         return InFlight(DONE)
 
 

@@ -41,13 +41,13 @@ def _probe_cost(comm: Communicator, device: torch.device, dtype: torch.dtype) ->
     points = []
     for nbytes in _PROBE_BYTES:
         t = torch.zeros(max(1, nbytes // dtype.itemsize), dtype=dtype, device=device)
-        comm.all_reduce(t, "autotune probe").wait()  # warm-up
+        comm.wait(comm.all_reduce(t, "autotune probe"), "autotune probe")  # warm-up
         times = []
         for _ in range(_PROBE_REPEATS):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            comm.all_reduce(t, "autotune probe").wait()
+            comm.wait(comm.all_reduce(t, "autotune probe"), "autotune probe")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)

@@ -185,7 +185,7 @@ class ParameterUsage:
         """
         if self._used_work is None:
             return
-        self._used_work.wait()
+        self.comm.wait(self._used_work, "used parameters")
         self._used_work = None
         self.host_reads += 1
         self.global_used = [c > 0 for c in self._used_tensor.tolist()]
