@@ -515,11 +515,6 @@ def test_dist_helpers(pg, calls):
     assert fd.collect_results(list(range(7)) + [None], size=6, device="gpu") == list(range(6))
 
 
-@pytest.mark.xfail(
-    reason="collect_results tests get_world_size() == 1 instead of collectives_needed(): it never "
-    "communicates at world size 1, even with FASTCOLL_FORCE_COLLECTIVES=1",
-    strict=False,
-)
 def test_collect_results_gpu_communicates_when_forced(pg, calls):
     import fastcoll.dist as fd
 

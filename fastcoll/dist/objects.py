@@ -303,7 +303,7 @@ def collect_results(
         raise ValueError(f"fastcoll.dist.collect_results: size must be a non-negative integer, got {size!r}")
     size = int(size)
     results = list(results)
-    if get_world_size() == 1:
+    if not collectives_needed():
         parts: list[Any] | None = [results]
     elif device == "gpu":
         parts = all_gather_object_gpu(results, rank_zero_return_only=True)
