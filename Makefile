@@ -4,7 +4,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 TORCH_CPU  := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
-DEPS   := numpy pybind11 ninja "setuptools>=77" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib
+DEPS   := numpy pybind11 ninja "setuptools>=77" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib ruff==0.17.6
 EXTRAS := mmengine==0.10.7 pytorch-lightning==2.6.6 lightning==2.6.6
 CSRC   := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
 # The CUDA build check: a second environment with a CUDA build of torch.
@@ -12,7 +12,7 @@ CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
 CUDA_HOME ?= /usr/local/cuda
 PYTEST_ARGS ?=
 
-.PHONY: all setup build test bench bench-quick gpu-wheels gpu-check cmake-test cuda-build-check clean
+.PHONY: all setup build test lint test-oldest-torch bench bench-quick gpu-wheels gpu-check cmake-test cuda-build-check clean
 
 all: test
 
@@ -34,6 +34,35 @@ build: $(VENV)/.build-stamp
 
 test: build
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff's checks and its formatter in check mode, configured in pyproject.toml [tool.ruff].
+# `.venv/bin/ruff format FILE` and `.venv/bin/ruff check --fix FILE` fix most findings.
+LINT_PATHS := fastcoll tests benchmarks examples setup.py
+lint: setup
+	rc=0; $(VENV)/bin/ruff check $(LINT_PATHS) || rc=1; $(VENV)/bin/ruff format --check $(LINT_PATHS) || rc=1; exit $$rc
+
+# The whole test suite against the oldest torch fastcoll supports (pyproject's floor), on a
+# copy of the tree built there (CPU kernels). PyPI's Linux torch wheels are CUDA builds:
+# the first run installs torch and its nvidia-* libraries (about 3 GB, 1.5 min here) into
+# OLDEST_VENV, which later runs reuse. `make test-oldest-torch OLDEST_TESTS=tests/test_ops.py`
+# runs a part of it.
+OLDEST_TORCH ?= 2.6.0
+OLDEST_VENV  ?= $(HOME)/.cache/fastcoll/oldest-venv
+OLDEST_TESTS ?= tests
+OLDEST_TREE  := build/oldest/tree
+test-oldest-torch:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -c "import torch, pytest, hypothesis, matplotlib; assert torch.__version__.split('+')[0] == '$(OLDEST_TORCH)'" \
+	  2>/dev/null || \
+	  $(OLDEST_VENV)/bin/python -m pip install -q torch==$(OLDEST_TORCH) numpy ninja "setuptools>=77" wheel \
+	    pytest pytest-timeout hypothesis expecttest rich matplotlib
+	rm -rf $(OLDEST_TREE) && mkdir -p $(OLDEST_TREE)
+	tar -cf - --exclude=__pycache__ --exclude='*.so' fastcoll csrc tests examples benchmarks setup.py pyproject.toml \
+	  | tar -xf - -C $(OLDEST_TREE)
+	cd $(OLDEST_TREE) && FASTCOLL_CUDA=0 MAX_JOBS=2 $(OLDEST_VENV)/bin/python setup.py -q build_ext --inplace --build-temp ../tmp
+	cd $(OLDEST_TREE) && $(OLDEST_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i)); \
+	  assert i['extension'] and i['torch'].split('+')[0] == '$(OLDEST_TORCH)', i"
+	cd $(OLDEST_TREE) && OMP_NUM_THREADS=1 $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) $(PYTEST_ARGS)
 
 bench: build
 	$(VPY) -m fastcoll.bench all

@@ -72,12 +72,28 @@ def _rank(rank: int, world_size: int, store_path: str, steps: int, out_path: str
             for name, wrap in wrappers.items():
                 torch.manual_seed(0)
                 best[name] = min(best[name], _time_steps(wrap(BagModel(case[0], case[1])), rank, case, steps))
-        results.append({"rows": case[0], "dim": case[1], "bags": case[2], "per_bag": case[3],
-                        **{f"{k} ms": v * 1e3 for k, v in best.items()}})
+        results.append(
+            {
+                "rows": case[0],
+                "dim": case[1],
+                "bags": case[2],
+                "per_bag": case[3],
+                **{f"{k} ms": v * 1e3 for k, v in best.items()},
+            }
+        )
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "torch": torch.__version__, "world_size": world_size, "steps": steps, "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "torch": torch.__version__,
+                    "world_size": world_size,
+                    "steps": steps,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     dist.destroy_process_group()
 
 

@@ -57,8 +57,8 @@ def render_ops(d: dict) -> str:
                 ["layout", "tensors", "MiB", "floor (2 copies)", "fused", "per-param", "utils.flatten", "foreach",
                  "fused/floor", "per-param/fused", "kernels/dir"],
                 body,
-            )  # fmt: skip
-        )
+            )
+        )  # fmt: skip
         out.append("")
     return "\n".join(out)
 
@@ -75,7 +75,7 @@ def render_ddp(d: dict) -> str:
                 _ms(m["no_sync"]["median_s"]), _ms(m["torch"]["median_s"]), _ms(m["fastcoll"]["median_s"]),
                 f"{r['ratios']['fastcoll/torch']:.2f}x",
                 _ms(m["torch"].get("sync_overhead_s")), _ms(m["fastcoll"].get("sync_overhead_s")),
-                f"{(m['torch'].get('peak_mem_bytes') or 0) / 2**20:.1f} / {(m['fastcoll'].get('peak_mem_bytes') or 0) / 2**20:.1f}",
+                " / ".join(f"{(m[k].get('peak_mem_bytes') or 0) / 2**20:.1f}" for k in ("torch", "fastcoll")),
                 "equal" if r["grads"]["fastcoll"]["equal"] else ("close" if r["grads"]["fastcoll"]["close"] else "DIFFER"),
             ]
         )  # fmt: skip
@@ -84,8 +84,8 @@ def render_ddp(d: dict) -> str:
             ["model", "bucket view", "no_sync floor", "torch DDP", "fastcoll.DDP", "fastcoll/torch", "sync torch",
              "sync fastcoll", "peak MiB torch / fastcoll", "grads"],
             body,
-        )  # fmt: skip
-    )
+        )
+    )  # fmt: skip
     comm = [r for r in d["results"] if r.get("section") != "fp32"]
     if comm:
         out.append("\n**comm_dtype vs torch DDP + the same-dtype compress hook**\n")

@@ -43,7 +43,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fastcoll
 
-
 # --------------------------------------------------------------------------- #
 # Launch
 # --------------------------------------------------------------------------- #
@@ -246,7 +245,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
                 # Averaged over ranks in one fused all-reduce; every rank must call it.
                 last = fastcoll.all_reduce_dict({"loss": loss.detach() * args.grad_accum, "acc": correct}, op="mean")
                 rate = step / (time.perf_counter() - t0)
-                log(f"step {step:5d}/{total}  loss {last['loss'].item():.4f}  train acc {last['acc'].item():.3f}  {rate:.1f} it/s")
+                loss_acc = f"loss {last['loss'].item():.4f}  train acc {last['acc'].item():.3f}"
+                log(f"step {step:5d}/{total}  {loss_acc}  {rate:.1f} it/s")
         epoch += 1
 
     acc = evaluate(ddp, eval_set, args, device)

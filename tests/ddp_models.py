@@ -15,8 +15,8 @@ import dataclasses
 from typing import Any, Dict, Tuple
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 LOCAL_BATCH = 4
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -50,6 +52,8 @@ def _worker(fn, rank, world_size, store_path, args, results, pg_timeout, init_pg
 
     os.environ.update(env)
     torch.set_num_threads(1)
+    if _teardown_can_deadlock(torch):
+        dist.destroy_process_group = _yield_gil_first(dist.destroy_process_group)
     try:
         if init_pg:
             store = dist.FileStore(store_path, world_size)
@@ -61,15 +65,50 @@ def _worker(fn, rank, world_size, store_path, args, results, pg_timeout, init_pg
                 timeout=datetime.timedelta(seconds=pg_timeout),
             )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle copies tensors into the message; the queue's own pickler would
+        # share their memory through this process, which may have exited by the time
+        # the parent unpickles.
+        results.put((rank, True, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException as exc:  # report everything, including assertion failures
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
-        if init_pg and dist.is_initialized():
+        # Send the result before tearing down: the queue's feeder thread needs the
+        # GIL, which a blocked destroy_process_group may hold (see _teardown_can_deadlock).
+        results.close()
+        results.join_thread()
+        if init_pg and dist.is_initialized() and not _teardown_can_deadlock(torch):
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _teardown_can_deadlock(torch) -> bool:
+    """Whether destroying a gloo process group can deadlock in this torch.
+
+    Before torch 2.8 (pytorch/pytorch#154976) ``~ProcessGroupGloo`` joins its
+    worker threads while holding the GIL; a worker that is still dropping the
+    last reference to a finished collective's tensors needs the GIL too, so
+    about one 3-rank run in five hung there (seen on torch 2.6.0). A rank
+    process ends with ``os._exit``, which runs no destructors, so skipping the
+    teardown there loses nothing.
+    """
+    return torch.__version__ < "2.8"
+
+
+def _yield_gil_first(destroy: Callable[..., Any]) -> Callable[..., Any]:
+    """``destroy_process_group`` for tests that call it themselves, on such a torch.
+
+    Sleeping first releases the GIL, so gloo's worker threads drop the finished
+    work before the destructor joins them; without it the deadlock above shows
+    up in those tests too.
+    """
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.1)
+        return destroy(*args, **kwargs)
+
+    return destroy_process_group
 
 
 def run_ranks(
@@ -116,8 +155,6 @@ def run_ranks(
     collected: dict = {}
     errors: dict = {}
     try:
-        import time
-
         deadline = time.monotonic() + timeout
         while len(collected) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
@@ -134,7 +171,7 @@ def run_ranks(
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
                 continue
-            (collected if ok else errors)[rank] = payload
+            (collected if ok else errors)[rank] = pickle.loads(payload) if ok else payload
             if not ok:
                 # Peers of a failed rank may be stuck in a collective; give them a
                 # short grace period to report their own error, then stop waiting.

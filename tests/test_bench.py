@@ -62,8 +62,8 @@ def test_model_buckets_cover_every_parameter():
         for b in buckets[:-1]:
             assert b["bytes"] >= b["cap"]
     layouts, skipped = bench_ops.model_layouts(quick=True)
-    assert sorted(l.model for l in layouts) == sorted(expected)
-    assert all(l.nbytes >= bench_ops.BUCKET_CAP for l in layouts)
+    assert sorted(lay.model for lay in layouts) == sorted(expected)
+    assert all(lay.nbytes >= bench_ops.BUCKET_CAP for lay in layouts)
 
 
 def test_cli_arguments(capsys):

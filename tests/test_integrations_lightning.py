@@ -441,9 +441,7 @@ def test_registers_only_installed_distributions(hidden, installed):
         _require(installed)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, *hidden], env=env, capture_output=True, text=True, timeout=100
-    )
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *hidden], env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     if installed is None:

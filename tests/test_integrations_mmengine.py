@@ -167,9 +167,7 @@ def _train(runner) -> dict:
     metrics = runner.val()
     # numpy, not tensors: tensors sent through a multiprocessing queue go by
     # shared memory, which is gone once the rank process exits.
-    return dict(
-        weights={k: v.numpy() for k, v in _weights(module).items()}, mse=float(metrics["mse"]), metrics=dict(metrics)
-    )
+    return dict(weights={k: v.numpy() for k, v in _weights(module).items()}, mse=float(metrics["mse"]), metrics=dict(metrics))
 
 
 # --------------------------------------------------------------------------- #
@@ -269,9 +267,7 @@ def _free_port() -> int:
 def _launch(fn, *args) -> list:
     """Run ``fn`` on WORLD ranks with a torchrun-style environment and no process group yet."""
     port = _free_port()
-    return run_ranks(
-        _with_rank_env, WORLD, fn, port, *args, init_pg=False, timeout=150, pg_timeout=60
-    )
+    return run_ranks(_with_rank_env, WORLD, fn, port, *args, init_pg=False, timeout=150, pg_timeout=60)
 
 
 def _with_rank_env(rank: int, world_size: int, fn, port: int, *args):

@@ -46,7 +46,9 @@ def _free_port() -> int:
 def _run_all(commands: list, cwd: str) -> list:
     """Start every command at once (each in its own process group); wait for all; kill all on timeout."""
     procs = [
-        subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        subprocess.Popen(
+            cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         for cmd in commands
     ]
     outputs = []
@@ -113,7 +115,17 @@ def test_single_process(single_process_transformer):
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_torchrun_one_node_two_processes(tmp_path):
     """The conv net (BatchNorm) on one node: parameters and buffers identical on both ranks."""
-    cmd = _torchrun("--nproc_per_node=2", f"--master_port={_free_port()}", SCRIPT, "--max-steps", STEPS, "--grad-accum", "2", "--out", str(tmp_path))
+    cmd = _torchrun(
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        SCRIPT,
+        "--max-steps",
+        STEPS,
+        "--grad-accum",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     log = _run_all([cmd], str(tmp_path))[0]
     assert "2 process(es)" in log, log
     _check_identical(_results(tmp_path, 2), 2)

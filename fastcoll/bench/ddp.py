@@ -272,7 +272,10 @@ def model_specs(cfg: Dict[str, Any]) -> List[ModelSpec]:
             ModelSpec("convbn", "conv+BN", "convbn", {"channels": (4, 8)}, batch=2),
             ModelSpec("encoder", "encoder 1 layer", "encoder", {"d_model": 16, "heads": 2, "ff": 32, "layers": 1}, batch=2),
             ModelSpec(
-                "resnet50", "ResNet-50 shapes (24, x1/256)", "shapes", {"model": "resnet50", "limit": 24, "divide": 256},
+                "resnet50",
+                "ResNet-50 shapes (24, x1/256)",
+                "shapes",
+                {"model": "resnet50", "limit": 24, "divide": 256},
                 note="synthetic",
             ),
         ]
@@ -660,10 +663,18 @@ def _row(case, cfg, samples, info, checks, inner, nparams, numel) -> Dict[str, A
     if case.section == "fp32":
         t, f = methods["torch"], methods["fastcoll"]
         ratio = _ratio(f["median_s"], t["median_s"])
-        sync_ratio = _ratio(f["sync_overhead_s"], t["sync_overhead_s"]) if t["sync_overhead_s"] and t["sync_overhead_s"] > 0 else None
-        row["ratios"] = {"fastcoll/torch": ratio, "sync fastcoll/torch": sync_ratio, "no_sync/torch": _ratio(floor, t["median_s"])}
+        sync_ratio = (
+            _ratio(f["sync_overhead_s"], t["sync_overhead_s"]) if t["sync_overhead_s"] and t["sync_overhead_s"] > 0 else None
+        )
+        row["ratios"] = {
+            "fastcoll/torch": ratio,
+            "sync fastcoll/torch": sync_ratio,
+            "no_sync/torch": _ratio(floor, t["median_s"]),
+        }
         if cfg["device"] == "cuda":
-            row["targets"] = {"step": {"op": "le", "threshold": GPU_TARGET, "value": ratio, "pass": ratio is not None and ratio <= GPU_TARGET}}
+            row["targets"] = {
+                "step": {"op": "le", "threshold": GPU_TARGET, "value": ratio, "pass": ratio is not None and ratio <= GPU_TARGET}
+            }
         else:
             row["targets"] = {
                 "step": {"op": "le", "threshold": CPU_TARGET, "value": ratio, "pass": ratio is not None and ratio <= CPU_TARGET},
@@ -998,7 +1009,10 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
         if r["section"] == "fp32":
             name = r["label"] + (" +view" if r["gradient_as_bucket_view"] else "")
             base = m["torch"]["median_s"]
-            panels["fp32: step time / torch DDP step"][name] = {"no_sync": floor / base, "fastcoll": m["fastcoll"]["median_s"] / base}
+            panels["fp32: step time / torch DDP step"][name] = {
+                "no_sync": floor / base,
+                "fastcoll": m["fastcoll"]["median_s"] / base,
+            }
         else:
             for d, _ in COMM_DTYPES:
                 base = m[f"torch {d} hook"]["median_s"]
@@ -1035,7 +1049,9 @@ def run(args: Any = None) -> int:
             "pure-PyTorch reference ops, not the fused kernels[/yellow]"
         )
     if not comm_dtype_supported():
-        common.say("[yellow]fastcoll.bench ddp: fastcoll.DDP has no comm_dtype argument; the comm_dtype rows are skipped[/yellow]")
+        common.say(
+            "[yellow]fastcoll.bench ddp: fastcoll.DDP has no comm_dtype argument; the comm_dtype rows are skipped[/yellow]"
+        )
     common.say(
         "[dim]ResNet-50 and GPT-2 rows (*) are synthetic: parameters of those shapes with a forward of one "
         "read per parameter, so their step is dominated by gradient synchronization.[/dim]"

@@ -31,7 +31,7 @@ float32 and bfloat16.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -457,7 +457,7 @@ def print_results(label: str, rows: List[Dict[str, object]], device: str) -> Non
 
 
 def print_layouts(layouts: List[Layout], skipped: List[str]) -> None:
-    rows = [[l.name, str(len(l.shapes)), f"{l.nbytes / MiB:.2f}", l.note] for l in layouts if l.kind == "model"]
+    rows = [[lay.name, str(len(lay.shapes)), f"{lay.nbytes / MiB:.2f}", lay.note] for lay in layouts if lay.kind == "model"]
     if rows:
         common.render_table(
             "DDP buckets benchmarked (reverse parameter order; first cap 1 MiB, then 25 MiB)",
@@ -501,8 +501,8 @@ def run(args) -> int:
     if cfg.smoke:
         layouts, skipped = model_layouts(quick=True, models=("resnet50",))
         layouts = [
-            Layout(l.name + " (x1/64)", l.kind, [(max(1, math.prod(s) // 64),) for s in l.shapes], l.dtype, l.model, l.note, l.meta)
-            for l in layouts
+            replace(lay, name=lay.name + " (x1/64)", shapes=[(max(1, math.prod(s) // 64),) for s in lay.shapes])
+            for lay in layouts
         ]
         layouts += synthetic_layouts(counts=(1, 64), total=1 << 14)
     else:

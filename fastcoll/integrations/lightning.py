@@ -150,9 +150,7 @@ def _make_strategies(trainer_pkg: ModuleType, fabric_pkg: ModuleType, prefix: st
         def _setup_model(self, model: Module) -> DDP:  # type: ignore[override]
             """Wrap the LightningModule with fastcoll.DDP (with the keyword arguments Lightning collected)."""
             device_ids = self.determine_ddp_device_ids()
-            log.debug(
-                f"{type(self).__name__}: wrapping with fastcoll.DDP, device ids {device_ids}, kwargs {self._ddp_kwargs}"
-            )
+            log.debug(f"{type(self).__name__}: wrapping with fastcoll.DDP, device ids {device_ids}, kwargs {self._ddp_kwargs}")
             return _wrap(model, device_ids, self._ddp_kwargs)
 
         def _register_ddp_hooks(self) -> None:
@@ -160,9 +158,7 @@ def _make_strategies(trainer_pkg: ModuleType, fabric_pkg: ModuleType, prefix: st
             if self._ddp_comm_hook is None:
                 return
             if not hasattr(self.model, "register_comm_hook"):
-                raise RuntimeError(
-                    "fastcoll_ddp: a ddp_comm_hook was given but this fastcoll.DDP has no register_comm_hook"
-                )
+                raise RuntimeError("fastcoll_ddp: a ddp_comm_hook was given but this fastcoll.DDP has no register_comm_hook")
             register_ddp_comm_hook(
                 model=self.model,
                 ddp_comm_state=self._ddp_comm_state,
@@ -206,7 +202,8 @@ def _make_strategies(trainer_pkg: ModuleType, fabric_pkg: ModuleType, prefix: st
             """Register fastcoll's names only (the inherited method would re-register "ddp" and fail)."""
             _register(strategy_registry, cls)
 
-    FastCollDDPStrategy.__doc__ = f"""Lightning Trainer strategy ({tp}): Lightning's DDP with the model wrapped in :class:`fastcoll.DDP`.
+    FastCollDDPStrategy.__doc__ = f"""Lightning Trainer strategy ({tp}): Lightning's DDP with the model wrapped
+    in :class:`fastcoll.DDP`.
 
     Takes the arguments of ``{tp}.strategies.DDPStrategy``; extra keyword
     arguments (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
@@ -254,7 +251,8 @@ def _make_strategies(trainer_pkg: ModuleType, fabric_pkg: ModuleType, prefix: st
             """Register fastcoll's names only (the inherited method would re-register "ddp" and fail)."""
             _register(strategy_registry, cls)
 
-    FastCollFabricStrategy.__doc__ = f"""Lightning Fabric strategy ({fp}): Fabric's DDP with the module wrapped in :class:`fastcoll.DDP`.
+    FastCollFabricStrategy.__doc__ = f"""Lightning Fabric strategy ({fp}): Fabric's DDP with the module wrapped
+    in :class:`fastcoll.DDP`.
 
     Takes the arguments of ``{fp}.strategies.DDPStrategy``; extra keyword
     arguments go to :class:`fastcoll.DDP`. ``fabric.no_backward_sync`` works,

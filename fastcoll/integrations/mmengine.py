@@ -44,9 +44,7 @@ from torch import nn
 try:
     import mmengine  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without mmengine
-    raise ImportError(
-        "fastcoll.integrations.mmengine needs mmengine: pip install 'fastcoll[mmengine]'"
-    ) from exc
+    raise ImportError("fastcoll.integrations.mmengine needs mmengine: pip install 'fastcoll[mmengine]'") from exc
 
 from mmengine._strategy import DDPStrategy
 from mmengine.device import get_device
@@ -143,9 +141,7 @@ class FastCollDDP(DDP):
             return self(**data, mode=mode)
         if isinstance(data, (list, tuple)):
             return self(*data, mode=mode)
-        raise TypeError(
-            f"FastCollDDP: the data preprocessor must return a dict, list or tuple, got {type(data).__name__}"
-        )
+        raise TypeError(f"FastCollDDP: the data preprocessor must return a dict, list or tuple, got {type(data).__name__}")
 
 
 def _resolve_backend(backend: Optional[str]) -> Optional[str]:
@@ -283,9 +279,7 @@ class FastCollEvaluator(Evaluator):
             result = self._evaluate_metric(metric, size)
             clash = sorted(set(result) & set(metrics))
             if clash:
-                raise ValueError(
-                    f"FastCollEvaluator: several metrics produce {clash}; give the metrics different prefixes"
-                )
+                raise ValueError(f"FastCollEvaluator: several metrics produce {clash}; give the metrics different prefixes")
             metrics.update(result)
         return metrics
 
