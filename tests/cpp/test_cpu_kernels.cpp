@@ -4,14 +4,22 @@
 // case compares against a float64 computation done here, with the destination
 // poisoned first. Also: the dtype table (csrc/dtypes.h), the CUDA chunk sizes
 // (25 MiB buckets of every dtype pair within the kernel-argument table) and the
-// choice of table for a number of chunks. Exit code 0 = all passed.
+// choice of table for a number of chunks. The gradient-health ops too: values,
+// flag and sums through the dispatcher (sums the same bits for 1, 2 and 4
+// threads), and the CUDA kernel's observed chunk loop emulated the same way.
+// Exit code 0 = all passed.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -368,6 +376,182 @@ void dtype_table() {
   expect(fastcoll::kMinElementSize == 2, "narrowest element is 2 bytes");
 }
 
+
+// ---- Gradient health ----
+
+auto flatten_ex_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("fastcoll::flatten_scale_ex", "")
+      .typed<void(at::TensorList, const at::Tensor&, double, const std::optional<at::Tensor>&,
+                  const std::optional<at::Tensor>&)>();
+}
+
+auto unflatten_ex_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("fastcoll::unflatten_scale_ex", "")
+      .typed<void(const at::Tensor&, at::TensorList, double, const std::optional<at::Tensor>&)>();
+}
+
+auto sum_of_squares_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("fastcoll::sum_of_squares", "")
+      .typed<void(at::TensorList, const at::Tensor&)>();
+}
+
+// float64 sum of squares of every element of `tensors`, as stored.
+double squares_of(const std::vector<at::Tensor>& tensors) {
+  double s = 0.0;
+  for (const auto& t : tensors) {
+    if (t.numel() > 0) s += (memory_order(t) * memory_order(t)).sum().item<double>();
+  }
+  return s;
+}
+
+bool close_rel(double got, double want, double rtol) {
+  return std::abs(got - want) <= rtol * std::abs(want);
+}
+
+void health_ops(at::ScalarType src, at::ScalarType dst) {
+  const std::string tag = pair_tag(src, dst);
+  const std::vector<int64_t> sizes = {3, 16383, 1, 40000, 0, 70001, 5};
+  std::vector<at::Tensor> tensors;
+  int64_t total = 0;
+  for (auto n : sizes) {
+    tensors.push_back(at::randn({n}, at::kDouble).to(src));
+    total += n;
+  }
+  // flatten_scale_ex by 0.5 * scale_by 0.5 (exact in any math): the bits of flatten_scale by 0.25.
+  auto out = at::full({total}, NAN, at::TensorOptions().dtype(dst));
+  auto plain = at::full({total}, NAN, at::TensorOptions().dtype(dst));
+  auto flag = at::zeros({1}, at::kInt);
+  flatten_ex_op().call(tensors, out, 0.5, at::full({1}, 0.5), flag);
+  flatten_op().call(tensors, plain, 0.25);
+  expect(at::equal(out.view(at::kByte), plain.view(at::kByte)), "flatten_scale_ex == flatten_scale bits: " + tag);
+  expect(flag.item<int>() == 0, "no flag for finite values: " + tag);
+  tensors[5].index_put_({70000}, std::numeric_limits<double>::infinity());
+  flatten_ex_op().call(tensors, out, 1.0, std::nullopt, flag);
+  expect(flag.item<int>() == 1, "flag for an inf in the last element: " + tag);
+
+  // unflatten_scale_ex: the bits of unflatten_scale, and the sum of squares of what it wrote.
+  auto flat = at::randn({total}, at::kDouble).to(dst);
+  std::vector<at::Tensor> back, back_plain;
+  for (auto& t : tensors) {
+    back.push_back(at::full_like(t, NAN));
+    back_plain.push_back(at::full_like(t, NAN));
+  }
+  auto sumsq = at::full({1}, NAN, at::kDouble);
+  std::vector<double> sums;
+  for (int threads : {1, 2, 4}) {
+    at::set_num_threads(threads);
+    unflatten_ex_op().call(flat, back, 1.0 / 3.0, sumsq);
+    sums.push_back(sumsq.item<double>());
+    auto out_sum = at::full({}, NAN, at::kDouble);
+    sum_of_squares_op().call(back, out_sum);
+    sums.push_back(out_sum.item<double>());
+  }
+  at::set_num_threads(1);
+  unflatten_op().call(flat, back_plain, 1.0 / 3.0);
+  for (size_t i = 0; i < back.size(); ++i) {
+    expect(at::equal(back[i].view(at::kByte), back_plain[i].view(at::kByte)), "unflatten_scale_ex == unflatten_scale bits: " + tag);
+  }
+  const double want = squares_of(back);
+  expect(close_rel(sums[0], want, 1e-12), "sumsq close to float64: " + tag);
+  expect(close_rel(sums[1], want, 1e-12), "sum_of_squares close to float64: " + tag);
+  bool same = true;
+  for (size_t k = 2; k < sums.size(); ++k) same = same && std::memcmp(&sums[k], &sums[k % 2], sizeof(double)) == 0;
+  expect(same, "sums are the same bits for 1, 2 and 4 threads: " + tag);
+}
+
+void health_bad_inputs() {
+  auto out = at::full({5}, 7.0);
+  std::vector<at::Tensor> ts = {at::ones({2}), at::ones({3})};
+  expect_throws(
+      [&] { flatten_ex_op().call(ts, out, 1.0, at::ones({2}), std::nullopt); },
+      "fastcoll.flatten_scale_ex: scale_by must be a float32 or float64 tensor with 1 element on cpu, got a float32 tensor of shape (2,) on cpu",
+      "scale_by numel");
+  expect_throws(
+      [&] { flatten_ex_op().call(ts, out, 1.0, std::nullopt, at::zeros({1}, at::kLong)); },
+      "nonfinite must be an int32 tensor with at least 1 element on cpu, got an int64 tensor", "nonfinite dtype");
+  expect_throws(
+      [&] { unflatten_ex_op().call(out, ts, 1.0, at::zeros({1})); },
+      "fastcoll.unflatten_scale_ex: sumsq must be a float64 tensor with 1 element on cpu, got a float32 tensor of shape (1,) on cpu",
+      "sumsq dtype");
+  expect_throws(
+      [&] { flatten_ex_op().call(ts, out, 1.0, std::nullopt, out.view(at::kInt).narrow(0, 1, 1)); },
+      "fastcoll.flatten_scale_ex: nonfinite overlaps out", "nonfinite inside out");
+  expect_throws([&] { sum_of_squares_op().call({}, at::zeros({1}, at::kDouble)); }, "fastcoll.sum_of_squares: tensors is empty", "empty");
+  expect(at::all(out == 7.0).item<bool>(), "nothing written on error (health ops)");
+}
+
+// The CUDA kernel's observed chunk loop, run on the CPU (every block and thread
+// of the launch in turn), against a float64 computation: the flag of a pack
+// with a NaN, and the sums of squares of an unpack and of a read-only pass.
+void cuda_health_emulated(at::ScalarType src, at::ScalarType dst, int64_t chunk_bytes, int nthreads) {
+  const std::string tag = pair_tag(src, dst) + " chunk " + std::to_string(chunk_bytes) + " threads " + std::to_string(nthreads);
+  auto storage = at::randn({20000}, at::kDouble).to(src);
+  std::vector<at::Tensor> tensors = {storage.narrow(0, 1, 7), storage.narrow(0, 9, 9000), storage.narrow(0, 9011, 5)};
+  auto out_storage = at::full({9014}, NAN, at::TensorOptions().dtype(dst));
+  auto out = out_storage.narrow(0, 1, 9012);
+  auto scale_by = at::full({1}, 0.5, at::kDouble);
+
+  // Pack by 2 * scale_by (float64 math), then with a NaN in the middle tensor.
+  auto segments = fastcoll::plan_segments(tensors, out, /*pack=*/true);
+  std::vector<cc::ChunkDesc> table(cc::count_chunks(segments, chunk_bytes));
+  cc::write_chunks(segments, table.data(), chunk_bytes);
+  const cc::Factor f{2.0, scale_by.data_ptr(), true};
+  bool bad = false;
+  for (const auto& d : table) {
+    for (int tid = 0; tid < nthreads; ++tid) {
+      cc::NonFiniteSeen seen;
+      cc::run_chunk_seen<true>(d, f, &seen, tid, nthreads);
+      bad = bad || seen.bad;
+    }
+  }
+  auto expected = at::cat({tensors[0], tensors[1], tensors[2]}).to(at::kDouble);
+  expect(!bad && at::allclose(out.to(at::kDouble), expected, tolerance(dst) + tolerance(src), 1e-30), "emulated pack by scale_by: " + tag);
+  tensors[1].index_put_({4321}, NAN);
+  bad = false;
+  for (const auto& d : table) {
+    for (int tid = 0; tid < nthreads; ++tid) {
+      cc::NonFiniteSeen seen;
+      cc::run_chunk_seen<true>(d, f, &seen, tid, nthreads);
+      bad = bad || seen.bad;
+    }
+  }
+  expect(bad, "emulated pack flags a NaN: " + tag);
+
+  // Unpack with a sum of squares; read-only sum of the tensors.
+  auto flat = at::randn({9012}, at::kDouble).to(dst);
+  std::vector<at::Tensor> back = {at::full({7}, NAN, at::TensorOptions().dtype(src)), at::full({9000}, NAN, at::TensorOptions().dtype(src)),
+                                  at::full({5}, NAN, at::TensorOptions().dtype(src))};
+  auto unpack = fastcoll::plan_segments(back, flat, /*pack=*/false);
+  std::vector<cc::ChunkDesc> utable(cc::count_chunks(unpack, chunk_bytes));
+  cc::write_chunks(unpack, utable.data(), chunk_bytes);
+  double sum = 0.0;
+  for (const auto& d : utable) {
+    for (int tid = 0; tid < nthreads; ++tid) {
+      cc::SquaresSeen seen;
+      cc::run_chunk_seen<false>(d, cc::Factor{0.5, nullptr, false}, &seen, tid, nthreads);
+      sum += seen.sum;
+    }
+  }
+  expect(!at::isnan(back[1]).any().item<bool>(), "emulated unpack wrote every element: " + tag);
+  expect(close_rel(sum, squares_of(back), 1e-12), "emulated unpack sum of squares: " + tag);
+
+  auto reads = fastcoll::plan_sum_of_squares(back, at::zeros({1}, at::kDouble)).segments;
+  std::vector<cc::ChunkDesc> rtable(cc::count_chunks(reads, chunk_bytes));
+  cc::write_chunks(reads, rtable.data(), chunk_bytes);
+  double rsum = 0.0;
+  for (const auto& d : rtable) {
+    for (int tid = 0; tid < nthreads; ++tid) {
+      cc::SquaresSeen seen;
+      cc::read_chunk_seen(d, &seen, tid, nthreads);
+      rsum += seen.sum;
+    }
+  }
+  expect(close_rel(rsum, squares_of(back), 1e-12), "emulated read-only sum of squares: " + tag);
+}
+
 }  // namespace
 
 int main() {
@@ -407,6 +591,17 @@ int main() {
     for (auto d : dtypes) round_trip(s, d, 0.25);
   }
   fastcoll::set_cpu_stream_min_bytes(default_stream_min);
+  health_bad_inputs();
+  for (auto s : dtypes) {
+    for (auto d : dtypes) {
+      health_ops(s, d);
+      fastcoll::set_cpu_stream_min_bytes(0);
+      health_ops(s, d);
+      fastcoll::set_cpu_stream_min_bytes(default_stream_min);
+      cuda_health_emulated(s, d, cc::kChunkBytes, cc::kThreads);
+      cuda_health_emulated(s, d, 148, 5);
+    }
+  }
   std::printf("%d checks, %d failures\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
