@@ -91,3 +91,33 @@ def test_timing_helpers():
     st = common.summarize([3.0, 1.0, 2.0, 4.0])
     assert st["median_s"] == 2.5 and st["q1_s"] <= st["median_s"] <= st["q3_s"] and st["n"] == 4
     assert common.fmt_time(2e-6).endswith("µs") and common.fmt_time(2e-3).endswith("ms")
+
+
+@pytest.mark.timeout(180)
+def test_health_smoke_run(tmp_path, capsys):
+    from fastcoll.bench import health as bench_health
+
+    path = tmp_path / "health.json"
+    rc = cli.main(["health", "--smoke", "--json", str(path)])
+    out = capsys.readouterr().out
+    if not bench_health.supported():
+        assert rc == 0 and "skipping" in out
+        return
+    assert rc == 0, out
+    assert "fastcoll health" in out and "clip fastcoll" in out
+
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "health" and data["machine"]["torch"]
+    cfg = data["config"]
+    assert cfg["smoke"] and cfg["world_sizes"] == [2] and cfg["threads"] == 1
+    rows = data["results"]
+    assert {r["model"] for r in rows} == {"mlp", "resnet50", "gpt2_small"}
+    for r in rows:
+        assert set(r["methods"]) == set(bench_health.METHODS)
+        assert all(st["median_s"] > 0 and st["n"] == cfg["reps"] for st in r["methods"].values())
+        assert set(r["costs"]) == set(bench_health.COSTS) and set(r["cpu_time"]["costs"]) == set(bench_health.COSTS)
+        assert r["checks"]["ok"], r["checks"]  # both clippings scaled by max_norm / norm, fastcoll's grads equal torch's
+        assert {"norm", "nonfinite"} <= set(r["targets"]) and ("clip" in r["targets"]) == (r["model"] != "mlp")
+    for r in data["ops"]:
+        assert all(r["check"].values()) and r["ratio"] > 0
+    assert path.with_suffix(".png").stat().st_size > 1000

@@ -1,14 +1,17 @@
 """Command line of the fastcoll benchmarks.
 
-    python -m fastcoll.bench {ops,ddp,dist,timeline,all} [--device cpu|cuda] [--threads N|all] [--quick] [--json PATH]
+    python -m fastcoll.bench {ops,ddp,dist,timeline,health,all} [--device cpu|cuda] [--threads N|all] [--quick] [--json PATH]
 
 ``ops`` times the fused flatten/unflatten ops against torch's ways of doing the
 same work (fastcoll.bench.ops); ``ddp`` and ``dist`` time the DDP wrapper and
 the distributed utilities (fastcoll.bench.ddp, fastcoll.bench.dist);
 ``timeline`` sweeps bucket caps against ``bucket_cap_mb="auto"`` and torch DDP
 and charts each bucket's pack, communication and write-back rank by rank
-(fastcoll.bench.timeline); ``all`` runs them in turn. Each writes a table to
-the terminal and JSON (plus a PNG chart where it has one) to benchmarks/out/.
+(fastcoll.bench.timeline); ``health`` times gradient clipping with torch DDP
+and with fastcoll.DDP's fused norm, and what ``compute_grad_norm`` and
+``check_nonfinite`` cost (fastcoll.bench.health); ``all`` runs them in turn.
+Each writes a table to the terminal and JSON (plus a PNG chart where it has
+one) to benchmarks/out/.
 Every subcommand module is imported only when it runs and exposes
 ``run(args) -> int``.
 """
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-SUBCOMMANDS = ("ops", "ddp", "dist", "timeline")
+SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health")
 
 
 def _threads(value: str):
