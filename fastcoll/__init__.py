@@ -20,9 +20,9 @@ from .dist import (
     reduce_mean,
     synchronize,
 )
-from .errors import NonFiniteGradError
-from .stall import StallError
+from .errors import NonFiniteGradError, ReplicaMismatchError
 from .reducer import GradBucket
+from .stall import StallError
 
 __version__ = "0.1.0"
 
@@ -56,6 +56,7 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "NonFiniteGradError",
+    "ReplicaMismatchError",
     "StallError",
     "__version__",
     "all_reduce_dict",

@@ -45,6 +45,20 @@ class SyncInspection:
         rank = dist.get_rank(self.process_group)
         return self.reducer.timeline.export_chrome_trace(path, rank=rank)
 
+    def verify_replicas(self) -> None:
+        """Check that the model replicas are bitwise equal on every rank (a collective: every rank calls it).
+
+        Checksums of every synchronized parameter and buffer (one fused pass,
+        :func:`fastcoll.ops.checksum`) and one all-gather; on any difference
+        every rank raises :class:`fastcoll.ReplicaMismatchError` naming the
+        first differing tensors (up to 10) and which ranks hold which version.
+        ``DDP(..., verify_replicas_every=N)`` runs it at the start of every
+        N-th synchronized iteration's forward, after the buffer broadcast.
+        """
+        from ._replicas import verify_replicas
+
+        verify_replicas(self)
+
     def tuning_report(self) -> List[Dict[str, Any]]:
         """With ``bucket_cap_mb="auto"``: every candidate layout with its measured median step and
         exposed synchronization times, and which one was chosen (empty before tuning starts or without "auto")."""

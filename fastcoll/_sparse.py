@@ -13,7 +13,10 @@ import torch.distributed as dist
 
 
 def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    """Async all-gather of equal-sized ``inp`` into ``out`` (``all_gather_single``, named ``all_gather_into_tensor`` before torch 2.13)."""
+    """Async all-gather of equal-sized ``inp`` into ``out``.
+
+    ``all_gather_single``, named ``all_gather_into_tensor`` before torch 2.13.
+    """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, inp, group=group, async_op=True)
 
@@ -57,7 +60,7 @@ class SparseExchange:
         g = self.grad
         index_bytes = g.sparse_dim() * max_rows * 8
         row_numel = 1
-        for d in g.shape[g.sparse_dim():]:
+        for d in g.shape[g.sparse_dim() :]:
             row_numel *= d
         value_bytes = max_rows * row_numel * g.element_size()
         return index_bytes, value_bytes, -(-(index_bytes + value_bytes) // 16) * 16  # 16-byte aligned per rank
@@ -67,7 +70,7 @@ class SparseExchange:
         g, max_rows = self.grad, self.max_rows
         index_bytes, value_bytes, _ = self.layout
         indices = buf[:index_bytes].view(torch.int64).view(g.sparse_dim(), max_rows)
-        values = buf[index_bytes:index_bytes + value_bytes].view(g.dtype).view(max_rows, *g.shape[g.sparse_dim():])
+        values = buf[index_bytes : index_bytes + value_bytes].view(g.dtype).view(max_rows, *g.shape[g.sparse_dim() :])
         return indices, values
 
     def start_gather(self) -> None:
@@ -99,7 +102,7 @@ class SparseExchange:
         indices, values = [], []
         for r, n in enumerate(self.rows):
             if n > 0:
-                i, v = self._sections(self.gathered[r * nbytes:(r + 1) * nbytes])
+                i, v = self._sections(self.gathered[r * nbytes : (r + 1) * nbytes])
                 indices.append(i[:, :n])
                 values.append(v[:n])
         self.gathered = self.local = None

@@ -19,7 +19,15 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommHookRegistration", "call_hook", "check_comm_hook", "check_set_buffer", "describe_value", "hook_name", "hook_result"]
+__all__ = [
+    "CommHookRegistration",
+    "call_hook",
+    "check_comm_hook",
+    "check_set_buffer",
+    "describe_value",
+    "hook_name",
+    "hook_result",
+]
 
 _WHO = "fastcoll.DDP"
 

@@ -18,9 +18,9 @@ from torch import nn
 
 from . import _compile_support
 from ._broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
-from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, dtype_name, is_dense
 from ._ddp_health import GradHealthMethods
 from ._ddp_inspect import SyncInspection
+from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, dtype_name, is_dense
 from ._join import JoinState, JoinSupport
 from .bucketing import AUTO, MIB, bucket_caps_from_mb
 from .comm_hooks import CommHookRegistration
@@ -30,7 +30,6 @@ from .reducer import Reducer
 from .stall import resolve_stall_timeout
 
 __all__ = ["DDP", "DistributedDataParallel"]
-
 
 
 def _check_device_ids(
@@ -73,7 +72,9 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _move_to(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
+        return dataclasses.replace(
+            obj, **{f.name: _move_to(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        )
     return obj
 
 
@@ -164,7 +165,9 @@ def _check_arguments(
     ids, out = _check_device_ids(device_ids, output_device, device_type, len(devices) > 1, devices)
     for n, p in trainable:
         if p.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be one of {SUPPORTED_NAMES}")
+            raise TypeError(
+                f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be one of {SUPPORTED_NAMES}"
+            )
         if p.layout != torch.strided or not is_dense(p):
             raise ValueError(
                 f"fastcoll.DDP: parameter '{n}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is "
@@ -249,6 +252,9 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
             timeout capped at 300 s; 0 disables. A dead peer is reported
             within seconds. Only waiting inside synchronization counts, never
             the rank's own compute.
+        verify_replicas_every: Run :meth:`verify_replicas` (checksums of all
+            parameters and buffers, one all-gather) at the start of every N-th
+            synchronized iteration; 0 (default): never. Not under ``join()``.
 
     Raises:
         RuntimeError: the process group is not initialized, no parameter
@@ -279,6 +285,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         check_nonfinite: bool = False,
         record_timeline: bool = True,
         stall_timeout: Optional[float] = None,
+        verify_replicas_every: int = 0,
     ):
         super().__init__()
         JoinSupport.__init__(self)
@@ -292,7 +299,9 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         if process_group is None:
             process_group = dist.distributed_c10d._get_default_group()
         elif not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"fastcoll.DDP: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}")
+            raise TypeError(
+                f"fastcoll.DDP: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}"
+            )
         self.process_group = process_group
         if check_reduction:
             warnings.warn("fastcoll.DDP: check_reduction is deprecated and ignored", FutureWarning, stacklevel=2)
@@ -313,6 +322,10 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         self.check_nonfinite = bool(check_nonfinite)
         self.record_timeline = bool(record_timeline)
         self.stall_timeout = stall_timeout
+        if isinstance(verify_replicas_every, bool) or not isinstance(verify_replicas_every, int) or verify_replicas_every < 0:
+            raise ValueError(f"fastcoll.DDP: verify_replicas_every must be an int >= 0 (0: never), got {verify_replicas_every!r}")
+        self.verify_replicas_every = verify_replicas_every
+        self._verified_at = 0
 
         # Local checks; a failure is shared with the other ranks by the
         # signature exchange below, so that every rank raises and none hangs.
@@ -351,9 +364,7 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
         self._buffer_broadcast = CoalescedBroadcast(self._buffers_to_sync, self.broadcast_bucket_size)
         # As in torch DDP: the weights of embeddings built with sparse=True get sparse gradients.
-        sparse_ids = {
-            id(m.weight) for m in self.module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-        }
+        sparse_ids = {id(m.weight) for m in self.module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         self.reducer = Reducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],
@@ -407,7 +418,9 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
 
     # ------------------------------------------------------------ construction
 
-    def _verify_across_ranks(self, named: List[Tuple[str, torch.Tensor]], error: Optional[BaseException], device_ids: Any) -> None:
+    def _verify_across_ranks(
+        self, named: List[Tuple[str, torch.Tensor]], error: Optional[BaseException], device_ids: Any
+    ) -> None:
         """Agree across ranks on the local checks and the parameter signatures; raise on every rank otherwise.
 
         One small all-gather (fastcoll.dist's agreement protocol). A rank whose
@@ -422,7 +435,15 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
             backend_name(self.process_group), device_ids, [p.device for _, p in named], bound_device(self.process_group),
             torch.cuda.current_device() if torch.cuda.is_available() else None,
         )  # fmt: skip
-        agree("fastcoll.DDP", group=self.process_group, error=error, desc=sig, explain=_mismatch_message, mismatch=RuntimeError, device=device)
+        agree(
+            "fastcoll.DDP",
+            group=self.process_group,
+            error=error,
+            desc=sig,
+            explain=_mismatch_message,
+            mismatch=RuntimeError,
+            device=device,
+        )
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
@@ -485,6 +506,11 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         if self.require_forward_param_sync and self.broadcast_buffers and self._buffers_to_sync:
             # Under join, rank 0 may have joined with stale buffers: the highest active rank is the source.
             self._sync_buffers(self._join.common_rank(True) if join else 0)
+        if self.verify_replicas_every and not join and torch.is_grad_enabled():
+            done = self.reducer.usage.iterations
+            if done and done % self.verify_replicas_every == 0 and done != self._verified_at:
+                self._verified_at = done  # every rank has completed the same number of synchronized iterations
+                self.verify_replicas()
         if join:
             self._join.send_requires_sync(torch.is_grad_enabled() and self.require_backward_grad_sync)
         if self.device_ids:

@@ -17,16 +17,16 @@ import time
 import types
 from collections import namedtuple
 
+import ddp_models as M
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddp_models as M
 import fastcoll
 from fastcoll import bucketing
-from multiproc import run_ranks
 
 STEPS = 4
 LR, MOMENTUM = 0.1, 0.9
@@ -77,7 +77,9 @@ def _torch_twin(model: nn.Module) -> nn.Module:
 def _assert_grads_equal(a: nn.Module, b: nn.Module, what: str) -> None:
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         if p.grad is None or q.grad is None:
-            assert p.grad is None and q.grad is None, f"{what}: {n}.grad is {p.grad is None and 'None' or 'set'} vs torch {q.grad is None and 'None' or 'set'}"
+            assert p.grad is None and q.grad is None, (
+                f"{what}: {n}.grad is {p.grad is None and 'None' or 'set'} vs torch {q.grad is None and 'None' or 'set'}"
+            )
         else:
             got = p.grad.to_dense() if p.grad.is_sparse and not q.grad.is_sparse else p.grad  # vs _torch_twin
             torch.testing.assert_close(got, q.grad, msg=lambda m: f"{what}: grad of {n}: {m}")
@@ -240,7 +242,9 @@ def _check_bucket_info_and_rebuild(rank, ws):
             TorchDDP(M.build("reordered", 0), bucket_cap_mb=1e-6, gradient_as_bucket_view=view),
         )
         info = fast.bucket_info()
-        assert [b["names"] for b in info] == [[n] for n in ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias", "c.weight"]], info
+        assert [b["names"] for b in info] == [[n] for n in ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias", "c.weight"]], (
+            info
+        )
         assert [b["index"] for b in info] == list(range(6))
         assert info[1]["bytes"] == 64 * 4 and info[1]["numel"] == 64
         assert info[1]["dtype"] == torch.float32 and info[1]["device"] == torch.device("cpu")
@@ -281,7 +285,9 @@ def _check_bucket_info_and_rebuild(rank, ws):
     dist.all_gather_object(orders, recorded)
     assert orders[0] != orders[1], f"the ranks observed the same ready order, the test proves nothing: {orders}"
     specs = [bucketing.ParamSpec.of(p) for p in fast.reducer.params]
-    expected = bucketing.assign_buckets(specs, bucketing.order_from_ready(orders[0], len(specs)), fast.first_bucket_bytes, fast.bucket_bytes_cap)
+    expected = bucketing.assign_buckets(
+        specs, bucketing.order_from_ready(orders[0], len(specs)), fast.first_bucket_bytes, fast.bucket_bytes_cap
+    )
     layouts = [None] * ws
     dist.all_gather_object(layouts, fast.reducer.layout())
     assert layouts[0] == layouts[1] == expected, f"ranks disagree on the rebuilt layout: {layouts}"
@@ -368,13 +374,23 @@ def _check_buffers_and_init_sync(rank, ws):
 
     fast = fastcoll.DDP(m)  # init_sync: parameters and buffers from rank 0
     assert torch.equal(m.lin.weight, _other_rank_grad(m.lin.weight.detach())), "init_sync did not synchronize parameters"
-    assert m.fbuf.tolist() == [0.0] * 3 and m.ibuf.tolist() == [0, 0] and m.bbuf.tolist() == [True, False] and m.hbuf.tolist() == [0.0] * 5
+    assert (
+        m.fbuf.tolist() == [0.0] * 3
+        and m.ibuf.tolist() == [0, 0]
+        and m.bbuf.tolist() == [True, False]
+        and m.hbuf.tolist() == [0.0] * 5
+    )
     m.fbuf.fill_(rank + 5)
     m.ibuf.fill_(rank + 5)
     m.bbuf.fill_(rank == 1)
     m.hbuf.fill_(rank + 5)
     fast(torch.randn(2, 4)).sum().backward()
-    assert m.fbuf.tolist() == [5.0] * 3 and m.ibuf.tolist() == [5, 5] and m.bbuf.tolist() == [False, False] and m.hbuf.tolist() == [5.0] * 5, "buffers not broadcast from rank 0 before forward"
+    assert (
+        m.fbuf.tolist() == [5.0] * 3
+        and m.ibuf.tolist() == [5, 5]
+        and m.bbuf.tolist() == [False, False]
+        and m.hbuf.tolist() == [5.0] * 5
+    ), "buffers not broadcast from rank 0 before forward"
     # As in torch: a forward after a non-synchronizing forward (no_grad) does not broadcast.
     with torch.no_grad():
         fast(torch.randn(2, 4))
@@ -423,7 +439,7 @@ def _check_static_graph_and_traversal(rank, ws):
     model = M.build("branchy", 0)
     # Without static_graph the traversal runs every iteration.
     fast = fastcoll.DDP(copy.deepcopy(model), find_unused_parameters=True)
-    for step in range(2):
+    for _ in range(2):
         out = fast(torch.randn(2, 8))
         out.logits.sum().backward()
     assert fast.reducer.stats()["unused_searches"] == 2 and fast.reducer.stats()["host_reads"] == 2, fast.reducer.stats()
@@ -672,8 +688,9 @@ def test_not_initialized_and_signature():
         "module", "device_ids", "output_device", "dim", "broadcast_buffers", "process_group", "bucket_cap_mb",
         "find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph", "init_sync",
         "first_bucket_mb", "comm_dtype", "compute_grad_norm", "check_nonfinite", "record_timeline", "stall_timeout",
+        "verify_replicas_every",
     ]  # fmt: skip
-    extra = {p.name: p for p in params[-6:]}
+    extra = {p.name: p for p in params[-7:]}
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra.values())
     assert extra["first_bucket_mb"].default == 1.0 and extra["comm_dtype"].default is None
     assert extra["compute_grad_norm"].default is False and extra["check_nonfinite"].default is False
@@ -773,7 +790,9 @@ def _sparse_worker(rank, ws):
         of.zero_grad(set_to_none=True)
         os_.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(fast(M.chunk_of(x, rank), M.uses_sometimes(rank, step)), M.chunk_of(y, rank)).backward()
-        losses = [nn.functional.cross_entropy(single(M.chunk_of(x, r), M.uses_sometimes(r, step)), M.chunk_of(y, r)) for r in range(ws)]
+        losses = [
+            nn.functional.cross_entropy(single(M.chunk_of(x, r), M.uses_sometimes(r, step)), M.chunk_of(y, r)) for r in range(ws)
+        ]
         (sum(losses) / ws).backward()
         for (n, p), (_, q) in zip(fast.module.named_parameters(), single.named_parameters()):
             if q.grad is None:

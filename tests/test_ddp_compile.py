@@ -21,12 +21,12 @@ import types
 
 import pytest
 import torch
+from multiproc import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastcoll
 from fastcoll import _compile_support
-from multiproc import run_ranks
 
 WIDTH, DEPTH, BATCH = 512, 4, 4
 STEPS = 3

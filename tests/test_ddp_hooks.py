@@ -18,9 +18,11 @@ from __future__ import annotations
 import copy
 import functools
 
+import ddp_models as M
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks as DBG
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as D
@@ -28,9 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as L
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddp_models as M
 import fastcoll
-from multiproc import run_ranks
 
 STEPS = 5
 LR, MOMENTUM = 0.1, 0.9
@@ -111,8 +111,20 @@ def make_hook(kind: str, side: str):
 # reference: ("hook", kind) = torch DDP with the same torch hook; ("builtin", T) = torch's builtin hook T.
 HOOK_CONFIGS = [
     ("allreduce_hook", "mlp", {"hook": "allreduce"}, ("hook", "allreduce"), EXACT),
-    ("allreduce_hook tiny buckets + view", "mlp", {"hook": "allreduce", "bucket_cap_mb": 1e-6, "gradient_as_bucket_view": True}, ("hook", "allreduce"), EXACT),
-    ("allreduce_hook find_unused", "branchy", {"hook": "allreduce", "find_unused_parameters": True}, ("hook", "allreduce"), EXACT),
+    (
+        "allreduce_hook tiny buckets + view",
+        "mlp",
+        {"hook": "allreduce", "bucket_cap_mb": 1e-6, "gradient_as_bucket_view": True},
+        ("hook", "allreduce"),
+        EXACT,
+    ),
+    (
+        "allreduce_hook find_unused",
+        "branchy",
+        {"hook": "allreduce", "find_unused_parameters": True},
+        ("hook", "allreduce"),
+        EXACT,
+    ),
     ("fp16_compress_hook", "mlp", {"hook": "fp16"}, ("hook", "fp16"), EXACT),
     ("bf16_compress_hook", "mlp", {"hook": "bf16", "bucket_cap_mb": 0.001}, ("hook", "bf16"), EXACT),
     ("fp16_compress_wrapper(allreduce_hook)", "mlp", {"hook": "fp16_wrap_allreduce"}, ("hook", "fp16_wrap_allreduce"), EXACT),
@@ -134,11 +146,29 @@ HOOK_CONFIGS = [
     ("builtin FP16_COMPRESS", "mlp", {"builtin": "FP16_COMPRESS"}, ("builtin", "FP16_COMPRESS"), HALF),
     # fastcoll's own fused low-precision communication against torch's compress hooks.
     ("comm_dtype=float16", "mlp", {"comm_dtype": torch.float16}, ("hook", "fp16"), HALF),
-    ("comm_dtype=float16 tiny buckets + view", "mlp", {"comm_dtype": torch.float16, "bucket_cap_mb": 1e-6, "gradient_as_bucket_view": True}, ("hook", "fp16"), HALF),
+    (
+        "comm_dtype=float16 tiny buckets + view",
+        "mlp",
+        {"comm_dtype": torch.float16, "bucket_cap_mb": 1e-6, "gradient_as_bucket_view": True},
+        ("hook", "fp16"),
+        HALF,
+    ),
     ("comm_dtype=float16 convbn", "convbn", {"comm_dtype": torch.float16, "bucket_cap_mb": 0.001}, ("hook", "fp16"), HALF),
-    ("comm_dtype=float16 find_unused", "branchy", {"comm_dtype": torch.float16, "find_unused_parameters": True}, ("hook", "fp16"), HALF),
+    (
+        "comm_dtype=float16 find_unused",
+        "branchy",
+        {"comm_dtype": torch.float16, "find_unused_parameters": True},
+        ("hook", "fp16"),
+        HALF,
+    ),
     ("comm_dtype=bfloat16", "mlp", {"comm_dtype": torch.bfloat16}, ("hook", "bf16"), BF16),
-    ("comm_dtype=bfloat16 + view", "encoder", {"comm_dtype": torch.bfloat16, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.002}, ("hook", "bf16"), BF16),
+    (
+        "comm_dtype=bfloat16 + view",
+        "encoder",
+        {"comm_dtype": torch.bfloat16, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.002},
+        ("hook", "bf16"),
+        BF16,
+    ),
 ]
 
 
@@ -240,12 +270,22 @@ def test_hook_parity_with_torch_ddp():
 
 MIXED_CONFIGS = [
     # fp16/bf16 buckets travel as they are; float32 ones narrow (torch's hook casts every bucket).
-    ("comm_dtype=float16 mixed dtypes", "mixed", {"comm_dtype": torch.float16, "bucket_cap_mb": 1e-4}, ("hook", "fp16"), {"rtol": 2e-2, "atol": 2e-2}),
+    (
+        "comm_dtype=float16 mixed dtypes",
+        "mixed",
+        {"comm_dtype": torch.float16, "bucket_cap_mb": 1e-4},
+        ("hook", "fp16"),
+        {"rtol": 2e-2, "atol": 2e-2},
+    ),
 ]
 
 
 def three_rank_worker(rank, world_size):
-    hook_parity_worker(rank, world_size, [c for c in HOOK_CONFIGS if c[0] in ("powerSGD_hook", "comm_dtype=float16", "allreduce_hook")] + MIXED_CONFIGS)
+    hook_parity_worker(
+        rank,
+        world_size,
+        [c for c in HOOK_CONFIGS if c[0] in ("powerSGD_hook", "comm_dtype=float16", "allreduce_hook")] + MIXED_CONFIGS,
+    )
     _check_overflow(rank, world_size)
 
 
@@ -278,7 +318,9 @@ def _check_overflow(rank, world_size):
         fast(torch.tensor(big)).backward()
         g = fast.module.w.grad
         assert torch.isfinite(g).all(), f"comm_dtype=float16 (view={view}): gradient overflowed: {g[:4]}"
-        torch.testing.assert_close(g, torch.full_like(g, big), rtol=1e-3, atol=0, msg=lambda m: f"comm_dtype=float16 (view={view}): {m}")
+        torch.testing.assert_close(
+            g, torch.full_like(g, big), rtol=1e-3, atol=0, msg=lambda m: f"comm_dtype=float16 (view={view}): {m}"
+        )
         # Rank-dependent large gradients: the mean, not the sum, must come back.
         fast.zero_grad()
         scale = big * (rank + 1) / world_size
@@ -321,7 +363,10 @@ def _probe_hook(log, bucket):
     new = buf.to(torch.float64)
     bucket.set_buffer(new)
     assert bucket.buffer() is new
-    assert all(g.dtype == torch.float64 and g.untyped_storage().data_ptr() == new.untyped_storage().data_ptr() for g in bucket.gradients())
+    assert all(
+        g.dtype == torch.float64 and g.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
+        for g in bucket.gradients()
+    )
     new.div_(dist.get_world_size())
     return dist.all_reduce(new, async_op=True).get_future()  # value: a list with one float64 tensor
 

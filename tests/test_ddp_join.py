@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import copy
 
+import ddp_models as M
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as D
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
@@ -22,9 +24,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddp_models as M
 import fastcoll
-from multiproc import run_ranks
 
 LR, MOMENTUM = 0.1, 0.9
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
@@ -105,7 +105,7 @@ def _train(cls, name, kwargs, counts, rank, world_size, opts):
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=opts.get("momentum", MOMENTUM))
     grads = []
     step = 0
-    for epoch, epoch_counts in enumerate(counts):
+    for epoch_counts in counts:
         with ddp.join(**opts.get("join", {})):
             for _ in range(epoch_counts[rank]):
                 opt.zero_grad(set_to_none=not kwargs.get("gradient_as_bucket_view"))
@@ -132,19 +132,54 @@ def _train(cls, name, kwargs, counts, rank, world_size, opts):
 # (label, model, DDP kwargs, per-epoch per-rank batch counts (indexed by world size), options, tolerance)
 JOIN_CONFIGS = [
     ("default", "mlp", {}, {2: [[3, 5]], 3: [[2, 4, 3]]}, {}, EXACT),
-    ("divide_by_initial_world_size=False", "mlp", {}, {2: [[3, 5]], 3: [[4, 2, 3]]}, {"join": {"divide_by_initial_world_size": False}}, EXACT),
+    (
+        "divide_by_initial_world_size=False",
+        "mlp",
+        {},
+        {2: [[3, 5]], 3: [[4, 2, 3]]},
+        {"join": {"divide_by_initial_world_size": False}},
+        EXACT,
+    ),
     # BatchNorm buffers: synced from the highest rank still training, and in the final broadcast.
     ("convbn buffers", "convbn", {"bucket_cap_mb": 0.001}, {2: [[2, 4]], 3: [[3, 1, 2]]}, {}, EXACT),
     # A rank joining before any iteration, another after one (the one-time layout rebuild is pending).
-    ("tiny buckets, joins before the rebuild", "reordered", {"bucket_cap_mb": 1e-6}, {2: [[0, 3], [1, 3]], 3: [[1, 0, 3]]}, {}, EXACT),
+    (
+        "tiny buckets, joins before the rebuild",
+        "reordered",
+        {"bucket_cap_mb": 1e-6},
+        {2: [[0, 3], [1, 3]], 3: [[1, 0, 3]]},
+        {},
+        EXACT,
+    ),
     # A joined fastcoll rank reports no parameter used; torch's joined rank all-reduces the stale
     # *reduced* map of its last iteration instead, so parameters unused by every training rank get
     # zero gradients there and keep None here. Without momentum both leave such parameters alone.
-    ("find_unused_parameters", "branchy", {"find_unused_parameters": True, "bucket_cap_mb": 1e-6}, {2: [[2, 5]], 3: [[3, 5, 2]]}, {"momentum": 0.0, "none_is_zero": True}, EXACT),
-    ("gradient_as_bucket_view + no_sync accumulation + no_grad forward", "mlp", {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001}, {2: [[4, 2]], 3: [[2, 3, 1]]}, {"accumulate": True, "eval_forward": True}, EXACT),
+    (
+        "find_unused_parameters",
+        "branchy",
+        {"find_unused_parameters": True, "bucket_cap_mb": 1e-6},
+        {2: [[2, 5]], 3: [[3, 5, 2]]},
+        {"momentum": 0.0, "none_is_zero": True},
+        EXACT,
+    ),
+    (
+        "gradient_as_bucket_view + no_sync accumulation + no_grad forward",
+        "mlp",
+        {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001},
+        {2: [[4, 2]], 3: [[2, 3, 1]]},
+        {"accumulate": True, "eval_forward": True},
+        EXACT,
+    ),
     ("allreduce_hook", "mlp", {"bucket_cap_mb": 0.001}, {2: [[2, 4]], 3: [[4, 3, 1]]}, {"hook": "allreduce"}, EXACT),
     ("powerSGD_hook", "mlp", {}, {2: [[2, 5]]}, {"hook": "powersgd"}, EXACT),
-    ("comm_dtype=float16 vs fp16_compress_hook", "mlp", {"comm_dtype": torch.float16, "bucket_cap_mb": 0.001}, {2: [[3, 5]], 3: [[2, 4, 3]]}, {}, HALF),
+    (
+        "comm_dtype=float16 vs fp16_compress_hook",
+        "mlp",
+        {"comm_dtype": torch.float16, "bucket_cap_mb": 0.001},
+        {2: [[3, 5]], 3: [[2, 4, 3]]},
+        {},
+        HALF,
+    ),
     ("two epochs, each its own join", "convbn", {}, {2: [[2, 3], [3, 1]], 3: [[1, 2, 2], [2, 2, 1]]}, {}, EXACT),
 ]
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import copy
 import io
 
+import ddp_models as M
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddp_models as M
 import fastcoll
-from multiproc import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,8 +80,8 @@ def _count_collectives_at_world_size_one(rank, ws):
 
 
 def test_force_collectives_at_world_size_one():
-    (forced, nb), = run_ranks(_count_collectives_at_world_size_one, 1, env={"FASTCOLL_FORCE_COLLECTIVES": "1"})
+    ((forced, nb),) = run_ranks(_count_collectives_at_world_size_one, 1, env={"FASTCOLL_FORCE_COLLECTIVES": "1"})
     # layout broadcast once (before step 1), then every bucket's all-reduce each step
     assert forced.count("layout") == 1 and len([w for w in forced if w.startswith("bucket")]) == 3 * nb, forced
-    (plain, _), = run_ranks(_count_collectives_at_world_size_one, 1)
+    ((plain, _),) = run_ranks(_count_collectives_at_world_size_one, 1)
     assert plain == [], plain

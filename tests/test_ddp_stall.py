@@ -17,9 +17,8 @@ import time
 
 import pytest
 import torch
-from torch import nn
-
 from stall_harness import run_stall_ranks
+from torch import nn
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -11,18 +11,27 @@ import copy
 import json
 import time
 
+import ddp_models as M
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddp_models as M
 import fastcoll
-from multiproc import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
-EVENTS = ("ready_first_us", "ready_last_us", "pack_start_us", "pack_end_us", "issued_us", "completed_us", "writeback_start_us", "writeback_end_us")
+EVENTS = (
+    "ready_first_us",
+    "ready_last_us",
+    "pack_start_us",
+    "pack_end_us",
+    "issued_us",
+    "completed_us",
+    "writeback_start_us",
+    "writeback_end_us",
+)
 
 
 def _train_pair(rank, world_size, name, steps, fast_kwargs, torch_kwargs=None, slow=None):

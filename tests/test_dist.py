@@ -202,7 +202,9 @@ def _rank_tensor_collectives(rank: int, ws: int):
         for i, ((shape, dtype, _), p) in enumerate(zip(specs, with_grad)):
             want = sum(_grad_value(r, i, shape, dtype).double() for r in range(ws)) / ws
             tol = _tol(dtype)
-            torch.testing.assert_close(p.grad.double(), want, atol=tol, rtol=tol, msg=lambda m, w=f"{coalesce} {bucket} grad {i}": f"{w}: {m}")
+            torch.testing.assert_close(
+                p.grad.double(), want, atol=tol, rtol=tol, msg=lambda m, w=f"{coalesce} {bucket} grad {i}": f"{w}: {m}"
+            )
         after = [(p.grad.data_ptr(), p.grad.stride()) if p.grad is not None else None for p in params]
         assert before == after, "gradients were replaced instead of updated in place"
 
@@ -221,7 +223,9 @@ def _rank_tensor_collectives(rank: int, ws: int):
             fd.allreduce_grads([emb, lin], coalesce=coalesce)
             want = sum(sparse_grad(r, round_).to_dense().double() for r in range(ws)) / ws
             assert emb.grad.is_sparse, f"round {round_} coalesce={coalesce}: the sparse gradient came back dense"
-            torch.testing.assert_close(emb.grad.to_dense().double(), want, msg=lambda m, w=f"round {round_} coalesce={coalesce}": f"{w}: {m}")
+            torch.testing.assert_close(
+                emb.grad.to_dense().double(), want, msg=lambda m, w=f"round {round_} coalesce={coalesce}": f"{w}: {m}"
+            )
             torch.testing.assert_close(lin.grad, torch.full((2,), sum(range(ws)) / ws))
     csr = torch.eye(2).to_sparse_csr().requires_grad_()
     csr.grad = torch.eye(2).to_sparse_csr()
@@ -270,7 +274,9 @@ def _rank_tensor_collectives(rank: int, ws: int):
     backends.group_supports = lambda device, group=None: False
     try:
         got = fd.all_reduce_dict({"v": torch.tensor([float(rank)]), "n": torch.tensor([rank])}, to_float=False)
-        assert torch.equal(got["v"], torch.tensor([float(sum(range(ws)))])) and torch.equal(got["n"], torch.tensor([sum(range(ws))]))
+        assert torch.equal(got["v"], torch.tensor([float(sum(range(ws)))])) and torch.equal(
+            got["n"], torch.tensor([sum(range(ws))])
+        )
         torch.testing.assert_close(fd.reduce_mean(torch.tensor([float(rank)])), torch.tensor([sum(range(ws)) / ws]))
         for coalesce in (True, False):
             params = _make_params(rank)
@@ -387,9 +393,7 @@ def _rank_errors(rank: int, ws: int, sysdir: str):
         params[0].grad = None
     snapshot = [None if p.grad is None else p.grad.clone() for p in params]
     out["grads"] = _capture(lambda: fd.allreduce_grads(params))
-    out["grads_untouched"] = all(
-        (a is None and p.grad is None) or torch.equal(a, p.grad) for a, p in zip(snapshot, params)
-    )
+    out["grads_untouched"] = all((a is None and p.grad is None) or torch.equal(a, p.grad) for a, p in zip(snapshot, params))
     _still_in_step(ws)
 
     def unpicklable_on(r):
@@ -400,7 +404,9 @@ def _rank_errors(rank: int, ws: int, sysdir: str):
     out["gather_gpu_zero"] = _capture(lambda: fd.all_gather_object_gpu(unpicklable_on(1)))
     _still_in_step(ws)
 
-    local_fn = lambda: None
+    def local_fn():
+        return None
+
     out["broadcast"] = _capture(lambda: fd.broadcast(local_fn if rank == 1 else None, src=1))
     _still_in_step(ws)
     out["broadcast_src"] = _capture(lambda: fd.broadcast(1, src=ws))
@@ -448,7 +454,7 @@ _LAUNCH_VARS = (
 def _rank_init_launchers(rank: int, ws: int, ports):
     envs = {
         "pytorch": {"RANK": rank, "WORLD_SIZE": ws, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ports[0]},
-        "slurm": {"SLURM_PROCID": rank, "SLURM_NTASKS": ws, "SLURM_NODELIST": "localhost,node[2-5]", "SLURM_NTASKS_PER_NODE": ws, "MASTER_PORT": ports[1]},
+        "slurm": {"SLURM_PROCID": rank, "SLURM_NTASKS": ws, "SLURM_NODELIST": "localhost,node[2-5]", "SLURM_NTASKS_PER_NODE": ws, "MASTER_PORT": ports[1]},  # noqa: E501
         "mpi": {"PMI_RANK": rank, "PMI_SIZE": ws, "MASTER_ADDR": "127.0.0.1"},
     }  # fmt: skip
     seen = {}
@@ -764,17 +770,17 @@ def launch(monkeypatch):
 
 LAUNCH_CASES = [
     # launcher, env, init_dist kwargs, (rank, world_size, local_rank, MASTER_ADDR, MASTER_PORT)
-    ("pytorch", {"RANK": 3, "WORLD_SIZE": 8, "LOCAL_RANK": 1, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": 1234}, {}, (3, 8, 1, "10.0.0.1", 1234)),
+    ("pytorch", {"RANK": 3, "WORLD_SIZE": 8, "LOCAL_RANK": 1, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": 1234}, {}, (3, 8, 1, "10.0.0.1", 1234)),  # noqa: E501
     ("pytorch", {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "h"}, {"port": 4321}, (0, 1, 0, "h", 4321)),
     ("pytorch", {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "h", "MASTER_PORT": 1}, {"port": 4321}, (0, 1, 0, "h", 4321)),
-    ("slurm", {"SLURM_PROCID": 5, "SLURM_NTASKS": 8, "SLURM_NODELIST": "gpu[03-04,09]", "SLURM_LOCALID": 1}, {}, (5, 8, 1, "gpu03", 29500)),
-    ("slurm", {"SLURM_PROCID": 6, "SLURM_NTASKS": 8, "SLURM_JOB_NODELIST": "a[1-2]b", "SLURM_NTASKS_PER_NODE": 4}, {}, (6, 8, 2, "a1b", 29500)),
-    ("slurm", {"SLURM_PROCID": 5, "SLURM_NTASKS": 8, "SLURM_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),4"}, {}, (5, 8, 1, "n1", 29500)),
-    ("slurm", {"SLURM_PROCID": 3, "SLURM_NTASKS": 8, "SLURM_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),4"}, {}, (3, 8, 1, "n1", 29500)),
+    ("slurm", {"SLURM_PROCID": 5, "SLURM_NTASKS": 8, "SLURM_NODELIST": "gpu[03-04,09]", "SLURM_LOCALID": 1}, {}, (5, 8, 1, "gpu03", 29500)),  # noqa: E501
+    ("slurm", {"SLURM_PROCID": 6, "SLURM_NTASKS": 8, "SLURM_JOB_NODELIST": "a[1-2]b", "SLURM_NTASKS_PER_NODE": 4}, {}, (6, 8, 2, "a1b", 29500)),  # noqa: E501
+    ("slurm", {"SLURM_PROCID": 5, "SLURM_NTASKS": 8, "SLURM_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),4"}, {}, (5, 8, 1, "n1", 29500)),  # noqa: E501
+    ("slurm", {"SLURM_PROCID": 3, "SLURM_NTASKS": 8, "SLURM_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),4"}, {}, (3, 8, 1, "n1", 29500)),  # noqa: E501
     ("slurm", {"SLURM_PROCID": 3, "SLURM_NTASKS": 4, "SLURM_NODELIST": "x,y"}, {}, (3, 4, 0, "x", 29500)),
-    ("slurm", {"SLURM_PROCID": 0, "SLURM_NTASKS": 2, "SLURM_NODELIST": "x", "MASTER_ADDR": "m", "MASTER_PORT": 7}, {}, (0, 2, 0, "m", 7)),
+    ("slurm", {"SLURM_PROCID": 0, "SLURM_NTASKS": 2, "SLURM_NODELIST": "x", "MASTER_ADDR": "m", "MASTER_PORT": 7}, {}, (0, 2, 0, "m", 7)),  # noqa: E501
     ("slurm", {"SLURM_PROCID": 0, "SLURM_NTASKS": 2, "SLURM_NODELIST": "x", "MASTER_PORT": 7}, {"port": 9}, (0, 2, 0, "x", 9)),
-    ("mpi", {"OMPI_COMM_WORLD_RANK": 2, "OMPI_COMM_WORLD_SIZE": 4, "OMPI_COMM_WORLD_LOCAL_RANK": 0, "MASTER_ADDR": "m"}, {}, (2, 4, 0, "m", 29500)),
+    ("mpi", {"OMPI_COMM_WORLD_RANK": 2, "OMPI_COMM_WORLD_SIZE": 4, "OMPI_COMM_WORLD_LOCAL_RANK": 0, "MASTER_ADDR": "m"}, {}, (2, 4, 0, "m", 29500)),  # noqa: E501
     ("mpi", {"PMI_RANK": 1, "PMI_SIZE": 2, "MPI_LOCALRANKID": 1, "MASTER_ADDR": "m", "MASTER_PORT": 99}, {}, (1, 2, 1, "m", 99)),
 ]  # fmt: skip
 
@@ -789,7 +795,13 @@ def test_init_dist_launcher_environments(launch, launcher, env, kwargs, want):
     assert args == ("gloo",) and kw["rank"] == rank and kw["world_size"] == ws
     assert kw["init_method"] == "env://" and kw["timeout"] == datetime.timedelta(seconds=5)
     exported = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    assert exported == {"RANK": str(rank), "WORLD_SIZE": str(ws), "LOCAL_RANK": str(local), "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+    assert exported == {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(ws),
+        "LOCAL_RANK": str(local),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
     assert fd.get_local_rank() == local
 
 
@@ -891,8 +903,8 @@ def _helpers_at_world_size_one(rank, world_size):
 
 
 def test_force_collectives_at_world_size_one():
-    (forced, calls), = run_ranks(_helpers_at_world_size_one, 1, env={"FASTCOLL_FORCE_COLLECTIVES": "1"})
-    (plain, none), = run_ranks(_helpers_at_world_size_one, 1)
+    ((forced, calls),) = run_ranks(_helpers_at_world_size_one, 1, env={"FASTCOLL_FORCE_COLLECTIVES": "1"})
+    ((plain, none),) = run_ranks(_helpers_at_world_size_one, 1)
     assert none == [], none
     assert {"all_reduce", "all_gather"} <= set(calls), calls
     assert forced == plain  # same results, with the collectives issued

@@ -10,26 +10,29 @@ reported on every rank with that rank and parameter; and that
 
 from __future__ import annotations
 
-import copy
 import time
 
+import ddp_models as M
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as D
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddp_models as M
 import fastcoll
-from multiproc import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _norm64(module: nn.Module) -> torch.Tensor:
     """Float64 L2 norm of every gradient that is not None (sparse ones densified)."""
-    sq = [g.to_dense().double().square().sum() if g.is_sparse else g.double().square().sum() for g in (p.grad for p in module.parameters()) if g is not None]
+    sq = [
+        g.to_dense().double().square().sum() if g.is_sparse else g.double().square().sum()
+        for g in (p.grad for p in module.parameters())
+        if g is not None
+    ]
     return torch.stack(sq).sum().sqrt()
 
 
@@ -113,7 +116,11 @@ def clip_worker(rank, world_size):
             what = f"{opt_name} max_norm={max_norm} (rank {rank})"
             fast = fastcoll.DDP(M.build("mlp", rank), compute_grad_norm=True, bucket_cap_mb=0.001)
             ref = TorchDDP(M.build("mlp", 0), bucket_cap_mb=0.001)
-            make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if opt_name == "sgd" else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+            make = (
+                (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+                if opt_name == "sgd"
+                else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+            )
             of, ot = make(fast.parameters()), make(ref.parameters())
             for step in range(4):
                 x, y = M.global_batch("mlp", world_size, step)
@@ -286,7 +293,10 @@ def divisor_worker(rank, world_size, as_tensor):
         nn.functional.cross_entropy(model(toks[:-1]), toks[1:], reduction="sum").backward()
         # One process on the concatenated batch, loss summed over tokens and divided by their number.
         ref.zero_grad()
-        loss = sum(nn.functional.cross_entropy(ref(_tokens(r, step)[:-1]), _tokens(r, step)[1:], reduction="sum") for r in range(world_size))
+        loss = sum(
+            nn.functional.cross_entropy(ref(_tokens(r, step)[:-1]), _tokens(r, step)[1:], reduction="sum")
+            for r in range(world_size)
+        )
         (loss / total).backward()
         for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"step {step} {n}: {m}")
@@ -295,7 +305,9 @@ def divisor_worker(rank, world_size, as_tensor):
     toks = _tokens(rank, 0)
     nn.functional.cross_entropy(model(toks[:-1]), toks[1:]).backward()
     ref.zero_grad()
-    (sum(nn.functional.cross_entropy(ref(_tokens(r, 0)[:-1]), _tokens(r, 0)[1:]) for r in range(world_size)) / world_size).backward()
+    (
+        sum(nn.functional.cross_entropy(ref(_tokens(r, 0)[:-1]), _tokens(r, 0)[1:]) for r in range(world_size)) / world_size
+    ).backward()
     for p, q in zip(model.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="set_gradient_divisor"):

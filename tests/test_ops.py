@@ -532,7 +532,13 @@ def test_in_place_scale_of_bucket_views(impl, dtype):
     flat = (torch.randn(1 + 64 * 3 * 3 + 10 + 7) * 4).to(dtype)
     buf = torch.cat([torch.zeros(1, dtype=dtype), flat])  # misaligned by one element
     flat = buf[1:]
-    like = [torch.empty(64, 1, 3, 3).contiguous(memory_format=torch.channels_last), torch.empty(0), torch.empty(10, 1), torch.empty(7), torch.empty(())]
+    like = [
+        torch.empty(64, 1, 3, 3).contiguous(memory_format=torch.channels_last),
+        torch.empty(0),
+        torch.empty(10, 1),
+        torch.empty(7),
+        torch.empty(()),
+    ]
     views = ops.bucket_views(flat, like)
     original = flat.clone()
     impl.flatten(views, flat, 0.25)
@@ -801,7 +807,7 @@ def test_bucket_views_cover_the_buffer_in_order(specs, offset, dtype):
     flat = make_flat(n, dtype, "cpu", offset, 0, gen=gen, fill=None)
     views = ops.bucket_views(flat.tensor, like)
     pos = 0
-    for i, (v, t) in enumerate(zip(views, like)):
+    for v, t in zip(views, like):
         assert v.shape == t.shape and v.dtype == dtype and v.device == flat.tensor.device
         assert v.untyped_storage().data_ptr() == flat.buf.untyped_storage().data_ptr()
         if t.numel() > 0:

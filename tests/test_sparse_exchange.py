@@ -64,8 +64,12 @@ def _exchange_worker(rank: int, world_size: int):
                 assert all(c > 0 for c in calls), f"a collective moved zero elements: {calls}"
                 assert got.is_sparse and got.is_coalesced() and got.dtype == dtype and got.shape == mine.shape
                 tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(got.to(torch.float64).to_dense(), expected, **tol,
-                                           msg=lambda m: f"{shape} {dtype} zero rows on {zero_ranks}: {m}")
+                torch.testing.assert_close(
+                    got.to(torch.float64).to_dense(),
+                    expected,
+                    **tol,
+                    msg=lambda m: f"{shape} {dtype} zero rows on {zero_ranks}: {m}",
+                )
                 # identical on every rank, bit for bit
                 gathered = [None] * world_size
                 dist.all_gather_object(gathered, (got._indices().tolist(), got._values().float().tolist()))

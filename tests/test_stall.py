@@ -261,8 +261,7 @@ def test_process_group_timeout_and_guards():
 
 def _boards(world, store, **kw):
     return [
-        stall.StateBoard(SyncState(rank=r, group_rank=r), store, r, world, poll=0.05, store_host=None, **kw)
-        for r in range(world)
+        stall.StateBoard(SyncState(rank=r, group_rank=r), store, r, world, poll=0.05, store_host=None, **kw) for r in range(world)
     ]
 
 

@@ -45,7 +45,9 @@ def tensor_to_bytes(tensor: torch.Tensor, size: int | None = None) -> bytes:
 
 def _all_gather(parts: list[torch.Tensor], mine: torch.Tensor, group: Group) -> None:
     """``dist.all_gather`` under the group's stall protection (numbered, bounded wait)."""
-    work = start_collective(lambda: dist.all_gather(parts, mine, group=group, async_op=True), "all_gather", "fastcoll.dist agree", mine, group)
+    work = start_collective(
+        lambda: dist.all_gather(parts, mine, group=group, async_op=True), "all_gather", "fastcoll.dist agree", mine, group
+    )
     finish_collective(work, group, "fastcoll.dist agree", mine.device)
 
 
@@ -100,9 +102,7 @@ def _raise_failures(what: str, texts: list[bytes], ranks: list[int], local: Base
             kind, _, message = text.decode("utf-8", "replace").partition("\0")
             kinds.append(kind)
             by_message.setdefault(message, []).append(rank)
-    parts = [
-        f"rank {rs[0]}: {m}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items()
-    ]
+    parts = [f"rank {rs[0]}: {m}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items()]
     exc_type = next((k for k in _KINDS if k.__name__ == kinds[0]), RuntimeError)
     raise exc_type(f"{what}: failed on {len(kinds)} rank(s): " + "; ".join(parts)) from local
 

@@ -190,13 +190,17 @@ def all_reduce_flat(
         The work handle for an asynchronous reduce, else None.
     """
     if group_supports(flat.device, group):
-        work = start_collective(lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), "all_reduce", what, flat, group)
+        work = start_collective(
+            lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), "all_reduce", what, flat, group
+        )
         if async_op:
             return work
         finish_collective(work, group, what, flat.device)
         return None
     staged = flat.to(device if device is not None else comm_device(group, [flat]), copy=True)
-    work = start_collective(lambda: dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True), "all_reduce", what, staged, group)
+    work = start_collective(
+        lambda: dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=True), "all_reduce", what, staged, group
+    )
     finish_collective(work, group, what, staged.device)
     flat.copy_(staged)
     return None

@@ -100,7 +100,9 @@ def _gather_objects(obj: Any, group: Group, what: str, to_group_rank0: bool) -> 
     mine = bytes_to_tensor(payload, device, max(sizes))
     is_root = dist.get_rank(group) == 0
     parts = [torch.empty_like(mine) for _ in sizes] if is_root else None
-    work = start_collective(lambda: dist.gather(mine, parts, group=group, group_dst=0, async_op=True), "gather", what, mine, group)
+    work = start_collective(
+        lambda: dist.gather(mine, parts, group=group, group_dst=0, async_op=True), "gather", what, mine, group
+    )
     finish_collective(work, group, what, device)
     if parts is None:
         return None
@@ -269,9 +271,7 @@ def _remove_exchange_dir(path: str, created: bool, world_size: int) -> None:
                 pass
 
 
-def collect_results(
-    results: Sequence[Any], size: int, device: str = "cpu", tmpdir: str | None = None
-) -> list[Any] | None:
+def collect_results(results: Sequence[Any], size: int, device: str = "cpu", tmpdir: str | None = None) -> list[Any] | None:
     """Gather per-rank evaluation results into dataset order on rank 0.
 
     Assumes the results were produced by a sampler that deals samples out

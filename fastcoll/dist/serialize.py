@@ -16,7 +16,15 @@ from ._agree import agree, bytes_to_tensor
 from .backends import comm_device
 from .process import Group, collectives_needed
 
-__all__ = ["LARGE_PAYLOAD_BYTES", "dumps", "obj2tensor", "pad_to_largest_tensor", "serialize_to_tensor", "tensor2obj", "type_name"]
+__all__ = [
+    "LARGE_PAYLOAD_BYTES",
+    "dumps",
+    "obj2tensor",
+    "pad_to_largest_tensor",
+    "serialize_to_tensor",
+    "tensor2obj",
+    "type_name",
+]
 
 #: Serialized objects larger than this trigger a warning (1 GiB).
 LARGE_PAYLOAD_BYTES = 1 << 30
@@ -45,9 +53,7 @@ def dumps(obj: Any, what: str) -> bytes:
     try:
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # PicklingError, TypeError, AttributeError (local objects), ...
-        raise TypeError(
-            f"{what}: cannot pickle an object of type {type_name(obj)} ({exc}); send picklable data instead"
-        ) from exc
+        raise TypeError(f"{what}: cannot pickle an object of type {type_name(obj)} ({exc}); send picklable data instead") from exc
     if len(payload) > LARGE_PAYLOAD_BYTES:
         warnings.warn(
             f"{what}: the serialized {type_name(obj)} is {len(payload) / (1 << 30):.2f} GiB; "

@@ -19,9 +19,9 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ..bucketing import split_by_bytes
 from .._dtypes import SUPPORTED_DTYPES, dtype_name, is_dense, is_fusable
 from .._sparse import all_reduce_sparse
+from ..bucketing import split_by_bytes
 from . import backends
 from ._agree import agree
 from ._mismatch import explain_dict_mismatch, explain_grads_mismatch, spec

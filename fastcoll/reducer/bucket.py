@@ -308,7 +308,10 @@ def _unflatten(src: torch.Tensor, dests: List[torch.Tensor], scale: float, sumsq
 
 
 class PackArgs(NamedTuple):
-    """How one iteration packs: ``scale`` (a float), times ``scale_by[0]`` on the device when given; ``nonfinite`` a flag to raise."""
+    """How one iteration packs: ``scale`` (a float), times ``scale_by[0]`` on the device when given.
+
+    ``nonfinite``: a flag the pack raises on NaN/Inf.
+    """
 
     scale: float = 1.0
     scale_by: Optional[torch.Tensor] = None

@@ -55,16 +55,16 @@ import torch
 import torch.distributed as dist
 
 from .._dtypes import check_comm_dtype
-from .bucket import GradBucket, PackArgs
 from .._knobs import force_collectives
 from ..bucketing import Caps
+from .bucket import GradBucket, PackArgs
 from .comm import Communicator
-from .layout import BucketSet
-from .timeline import Timeline
-from .settings import ReducerSettings
-from .tuning import LayoutTuning
-from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
 from .health import Divisor, GradHealth
+from .layout import BucketSet
+from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
+from .settings import ReducerSettings
+from .timeline import Timeline
+from .tuning import LayoutTuning
 from .usage import ParameterUsage, marked_twice_error, unfinished_error
 
 __all__ = ["Phase", "Reducer"]
@@ -172,7 +172,9 @@ class Reducer(ReducerSettings):
         )
         #: Run-time divisor folded into the pack: gradients are averaged over this many ranks.
         self.divisor: float = float(self.world_size)
-        self.bucket_cap_bytes: Caps = bucket_cap_bytes if isinstance(bucket_cap_bytes, int) else [int(c) for c in bucket_cap_bytes]
+        self.bucket_cap_bytes: Caps = (
+            bucket_cap_bytes if isinstance(bucket_cap_bytes, int) else [int(c) for c in bucket_cap_bytes]
+        )
         self.first_bucket_bytes = int(first_bucket_bytes)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
@@ -180,7 +182,9 @@ class Reducer(ReducerSettings):
         self._sparse = [False] * n
         for i in sparse_params:
             self._sparse[i] = True
-        self.usage = ParameterUsage(self.params, self.comm, self.params[0].device, self.find_unused_parameters, bool(static_graph))
+        self.usage = ParameterUsage(
+            self.params, self.comm, self.params[0].device, self.find_unused_parameters, bool(static_graph)
+        )
         # A dynamic graph (find_unused without static_graph) has no one ready order to learn from.
         self._set = BucketSet(
             self.params, self.names, self._sparse, self.first_bucket_bytes, self.bucket_cap_bytes,
@@ -195,9 +199,13 @@ class Reducer(ReducerSettings):
         self._how = PackArgs()
         self._install_layout(self._set.initial_layout())
 
-        lock = threading.Lock() if len({p.device for p in self.params}) > 1 else None  # hooks of several devices run on several threads
+        lock = (
+            threading.Lock() if len({p.device for p in self.params}) > 1 else None
+        )  # hooks of several devices run on several threads
         ref = weakref.ref(self)
-        self._handles: List[Any] = [p.register_post_accumulate_grad_hook(_make_hook(ref, i, lock)) for i, p in enumerate(self.params)]
+        self._handles: List[Any] = [
+            p.register_post_accumulate_grad_hook(_make_hook(ref, i, lock)) for i, p in enumerate(self.params)
+        ]
         self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
 
     @property
@@ -233,7 +241,10 @@ class Reducer(ReducerSettings):
         self._bucket_expected = [sum(expected[i] for i in b.param_indices) for b in self._set.buckets]
 
     def _reset_progress(self) -> None:
-        """Per-iteration bucket state (gradients still missing, reductions in flight, early packs); binds the hot path's lookups."""
+        """Per-iteration bucket state (gradients still missing, reductions in flight, early packs).
+
+        Also binds the lookups the gradient hook needs.
+        """
         s = self._set
         nb = len(s.buckets)
         self._pending = self._bucket_expected[:]
@@ -323,7 +334,9 @@ class Reducer(ReducerSettings):
             if observed is not None:
                 observed.append(idx)
             slot = self._eager_slots[idx]
-            if slot is not None and self._set.buckets[pos].pack_one(self._slot_pos[idx], slot, self._how.with_flag(self.health.flag(pos))):
+            if slot is not None and self._set.buckets[pos].pack_one(
+                self._slot_pos[idx], slot, self._how.with_flag(self.health.flag(pos))
+            ):
                 self._packed[idx] = 1
                 self._n_packed[pos] += 1
         left = self._pending[pos] - 1
@@ -403,7 +416,9 @@ class Reducer(ReducerSettings):
         for b, f in pairs:
             f.finish(None if used is None else [used[i] for i in b.param_indices], health.slot(b.pos))
         if used is not None and health.sums is not None:  # gradients kept by parameters unused everywhere count too
-            health.add_outside([p.grad for i, p in enumerate(self.params) if not used[i] and not self._sparse[i] and p.grad is not None])
+            health.add_outside(
+                [p.grad for i, p in enumerate(self.params) if not used[i] and not self._sparse[i] and p.grad is not None]
+            )
         total = health.finish(self.params)
         self.timeline.finalize_end()
         self._end_iteration(joined=False)
@@ -415,7 +430,9 @@ class Reducer(ReducerSettings):
         from ..dist.objects import all_gather_object_gpu
 
         blame = self.health.blame
-        per_rank = all_gather_object_gpu(blame, rank_zero_return_only=False, group=self.process_group) if self.comm.active else [blame]
+        per_rank = (
+            all_gather_object_gpu(blame, rank_zero_return_only=False, group=self.process_group) if self.comm.active else [blame]
+        )
         buckets = self._set.buckets
         names = {b.pos: b.names for b in buckets}
         wire = ", ".join(sorted({str(b.comm.dtype).replace("torch.", "") for b in buckets if not b.sparse}))

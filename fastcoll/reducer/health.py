@@ -51,7 +51,10 @@ def check_divisor(divisor: Any) -> Divisor:
             )
         return divisor
     if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not (0 < float(divisor) < float("inf")):
-        raise ValueError(f"fastcoll.DDP.set_gradient_divisor: divisor must be a positive finite number, a 1-element tensor or None; got {divisor!r}")
+        raise ValueError(
+            "fastcoll.DDP.set_gradient_divisor: divisor must be a positive finite number, a 1-element tensor or None; "
+            f"got {divisor!r}"
+        )
     return float(divisor)
 
 
@@ -179,7 +182,9 @@ class GradHealth:
     # ------------------------------------------------------------- the error
 
     @staticmethod
-    def error(iteration: int, per_rank: List[List[Tuple[int, List[Tuple[str, int]]]]], bucket_names: Dict[int, List[str]], wire: str) -> NonFiniteGradError:
+    def error(
+        iteration: int, per_rank: List[List[Tuple[int, List[Tuple[str, int]]]]], bucket_names: Dict[int, List[str]], wire: str
+    ) -> NonFiniteGradError:
         """The same message on every rank, from every rank's findings (rank order)."""
         parts = []
         for rank, findings in enumerate(per_rank):

@@ -175,7 +175,9 @@ class BucketSet:
 
     def initial_layout(self) -> List[List[int]]:
         """Buckets in reverse registration order (before any gradient-ready order was seen)."""
-        return assign_buckets(self.specs, reverse_registration_order(len(self.params)), self.first_bucket_bytes, self.bucket_cap_bytes)
+        return assign_buckets(
+            self.specs, reverse_registration_order(len(self.params)), self.first_bucket_bytes, self.bucket_cap_bytes
+        )
 
     def install(self, layout: List[List[int]], comm_dtype: Optional[torch.dtype]) -> None:
         """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them."""
@@ -221,7 +223,9 @@ class BucketSet:
                 "numel": b.numel,
                 "bytes": b.nbytes,
                 "comm_dtype": b.comm.dtype,
-                "comm_bytes": b.nbytes if b.sparse else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
+                "comm_bytes": b.nbytes
+                if b.sparse
+                else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
                 "sparse": b.sparse,
                 "packed_early": [self.names[i] for i in b.param_indices if self.eager_slots[i] is not None],
             }

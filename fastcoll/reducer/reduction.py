@@ -21,9 +21,9 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .. import ops
 from .._sparse import SparseExchange, empty_sparse_grad
 from ..comm_hooks import call_hook, hook_result
-from .. import ops
 from .bucket import GradBucket, PackArgs
 from .comm import DONE, Communicator
 from .timeline import Timeline
@@ -79,7 +79,9 @@ class ZeroBuffers:
 # ------------------------------------------------------------------ all-reduce
 
 
-def _write_back(tl: Timeline, b: GradBucket, src: torch.Tensor, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor]) -> None:
+def _write_back(
+    tl: Timeline, b: GradBucket, src: torch.Tensor, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor]
+) -> None:
     tl.completed(b.pos)
     tl.writeback_start(b.pos)
     b.write_back(src, used, sumsq=sumsq)
@@ -140,7 +142,10 @@ class _Hooked(InFlight):
 
 
 class CommHook:
-    """Pack without scaling (the hook divides; a user divisor d is folded in as world_size/d), call the hook, unpack its future's value."""
+    """Pack without scaling, call the hook, unpack its future's value.
+
+    The hook divides by the world size itself; a user divisor d is folded into the pack as world_size/d.
+    """
 
     def __init__(self, comm: Communicator, hook: Callable, state: Any, timeline: Timeline):
         self.comm = comm

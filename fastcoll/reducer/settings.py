@@ -27,11 +27,17 @@ class ReducerSettings:
     """Configuration and inspection methods of :class:`~fastcoll.reducer.Reducer` (see the module docstring)."""
 
     def set_gradient_divisor(self, divisor: Any) -> None:
-        """Divide the next synchronized backwards' summed gradients by ``divisor`` (float, 1-element tensor, None: the default)."""
+        """Divide the next synchronized backwards' summed gradients by ``divisor``.
+
+        ``divisor``: a float, a 1-element tensor, or None (the default).
+        """
         self._user_divisor = check_divisor(divisor)
 
     def _pack_args(self) -> PackArgs:
-        """This backward's pack factor: 1/divisor (a comm hook divides by the world size itself, so it gets world_size/divisor)."""
+        """This backward's pack factor: 1/divisor.
+
+        A comm hook divides by the world size itself, so it gets world_size/divisor.
+        """
         d = self._user_divisor
         hook = self._hook is not None
         if d is None:
@@ -114,7 +120,12 @@ class ReducerSettings:
         """Counters: completed synchronized ``iterations``, ``unused_searches`` run, ``collectives`` issued,
         ``host_reads`` of the used-parameter map (each a host synchronization; none without find_unused_parameters)."""
         u = self.usage
-        return {"iterations": u.iterations, "unused_searches": u.searches, "collectives": self.comm.seq, "host_reads": u.host_reads}
+        return {
+            "iterations": u.iterations,
+            "unused_searches": u.searches,
+            "collectives": self.comm.seq,
+            "host_reads": u.host_reads,
+        }
 
     def tuning_report(self) -> List[Dict[str, Any]]:
         """``bucket_cap_mb="auto"``: each candidate layout with its measured medians and which was chosen."""

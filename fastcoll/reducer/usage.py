@@ -50,7 +50,10 @@ def find_tensors(obj: Any) -> List[torch.Tensor]:
 
 
 def unreachable_parameters(outputs: Any, index_of_id: dict, n: int) -> List[int]:
-    """Indices (into a list of ``n`` parameters, ``index_of_id`` maps ``id(param)`` to its index) not reachable from ``outputs``."""
+    """Indices of the parameters not reachable from ``outputs`` through the autograd graph.
+
+    ``n`` parameters; ``index_of_id`` maps ``id(param)`` to its index.
+    """
     used = bytearray(n)
     found = 0
     stack = []
@@ -92,7 +95,9 @@ class ParameterUsage:
         static_graph: Learn counts and use in the first iteration, then keep them.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, device: torch.device, find_unused: bool, static_graph: bool):
+    def __init__(
+        self, params: Sequence[torch.Tensor], comm: Communicator, device: torch.device, find_unused: bool, static_graph: bool
+    ):
         n = len(params)
         self.n = n
         self.comm = comm
