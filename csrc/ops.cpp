@@ -286,4 +286,6 @@ TORCH_LIBRARY(fastcoll, m) {
       "Tensor(b!)? nonfinite=None) -> ()");
   m.def("unflatten_scale_ex(Tensor flat, Tensor(a!)[] tensors, float scale=1.0, Tensor(b!)? sumsq=None) -> ()");
   m.def("sum_of_squares(Tensor[] tensors, Tensor(a!) out) -> ()");
+  // Replica verification: one int64 hash per tensor (definition in csrc/cpu/checksum_cpu.cpp).
+  m.def("checksum(Tensor[] tensors) -> Tensor");
 }

@@ -2,7 +2,7 @@
 
 Either way, after import every op of SCHEMAS (``torch.ops.fastcoll.flatten_scale``,
 ``unflatten_scale``, ``flatten_scale_ex``, ``unflatten_scale_ex``,
-``sum_of_squares``) exists with the same schema, so the rest of the package
+``sum_of_squares``, ``checksum``) exists with the same schema, so the rest of the package
 never needs to know which implementation is active. An extension built from
 older sources that lacks some of them gets the reference for those (listed in
 REFERENCE_OPS, with a warning) rather than failing to import.
@@ -30,6 +30,7 @@ SCHEMAS = {
         "unflatten_scale_ex(Tensor flat, Tensor(a!)[] tensors, float scale=1.0, Tensor(b!)? sumsq=None) -> ()"
     ),
     "sum_of_squares": "sum_of_squares(Tensor[] tensors, Tensor(a!) out) -> ()",
+    "checksum": "checksum(Tensor[] tensors) -> Tensor",
 }
 
 _C: Optional[ModuleType] = None
@@ -136,6 +137,14 @@ def _register_fakes() -> None:
         _check_devices("fastcoll.sum_of_squares", tensors, out, "out")
         check_health_args("fastcoll.sum_of_squares", out.device, sumsq=out, sumsq_name="out")
         return None
+
+    # checksum returns a new int64 tensor, one value per tensor, on the tensors' device.
+    @torch.library.register_fake("fastcoll::checksum")
+    def _checksum_fake(tensors):
+        if len(tensors) == 0:
+            return torch.empty(0, dtype=torch.int64)
+        _check_devices("fastcoll.checksum", tensors, tensors[0], "tensors[0]")
+        return tensors[0].new_empty((len(tensors),), dtype=torch.int64)
 
 
 _load()

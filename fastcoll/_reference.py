@@ -47,6 +47,7 @@ __all__ = [
     "unflatten_scale_ex",
     "sum_of_squares",
     "check_health_args",
+    "checksum",
     "is_dense",
 ]
 
@@ -356,3 +357,79 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     with torch.no_grad():
         squares = [_memory_order(t).to(torch.float64).square() for t in tensors if t.numel() > 0]
         _first(out).copy_(_ordered_sum(squares, out.device))
+
+
+# ---------------------------------------------------------------------------
+# Replica verification: checksum
+# ---------------------------------------------------------------------------
+
+# The constants of the hash (fastcoll.ops.checksum documents it), as the int64
+# values with the same 64 bits.
+_U64 = 1 << 64
+
+
+def _i64(u: int) -> int:
+    return u - _U64 if u >= 1 << 63 else u
+
+
+_CS_K = _i64(0x9E3779B97F4A7C15)
+_CS_M1 = _i64(0xBF58476D1CE4E5B9)
+_CS_M2 = _i64(0x94D049BB133111EB)
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> on int64 is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (mod 2^64: int64 products wrap)."""
+    x = x ^ _lsr(x, 30)
+    x = x * _CS_M1
+    x = x ^ _lsr(x, 27)
+    x = x * _CS_M2
+    return x ^ _lsr(x, 31)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The ``numel * element_size`` bytes of a dense tensor from ``data_ptr()``, in memory order, as uint8."""
+    return _memory_order(t).view(torch.uint8)
+
+
+def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Reference ``fastcoll::checksum``: one int64 hash per tensor of the bytes it holds.
+
+    Per tensor, word by word, exactly as ``fastcoll.ops.checksum`` defines it
+    (little-endian 64-bit words, zero-padded; ``mix`` is splitmix64's
+    finalizer; all arithmetic mod 2^64 in int64 tensors on the tensors' device).
+    """
+    op = "fastcoll.checksum"
+    for i, t in enumerate(tensors):
+        what = f"tensors[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {what} is a {type(t).__name__}, not a tensor")
+        _check_strided(op, t, what)
+        if t.device != tensors[0].device:
+            raise RuntimeError(f"{op}: {what} is on {t.device} but tensors[0] is on {tensors[0].device}; move them to one device")
+        if not is_dense(t):
+            raise ValueError(
+                f"{op}: {what} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not dense and "
+                "non-overlapping; make it .contiguous() first"
+            )
+    if len(tensors) == 0:
+        return torch.empty(0, dtype=torch.int64)
+    device = tensors[0].device
+    out = []
+    with torch.no_grad():
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            nwords = (nbytes + 7) // 8
+            padded = torch.zeros(nwords * 8, dtype=torch.uint8, device=device)
+            if nbytes:
+                padded[:nbytes].copy_(_bytes_of(t.detach()))
+            words = padded.view(torch.int64)  # little-endian on every device fastcoll runs on
+            keys = torch.arange(1, nwords + 1, dtype=torch.int64, device=device) * _CS_K
+            s = _mix(words ^ keys).sum(dtype=torch.int64) if nwords else torch.zeros((), dtype=torch.int64, device=device)
+            length = _mix(torch.tensor(_i64((nbytes + 0x9E3779B97F4A7C15) % _U64), dtype=torch.int64, device=device))
+            out.append(_mix(s ^ length))
+    return torch.stack(out)

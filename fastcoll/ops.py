@@ -28,6 +28,7 @@ __all__ = [
     "flatten_scale",
     "unflatten_scale",
     "sum_of_squares",
+    "checksum",
     "bucket_views",
     "total_numel",
     "implementation",
@@ -150,6 +151,54 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] 
         out = torch.empty((), dtype=torch.float64, device=device)
     torch.ops.fastcoll.sum_of_squares(tensors, out)
     return out
+
+
+def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 64-bit hash per tensor of the bytes it holds, in one fused pass (replica verification).
+
+    A tensor's bytes are the ``L = numel * element_size`` bytes from
+    ``data_ptr()``, in memory order; any dtype (floating, integer, bool
+    buffers such as ``num_batches_tracked``). The hash, with all arithmetic
+    mod 2^64::
+
+        mix(x) = splitmix64's finalizer:
+                 x ^= x >> 30; x *= 0xBF58476D1CE4E5B9; x ^= x >> 27;
+                 x *= 0x94D049BB133111EB; x ^= x >> 31
+        K      = 0x9E3779B97F4A7C15
+        w_i    = bytes [8i, 8i + 8) as a little-endian uint64, bytes past L
+                 read as 0, for i = 0 .. ceil(L / 8) - 1
+        S      = sum over i of mix(w_i ^ ((i + 1) * K))
+        h      = mix(S ^ mix(L + K))
+
+    returned as the int64 with the same 64 bits.
+
+    Guarantees: every step of ``mix`` is a bijection of 64-bit words, so
+    changing the bytes of any one word (in particular flipping any single bit)
+    changes exactly one term of ``S`` by a nonzero amount, and ``h`` is a
+    bijection of ``S`` for a given length: the hash always changes. Changes
+    to several words go unnoticed only if their terms happen to cancel mod
+    2^64 (about a 2^-64 chance for unrelated changes; it is not a
+    cryptographic hash, so no defence against crafted ones). The sum does not depend on the order of its terms, so the value is
+    the same bits for any number of CPU threads and on CUDA as on the CPU.
+    Equal bytes give equal values whatever the dtype (``t`` and
+    ``t.view(torch.int32)``).
+
+    Args:
+        tensors: Strided, dense (non-overlapping) tensors, all on one device;
+            zero-element tensors are allowed. Not differentiated.
+
+    Returns:
+        A new int64 tensor of ``len(tensors)`` values on the tensors' device
+        (an empty CPU tensor for an empty list).
+
+    Raises:
+        ValueError, TypeError, RuntimeError: a non-dense or non-strided tensor,
+            or tensors on several devices, naming the offending index.
+    """
+    tensors = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
+    if not tensors:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.ops.fastcoll.checksum(tensors)
 
 
 def total_numel(tensors: Sequence[torch.Tensor]) -> int:
