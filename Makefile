@@ -35,11 +35,13 @@ build: $(VENV)/.build-stamp
 test: build
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
-# ruff's checks and its formatter in check mode, configured in pyproject.toml [tool.ruff].
-# `.venv/bin/ruff format FILE` and `.venv/bin/ruff check --fix FILE` fix most findings.
+# ruff's checks and its formatter in check mode, configured in pyproject.toml [tool.ruff], one
+# line per finding. `.venv/bin/ruff check FILE` and `.venv/bin/ruff format --diff FILE` show them
+# in full; `ruff format FILE` and `ruff check --fix FILE` fix most.
 LINT_PATHS := fastcoll tests benchmarks examples setup.py
 lint: setup
-	rc=0; $(VENV)/bin/ruff check $(LINT_PATHS) || rc=1; $(VENV)/bin/ruff format --check $(LINT_PATHS) || rc=1; exit $$rc
+	rc=0; $(VENV)/bin/ruff check --output-format concise $(LINT_PATHS) || rc=1; \
+	  $(VENV)/bin/ruff format --check --output-format concise $(LINT_PATHS) || rc=1; exit $$rc
 
 # The whole test suite against the oldest torch fastcoll supports (pyproject's floor), on a
 # copy of the tree built there (CPU kernels). PyPI's Linux torch wheels are CUDA builds:
