@@ -98,9 +98,7 @@ def _validate(
             raise TypeError(f"{op}: {what} is a {type(t).__name__}, not a tensor")
         _check_strided(op, t, what)
         if t.device != flat.device:
-            raise RuntimeError(
-                f"{op}: {what} is on {t.device} but {flat_name} is on {flat.device}; move them to one device"
-            )
+            raise RuntimeError(f"{op}: {what} is on {t.device} but {flat_name} is on {flat.device}; move them to one device")
         _check_dtype(op, t, what)
         if not is_dense(t):
             raise ValueError(
@@ -135,7 +133,7 @@ def _validate(
         ranges.append((lo, hi, i))
     if writes_list and len(ranges) > 1:
         ranges.sort()
-        for (lo_a, hi_a, ia), (lo_b, _, ib) in zip(ranges, ranges[1:]):
+        for (_, hi_a, ia), (lo_b, _, ib) in zip(ranges, ranges[1:]):
             if lo_b < hi_a:
                 raise ValueError(
                     f"{op}: {list_name}[{min(ia, ib)}] and {list_name}[{max(ia, ib)}] overlap in memory; "
@@ -237,7 +235,9 @@ def check_health_args(
     the sum's output (``sumsq``, or ``out`` of sum_of_squares, named by ``sumsq_name``).
     """
     if scale_by is not None:
-        _check_small(op, scale_by, "scale_by", (torch.float32, torch.float64), "a float32 or float64 tensor with 1 element", device, False)
+        _check_small(
+            op, scale_by, "scale_by", (torch.float32, torch.float64), "a float32 or float64 tensor with 1 element", device, False
+        )
     if nonfinite is not None:
         _check_small(op, nonfinite, "nonfinite", (torch.int32,), "an int32 tensor with at least 1 element", device, True)
     if sumsq is not None:

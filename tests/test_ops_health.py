@@ -32,9 +32,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import fastcoll
-from fastcoll import _loader, _reference, ops
 from test_ops import (
     BF16,
     CUDA,
@@ -57,6 +54,9 @@ from test_ops import (
     make_tensor,
     opmath,
 )
+
+import fastcoll
+from fastcoll import _loader, _reference, ops
 
 INF, NAN = float("inf"), float("nan")
 CPU_PIECE = 16384  # csrc/cpu/health_cpu.cpp kPieceElements
@@ -329,10 +329,15 @@ def test_scale_by_in_float32_and_float64_math(impl):
     x64 = torch.randn(1000, generator=gen, dtype=F64)
     scale, sbv = 1 / 3, 0.3
     cases_ = [
-        (x32, F32, F32, lambda x: (x * (torch.tensor(scale, dtype=F32) * torch.tensor(sbv, dtype=F32)))),
+        (x32, F32, F32, lambda x: x * (torch.tensor(scale, dtype=F32) * torch.tensor(sbv, dtype=F32))),
         (x32, F32, F64, lambda x: (x.to(F64) * (scale * sbv)).to(F32)),
         (x64, F32, F32, lambda x: (x * (scale * float(torch.tensor(sbv, dtype=F32)))).to(F32)),
-        (x32.to(F16), BF16, F32, lambda x: (x.float() * (torch.tensor(scale, dtype=F32) * torch.tensor(sbv, dtype=F32))).to(BF16)),
+        (
+            x32.to(F16),
+            BF16,
+            F32,
+            lambda x: (x.float() * (torch.tensor(scale, dtype=F32) * torch.tensor(sbv, dtype=F32))).to(BF16),
+        ),
     ]
     for x, out_dtype, sb_dtype, expect in cases_:
         out = torch.full((1000,), NAN, dtype=out_dtype)
@@ -359,8 +364,12 @@ def test_scale_by_is_read_at_each_call(impl):
 def test_in_place_on_bucket_views(impl, dtype):
     """Tensors that are their own slot of the flat buffer: the flag and the sum see the values before/after correctly."""
     flat = (torch.randn(1 + 64 * 9 + 10 + 7 + CPU_PIECE + 1) * 4).to(dtype)[1:]
-    like = [torch.empty(64, 1, 3, 3).contiguous(memory_format=torch.channels_last), torch.empty(10, 1), torch.empty(7),
-            torch.empty(CPU_PIECE + 1)]
+    like = [
+        torch.empty(64, 1, 3, 3).contiguous(memory_format=torch.channels_last),
+        torch.empty(10, 1),
+        torch.empty(7),
+        torch.empty(CPU_PIECE + 1),
+    ]
     views = ops.bucket_views(flat, like)
     original = flat.clone()
     nf = flag(0)
@@ -757,27 +766,38 @@ def test_small_tensors_must_not_overlap_what_the_op_touches(impl):
     ts, out = _good(), torch.full((18,), 7.0)
     as_int = out.view(torch.int32)  # the flag inside out's bytes
     _raises_and_writes_nothing(
-        lambda: impl.flatten_ex(ts, out, 0.5, None, as_int[5:6]), ValueError, ["nonfinite overlaps out"], out, *ts)
+        lambda: impl.flatten_ex(ts, out, 0.5, None, as_int[5:6]), ValueError, ["nonfinite overlaps out"], out, *ts
+    )
     _raises_and_writes_nothing(
-        lambda: impl.flatten_ex(ts, out, 0.5, None, ts[2].view(torch.int32)[1:]), ValueError,
-        ["nonfinite overlaps tensors[2]"], out, *ts)
+        lambda: impl.flatten_ex(ts, out, 0.5, None, ts[2].view(torch.int32)[1:]),
+        ValueError,
+        ["nonfinite overlaps tensors[2]"],
+        out,
+        *ts,
+    )
     sb = torch.tensor([2.0, 0.0])
     _raises_and_writes_nothing(
-        lambda: impl.flatten_ex(ts, out, 0.5, sb[:1], sb.view(torch.int32)[:1]), ValueError,
-        ["nonfinite overlaps scale_by"], out, sb, *ts)
-    _raises_and_writes_nothing(
-        lambda: impl.flatten_ex(ts, out, 0.5, out[4:5]), ValueError, ["scale_by overlaps out"], out, *ts)
+        lambda: impl.flatten_ex(ts, out, 0.5, sb[:1], sb.view(torch.int32)[:1]),
+        ValueError,
+        ["nonfinite overlaps scale_by"],
+        out,
+        sb,
+        *ts,
+    )
+    _raises_and_writes_nothing(lambda: impl.flatten_ex(ts, out, 0.5, out[4:5]), ValueError, ["scale_by overlaps out"], out, *ts)
     impl.flatten_ex(ts, out, 0.5, ts[1][:1])  # scale_by may be one of the inputs (both only read)
     wide = torch.zeros(20, dtype=F64)
     flat64 = wide[:18]
     _raises_and_writes_nothing(
-        lambda: impl.unflatten_ex(flat64, ts, 0.5, wide[17:18]), ValueError, ["sumsq overlaps flat"], wide, *ts)
+        lambda: impl.unflatten_ex(flat64, ts, 0.5, wide[17:18]), ValueError, ["sumsq overlaps flat"], wide, *ts
+    )
     dests64 = [torch.zeros(3 + k, dtype=F64) for k in range(4)]
     _raises_and_writes_nothing(
-        lambda: impl.unflatten_ex(out, dests64, 0.5, dests64[3][2:3]), ValueError, ["sumsq overlaps tensors[3]"],
-        out, *dests64)
+        lambda: impl.unflatten_ex(out, dests64, 0.5, dests64[3][2:3]), ValueError, ["sumsq overlaps tensors[3]"], out, *dests64
+    )
     _raises_and_writes_nothing(
-        lambda: impl.sum_of_squares(dests64, dests64[0][:1]), ValueError, ["out overlaps tensors[0]"], *dests64)
+        lambda: impl.sum_of_squares(dests64, dests64[0][:1]), ValueError, ["out overlaps tensors[0]"], *dests64
+    )
 
 
 @impl_param
@@ -792,7 +812,9 @@ def test_list_checks_name_the_ex_op(impl):
     meta = _good()
     meta[2] = torch.empty(5, device="meta")
     _raises_and_writes_nothing(lambda: impl.sum_of_squares(meta, torch.zeros(1, dtype=F64)), RuntimeError, ["tensors[2]", "meta"])
-    _raises_and_writes_nothing(lambda: impl.sum_of_squares([torch.randn(10)[::2]], torch.zeros(1, dtype=F64)), ValueError, ["tensors[0]", "not dense"])
+    _raises_and_writes_nothing(
+        lambda: impl.sum_of_squares([torch.randn(10)[::2]], torch.zeros(1, dtype=F64)), ValueError, ["tensors[0]", "not dense"]
+    )
 
 
 def _bad_calls():
