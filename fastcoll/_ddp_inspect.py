@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch.distributed as dist
 
@@ -45,7 +45,7 @@ class SyncInspection:
         rank = dist.get_rank(self.process_group)
         return self.reducer.timeline.export_chrome_trace(path, rank=rank)
 
-    def verify_replicas(self) -> None:
+    def verify_replicas(self, buffers: Optional[bool] = None) -> None:
         """Check that the model replicas are bitwise equal on every rank (a collective: every rank calls it).
 
         Checksums of every synchronized parameter and buffer (one fused pass,
@@ -54,10 +54,16 @@ class SyncInspection:
         first differing tensors (up to 10) and which ranks hold which version.
         ``DDP(..., verify_replicas_every=N)`` runs it at the start of every
         N-th synchronized iteration's forward, after the buffer broadcast.
+
+        Args:
+            buffers: Check the buffers too (None: when ``broadcast_buffers``).
+                BatchNorm running statistics differ between ranks after each
+                forward until the next one broadcasts them: between steps,
+                pass ``buffers=False`` for such a model.
         """
         from ._replicas import verify_replicas
 
-        verify_replicas(self)
+        verify_replicas(self, buffers=buffers)
 
     def tuning_report(self) -> List[Dict[str, Any]]:
         """With ``bucket_cap_mb="auto"``: every candidate layout with its measured median step and
