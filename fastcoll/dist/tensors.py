@@ -325,7 +325,13 @@ def allreduce_grads(
         check: First verify, with one all-gather of a 16-byte digest, that
             every rank reduces the same number of gradients with the same
             shapes and dtypes; a mismatch raises ValueError on every rank
-            instead of corrupting the gradients or hanging.
+            instead of corrupting the gradients or hanging. Its cost is that
+            small all-gather (on the CPU with gloo, on the gradients' GPU with
+            NCCL) and one host read of its 4 x world_size integers, which waits
+            for the device there; it cannot be cached safely (a rank whose
+            gradients changed while the others' did not would skip a collective
+            the others issue). Pass ``check=False`` in a loop whose gradients
+            are known to agree to skip it.
 
     Raises:
         ValueError: on every rank, if ``check`` finds the gradients differ.
