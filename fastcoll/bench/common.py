@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import queue
 import statistics
 import time
 from pathlib import Path
@@ -456,3 +457,22 @@ def save_rank_rows(rank: int, out_path: str, rows: List[Dict[str, Any]]) -> None
 
     with open(out_path, "w") as f:
         json.dump({"rows": rows, "implementation": ops.implementation()}, f)
+
+
+def follow_ranks(ctx: Any, progress_q: Any, bar: Any) -> None:
+    """Wait for the rank processes of ``ctx`` (``torch.multiprocessing.spawn(join=False)``), moving ``bar`` as they report.
+
+    Ranks put ``("advance", n)`` or ``("describe", text)`` on ``progress_q``.
+    """
+    done = False
+    while not done:
+        done = ctx.join(timeout=0.2)
+        while True:
+            try:
+                what, value = progress_q.get_nowait()
+            except queue.Empty:
+                break
+            if what == "advance":
+                bar.advance(value)
+            else:
+                bar.describe(value)

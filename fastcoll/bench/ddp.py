@@ -77,7 +77,6 @@ import inspect
 import json
 import math
 import os
-import queue as queue_mod
 import sys
 import tempfile
 import time
@@ -737,18 +736,7 @@ def _run_pass(cfg: Dict[str, Any], cases: List[Case], bar: Any) -> Dict[str, Any
             nprocs=ws,
             join=False,
         )
-        done = False
-        while not done:
-            done = ctx.join(timeout=0.2)
-            while True:
-                try:
-                    what, value = progress_q.get_nowait()
-                except queue_mod.Empty:
-                    break
-                if what == "advance":
-                    bar.advance(value)
-                else:
-                    bar.describe(value)
+        common.follow_ranks(ctx, progress_q, bar)
         with open(out_path) as f:
             return json.load(f)
 

@@ -81,7 +81,6 @@ import inspect
 import json
 import math
 import os
-import queue as queue_mod
 import statistics
 import sys
 import tempfile
@@ -647,18 +646,7 @@ def _spawn(ws: int, cfg: Dict[str, Any], specs) -> Dict[str, Any]:
             _worker, args=(ws, os.path.join(tmpdir, "store"), cfg, specs, out_path, progress_q), nprocs=ws, join=False
         )
         with common.progress(units, f"health: starting {ws} rank{'s' if ws > 1 else ''}") as bar:
-            done = False
-            while not done:
-                done = ctx.join(timeout=0.2)
-                while True:
-                    try:
-                        what, value = progress_q.get_nowait()
-                    except queue_mod.Empty:
-                        break
-                    if what == "advance":
-                        bar.advance(value)
-                    else:
-                        bar.describe(value)
+            common.follow_ranks(ctx, progress_q, bar)
         with open(out_path) as f:
             return json.load(f)
 

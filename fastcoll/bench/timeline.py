@@ -47,7 +47,6 @@ import inspect
 import json
 import math
 import os
-import queue as queue_mod
 import statistics
 import sys
 import tempfile
@@ -509,18 +508,7 @@ def measure(args: Any = None) -> dict[str, Any]:
             _worker, args=(ws, os.path.join(tmpdir, "store"), cfg, out_path, trace_dir, progress_q), nprocs=ws, join=False
         )
         with common.progress(progress_units(len(specs), cfg), f"timeline: starting {ws} rank(s)") as bar:
-            done = False
-            while not done:
-                done = ctx.join(timeout=0.2)
-                while True:
-                    try:
-                        what, value = progress_q.get_nowait()
-                    except queue_mod.Empty:
-                        break
-                    if what == "advance":
-                        bar.advance(value)
-                    else:
-                        bar.describe(value)
+            common.follow_ranks(ctx, progress_q, bar)
         with open(out_path) as f:
             result = json.load(f)
         rows = [summarize_row(r) for r in result["rows"]]
