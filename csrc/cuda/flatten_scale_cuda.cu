@@ -32,6 +32,7 @@
 #include <cstdint>
 
 #include "cuda/copy_chunk.cuh"
+#include "cuda/inline_table.cuh"
 #include "fastcoll.h"
 
 namespace fastcoll {
@@ -41,32 +42,14 @@ using cuda_chunks::ChunkDesc;
 using cuda_chunks::kThreads;
 using cuda_chunks::TablePath;
 
-// Kernel arguments may total 4 KiB, or 32764 bytes with CUDA 12.1+ (toolkit and
-// driver) on sm_70+. The table sizes and the choice between them are in
-// copy_chunk.cuh (choose_table), where the C++ test checks them.
+// Tables of chunk descriptors passed as the kernel argument: csrc/cuda/inline_table.cuh.
+using cuda_chunks::InlineTable;
+using cuda_chunks::max_inline_chunks;
 constexpr int kSmallTable = cuda_chunks::kSmallTable;
 constexpr int kMidTable = cuda_chunks::kMidTable;
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
-constexpr int kLargeTable = cuda_chunks::kLargeTable;  // 16 KiB
-#else
-constexpr int kLargeTable = kMidTable;
-#endif
-
-template <int N>
-struct InlineTable {
-  ChunkDesc chunks[N];
-};
+constexpr int kLargeTable = cuda_chunks::kLargeInline;
 static_assert(sizeof(InlineTable<kMidTable>) + sizeof(double) <= 4096, "the mid table must fit in 4 KiB of arguments");
 static_assert(sizeof(InlineTable<kLargeTable>) + sizeof(double) <= 32764, "the large table must fit in the argument space");
-
-// The largest table this process may pass as an argument (the driver must be 12.1+ for more than 4 KiB).
-int64_t max_inline_chunks() {
-  static const int64_t limit = [] {
-    int driver = 0;
-    return cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010 ? kLargeTable : kMidTable;
-  }();
-  return limit;
-}
 
 template <int N>
 __global__ void __launch_bounds__(kThreads) copy_scale_inline_kernel(const __grid_constant__ InlineTable<N> table, double scale) {

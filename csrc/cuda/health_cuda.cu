@@ -33,6 +33,7 @@
 #include <optional>
 
 #include "cuda/copy_chunk.cuh"
+#include "cuda/inline_table.cuh"
 #include "fastcoll.h"
 
 namespace fastcoll {
@@ -56,30 +57,14 @@ struct HealthArgs {
   int32_t scale_by_f64;
 };
 
-// As in flatten_scale_cuda.cu: up to 4 KiB of kernel arguments, or 32764
-// bytes with CUDA 12.1+ (toolkit and driver) on sm_70+.
+// Tables of chunk descriptors passed as the kernel argument: csrc/cuda/inline_table.cuh.
+using cuda_chunks::InlineTable;
+using cuda_chunks::max_inline_chunks;
 constexpr int kSmallTable = cuda_chunks::kSmallTable;
 constexpr int kMidTable = cuda_chunks::kMidTable;
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
-constexpr int kLargeTable = cuda_chunks::kLargeTable;
-#else
-constexpr int kLargeTable = kMidTable;
-#endif
-
-template <int N>
-struct InlineTable {
-  ChunkDesc chunks[N];
-};
+constexpr int kLargeTable = cuda_chunks::kLargeInline;
 static_assert(sizeof(InlineTable<kMidTable>) + sizeof(HealthArgs) <= 4096, "the mid table must fit in 4 KiB of arguments");
 static_assert(sizeof(InlineTable<kLargeTable>) + sizeof(HealthArgs) <= 32764, "the large table must fit in the argument space");
-
-int64_t max_inline_chunks() {
-  static const int64_t limit = [] {
-    int driver = 0;
-    return cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010 ? kLargeTable : kMidTable;
-  }();
-  return limit;
-}
 
 // The sum of every thread's v, added in a fixed tree (the same additions in
 // the same order on every run); the result in every thread.
