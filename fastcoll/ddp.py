@@ -20,6 +20,7 @@ from . import _compile_support
 from ._broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
 from ._ddp_health import GradHealthMethods
 from ._ddp_inspect import SyncInspection
+from ._ddp_pickle import PicklingSupport
 from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, dtype_name, is_dense
 from ._join import JoinState, JoinSupport
 from .bucketing import AUTO, MIB, bucket_caps_from_mb
@@ -176,7 +177,7 @@ def _check_arguments(
     return caps, cap_bytes, first_bytes, device_type, ids, out
 
 
-class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection):
+class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
 
     Wraps ``module`` so that every synchronized backward averages the
@@ -388,33 +389,6 @@ class DDP(nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncI
         if self.broadcast_buffers:
             states += [b.detach() for b in self._buffers_to_sync]
         return states
-
-    # ---------------------------------------------------------------- pickling
-
-    _UNPICKLED = ("process_group", "reducer", "_buffer_broadcast", "_join")
-
-    def __getstate__(self) -> Dict[str, Any]:
-        """The picklable state, as torch DDP's: without the process group, the reducer and its hooks, or a comm hook."""
-        state = self.__dict__.copy()
-        for key in self._UNPICKLED:
-            state.pop(key, None)
-        if state.get("_comm_hook_desc") is not None and state.get("comm_dtype") is None:
-            state["_comm_hook_desc"] = None  # a registered comm hook is not carried over (torch DDP drops it too)
-        return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        """Rebuild against the default process group: the loaded model trains and synchronizes at once."""
-        super().__setstate__(state)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "fastcoll.DDP: unpickling needs the default process group; call "
-                "torch.distributed.init_process_group(...) before torch.load / copy.deepcopy"
-            )
-        self.process_group = dist.distributed_c10d._get_default_group()
-        self._join = JoinState(self)
-        self._build()
-        if self.static_graph:
-            self.reducer.set_static_graph()
 
     # ------------------------------------------------------------ construction
 

@@ -1,0 +1,43 @@
+"""Pickling and deep-copying a whole :class:`fastcoll.DDP`, as torch DDP allows (``torch.save(model)``, ``copy.deepcopy``)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch.distributed as dist
+
+from ._join import JoinState
+
+__all__ = ["PicklingSupport"]
+
+
+class PicklingSupport:
+    """The pickled state leaves out the process group, the reducer and its hooks; loading rebuilds them.
+
+    Expects the wrapper's ``_build()`` (the reducer and the buffer broadcast) and ``static_graph``.
+    """
+
+    _UNPICKLED = ("process_group", "reducer", "_buffer_broadcast", "_join")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The picklable state, as torch DDP's: without the process group, the reducer and its hooks, or a comm hook."""
+        state = self.__dict__.copy()
+        for key in self._UNPICKLED:
+            state.pop(key, None)
+        if state.get("_comm_hook_desc") is not None and state.get("comm_dtype") is None:
+            state["_comm_hook_desc"] = None  # a registered comm hook is not carried over (torch DDP drops it too)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Rebuild against the default process group: the loaded model trains and synchronizes at once."""
+        super().__setstate__(state)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "fastcoll.DDP: unpickling needs the default process group; call "
+                "torch.distributed.init_process_group(...) before torch.load / copy.deepcopy"
+            )
+        self.process_group = dist.distributed_c10d._get_default_group()
+        self._join = JoinState(self)
+        self._build()
+        if self.static_graph:
+            self.reducer.set_static_graph()
