@@ -65,7 +65,7 @@ from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
 from .settings import ReducerSettings
 from .timeline import Timeline
 from .tuning import LayoutTuning
-from .usage import ParameterUsage, marked_twice_error, unfinished_error
+from .usage import ParameterUsage
 
 __all__ = ["Phase", "Reducer"]
 
@@ -423,20 +423,7 @@ class Reducer(ReducerSettings):
         self.timeline.finalize_end()
         self._end_iteration(joined=False)
         if total is not None and not bool(torch.isfinite(total)):
-            self._raise_nonfinite()
-
-    def _raise_nonfinite(self) -> None:
-        """Every rank gets here alike (the same reduced values); gather the findings and raise one message."""
-        from ..dist.objects import all_gather_object_gpu
-
-        blame = self.health.blame
-        per_rank = (
-            all_gather_object_gpu(blame, rank_zero_return_only=False, group=self.process_group) if self.comm.active else [blame]
-        )
-        buckets = self._set.buckets
-        names = {b.pos: b.names for b in buckets}
-        wire = ", ".join(sorted({str(b.comm.dtype).replace("torch.", "") for b in buckets if not b.sparse}))
-        raise self.health.error(self.usage.iterations, per_rank, names, wire)
+            self.health.raise_nonfinite(self.comm, self.process_group, self._set.buckets, self.usage.iterations)
 
     def _end_iteration(self, joined: bool) -> None:
         """Close a synchronized iteration: the one place shared by training ranks and join replays."""
@@ -473,34 +460,3 @@ class Reducer(ReducerSettings):
         for f in inflight:
             f.finish(None)
         self._end_iteration(joined=True)
-
-    # ----------------------------------------------------------------- errors
-
-    def _raise_marked_twice(self, idx: int) -> None:
-        raise marked_twice_error(self.names[idx], idx in self.usage.unused)
-
-    def unfinished_names(self) -> List[str]:
-        """Names of parameters whose gradients are still missing in the current iteration."""
-        return [self.names[i] for i in self.usage.unfinished()]
-
-    def _raise_unfinished(self) -> None:
-        raise unfinished_error(self.unfinished_names())
-
-    # ---------------------------------------------------------------- teardown
-
-    def close(self) -> None:
-        """Remove the autograd hooks and release the bucket buffers.
-
-        Gradients that are views of a bucket keep that storage alive; they stay valid.
-        """
-        self._finalizer()
-        self._phase = _IDLE
-        self._set.clear()
-        self._reductions = []
-        self._count_expected()
-        self._reset_progress()
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` has run."""
-        return not self._finalizer.alive

@@ -181,6 +181,15 @@ class GradHealth:
 
     # ------------------------------------------------------------- the error
 
+    def raise_nonfinite(self, comm: Any, group: Any, buckets: Sequence[GradBucket], iteration: int) -> None:
+        """Every rank gets here alike (the same reduced values): gather every rank's findings, raise one message."""
+        from ..dist.objects import all_gather_object_gpu
+
+        per_rank = all_gather_object_gpu(self.blame, rank_zero_return_only=False, group=group) if comm.active else [self.blame]
+        names = {b.pos: b.names for b in buckets}
+        wire = ", ".join(sorted({str(b.comm.dtype).replace("torch.", "") for b in buckets if not b.sparse}))
+        raise self.error(iteration, per_rank, names, wire)
+
     @staticmethod
     def error(
         iteration: int, per_rank: List[List[Tuple[int, List[Tuple[str, int]]]]], bucket_names: Dict[int, List[str]], wire: str

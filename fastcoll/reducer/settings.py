@@ -1,4 +1,4 @@
-"""The reducer's between-iterations side: configuration changes and read-only inspection.
+"""The reducer's between-iterations side: configuration changes, read-only inspection, errors, teardown.
 
 :class:`ReducerSettings` is the part of :class:`~fastcoll.reducer.Reducer`
 that is never called during a backward: switching to a static graph,
@@ -19,6 +19,7 @@ from .bucket import PackArgs
 from .comm import Collective
 from .health import check_divisor, inverse_divisor
 from .reduction import CommHook
+from .usage import marked_twice_error, unfinished_error
 
 __all__ = ["ReducerSettings"]
 
@@ -130,3 +131,34 @@ class ReducerSettings:
     def tuning_report(self) -> List[Dict[str, Any]]:
         """``bucket_cap_mb="auto"``: each candidate layout with its measured medians and which was chosen."""
         return [] if self._tuning is None else self._tuning.report()
+
+    # ----------------------------------------------------------------- errors
+
+    def _raise_marked_twice(self, idx: int) -> None:
+        raise marked_twice_error(self.names[idx], idx in self.usage.unused)
+
+    def unfinished_names(self) -> List[str]:
+        """Names of parameters whose gradients are still missing in the current iteration."""
+        return [self.names[i] for i in self.usage.unfinished()]
+
+    def _raise_unfinished(self) -> None:
+        raise unfinished_error(self.unfinished_names())
+
+    # ---------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        """Remove the autograd hooks and release the bucket buffers.
+
+        Gradients that are views of a bucket keep that storage alive; they stay valid.
+        """
+        self._finalizer()
+        self._phase = type(self._phase).IDLE  # Phase.IDLE (core.py defines the enum)
+        self._set.clear()
+        self._reductions = []
+        self._count_expected()
+        self._reset_progress()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return not self._finalizer.alive
