@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .board import StateBoard, StoreUnreachable
 from .errors import StallError
@@ -59,6 +59,47 @@ def _short(exc: Optional[BaseException], limit: int = 240) -> Optional[str]:
     text = text.split(" This is typically caused by", 1)[0]
     text = f"{type(exc).__name__}: {text}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _gather_verdict(board: StateBoard, stalled: Dict[str, Any], grace: float, t0: float) -> Tuple[Any, ...]:
+    """Publish this rank's stall, collect the others' answers within ``grace``, agree on the first line.
+
+    Returns:
+        (records per rank, ranks that answered, first line, culprits, rank whose line was adopted, store reachable).
+    """
+    state = board.state
+    me = board.group_rank
+    records: Dict[int, Optional[Dict[str, Any]]] = {}
+    answered = {me}
+    reachable = board.publish(stalled=stalled)
+    line = ""
+    culprits: list = []
+    verdict_by: Optional[int] = None
+    if reachable:
+        try:
+            req = board.request()
+            deadline = t0 + grace
+            while True:
+                records = board.read_all()
+                answered = {me} | {
+                    r for r, rec in records.items() if rec and (rec.get("stalled") or int(rec.get("answer") or 0) >= req)
+                }
+                if len(answered) >= board.world_size or time.time() >= deadline:
+                    break
+                time.sleep(0.05)
+            line, culprits = culprit_line(records, answered, board.rank_map)
+            verdict = board.settle({"line": line, "culprits": culprits, "by": state.rank})
+            line = str(verdict.get("line", line))
+            culprits = list(verdict.get("culprits", culprits))
+            verdict_by = verdict.get("by")
+        except StoreUnreachable:
+            reachable = False
+    if not reachable:
+        line, culprits = store_unreachable_line(board.store_host)
+        own = board._record()
+        own["answer"] = None
+        records, answered = {me: own}, {me}
+    return records, answered, line, culprits, verdict_by, reachable
 
 
 def diagnose(
@@ -92,36 +133,7 @@ def diagnose(
         "cause": _short(cause),
         "timeout": timeout,
     }
-    records: Dict[int, Optional[Dict[str, Any]]] = {}
-    answered = {me}
-    reachable = board.publish(stalled=stalled)
-    line = ""
-    culprits: list = []
-    verdict_by: Optional[int] = None
-    if reachable:
-        try:
-            req = board.request()
-            deadline = t0 + grace
-            while True:
-                records = board.read_all()
-                answered = {me} | {
-                    r for r, rec in records.items() if rec and (rec.get("stalled") or int(rec.get("answer") or 0) >= req)
-                }
-                if len(answered) >= board.world_size or time.time() >= deadline:
-                    break
-                time.sleep(0.05)
-            line, culprits = culprit_line(records, answered, board.rank_map)
-            verdict = board.settle({"line": line, "culprits": culprits, "by": state.rank})
-            line = str(verdict.get("line", line))
-            culprits = list(verdict.get("culprits", culprits))
-            verdict_by = verdict.get("by")
-        except StoreUnreachable:
-            reachable = False
-    if not reachable:
-        line, culprits = store_unreachable_line(board.store_host)
-        own = board._record()
-        own["answer"] = None
-        records, answered = {me: own}, {me}
+    records, answered, line, culprits, verdict_by, reachable = _gather_verdict(board, stalled, grace, t0)
     now = time.time()
     what = f"collective #{stalled['seq']} ({stalled['what']})" if stalled["seq"] is not None else "a collective"
     header = f"fastcoll stall report from rank {state.rank} (stall_timeout {timeout:g} s)"
