@@ -84,8 +84,75 @@ struct ReducedFloatPair {
 };
 template <>
 struct FloatPair<c10::Half> : ReducedFloatPair<c10::Half> {};
+#if defined(CPU_CAPABILITY_AVX2)
+// bfloat16 -> float is a 16-bit shift: one cross-lane permute puts elements
+// 0-3 and 8-11 in the low lane and 4-7 and 12-15 in the high one, and two
+// interleaves with zero then give 0-7 and 8-15 (3 instructions; at::vec's
+// convert_to_float takes 5). Same values.
+template <>
+struct FloatPair<c10::BFloat16> : ReducedFloatPair<c10::BFloat16> {
+  static inline void load(const c10::BFloat16* p, FVec& a, FVec& b) {
+    const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8);
+    const __m256i zero = _mm256_setzero_si256();
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+  }
+};
+#else
 template <>
 struct FloatPair<c10::BFloat16> : ReducedFloatPair<c10::BFloat16> {};
+#endif
+
+// How one step of copy_scale's float loop (2 * FVec::size() elements) reads S
+// and writes D: FloatPair's element order, or for bfloat16 -> bfloat16 (AVX2)
+// an order of its own that needs no cross-lane permute either way: the
+// interleaves with zero give elements [0-3, 8-11] and [4-7, 12-15] as floats,
+// and packing their rounded upper halves back puts them in place.
+template <typename S, typename D>
+struct StepIO {
+  static inline void load(const S* p, FVec& a, FVec& b) {
+    FloatPair<S>::load(p, a, b);
+  }
+  static inline void store(D* p, const FVec& a, const FVec& b) {
+    FloatPair<D>::store(p, a, b);
+  }
+#if defined(CPU_CAPABILITY_AVX2)
+  static inline void stream(D* p, const FVec& a, const FVec& b) {
+    FloatPair<D>::stream(p, a, b);
+  }
+#endif
+};
+
+#if defined(CPU_CAPABILITY_AVX2)
+// float -> bfloat16 bits in the low half of each 32-bit lane: round to nearest
+// even, NaN to 0xFFFF (at::vec's cvtfp32_bf16, before its pack and permute).
+inline __m256i bf16_bits_in_low_half(const __m256& x) {
+  const __m256i v = _mm256_castps_si256(x);
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(v, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), rounded, ordered);
+}
+
+template <>
+struct StepIO<c10::BFloat16, c10::BFloat16> {
+  static inline void load(const c10::BFloat16* p, FVec& a, FVec& b) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i zero = _mm256_setzero_si256();
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+  }
+  static inline __m256i pack(const FVec& a, const FVec& b) {
+    return _mm256_packus_epi32(bf16_bits_in_low_half(a), bf16_bits_in_low_half(b));
+  }
+  static inline void store(c10::BFloat16* p, const FVec& a, const FVec& b) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack(a, b));
+  }
+  static inline void stream(c10::BFloat16* p, const FVec& a, const FVec& b) {  // p 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack(a, b));
+  }
+};
+#endif
 
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr bool kCanStream = true;
@@ -137,8 +204,51 @@ void copy_scale(const S* src, D* dst, int64_t n, double scale) {
     }
   }
   if constexpr (kHasDouble) {
-    // float64 on either side: the compiler vectorizes this plain loop.
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+    constexpr bool kWide16 = std::is_same_v<S, double> && !std::is_same_v<D, double> && !std::is_same_v<D, float>;
+    constexpr bool k16Wide = std::is_same_v<D, double> && !std::is_same_v<S, double> && !std::is_same_v<S, float>;
+    if constexpr (kWide16 || k16Wide) {
+      // float64 <-> float16/bfloat16: the conversions through float vectors
+      // (the scalar conversions are not vectorized). float64 -> 16 bits is
+      // float64 -> float -> 16 bits, both rounded to nearest even, as the
+      // scalar cast does; 16 bits -> float64 is exact.
+      const __m256d vscale = _mm256_set1_pd(scale);
+      constexpr int64_t kStep = 2 * FVec::size();
+      if constexpr (kStream) {  // destination 32-byte aligned for the non-temporal stores
+        for (; i < n && !aligned32(dst + i); ++i) dst[i] = static_cast<D>(static_cast<double>(src[i]) * scale);
+      }
+      for (; i + kStep <= n; i += kStep) {
+        if constexpr (kWide16) {
+          __m128 f[4];
+          for (int q = 0; q < 4; ++q) f[q] = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_loadu_pd(src + i + 4 * q), vscale));
+          const FVec a = _mm256_set_m128(f[1], f[0]);
+          const FVec b = _mm256_set_m128(f[3], f[2]);
+          if constexpr (kStream) {
+            FloatPair<D>::stream(dst + i, a, b);
+          } else {
+            FloatPair<D>::store(dst + i, a, b);
+          }
+        } else {
+          FVec a, b;
+          FloatPair<S>::load(src + i, a, b);
+          const __m256 ab[2] = {a, b};
+          for (int q = 0; q < 4; ++q) {
+            const __m128 half = (q % 2 == 0) ? _mm256_castps256_ps128(ab[q / 2]) : _mm256_extractf128_ps(ab[q / 2], 1);
+            const __m256d v = _mm256_mul_pd(_mm256_cvtps_pd(half), vscale);
+            if constexpr (kStream) {
+              _mm256_stream_pd(dst + i + 4 * q, v);
+            } else {
+              _mm256_storeu_pd(dst + i + 4 * q, v);
+            }
+          }
+        }
+      }
+      if constexpr (kStream) _mm_sfence();
+    }
+#endif
+    // float64 on either side (the rest): the compiler vectorizes this plain loop.
+    for (; i < n; ++i) {
       dst[i] = static_cast<D>(static_cast<double>(src[i]) * scale);
     }
   } else {
@@ -155,16 +265,16 @@ void copy_scale(const S* src, D* dst, int64_t n, double scale) {
       }
       for (; i + kStep <= n; i += kStep) {
         FVec a, b;
-        FloatPair<S>::load(src + i, a, b);
-        FloatPair<D>::stream(dst + i, a * vscale, b * vscale);
+        StepIO<S, D>::load(src + i, a, b);
+        StepIO<S, D>::stream(dst + i, a * vscale, b * vscale);
       }
       _mm_sfence();
     }
 #endif
     for (; i + kStep <= n; i += kStep) {
       FVec a, b;
-      FloatPair<S>::load(src + i, a, b);
-      FloatPair<D>::store(dst + i, a * vscale, b * vscale);
+      StepIO<S, D>::load(src + i, a, b);
+      StepIO<S, D>::store(dst + i, a * vscale, b * vscale);
     }
     for (; i < n; ++i) {
       dst[i] = static_cast<D>(static_cast<float>(src[i]) * fscale);
