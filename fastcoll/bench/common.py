@@ -476,3 +476,16 @@ def follow_ranks(ctx: Any, progress_q: Any, bar: Any) -> None:
                 bar.advance(value)
             else:
                 bar.describe(value)
+
+
+def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:
+    """Whether this checkout's ``fastcoll.DDP`` takes ``arguments`` and has ``methods`` (newer benchmarks skip otherwise)."""
+    import inspect
+
+    import fastcoll
+
+    try:
+        params = inspect.signature(fastcoll.DDP).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+    return all(a in params for a in arguments) and all(hasattr(fastcoll.DDP, m) for m in methods)

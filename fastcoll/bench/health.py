@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 import json
 import math
 import os
@@ -138,13 +137,7 @@ COSTS = {
 
 def supported() -> bool:
     """Whether this checkout's fastcoll.DDP has the issue-11 API (compute_grad_norm, check_nonfinite, clip_grad_norm_)."""
-    import fastcoll
-
-    try:
-        params = inspect.signature(fastcoll.DDP).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-    return "compute_grad_norm" in params and "check_nonfinite" in params and hasattr(fastcoll.DDP, "clip_grad_norm_")
+    return common.ddp_supports(("compute_grad_norm", "check_nonfinite"), ("clip_grad_norm_",))
 
 
 def health_ops_implementation() -> str:

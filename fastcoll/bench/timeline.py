@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 import json
 import math
 import os
@@ -89,14 +88,7 @@ LANE_COLOURS = {
 
 def supported() -> bool:
     """Whether this checkout's fastcoll.DDP has the timeline and autotuning API (issue 13)."""
-    import fastcoll
-
-    try:
-        params = inspect.signature(fastcoll.DDP).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-    needed = ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info")
-    return "record_timeline" in params and all(hasattr(fastcoll.DDP, n) for n in needed)
+    return common.ddp_supports(("record_timeline",), ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info"))
 
 
 # ---------------------------------------------------------------------------
