@@ -73,6 +73,9 @@ class GradHealth:
         self.device = device
         self.sums: Optional[torch.Tensor] = None  # one float64 slot per bucket, plus one for gradients outside the buckets
         self.flags: Optional[torch.Tensor] = None  # one int32 flag per bucket
+        # 1-element views of ``sums`` / ``flags`` per bucket position, made once per layout (the hot path only indexes)
+        self._slots: List[Optional[torch.Tensor]] = []
+        self._flag_views: List[Optional[torch.Tensor]] = []
         self.norm: Optional[torch.Tensor] = None  # the last synchronized backward's norm (0-dim float32)
         self._snapshot: Optional[List[Tuple[int, int]]] = None  # (id, version) of each gradient when the norm was taken
         self.blame: List[Tuple[int, List[Tuple[str, int]]]] = []  # this rank's findings: (bucket, [(name, count)])
@@ -87,6 +90,8 @@ class GradHealth:
             self.sums = torch.zeros(n_buckets + 1, dtype=torch.float64, device=self.device)
         if self.check_nonfinite:
             self.flags = torch.zeros(max(n_buckets, 1), dtype=torch.int32, device=self.device)
+        self._slots = [None if self.sums is None else self.sums[i : i + 1] for i in range(n_buckets + 1)]
+        self._flag_views = [None if self.flags is None else self.flags[i : i + 1] for i in range(max(n_buckets, 1))]
 
     def begin_iteration(self) -> None:
         self._snapshot = None
@@ -98,10 +103,10 @@ class GradHealth:
             self.sums.zero_()
 
     def flag(self, pos: int) -> Optional[torch.Tensor]:
-        return None if self.flags is None else self.flags[pos : pos + 1]
+        return self._flag_views[pos] if self._flag_views else None
 
     def slot(self, pos: int) -> Optional[torch.Tensor]:
-        return None if self.sums is None else self.sums[pos : pos + 1]
+        return self._slots[pos] if self._slots else None
 
     # --------------------------------------------------------- end of backward
 
@@ -138,15 +143,18 @@ class GradHealth:
         if self.sums is None:
             return None
         total = self.sums.sum()
-        self.norm = total.sqrt().to(torch.float32)
-        self._snapshot = self._versions(params)
+        if self.compute_norm:  # the check alone needs only the total
+            self.norm = total.sqrt().to(torch.float32)
+            self._snapshot = self._versions(params)
         return total if self.check_nonfinite else None
 
     # ------------------------------------------------------------- the norm
 
     @staticmethod
     def _versions(params: Sequence[torch.Tensor]) -> List[Tuple[int, int]]:
-        return [(0, 0) if p.grad is None else (id(p.grad), p.grad._version) for p in params]
+        # Once per backward over every parameter: each .grad read once (a None gradient gets id(None), -1).
+        grads = [p.grad for p in params]
+        return [(id(g), -1 if g is None else g._version) for g in grads]
 
     def current_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The norm of the last synchronized backward, if the gradients have not changed since.
