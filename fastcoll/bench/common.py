@@ -191,7 +191,10 @@ def measure_interleaved(
     target_s: float = 0.005,
     on_sample: Optional[Callable[[], None]] = None,
 ) -> Dict[str, List[float]]:
-    """Time several callables round-robin: sample k of every callable is taken before sample k+1."""
+    """Time several callables round-robin: sample k of every callable is taken before sample k+1.
+
+    Round k starts at the k-th callable (:func:`rotated`), so that each takes every position equally often.
+    """
     inners = {}
     for name, fn in fns.items():
         for _ in range(warmup):
@@ -199,12 +202,46 @@ def measure_interleaved(
         synchronize(device)
         inners[name] = inner or calibrate(fn, device, target_s)
     samples: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            samples[name].append(_time_once(fn, inners[name], device))
+    for k in range(reps):
+        for name in rotated(fns, k):
+            samples[name].append(_time_once(fns[name], inners[name], device))
             if on_sample is not None:
                 on_sample()
     return samples
+
+
+def rotated(names: Sequence[str], k: int) -> List[str]:
+    """Round ``k``'s order: ``names`` rotated by ``k``, so every name takes every position equally often."""
+    names = list(names)
+    if not names:
+        return names
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def keep_freed_memory() -> Optional[str]:
+    """Make glibc keep freed heap memory (as a caching allocator would); returns what was set, None if not glibc.
+
+    Every step drops its gradients (``zero_grad(set_to_none=True)``) and the
+    next backward allocates them again: 97.5 MiB (ResNet-50 shapes) and
+    475 MiB (GPT-2) per step. With glibc's defaults the freed memory goes back
+    to the kernel (heap trimming, mmap for large blocks) and every step
+    page-faults it in again: on the 2-core box that system time was over 40% of
+    a run's CPU time and the largest source of noise, the same for every method. With
+    the heap kept and blocks up to 32 MiB (glibc's maximum) served from it,
+    only tensors above 32 MiB (GPT-2's embedding) are still mapped afresh.
+    CUDA's caching allocator does this for GPU memory anyway.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # pragma: no cover (not glibc)
+        return None
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    ok = mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and mallopt(M_MMAP_THRESHOLD, 32 * MiB) == 1
+    return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB" if ok else None
 
 
 def summarize(samples: Sequence[float]) -> Dict[str, float]:

@@ -35,7 +35,7 @@ that every method takes every position equally often; a sample is ``inner``
 back-to-back steps (the same on every rank; 1 for the large models), its
 time the slowest rank's. After each sample the gradients are dropped (outside
 the timing), so a rank holds only the gradients being timed. On CPU the rank
-processes tell glibc to keep freed memory (:func:`keep_freed_memory`), so
+processes tell glibc to keep freed memory (:func:`fastcoll.bench.common.keep_freed_memory`), so
 that a step does not page-fault its freshly allocated gradients back in, a
 cost common to every method and this benchmark's main source of noise on a
 shared 2-core machine. Reported per model: median step time and
@@ -211,15 +211,6 @@ def _reps_for(spec: bench_ddp.ModelSpec, cfg: Dict[str, Any]) -> int:
 # ---------------------------------------------------------------------------
 
 
-def rotated(names: Sequence[str], k: int) -> List[str]:
-    """Round ``k``'s order: ``names`` rotated by ``k``, so every name takes every position equally often."""
-    names = list(names)
-    if not names:
-        return names
-    k %= len(names)
-    return names[k:] + names[:k]
-
-
 def interleave(
     fns: Dict[str, Callable[[], Any]],
     reps: int,
@@ -239,7 +230,7 @@ def interleave(
     wall: Dict[str, List[float]] = {n: [] for n in fns}
     cpu: Dict[str, List[float]] = {n: [] for n in fns}
     for k in range(reps):
-        for name in rotated(fns, k):
+        for name in common.rotated(fns, k):
             fn, n = fns[name], inner[name]
             common.synchronize(device)
             c0, t0 = time.thread_time(), time.perf_counter()
@@ -577,34 +568,9 @@ def _warm_up_code_paths(device: str, rank: int) -> None:
         del wrapper, step
 
 
-def keep_freed_memory() -> Optional[str]:
-    """Make glibc keep freed heap memory (as a caching allocator would); returns what was set, None if not glibc.
-
-    Every step drops its gradients (``zero_grad(set_to_none=True)``) and the
-    next backward allocates them again: 97.5 MiB (ResNet-50 shapes) and
-    475 MiB (GPT-2) per step. With glibc's defaults the freed memory goes back
-    to the kernel (heap trimming, mmap for large blocks) and every step
-    page-faults it in again: on the 2-core box that system time was over 40% of
-    a run's CPU time and the largest source of noise, the same for every method. With
-    the heap kept and blocks up to 32 MiB (glibc's maximum) served from it,
-    only tensors above 32 MiB (GPT-2's embedding) are still mapped afresh.
-    CUDA's caching allocator does this for GPU memory anyway.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # pragma: no cover (not glibc)
-        return None
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    ok = mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and mallopt(M_MMAP_THRESHOLD, 32 * MiB) == 1
-    return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB" if ok else None
-
-
 def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], specs, out_path: str, progress_q: Any) -> None:
     device = cfg["device"]
-    malloc = keep_freed_memory() if device == "cpu" else None
+    malloc = common.keep_freed_memory() if device == "cpu" else None
     library = extension_file()  # the one this process loaded (another build may replace the file later)
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())

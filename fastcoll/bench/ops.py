@@ -231,12 +231,14 @@ def make_case(layout: Layout, device: str, seed: int = 0) -> Case:
     from .. import ops
 
     gen = torch.Generator().manual_seed(seed)
-    grads = [torch.randn(s, generator=gen).to(device=device, dtype=layout.dtype) for s in layout.shapes]
+    # Drawn in the layout's dtype: a float32 draw cast afterwards would leave a freed temporary between
+    # consecutive gradients and scatter them in memory (16-bit layouts of many tensors then look slower).
+    grads = [torch.randn(s, generator=gen, dtype=layout.dtype).to(device) for s in layout.shapes]
     dests = [torch.empty_like(g) for g in grads]
     n = layout.numel
     bucket = torch.empty(n, dtype=layout.dtype, device=device)
     views = ops.bucket_views(bucket, grads)
-    src_flat = torch.randn(n, generator=gen).to(device=device, dtype=layout.dtype)
+    src_flat = torch.randn(n, generator=gen, dtype=layout.dtype).to(device)
     dst_flat = torch.empty_like(src_flat)
     return Case(grads, dests, bucket, views, src_flat, dst_flat, 1.0 / WORLD_SIZE)
 

@@ -12,10 +12,14 @@ training step (zero_grad + forward + loss + backward, no optimizer) of
 * ``auto``: ``fastcoll.DDP(module, bucket_cap_mb="auto")``, after its tuning
   (``FASTCOLL_AUTOTUNE_STEPS`` + 5 steps, so every timed step runs the frozen layout).
 
-Samples are taken round-robin (sample k of every method before sample k+1), a
-sample is ``inner`` back-to-back steps, its time the slowest rank's; medians
-are reported. Targets of issue 13, printed as PASS/MISS and never asserted:
-auto's step within 5% of the best fixed cap's, and at most 1.0x torch DDP's.
+Samples are taken round-robin (sample k of every method before sample k+1,
+round k starting at the k-th method), a sample is ``inner`` back-to-back
+steps, its time the slowest rank's; medians are reported. On CPU the ranks
+keep freed heap memory (:func:`fastcoll.bench.common.keep_freed_memory`), so
+that the gradients every step reallocates are not page-faulted in afresh, the
+largest source of noise on a small machine and the same for every method.
+Targets of issue 13, printed as PASS/MISS and never asserted: auto's step
+within 5% of the best fixed cap's, and at most 1.0x torch DDP's.
 
 Then, for the default (25 MiB) and the autotuned layout, the last recorded
 iterations of ``model.sync_timeline()`` on every rank give the exposed
@@ -242,6 +246,8 @@ def _worker(rank: int, ws: int, store_path: str, cfg: dict[str, Any], out_path: 
     device = cfg["device"]
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:  # every step frees and reallocates its gradients: keep the heap instead of page-faulting it back in
+        common.keep_freed_memory()
 
     def tick(n: int) -> None:
         if rank == 0 and progress_q is not None:
