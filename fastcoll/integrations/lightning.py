@@ -45,9 +45,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import types
 from contextlib import contextmanager, nullcontext
 from types import ModuleType
-from typing import Any, Dict, Generator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 from torch import Tensor
 from torch.nn import Module
@@ -100,6 +101,168 @@ def _register(registry: Any, cls: type) -> None:
         registry.register(name, cls, description=description, override=True, start_method="popen", **params)
 
 
+# --------------------------------------------------------------------------- #
+# The strategies' methods, written once. _make_strategies composes each mixin
+# with one distribution's Lightning base class; what differs per distribution
+# (the helper classes and Lightning functions it uses) lands in class
+# attributes named _fastcoll_*.
+# --------------------------------------------------------------------------- #
+
+
+class _ForwardRedirectionMethods:
+    """Manual optimization: the backward runs inside ``training_step`` (that is,
+    inside the wrapper's forward), so the wrapper must not arm its reducer
+    after that forward; ``pre_backward`` arms it for each
+    ``manual_backward`` instead (as Lightning does for torch DDP)."""
+
+    def on_after_inner_forward(self, wrapper_module: Module, original_module: Module) -> None:
+        if isinstance(wrapper_module, DDP) and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = False
+
+    def on_after_outer_forward(self, wrapper_module: Module, original_module: Module) -> None:
+        if isinstance(wrapper_module, DDP) and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = True
+
+
+class _TrainerStrategyMethods:
+    """The Trainer strategy's methods, on top of a distribution's ``strategies.DDPStrategy``."""
+
+    # set per distribution by _make_strategies
+    _fastcoll_forward_redirection_cls: type
+    _fastcoll_register_ddp_comm_hook: Callable[..., None]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._forward_redirection = self._fastcoll_forward_redirection_cls()
+
+    def _setup_model(self, model: Module) -> DDP:
+        """Wrap the LightningModule with fastcoll.DDP (with the keyword arguments Lightning collected)."""
+        device_ids = self.determine_ddp_device_ids()
+        log.debug(f"{type(self).__name__}: wrapping with fastcoll.DDP, device ids {device_ids}, kwargs {self._ddp_kwargs}")
+        return _wrap(model, device_ids, self._ddp_kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        """Register the communication hook, if one was given, on whatever device the model is."""
+        if self._ddp_comm_hook is None:
+            return
+        if not hasattr(self.model, "register_comm_hook"):
+            raise RuntimeError("fastcoll_ddp: a ddp_comm_hook was given but this fastcoll.DDP has no register_comm_hook")
+        self._fastcoll_register_ddp_comm_hook(
+            model=self.model,
+            ddp_comm_state=self._ddp_comm_state,
+            ddp_comm_hook=self._ddp_comm_hook,
+            ddp_comm_wrapper=self._ddp_comm_wrapper,
+        )
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: backwards inside only accumulate locally (fastcoll.DDP.no_sync)."""
+        if isinstance(self.model, DDP):
+            with self.model.no_sync():
+                yield None
+        else:
+            with super().block_backward_sync():
+                yield None
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Manual optimization: arm the reducer for the backward of ``manual_backward``."""
+        if not isinstance(self.model, DDP):
+            return super().pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            self.model._post_forward(closure_loss)
+        return None
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if not isinstance(self.model, DDP):
+            return super().post_backward(closure_loss)
+        return None
+
+    def teardown(self) -> None:
+        """Remove fastcoll's autograd hooks and put the bare LightningModule back, so a later fit starts clean."""
+        if isinstance(self.model, DDP):
+            self.model._remove_hooks()
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register fastcoll's names only (the inherited method would re-register "ddp" and fail)."""
+        _register(strategy_registry, cls)
+
+
+_TRAINER_STRATEGY_DOC = """Lightning Trainer strategy ({tp}): Lightning's DDP with the model wrapped
+    in :class:`fastcoll.DDP`.
+
+    Takes the arguments of ``{tp}.strategies.DDPStrategy``; extra keyword
+    arguments (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
+    ``gradient_as_bucket_view``, ``broadcast_buffers``, ``first_bucket_mb``,
+    ...) go to :class:`fastcoll.DDP`. ``ddp_comm_hook`` (with
+    ``ddp_comm_state`` / ``ddp_comm_wrapper``) is registered on any device,
+    through ``fastcoll.DDP.register_comm_hook``.
+
+    Registered with ``{tp}``'s Trainer as ``"fastcoll_ddp"`` and
+    ``"fastcoll_ddp_find_unused_parameters_true"``.
+    """
+
+
+class _BackwardSyncControlMethods:
+    def no_backward_sync(self, module: Module, enabled: bool) -> Any:
+        """``fabric.no_backward_sync(model)``: enter fastcoll.DDP's no_sync."""
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DDP):
+            raise TypeError(
+                "Blocking backward sync needs the module to be wrapped in fastcoll.DDP by the fastcoll_ddp "
+                f"strategy (set it up with fabric.setup); got {type(module).__name__}"
+            )
+        return module.no_sync()
+
+
+class _FabricStrategyMethods:
+    """The Fabric strategy's methods, on top of a distribution's ``fabric.strategies.DDPStrategy``."""
+
+    # set per distribution by _make_strategies
+    _fastcoll_backward_sync_control_cls: type
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._backward_sync_control = self._fastcoll_backward_sync_control_cls()
+
+    def setup_module(self, module: Module) -> DDP:
+        return _wrap(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
+
+    def get_module_state_dict(self, module: Module) -> Dict[str, Any]:
+        return super().get_module_state_dict(_unwrap(module))
+
+    def load_module_state_dict(self, module: Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        super().load_module_state_dict(module=_unwrap(module), state_dict=state_dict, strict=strict)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register fastcoll's names only (the inherited method would re-register "ddp" and fail)."""
+        _register(strategy_registry, cls)
+
+
+_FABRIC_STRATEGY_DOC = """Lightning Fabric strategy ({fp}): Fabric's DDP with the module wrapped
+    in :class:`fastcoll.DDP`.
+
+    Takes the arguments of ``{fp}.strategies.DDPStrategy``; extra keyword
+    arguments go to :class:`fastcoll.DDP`. ``fabric.no_backward_sync`` works,
+    and saved/loaded module state carries the bare module's keys (no
+    "module." prefix), as with Fabric's own DDP strategy.
+
+    Registered with ``{fp}``'s Fabric as ``"fastcoll_ddp"`` and
+    ``"fastcoll_ddp_find_unused_parameters_true"``.
+    """
+
+
+def _compose(name: str, methods: type, base: type, doc: Optional[str], **attrs: Any) -> type:
+    """Class ``name`` of this module: ``methods`` (a mixin above) on ``base`` (a Lightning class), plus ``attrs``."""
+    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": doc, **attrs}
+    return types.new_class(name, (methods, base), exec_body=lambda ns: ns.update(namespace))
+
+
 def _make_strategies(trainer_pkg: ModuleType, fabric_pkg: ModuleType, prefix: str = "") -> Dict[str, type]:
     """Build the fastcoll strategy classes on one Lightning distribution's base classes.
 
@@ -119,157 +282,36 @@ def _make_strategies(trainer_pkg: ModuleType, fabric_pkg: ModuleType, prefix: st
     """
     tp, fp = trainer_pkg.__name__, fabric_pkg.__name__
     register_ddp_comm_hook = importlib.import_module(f"{tp}.overrides.distributed")._register_ddp_comm_hook
-    TrainerDDPStrategy = importlib.import_module(f"{tp}.strategies").DDPStrategy
-    ForwardRedirection = importlib.import_module(f"{tp}.strategies.strategy")._ForwardRedirection
-    FabricDDPStrategy = importlib.import_module(f"{fp}.strategies").DDPStrategy
-    BackwardSyncControl = importlib.import_module(f"{fp}.strategies.strategy")._BackwardSyncControl
+    trainer_base = importlib.import_module(f"{tp}.strategies").DDPStrategy
+    forward_redirection_base = importlib.import_module(f"{tp}.strategies.strategy")._ForwardRedirection
+    fabric_base = importlib.import_module(f"{fp}.strategies").DDPStrategy
+    backward_sync_control_base = importlib.import_module(f"{fp}.strategies.strategy")._BackwardSyncControl
 
-    # ----------------------------------------------------------------------- #
-    # Trainer
-    # ----------------------------------------------------------------------- #
-
-    class _FastCollForwardRedirection(ForwardRedirection):
-        """Manual optimization: the backward runs inside ``training_step`` (that is,
-        inside the wrapper's forward), so the wrapper must not arm its reducer
-        after that forward; ``pre_backward`` arms it for each
-        ``manual_backward`` instead (as Lightning does for torch DDP)."""
-
-        def on_after_inner_forward(self, wrapper_module: Module, original_module: Module) -> None:
-            if isinstance(wrapper_module, DDP) and not original_module.automatic_optimization:
-                wrapper_module.require_backward_grad_sync = False
-
-        def on_after_outer_forward(self, wrapper_module: Module, original_module: Module) -> None:
-            if isinstance(wrapper_module, DDP) and not original_module.automatic_optimization:
-                wrapper_module.require_backward_grad_sync = True
-
-    class FastCollDDPStrategy(TrainerDDPStrategy):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._forward_redirection = _FastCollForwardRedirection()
-
-        def _setup_model(self, model: Module) -> DDP:  # type: ignore[override]
-            """Wrap the LightningModule with fastcoll.DDP (with the keyword arguments Lightning collected)."""
-            device_ids = self.determine_ddp_device_ids()
-            log.debug(f"{type(self).__name__}: wrapping with fastcoll.DDP, device ids {device_ids}, kwargs {self._ddp_kwargs}")
-            return _wrap(model, device_ids, self._ddp_kwargs)
-
-        def _register_ddp_hooks(self) -> None:
-            """Register the communication hook, if one was given, on whatever device the model is."""
-            if self._ddp_comm_hook is None:
-                return
-            if not hasattr(self.model, "register_comm_hook"):
-                raise RuntimeError("fastcoll_ddp: a ddp_comm_hook was given but this fastcoll.DDP has no register_comm_hook")
-            register_ddp_comm_hook(
-                model=self.model,
-                ddp_comm_state=self._ddp_comm_state,
-                ddp_comm_hook=self._ddp_comm_hook,
-                ddp_comm_wrapper=self._ddp_comm_wrapper,
-            )
-
-        @contextmanager
-        def block_backward_sync(self) -> Generator[None, None, None]:
-            """Gradient accumulation: backwards inside only accumulate locally (fastcoll.DDP.no_sync)."""
-            if isinstance(self.model, DDP):
-                with self.model.no_sync():
-                    yield None
-            else:
-                with super().block_backward_sync():
-                    yield None
-
-        def pre_backward(self, closure_loss: Tensor) -> None:
-            """Manual optimization: arm the reducer for the backward of ``manual_backward``."""
-            if not isinstance(self.model, DDP):
-                return super().pre_backward(closure_loss)
-            assert self.lightning_module is not None
-            if not self.lightning_module.automatic_optimization:
-                self.model._post_forward(closure_loss)
-            return None
-
-        def post_backward(self, closure_loss: Tensor) -> None:
-            if not isinstance(self.model, DDP):
-                return super().post_backward(closure_loss)
-            return None
-
-        def teardown(self) -> None:
-            """Remove fastcoll's autograd hooks and put the bare LightningModule back, so a later fit starts clean."""
-            if isinstance(self.model, DDP):
-                self.model._remove_hooks()
-                self.model = self.lightning_module
-            super().teardown()
-
-        @classmethod
-        def register_strategies(cls, strategy_registry: Any) -> None:
-            """Register fastcoll's names only (the inherited method would re-register "ddp" and fail)."""
-            _register(strategy_registry, cls)
-
-    FastCollDDPStrategy.__doc__ = f"""Lightning Trainer strategy ({tp}): Lightning's DDP with the model wrapped
-    in :class:`fastcoll.DDP`.
-
-    Takes the arguments of ``{tp}.strategies.DDPStrategy``; extra keyword
-    arguments (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
-    ``gradient_as_bucket_view``, ``broadcast_buffers``, ``first_bucket_mb``,
-    ...) go to :class:`fastcoll.DDP`. ``ddp_comm_hook`` (with
-    ``ddp_comm_state`` / ``ddp_comm_wrapper``) is registered on any device,
-    through ``fastcoll.DDP.register_comm_hook``.
-
-    Registered with ``{tp}``'s Trainer as ``"fastcoll_ddp"`` and
-    ``"fastcoll_ddp_find_unused_parameters_true"``.
-    """
-
-    # ----------------------------------------------------------------------- #
-    # Fabric
-    # ----------------------------------------------------------------------- #
-
-    class _FastCollBackwardSyncControl(BackwardSyncControl):
-        def no_backward_sync(self, module: Module, enabled: bool) -> Any:
-            """``fabric.no_backward_sync(model)``: enter fastcoll.DDP's no_sync."""
-            if not enabled:
-                return nullcontext()
-            if not isinstance(module, DDP):
-                raise TypeError(
-                    "Blocking backward sync needs the module to be wrapped in fastcoll.DDP by the fastcoll_ddp "
-                    f"strategy (set it up with fabric.setup); got {type(module).__name__}"
-                )
-            return module.no_sync()
-
-    class FastCollFabricStrategy(FabricDDPStrategy):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._backward_sync_control = _FastCollBackwardSyncControl()
-
-        def setup_module(self, module: Module) -> DDP:  # type: ignore[override]
-            return _wrap(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
-
-        def get_module_state_dict(self, module: Module) -> Dict[str, Any]:
-            return super().get_module_state_dict(_unwrap(module))
-
-        def load_module_state_dict(self, module: Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
-            super().load_module_state_dict(module=_unwrap(module), state_dict=state_dict, strict=strict)
-
-        @classmethod
-        def register_strategies(cls, strategy_registry: Any) -> None:
-            """Register fastcoll's names only (the inherited method would re-register "ddp" and fail)."""
-            _register(strategy_registry, cls)
-
-    FastCollFabricStrategy.__doc__ = f"""Lightning Fabric strategy ({fp}): Fabric's DDP with the module wrapped
-    in :class:`fastcoll.DDP`.
-
-    Takes the arguments of ``{fp}.strategies.DDPStrategy``; extra keyword
-    arguments go to :class:`fastcoll.DDP`. ``fabric.no_backward_sync`` works,
-    and saved/loaded module state carries the bare module's keys (no
-    "module." prefix), as with Fabric's own DDP strategy.
-
-    Registered with ``{fp}``'s Fabric as ``"fastcoll_ddp"`` and
-    ``"fastcoll_ddp_find_unused_parameters_true"``.
-    """
-
-    classes = {}
-    for cls in (_FastCollForwardRedirection, FastCollDDPStrategy, _FastCollBackwardSyncControl, FastCollFabricStrategy):
-        private = cls.__name__.startswith("_")
-        cls.__name__ = cls.__qualname__ = ("_" if private else "") + prefix + cls.__name__.lstrip("_")
-        cls.__module__ = __name__
-        classes[cls.__name__] = cls
-    return classes
+    forward_redirection = _compose(
+        f"_{prefix}FastCollForwardRedirection",
+        _ForwardRedirectionMethods,
+        forward_redirection_base,
+        _ForwardRedirectionMethods.__doc__,
+    )
+    trainer_strategy = _compose(
+        f"{prefix}FastCollDDPStrategy",
+        _TrainerStrategyMethods,
+        trainer_base,
+        _TRAINER_STRATEGY_DOC.format(tp=tp),
+        _fastcoll_forward_redirection_cls=forward_redirection,
+        _fastcoll_register_ddp_comm_hook=staticmethod(register_ddp_comm_hook),
+    )
+    backward_sync_control = _compose(
+        f"_{prefix}FastCollBackwardSyncControl", _BackwardSyncControlMethods, backward_sync_control_base, None
+    )
+    fabric_strategy = _compose(
+        f"{prefix}FastCollFabricStrategy",
+        _FabricStrategyMethods,
+        fabric_base,
+        _FABRIC_STRATEGY_DOC.format(fp=fp),
+        _fastcoll_backward_sync_control_cls=backward_sync_control,
+    )
+    return {cls.__name__: cls for cls in (forward_redirection, trainer_strategy, backward_sync_control, fabric_strategy)}
 
 
 #: Installed distribution (``"pytorch_lightning"`` or ``"lightning"``) -> its
