@@ -121,6 +121,33 @@ def sync_device(
     return pick_comm_device(backend, [*named, *param_devices], bound, current)
 
 
+def _resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The group fastcoll.DDP averages over: ``process_group``, or the default group when None.
+
+    Raises:
+        RuntimeError: the default process group is not initialized.
+        TypeError: ``process_group`` is not a ProcessGroup.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fastcoll.DDP: the default process group has not been initialized; call "
+            "torch.distributed.init_process_group(...) before wrapping the model"
+        )
+    if process_group is None:
+        return dist.distributed_c10d._get_default_group()
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"fastcoll.DDP: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}"
+        )
+    return process_group
+
+
+def _check_verify_replicas_every(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"fastcoll.DDP: verify_replicas_every must be an int >= 0 (0: never), got {value!r}")
+    return value
+
+
 def _check_positive_mib(name: str, value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ValueError(f"fastcoll.DDP: {name} must be a positive number of MiB, got {value!r}")
@@ -292,18 +319,7 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         JoinSupport.__init__(self)
         self._join = JoinState(self)
         self._comm_hook_desc: Optional[str] = None  # the one registered comm hook (or builtin / comm_dtype)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "fastcoll.DDP: the default process group has not been initialized; call "
-                "torch.distributed.init_process_group(...) before wrapping the model"
-            )
-        if process_group is None:
-            process_group = dist.distributed_c10d._get_default_group()
-        elif not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                f"fastcoll.DDP: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}"
-            )
-        self.process_group = process_group
+        self.process_group = _resolve_process_group(process_group)
         if check_reduction:
             warnings.warn("fastcoll.DDP: check_reduction is deprecated and ignored", FutureWarning, stacklevel=2)
 
@@ -323,27 +339,9 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         self.check_nonfinite = bool(check_nonfinite)
         self.record_timeline = bool(record_timeline)
         self.stall_timeout = stall_timeout
-        if isinstance(verify_replicas_every, bool) or not isinstance(verify_replicas_every, int) or verify_replicas_every < 0:
-            raise ValueError(f"fastcoll.DDP: verify_replicas_every must be an int >= 0 (0: never), got {verify_replicas_every!r}")
-        self.verify_replicas_every = verify_replicas_every
+        self.verify_replicas_every = _check_verify_replicas_every(verify_replicas_every)
         self._verified_at = 0
-
-        # Local checks; a failure is shared with the other ranks by the
-        # signature exchange below, so that every rank raises and none hangs.
-        named = self._named_parameters()
-        error: Optional[BaseException] = None
-        try:
-            cfg = _check_arguments(named, bucket_cap_mb, first_bucket_mb, comm_dtype, device_ids, output_device)
-            resolve_stall_timeout(stall_timeout, process_group)  # a bad value raises here, on every rank
-        except (ValueError, RuntimeError, TypeError) as exc:
-            error, cfg = exc, None
-        self._verify_across_ranks(named, error, device_ids)
-        if error is not None:
-            raise error
-        self.bucket_caps, caps, self.first_bucket_bytes, self.device_type, self.device_ids, self.output_device = cfg
-        self._reducer_caps = caps
-        #: torch DDP's attribute (dynamo's graph splitting reads it): the largest bucket cap in bytes.
-        self.bucket_bytes_cap = caps if isinstance(caps, int) else max(caps)
+        self._check_and_agree(bucket_cap_mb, first_bucket_mb, device_ids, output_device)  # a collective
 
         self._build()
         if init_sync:
@@ -391,6 +389,27 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         return states
 
     # ------------------------------------------------------------ construction
+
+    def _check_and_agree(self, bucket_cap_mb: Any, first_bucket_mb: Any, device_ids: Any, output_device: Any) -> None:
+        """Check the module and the arguments on every rank, then set the parsed bucket and device settings.
+
+        A local failure is shared with the other ranks by the signature
+        exchange (:meth:`_verify_across_ranks`), so that every rank raises and none hangs.
+        """
+        named = self._named_parameters()
+        error: Optional[BaseException] = None
+        try:
+            cfg = _check_arguments(named, bucket_cap_mb, first_bucket_mb, self.comm_dtype, device_ids, output_device)
+            resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
+        except (ValueError, RuntimeError, TypeError) as exc:
+            error, cfg = exc, None
+        self._verify_across_ranks(named, error, device_ids)
+        if error is not None:
+            raise error
+        self.bucket_caps, caps, self.first_bucket_bytes, self.device_type, self.device_ids, self.output_device = cfg
+        self._reducer_caps = caps
+        #: torch DDP's attribute (dynamo's graph splitting reads it): the largest bucket cap in bytes.
+        self.bucket_bytes_cap = caps if isinstance(caps, int) else max(caps)
 
     def _verify_across_ranks(
         self, named: List[Tuple[str, torch.Tensor]], error: Optional[BaseException], device_ids: Any
