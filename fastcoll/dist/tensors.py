@@ -291,6 +291,30 @@ def _layout_error(grads: Sequence[torch.Tensor]) -> TypeError | None:
     return None
 
 
+def _mean_coalesced(grads: Sequence[torch.Tensor], bucket_size_mb: float, ws: int, group: Group, device: torch.device) -> None:
+    """Average gradients in place in flat buckets per dtype and device; those the fused ops cannot pack one by one."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = OrderedDict()
+    singles: list[torch.Tensor] = []
+    for g in grads:
+        if not is_fusable(g):
+            singles.append(g)
+        elif g.numel() > 0:
+            groups.setdefault((g.dtype, g.device), []).append(g)
+    cap = float(bucket_size_mb) * 1024 * 1024
+
+    def packs() -> Iterable[Pack]:
+        for (dtype, dev), members in groups.items():
+            storage = backends.flat_buffer(ops.total_numel(members), dtype, dev)
+            offset = 0
+            for run in split_by_bytes([m.numel() * m.element_size() for m in members], cap):
+                bucket = [members[i] for i in run]
+                n = ops.total_numel(bucket)
+                yield bucket, bucket, storage[offset : offset + n]
+                offset += n
+
+    _reduce_packed(packs(), 1.0 / ws, group, ws, device, meanwhile=lambda: _mean_each(singles, ws, group, device))
+
+
 def allreduce_grads(
     params: Iterable[torch.Tensor],
     coalesce: bool = True,
@@ -302,36 +326,30 @@ def allreduce_grads(
     """Average, in place, the ``.grad`` of every parameter that has one over all ranks.
 
     With ``coalesce`` the gradients are grouped by dtype and device (in
-    parameter order) and, when ``bucket_size_mb > 0``, split into buckets of at
-    most that many MiB (a larger gradient gets a bucket of its own). Each
-    bucket is packed and scaled by ``1 / world_size`` with one fused
-    :func:`fastcoll.ops.flatten_scale`, all-reduced asynchronously (the next
-    bucket is packed meanwhile) and written back with one fused
-    :func:`fastcoll.ops.unflatten_scale`. Gradients the fused ops cannot pack
-    (sparse, non-dense, other dtypes) are reduced one by one, as is everything
-    with ``coalesce=False``. Gradients are packed in memory order, so a
-    gradient must have the same memory layout on every rank (as with DDP).
-    On CPU the flat buffer is kept between calls (per thread), since faulting
-    in fresh memory every step costs more than the copies; free it with
-    :func:`fastcoll.dist.release_buffers`.
+    parameter order) and split into buckets; each bucket is packed and scaled
+    by ``1 / world_size`` with one fused :func:`fastcoll.ops.flatten_scale`,
+    all-reduced asynchronously while the next one is packed, and written back
+    with one fused :func:`fastcoll.ops.unflatten_scale`. Gradients the fused
+    ops cannot pack (sparse, non-dense, other dtypes), and all of them with
+    ``coalesce=False``, are reduced one by one. Gradients are packed in memory
+    order, so a gradient must have the same memory layout on every rank (as
+    with DDP). On CPU the flat buffer is kept between calls (per thread); free
+    it with :func:`fastcoll.dist.release_buffers`.
 
     Args:
         params: Parameters (or any tensors with ``.grad``); those whose
             ``.grad`` is None are skipped.
         coalesce: Reduce in flat buckets instead of tensor by tensor.
-        bucket_size_mb: Bucket size in MiB; one bucket per dtype/device group
-            when <= 0.
+        bucket_size_mb: Bucket size in MiB (a larger gradient gets a bucket of
+            its own); one bucket per dtype/device group when <= 0.
         group: Process group; the default group when None.
-        check: First verify, with one all-gather of a 16-byte digest, that
-            every rank reduces the same number of gradients with the same
-            shapes and dtypes; a mismatch raises ValueError on every rank
-            instead of corrupting the gradients or hanging. Its cost is that
-            small all-gather (on the CPU with gloo, on the gradients' GPU with
-            NCCL) and one host read of its 4 x world_size integers, which waits
-            for the device there; it cannot be cached safely (a rank whose
-            gradients changed while the others' did not would skip a collective
-            the others issue). Pass ``check=False`` in a loop whose gradients
-            are known to agree to skip it.
+        check: First verify, with one all-gather of a 16-byte digest (and one
+            host read of its result, which waits for the device), that every
+            rank reduces the same number of gradients with the same shapes and
+            dtypes; a mismatch raises ValueError on every rank instead of
+            corrupting the gradients or hanging. It cannot be cached safely (a
+            rank whose gradients changed would skip a collective the others
+            issue); pass ``check=False`` where the gradients are known to agree.
 
     Raises:
         ValueError: on every rank, if ``check`` finds the gradients differ.
@@ -353,26 +371,7 @@ def allreduce_grads(
         return
     device = backends.comm_device(group, grads)
     with torch.no_grad():
-        if not coalesce:
+        if coalesce:
+            _mean_coalesced(grads, bucket_size_mb, ws, group, device)
+        else:
             _mean_each(grads, ws, group, device)
-            return
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = OrderedDict()
-        singles: list[torch.Tensor] = []
-        for g in grads:
-            if not is_fusable(g):
-                singles.append(g)
-            elif g.numel() > 0:
-                groups.setdefault((g.dtype, g.device), []).append(g)
-        cap = float(bucket_size_mb) * 1024 * 1024
-
-        def packs() -> Iterable[Pack]:
-            for (dtype, dev), members in groups.items():
-                storage = backends.flat_buffer(ops.total_numel(members), dtype, dev)
-                offset = 0
-                for run in split_by_bytes([m.numel() * m.element_size() for m in members], cap):
-                    bucket = [members[i] for i in run]
-                    n = ops.total_numel(bucket)
-                    yield bucket, bucket, storage[offset : offset + n]
-                    offset += n
-
-        _reduce_packed(packs(), 1.0 / ws, group, ws, device, meanwhile=lambda: _mean_each(singles, ws, group, device))
