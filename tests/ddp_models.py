@@ -12,7 +12,7 @@ averages the losses, which is what data parallelism computes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +22,17 @@ LOCAL_BATCH = 4
 
 
 class MLP(nn.Module):
-    """Many small layers."""
+    """Many small layers: ``depth`` square ones (tanh after each), then a head of ``head`` outputs (None: no head)."""
 
-    def __init__(self, width: int = 8, depth: int = 12):
+    def __init__(self, width: int = 8, depth: int = 12, head: Optional[int] = 3):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, 3)
+        self.head = None if head is None else nn.Linear(width, head)
 
     def forward(self, x):
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        return self.head(x)
+        return x if self.head is None else self.head(x)
 
 
 class ConvBN(nn.Module):
@@ -207,6 +207,16 @@ def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk
         out = model(x, use_sometimes=uses_sometimes(chunk, step))
         return F.cross_entropy(out.logits, y)
     return F.cross_entropy(model(x).float(), y)
+
+
+def backward_on_chunk(name: str, world_size: int, rank: int, step: int, pairs, set_to_none: bool = True) -> None:
+    """For each (model, optimizer) of ``pairs``: zero the gradients, then the backward of the loss on slice
+    ``rank`` of ``step``'s global batch (a rank's share of a data-parallel step)."""
+    x, y = global_batch(name, world_size, step)
+    xr, yr = chunk_of(x, rank), chunk_of(y, rank)
+    for model, opt in pairs:
+        opt.zero_grad(set_to_none=set_to_none)
+        loss_of(name, model, xr, yr, rank, step).backward()
 
 
 def reference_train(name: str, world_size: int, steps: int, lr: float, momentum: float, set_to_none: bool = True) -> nn.Module:

@@ -25,7 +25,8 @@ from typing import Any, Callable, List
 _CTX = None
 
 
-def _context():
+def forkserver_context():
+    """The multiprocessing context of the rank processes: forkserver, with torch and fastcoll preloaded."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
@@ -138,7 +139,7 @@ def run_ranks(
         RankError: if any rank raised (message holds every failing rank's traceback).
         TimeoutError: if the ranks did not all finish within ``timeout``.
     """
-    ctx = _context()
+    ctx = forkserver_context()
     tmpdir = tempfile.mkdtemp(prefix="fastcoll_test_")
     store_path = os.path.join(tmpdir, "store")
     results = ctx.Queue()

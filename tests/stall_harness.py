@@ -12,7 +12,6 @@ TCPStore hosted by rank 0 (``store="tcp"``) to test the store host's death.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -22,15 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional
 
-_CTX = None
-
-
-def _context():
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fastcoll"])
-    return _CTX
+from multiproc import forkserver_context
 
 
 class Outcome(NamedTuple):
@@ -95,7 +86,7 @@ def run_stall_ranks(
         store: "file" (FileStore) or "tcp" (TCPStore hosted by rank 0).
         env: Extra environment variables in every rank.
     """
-    ctx = _context()
+    ctx = forkserver_context()
     tmpdir = tempfile.mkdtemp(prefix="fastcoll_stall_")
     store_arg: Any = _free_port() if store == "tcp" else os.path.join(tmpdir, "store")
     results = ctx.Queue()
@@ -155,3 +146,14 @@ def run_stall_ranks(
     alive = [p.pid for p in procs if p.pid is not None and p.is_alive()]
     assert not alive, f"rank processes {alive} outlived the run"
     return out
+
+
+def survivors_agree(out: Dict[int, Outcome], ranks: Iterable[int]):
+    """Each of ``ranks`` returned (``ok``) a StallError's data, a dict whose "line" is its first line, and the
+    lines are the same: returns (their data in the order of ``ranks``, that line)."""
+    ranks = list(ranks)
+    res = [out[r].value for r in ranks]
+    assert all(out[r].kind == "ok" and out[r].value for r in ranks), out
+    line = res[0]["line"]
+    assert all(x["line"] == line for x in res), [x["line"] for x in res]
+    return res, line

@@ -9,14 +9,13 @@ built; on a CUDA machine, the CUDA kernel against the CPU one).
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastcoll import _reference, ops
+from fastcoll.bench.common import num_threads
 
 CUDA = pytest.mark.cuda
 HYP = dict(deadline=None, suppress_health_check=list(HealthCheck))
@@ -50,16 +49,6 @@ def memory_bytes(t: torch.Tensor) -> bytes:
 
 def u8(data: bytes) -> torch.Tensor:
     return torch.tensor(list(data), dtype=torch.uint8)
-
-
-@contextlib.contextmanager
-def num_threads(n: int):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 # Every dtype the op must hash (bytes are bytes): floating, integer, bool, complex.

@@ -38,9 +38,11 @@ import datetime
 import os
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
+import ddp_models as M
 import pytest
 import torch
 import torch.distributed as dist
+from test_ops import capture_graph
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -142,34 +144,16 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.fc1(h)))
 
 
-class MLP(nn.Module):
-    """Square layers PowerSGD can compress."""
-
-    def __init__(self, width: int = 16, depth: int = 3):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
+def mlp() -> nn.Module:
+    """Square layers PowerSGD can compress (no head)."""
+    return M.MLP(width=16, depth=3, head=None)
 
 
-class Branchy(nn.Module):
-    """``never`` is never used; ``sometimes`` on odd steps (the caller passes ``use``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(8, 8)
-        self.never = nn.Linear(8, 8)
-        self.sometimes = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
+class Branchy(M.Branchy):
+    """``never`` is never used; ``sometimes`` on odd steps (the caller passes ``use``). The output is the logits tensor."""
 
     def forward(self, x, use: bool = False):
-        h = torch.relu(self.trunk(x))
-        if use:
-            h = h + self.sometimes(h)
-        return self.head(h)
+        return super().forward(x, use_sometimes=use).logits
 
 
 class SparseNet(nn.Module):
@@ -203,9 +187,9 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
 
-def _build(cls: type, seed: int = 0) -> nn.Module:
+def _build(make: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return cls().to(DEVICE)
+    return make().to(DEVICE)
 
 
 def _ids() -> Any:
@@ -305,7 +289,7 @@ def _hook(kind: str):
 @pytest.mark.parametrize("kind", ["allreduce", "fp16", "powersgd"])
 def test_comm_hooks_match_torch_ddp(pg, kind):
     # One bucket (PowerSGD keys its state by bucket; the model is far below 1 MiB).
-    fast, ref, seen = _pair(_build(MLP), {"bucket_cap_mb": 100})
+    fast, ref, seen = _pair(_build(mlp), {"bucket_cap_mb": 100})
     fast.register_comm_hook(*_hook(kind))
     ref.register_comm_hook(*_hook(kind))
     buckets = _train(fast, ref, "mlp", 5, tol=HALF if kind == "fp16" else EXACT)
@@ -587,21 +571,6 @@ def _tensors_for_chunks(total: int, seed: int) -> List[torch.Tensor]:
     return [t.cuda() for t in ts]
 
 
-def _capture(fn: Callable[[], None]) -> "torch.cuda.CUDAGraph":
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        try:
-            fn()
-        finally:
-            graph.capture_end()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _inline_limit_or_skip(err: BaseException) -> None:
     """Skip when the error says the driver allows only the 120-chunk table (CUDA older than 12.1)."""
     if "for more than 120 chunks" in str(err):
@@ -621,7 +590,7 @@ def test_graph_capture_and_replay(nchunks, wire):
     back = [torch.full_like(t, float("nan")) for t in src]
     ops.flatten_scale(src, flat, 0.5)  # warm-up outside capture
     try:
-        graph = _capture(lambda: (ops.flatten_scale(src, flat, 0.5), ops.unflatten_scale(flat, back, 4.0)))
+        graph = capture_graph(lambda: (ops.flatten_scale(src, flat, 0.5), ops.unflatten_scale(flat, back, 4.0)))
     except RuntimeError as err:
         _inline_limit_or_skip(err)
         raise
@@ -663,7 +632,7 @@ def test_graph_capture_refused_past_512_chunks():
             except RuntimeError as err:
                 errors.append(str(err))
 
-    graph = _capture(refused)
+    graph = capture_graph(refused)
     assert len(errors) == 2, f"a 513-chunk call was not refused under capture: {errors}"
     for msg in errors:
         _inline_limit_or_skip(RuntimeError(msg))

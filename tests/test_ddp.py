@@ -114,11 +114,7 @@ def parity_worker(rank: int, world_size: int, configs) -> None:
         of = torch.optim.SGD(fast.parameters(), lr=LR, momentum=MOMENTUM)
         ot = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
         for step in range(STEPS):
-            x, y = M.global_batch(name, world_size, step)
-            xr, yr = M.chunk_of(x, rank), M.chunk_of(y, rank)
-            for mod, opt in ((fast, of), (ref, ot)):
-                opt.zero_grad(set_to_none=set_to_none)
-                M.loss_of(name, mod, xr, yr, rank, step).backward()
+            M.backward_on_chunk(name, world_size, rank, step, ((fast, of), (ref, ot)), set_to_none)
             _assert_grads_equal(fast, ref, f"{what} step {step}")
             if kwargs.get("gradient_as_bucket_view"):
                 _grad_in_bucket(fast)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import types
 
+import ddp_models as M
 import pytest
 import torch
 from multiproc import run_ranks
@@ -33,16 +34,9 @@ STEPS = 3
 LR = 0.1
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 3)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
+def _net() -> nn.Module:
+    """DEPTH layers of WIDTH x WIDTH and a 3-way head."""
+    return M.MLP(WIDTH, DEPTH)
 
 
 def _counting_backend(inner: str = "eager"):
@@ -75,12 +69,12 @@ def _compiled_backward_nodes(out: torch.Tensor) -> list:
 
 
 def _train(rank, wrapper, order, bucket_cap_mb, backend=None, track_overlap=False):
-    """STEPS SGD steps of Net on this rank's data; returns (params, last grads, #graphs, overlap record)."""
+    """STEPS SGD steps of _net() on this rank's data; returns (params, last grads, #graphs, overlap record)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net()
+    model = _net()
     graphs = None
     if order == "eager":
         step_model = wrapper(model, bucket_cap_mb=bucket_cap_mb)
@@ -138,7 +132,7 @@ def parity_worker(rank, world_size):
     # An eager fastcoll.DDP does not pay for importing dynamo.
     had_dynamo = "torch._dynamo" in sys.modules
     torch.manual_seed(0)
-    m = fastcoll.DDP(Net(), bucket_cap_mb=1)
+    m = fastcoll.DDP(_net(), bucket_cap_mb=1)
     m(torch.randn(BATCH, WIDTH)).sum().backward()
     assert had_dynamo or "torch._dynamo" not in sys.modules, "an eager fastcoll.DDP forward imported torch._dynamo"
     # The active module dynamo reads is restored even when the wrapped module raises.

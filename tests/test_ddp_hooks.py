@@ -223,11 +223,7 @@ def hook_parity_worker(rank, world_size, configs):
         of = torch.optim.SGD(fast.parameters(), lr=LR, momentum=MOMENTUM)
         ot = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
         for step in range(STEPS):
-            x, y = M.global_batch(name, world_size, step)
-            xr, yr = M.chunk_of(x, rank), M.chunk_of(y, rank)
-            for mod, opt in ((fast, of), (ref, ot)):
-                opt.zero_grad()
-                M.loss_of(name, mod, xr, yr, rank, step).backward()
+            M.backward_on_chunk(name, world_size, rank, step, ((fast, of), (ref, ot)))
             gf, gt = _grads(fast), _grads(ref)
             for (n, _), a, b in zip(fast.module.named_parameters(), gf, gt):
                 assert (a is None) == (b is None), f"{what} step {step}: {n}.grad None mismatch"

@@ -79,22 +79,10 @@ def test_list_of_caps():
     assert sizes[0] == sizes[1]
 
 
-class Wide(torch.nn.Module):
-    """About 1.6 MiB of float32 gradients in 6 layers: the candidate caps (1, 5, 25, 100 MiB, growing lists) differ."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(6))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def _auto_worker(rank, world_size, slow_rank):
     torch.manual_seed(0)
-    model = Wide()
+    # About 1.6 MiB of float32 gradients in 6 layers: the candidate caps (1, 5, 25, 100 MiB, growing lists) differ.
+    model = M.MLP(width=256, depth=6, head=None)
     fast = fastcoll.DDP(copy.deepcopy(model), bucket_cap_mb="auto", first_bucket_mb=0.25)
     ref = TorchDDP(copy.deepcopy(model))
     of = torch.optim.SGD(fast.parameters(), lr=0.05)

@@ -21,7 +21,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import fastcoll
 from fastcoll import _dtypes, _loader, _reference, ops
+from fastcoll.bench.common import num_threads
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DTYPES = [F32, F16, BF16, F64]
@@ -37,6 +38,9 @@ DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
 BIG_NUMELS = [65535, 65536, 65537]
 HUGE_NUMEL = (1 << 20) + 3  # "one huge among many tiny": an embedding-like tensor
 CUDA = pytest.mark.cuda
+# Small tensors on a shared 2-core machine: 1 intra-op thread (tests/conftest.py). The
+# multi-threaded kernel path has its own test (test_parallel_kernels).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 # ---------------------------------------------------------------------------
 # The two implementations under test
@@ -103,16 +107,6 @@ _PHASES = [Phase.explicit, Phase.reuse, Phase.generate]
 if os.environ.get("FASTCOLL_HYPOTHESIS_SHRINK", "0") not in ("", "0"):
     _PHASES.append(Phase.shrink)
 HYP = dict(deadline=None, suppress_health_check=list(HealthCheck), phases=_PHASES)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Small tensors on a shared 2-core machine: extra threads only contend. The
-    multi-threaded kernel path has its own test (test_parallel_kernels)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def extension_active() -> bool:
@@ -242,6 +236,54 @@ def assert_scaled(got: torch.Tensor, src_mem: torch.Tensor, scale: float, op: to
         )
 
 
+def flatten_case(specs: Sequence[Spec], out_dtype, out_offset, out_pad, seed, device):
+    """Inputs made from ``specs``, copies of their buffers, and a NaN-poisoned ``out``: (made, before, out, out's buffer)."""
+    gen = torch.Generator().manual_seed(seed)
+    made = [make_tensor(s, device, gen) for s in specs]
+    before = [m.buf.clone() for m in made]
+    out = make_flat(sum(s.numel for s in specs), out_dtype, device, out_offset, out_pad)
+    return made, before, out, out.buf.clone()
+
+
+def assert_inputs_and_guards_kept(made: Sequence[Made], before, out: Made, guards: torch.Tensor) -> None:
+    """The inputs (and their buffers) are unchanged, and so are the guard regions around ``out``."""
+    for i, (m, b) in enumerate(zip(made, before)):
+        assert_bitwise(m.buf, b, f"input tensors[{i}] (and its buffer) changed")
+    end = out.offset + out.numel
+    assert_bitwise(out.buf[: out.offset], guards[: out.offset], "wrote before out")
+    assert_bitwise(out.buf[end:], guards[end:], "wrote past out")
+
+
+def unflatten_case(specs: Sequence[Spec], flat_dtype, flat_offset, flat_pad, seed, device):
+    """A random flat source, NaN-poisoned destinations made from ``specs`` and copies of both buffers.
+
+    Returns (gen, flat, flat's buffer, dests, dests' buffers); ``gen`` goes on from there.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(s.numel for s in specs)
+    flat = make_flat(n, flat_dtype, device, flat_offset, flat_pad, gen=gen, fill=None)
+    flat_before = flat.buf.clone()
+    dests = [make_tensor(s, device, gen, fill=float("nan")) for s in specs]
+    return gen, flat, flat_before, dests, [d.buf.clone() for d in dests]
+
+
+def assert_dest_guards_kept(d: Made, before: torch.Tensor, i: int) -> None:
+    """Nothing written around destination ``i`` in its buffer."""
+    end = d.offset + d.numel
+    assert_bitwise(d.buf[: d.offset], before[: d.offset], f"wrote before tensors[{i}]")
+    assert_bitwise(d.buf[end:], before[end:], f"wrote past tensors[{i}]")
+
+
+def assert_slots_match(out: torch.Tensor, ref: torch.Tensor, specs: Sequence[Spec], skip: Callable[[Spec], bool]) -> None:
+    """Each tensor's slot of ``out`` holds the bits of its slot of ``ref`` (the reference's), unless ``skip(spec)``."""
+    pos = 0
+    for i, s in enumerate(specs):
+        if not skip(s):
+            sl = slice(pos, pos + s.numel)
+            assert_bitwise(out[sl], ref[sl], f"extension != reference for tensors[{i}] {s}")
+        pos += s.numel
+
+
 # ---------------------------------------------------------------------------
 # Hypothesis strategies
 # ---------------------------------------------------------------------------
@@ -331,20 +373,10 @@ def cases(draw, dtypes=DTYPES, out_dtypes=DTYPES):
 
 
 def check_flatten(impl: Impl, specs: Sequence[Spec], out_dtype, scale, out_offset, out_pad, seed, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    made = [make_tensor(s, device, gen) for s in specs]
-    before = [m.buf.clone() for m in made]
-    n = sum(s.numel for s in specs)
-    out = make_flat(n, out_dtype, device, out_offset, out_pad)
-    guards = out.buf.clone()
+    made, before, out, guards = flatten_case(specs, out_dtype, out_offset, out_pad, seed, device)
     impl.flatten([m.tensor for m in made], out.tensor, scale)
 
-    # inputs untouched, guard regions around out untouched
-    for i, (m, b) in enumerate(zip(made, before)):
-        assert_bitwise(m.buf, b, f"input tensors[{i}] (and its buffer) changed")
-    assert_bitwise(out.buf[:out_offset], guards[:out_offset], "wrote before out")
-    assert_bitwise(out.buf[out_offset + n :], guards[out_offset + n :], "wrote past out")
-
+    assert_inputs_and_guards_kept(made, before, out, guards)
     pos = 0
     for i, (s, m) in enumerate(zip(specs, made)):
         got = out.tensor[pos : pos + s.numel]
@@ -354,24 +386,14 @@ def check_flatten(impl: Impl, specs: Sequence[Spec], out_dtype, scale, out_offse
         pos += s.numel
 
     if impl.name == "ops" and extension_active():  # extension vs reference, bit for bit
-        ref = make_flat(n, out_dtype, device, out_offset, out_pad)
+        ref = make_flat(out.numel, out_dtype, device, out_offset, out_pad)
         _reference.flatten_scale([m.tensor for m in made], ref.tensor, scale)
-        pos = 0
-        for i, s in enumerate(specs):
-            if not (s.dtype == F64 and out_dtype in (F16, BF16)):
-                sl = slice(pos, pos + s.numel)
-                assert_bitwise(out.tensor[sl], ref.tensor[sl], f"extension != reference for tensors[{i}] {s}")
-            pos += s.numel
+        assert_slots_match(out.tensor, ref.tensor, specs, skip=lambda s: s.dtype == F64 and out_dtype in (F16, BF16))
 
 
 def check_unflatten(impl: Impl, specs: Sequence[Spec], out_dtype, scale, out_offset, out_pad, seed, device="cpu"):
     """Here ``out_dtype`` is the flat source's dtype and specs describe the destinations."""
-    gen = torch.Generator().manual_seed(seed)
-    n = sum(s.numel for s in specs)
-    flat = make_flat(n, out_dtype, device, out_offset, out_pad, gen=gen, fill=None)
-    flat_before = flat.buf.clone()
-    dests = [make_tensor(s, device, gen, fill=float("nan")) for s in specs]
-    dest_before = [d.buf.clone() for d in dests]
+    gen, flat, flat_before, dests, dest_before = unflatten_case(specs, out_dtype, out_offset, out_pad, seed, device)
     impl.unflatten(flat.tensor, [d.tensor for d in dests], scale)
 
     assert_bitwise(flat.buf, flat_before, "flat (or its buffer) changed")
@@ -381,8 +403,7 @@ def check_unflatten(impl: Impl, specs: Sequence[Spec], out_dtype, scale, out_off
         assert_scaled(d.mem, src, scale, opmath(s.dtype, out_dtype), f"destination tensors[{i}] {s}")
         if scale == 1.0:
             assert_bitwise(d.mem, src.to(s.dtype), f"scale 1.0 is not a plain cast for tensors[{i}]")
-        assert_bitwise(d.buf[: d.offset], b[: d.offset], f"wrote before tensors[{i}]")
-        assert_bitwise(d.buf[d.offset + d.numel :], b[d.offset + d.numel :], f"wrote past tensors[{i}]")
+        assert_dest_guards_kept(d, b, i)
         pos += s.numel
 
     if impl.name == "ops" and extension_active():
@@ -501,14 +522,10 @@ def test_parallel_kernels(impl, threads):
     specs = [Spec((k % 7, 3), (1, 0), F16 if k % 3 else F32, k % 3, 1) for k in range(100)]
     specs.insert(37, Spec((HUGE_NUMEL,), (0,), F32, 1, 0))
     specs.insert(80, Spec((64, 32, 3, 3), (0, 2, 3, 1), BF16, 3, 0))
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         for dst in (F32, BF16):
             check_flatten(impl, specs, dst, 0.25, 1, 1, seed=7)
             check_unflatten(impl, specs, dst, 0.25, 1, 1, seed=8)
-    finally:
-        torch.set_num_threads(saved)
 
 
 @impl_param
@@ -700,22 +717,35 @@ def _bad_calls():
     }
 
 
-@pytest.mark.parametrize("case", sorted(_bad_calls()))
-def test_extension_and_reference_say_the_same(case):
-    """The compiled checks (csrc/ops.cpp; the fake kernels for mixed meta inputs) and the
-    reference (fastcoll/_reference.py) raise the same exception type with the same message."""
+def assert_extension_and_reference_agree(case: str, bad_calls: Callable[[], dict], ext_ops, ref_ops, prefixes) -> None:
+    """``bad_calls()[case](*ops)`` raises the same exception type and first line of message with the
+    extension's ops and the reference's (skipped when the extension is not loaded); the message
+    starts with one of ``prefixes``."""
     if not extension_active():
         pytest.skip("the compiled extension is not loaded: ops are the reference")
-    call = _bad_calls()[case]
+    call = bad_calls()[case]
     got = []
-    for f, u in ((ops.flatten_scale, ops.unflatten_scale), (_reference.flatten_scale, _reference.unflatten_scale)):
+    for fns in (ext_ops, ref_ops):
         with pytest.raises(Exception) as info:
-            call(f, u)
+            call(*fns)
         got.append((type(info.value), str(info.value).splitlines()[0]))
     (ext_type, ext_msg), (ref_type, ref_msg) = got
     assert ext_msg == ref_msg
     assert issubclass(ext_type, ref_type), (ext_type, ref_type)
-    assert ext_msg.startswith(("fastcoll.flatten_scale: ", "fastcoll.unflatten_scale: ")), ext_msg
+    assert ext_msg.startswith(prefixes), ext_msg
+
+
+@pytest.mark.parametrize("case", sorted(_bad_calls()))
+def test_extension_and_reference_say_the_same(case):
+    """The compiled checks (csrc/ops.cpp; the fake kernels for mixed meta inputs) and the
+    reference (fastcoll/_reference.py) raise the same exception type with the same message."""
+    assert_extension_and_reference_agree(
+        case,
+        _bad_calls,
+        (ops.flatten_scale, ops.unflatten_scale),
+        (_reference.flatten_scale, _reference.unflatten_scale),
+        ("fastcoll.flatten_scale: ", "fastcoll.unflatten_scale: "),
+    )
 
 
 def _non_dense():
@@ -874,6 +904,7 @@ def test_schema_matches_loader(name):
 
 
 def _opcheck_samples():
+    """(tensors, flat dtype, scale) for opcheck: mixed dtypes and layouts, an empty tensor."""
     cl = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
     mats = torch.randn(6, 5).t()
     yield [torch.randn(3, 4), cl, torch.randn(7, dtype=F16), mats, torch.randn(0)], F32, 0.5
@@ -892,6 +923,27 @@ def test_opcheck(op):
         torch.library.opcheck(getattr(torch.ops.fastcoll, op).default, args)
 
 
+def compile_grads() -> List[torch.Tensor]:
+    """Gradients for the torch.compile tests: a channels_last one, a vector, a bfloat16 matrix."""
+    return [
+        torch.randn(8, 3, 3, 3).contiguous(memory_format=torch.channels_last),
+        torch.randn(8),
+        torch.randn(5, 7, dtype=BF16),
+    ]
+
+
+def eager_and_compiled(step: Callable, backend: str, run: Callable[[Callable], tuple]) -> List[tuple]:
+    """``[run(step), run(compiled step)]``, ``step`` compiled with ``backend`` as one graph (fullgraph)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    return [run(fn) for fn in (step, compiled)]
+
+
+def assert_same_dests(d0: Sequence[torch.Tensor], d1: Sequence[torch.Tensor]) -> None:
+    for a, b in zip(d0, d1):
+        assert a.stride() == b.stride() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_torch_compile(backend):
     def step(grads, bucket, dests, world_size: int):
@@ -900,24 +952,18 @@ def test_torch_compile(backend):
         ops.unflatten_scale(bucket, dests, 0.5)
         return bucket.sum()
 
-    grads = [
-        torch.randn(8, 3, 3, 3).contiguous(memory_format=torch.channels_last),
-        torch.randn(8),
-        torch.randn(5, 7, dtype=BF16),
-    ]
+    grads = compile_grads()
     n = sum(g.numel() for g in grads)
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend=backend, fullgraph=True)
-    results = []
-    for fn in (step, compiled):
+
+    def run(fn):
         bucket = torch.full((n,), float("nan"))
         dests = [torch.full_like(g, float("nan")) for g in grads]
         total = fn(grads, bucket, dests, 4)
-        results.append((bucket, dests, total))
-    (b0, d0, s0), (b1, d1, s1) = results
+        return bucket, dests, total
+
+    (b0, d0, s0), (b1, d1, s1) = eager_and_compiled(step, backend, run)
     assert torch.equal(b0, b1) and torch.equal(s0, s1)
-    for a, b in zip(d0, d1):
-        assert a.stride() == b.stride() and torch.equal(a, b)
+    assert_same_dests(d0, d1)
 
 
 # ---------------------------------------------------------------------------
@@ -999,6 +1045,24 @@ def _cuda_kernels(fn) -> List[str]:
     return names
 
 
+def capture_graph(record: Callable[[], None], warm: Optional[Callable[[], None]] = None) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of what ``record()`` launches, captured on a side stream (``warm()`` runs there first, uncaptured)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        if warm is not None:
+            warm()
+        graph.capture_begin()
+        try:
+            record()
+        finally:
+            graph.capture_end()
+    torch.cuda.synchronize()
+    return graph
+
+
 @CUDA
 @pytest.mark.parametrize("dtypes", [(F32, F32), (F32, BF16), (F16, F32)], ids=str)
 def test_cuda_one_kernel_per_direction_for_300_tensors(dtypes):
@@ -1029,21 +1093,15 @@ def test_cuda_graph_capture():
     back = [torch.zeros_like(t) for t in small]
     many = [torch.randn(3, device="cuda") for _ in range(600)]  # 600 chunks
     many_flat = torch.full((1800,), 7.0, device="cuda")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        try:
-            ops.flatten_scale(small, flat, 0.5)
-            ops.unflatten_scale(flat, back, 4.0)
-            for call in (lambda: ops.flatten_scale(many, many_flat, 0.5), lambda: ops.unflatten_scale(many_flat, many, 2.0)):
-                with pytest.raises(RuntimeError, match="CUDA graph capture"):
-                    call()
-        finally:
-            graph.capture_end()
-    torch.cuda.synchronize()
+
+    def record():
+        ops.flatten_scale(small, flat, 0.5)
+        ops.unflatten_scale(flat, back, 4.0)
+        for call in (lambda: ops.flatten_scale(many, many_flat, 0.5), lambda: ops.unflatten_scale(many_flat, many, 2.0)):
+            with pytest.raises(RuntimeError, match="CUDA graph capture"):
+                call()
+
+    graph = capture_graph(record)
     assert torch.equal(many_flat, torch.full((1800,), 7.0, device="cuda")), "a refused call may write nothing"
     for _ in range(2):  # each replay packs the inputs' current values
         for t in small:

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from stall_harness import run_stall_ranks
+from stall_harness import run_stall_ranks, survivors_agree
 
 from fastcoll import stall
 from fastcoll.stall import diagnosis as diagnose_mod
@@ -545,16 +545,21 @@ def _stall_result(fn):
     return None
 
 
-def _kill_mid_backward(rank, world_size):
+def _stall_in_third_iteration(world_size, before):
+    """Two healthy iterations, then a third whose ``before(comm, stage)`` hook (see _iteration) misbehaves:
+    the StallError it ends with, as _stall_result's data."""
     comm = _comm(world_size)
     for i in range(1, 3):
         _iteration(comm, i)
+    return _stall_result(lambda: _iteration(comm, 3, before=lambda stage: before(comm, stage)))
 
-    def before(stage):
+
+def _kill_mid_backward(rank, world_size):
+    def before(comm, stage):
         if rank == 2 and stage == "bucket 1":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return _stall_result(lambda: _iteration(comm, 3, before=before))
+    return _stall_in_third_iteration(world_size, before)
 
 
 def _check_trace(trace_dir, ranks, first_line):
@@ -567,11 +572,7 @@ def _check_trace(trace_dir, ranks, first_line):
 def test_killed_rank_is_named_by_the_survivors(tmp_path):
     out = run_stall_ranks(_kill_mid_backward, 3, need={0, 1, 2}, env={"FASTCOLL_TRACE_DIR": str(tmp_path)})
     assert out[2].kind == "dead" and out[2].value == -signal.SIGKILL
-    res = [out[r].value for r in (0, 1)]
-    assert all(out[r].kind == "ok" for r in (0, 1)), out
-    assert all(x is not None for x in res), out
-    assert res[0]["line"] == res[1]["line"]
-    line = res[0]["line"]
+    res, line = survivors_agree(out, (0, 1))
     assert line.startswith("fastcoll stall: rank 2 did not answer: dead or stuck outside gradient synchronization"), line
     assert res[0]["culprits"] == [2]
     assert max(x["elapsed"] for x in res) < TIMEOUT + 30
@@ -579,24 +580,17 @@ def test_killed_rank_is_named_by_the_survivors(tmp_path):
 
 
 def _sleep_before_backward(rank, world_size):
-    comm = _comm(world_size)
-    for i in range(1, 3):
-        _iteration(comm, i)
-
-    def before(stage):
+    def before(comm, stage):
         if rank == 1 and stage == "forward":
             time.sleep(120)
 
-    return _stall_result(lambda: _iteration(comm, 3, before=before))
+    return _stall_in_third_iteration(world_size, before)
 
 
 def test_sleeping_rank_is_named_behind(tmp_path):
     out = run_stall_ranks(_sleep_before_backward, 3, need={0, 2}, env={"FASTCOLL_TRACE_DIR": str(tmp_path)})
     assert out[1].kind == "killed", out[1]  # still asleep: killed by the harness
-    res = [out[r].value for r in (0, 2)]
-    assert all(out[r].kind == "ok" and out[r].value for r in (0, 2)), out
-    line = res[0]["line"]
-    assert res[1]["line"] == line
+    res, line = survivors_agree(out, (0, 2))
     assert line.startswith("fastcoll stall: rank 1 is behind: it has not issued collective #5 (bucket 0)"), line
     assert "last seen in forward of iteration 3" in line
     assert res[0]["culprits"] == [1]
@@ -605,11 +599,7 @@ def test_sleeping_rank_is_named_behind(tmp_path):
 
 
 def _missing_gradient(rank, world_size):
-    comm = _comm(world_size)
-    for i in range(1, 3):
-        _iteration(comm, i)
-
-    def before(stage):
+    def before(comm, stage):
         if rank == 2 and stage == "bucket 1":
             return "skip"  # net.fc2.weight got no gradient here: bucket 1 is never complete
         if rank == 2 and stage == "wait":
@@ -619,16 +609,13 @@ def _missing_gradient(rank, world_size):
             os._exit(3)
         return None
 
-    return _stall_result(lambda: _iteration(comm, 3, before=before))
+    return _stall_in_third_iteration(world_size, before)
 
 
 def test_rank_missing_a_gradient_is_named_with_the_parameter():
     out = run_stall_ranks(_missing_gradient, 3, need={0, 1, 2})
     assert out[2].kind == "dead" and out[2].value == 3
-    res = [out[r].value for r in (0, 1)]
-    assert all(out[r].kind == "ok" and out[r].value for r in (0, 1)), out
-    line = res[0]["line"]
-    assert res[1]["line"] == line
+    res, line = survivors_agree(out, (0, 1))
     assert line.startswith("fastcoll stall: rank 2 did not answer"), line
     assert "finished backward of iteration 3" in line and "no gradient for net.fc2.weight" in line
     assert res[0]["culprits"] == [2]
@@ -636,24 +623,17 @@ def test_rank_missing_a_gradient_is_named_with_the_parameter():
 
 
 def _kill_store_host(rank, world_size):
-    comm = _comm(world_size)
-    for i in range(1, 3):
-        _iteration(comm, i)
-
-    def before(stage):
+    def before(comm, stage):
         if rank == 0 and stage == "backward":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return _stall_result(lambda: _iteration(comm, 3, before=before))
+    return _stall_in_third_iteration(world_size, before)
 
 
 def test_store_host_death_is_reported_by_every_survivor(tmp_path):
     out = run_stall_ranks(_kill_store_host, 3, need={0, 1, 2}, store="tcp", env={"FASTCOLL_TRACE_DIR": str(tmp_path)})
     assert out[0].kind == "dead"
-    res = [out[r].value for r in (1, 2)]
-    assert all(out[r].kind == "ok" and out[r].value for r in (1, 2)), out
-    line = res[0]["line"]
-    assert res[1]["line"] == line
+    res, line = survivors_agree(out, (1, 2))
     assert line.startswith("fastcoll stall: rank 0 (the store host) is unreachable"), line
     assert res[0]["culprits"] == [0]
     for r, x in zip((1, 2), res):
@@ -662,12 +642,14 @@ def test_store_host_death_is_reported_by_every_survivor(tmp_path):
     _check_trace(tmp_path, (1, 2), line)
 
 
-def _extra_collective(rank, world_size):
+def _extra_collective_of_shape(rank, world_size, shape):
+    """Four one-bucket iterations; in the backward of iteration 2, rank 1 alone all-reduces a tensor of ``shape``
+    (a fastcoll.dist.reduce_mean of the loss, on rank 1 only). Returns (_stall_result's data, collectives issued)."""
     comm = _comm(world_size)
 
     def before(stage):
         if rank == 1 and stage == "backward":
-            t = torch.ones(256)  # a fastcoll.dist.reduce_mean of the loss, on rank 1 only
+            t = torch.ones(shape)
             stall.run_collective(lambda: dist.all_reduce(t, async_op=True), "all_reduce", "reduce_mean", t, stall_timeout=TIMEOUT)
 
     def train():
@@ -676,6 +658,10 @@ def _extra_collective(rank, world_size):
 
     res = _stall_result(train)
     return res, comm.state.seq
+
+
+def _extra_collective(rank, world_size):
+    return _extra_collective_of_shape(rank, world_size, (256,))
 
 
 def test_extra_collective_on_one_rank_is_named_out_of_step():
@@ -692,18 +678,8 @@ def test_extra_collective_on_one_rank_is_named_out_of_step():
 
 
 def _extra_scalar_collective(rank, world_size):
-    comm = _comm(world_size)
-
-    def before(stage):
-        if rank == 1 and stage == "backward":
-            t = torch.ones(())  # fastcoll.dist.reduce_mean(loss) on rank 1 only: its size differs from bucket 0's
-            stall.run_collective(lambda: dist.all_reduce(t, async_op=True), "all_reduce", "reduce_mean", t, stall_timeout=TIMEOUT)
-
-    def train():
-        for i in range(1, 5):
-            _iteration(comm, i, buckets=1, before=before if i == 2 else None)
-
-    return _stall_result(train)
+    res, _ = _extra_collective_of_shape(rank, world_size, ())  # a scalar: its size differs from bucket 0's
+    return res
 
 
 def test_extra_collective_of_another_size_is_blamed_on_its_rank():
@@ -743,11 +719,9 @@ def _watchdog(rank, world_size):
 
 def test_watchdog_path_on_gloo():
     out = run_stall_ranks(_watchdog, 3, need={0, 2})
-    res = [out[r].value for r in (0, 2)]
-    assert all(out[r].kind == "ok" and out[r].value for r in (0, 2)), out
-    assert res[0]["line"] == res[1]["line"]
-    assert res[0]["line"].startswith("fastcoll stall: rank 1 is behind"), res[0]["line"]
-    assert "last seen outside fastcoll (after iteration 2)" in res[0]["line"]
+    res, line = survivors_agree(out, (0, 2))
+    assert line.startswith("fastcoll stall: rank 1 is behind"), line
+    assert "last seen outside fastcoll (after iteration 2)" in line
     assert all(TIMEOUT <= x["elapsed"] < TIMEOUT + 15 for x in res), res
 
 
