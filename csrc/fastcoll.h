@@ -86,6 +86,13 @@ struct HealthFns {
   CopyCheckFn copy_check;
 };
 
+// The build of the CPU inner loops in use (cpu/cpu_isa.cpp): the best this CPU
+// runs, or the one FASTCOLL_CPU_ISA names ("default", "avx2", "avx512bf16";
+// a name the CPU cannot run is an error). Read once, at the first call.
+enum class CpuIsa { kDefault = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
+CpuIsa cpu_isa();
+const char* cpu_isa_name(CpuIsa isa);
+
 // CPU calls that write at least this many bytes use non-temporal (cache-
 // bypassing) stores; FASTCOLL_CPU_STREAM_MIN_BYTES sets the initial value.
 int64_t cpu_stream_min_bytes();

@@ -22,6 +22,11 @@ py::dict build_info() {
   info["extension"] = true;
   info["compiler"] = FASTCOLL_COMPILER;
   info["cpu_stream_min_bytes"] = fastcoll::cpu_stream_min_bytes();
+  try {  // the build of the CPU inner loops that runs (cpu_isa.cpp); FASTCOLL_CPU_ISA may name one this CPU lacks
+    info["cpu_isa"] = fastcoll::cpu_isa_name(fastcoll::cpu_isa());
+  } catch (const c10::Error& e) {
+    info["cpu_isa"] = std::string("error: ") + e.what_without_backtrace();
+  }
   // The kernels' dtype table (dtypes.h), by name, in code order.
   py::list dtypes;
 #define FASTCOLL_DTYPE_NAME(code, T, st, name) dtypes.append(name);

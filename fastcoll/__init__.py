@@ -33,7 +33,9 @@ def build_info() -> dict:
     Returns:
         A dict with the torch version, whether the C++ extension and its CUDA
         kernels are compiled in, the compiler, the CUDA version and arch list
-        the kernels were built for, and why the fallback is in use (if it is).
+        the kernels were built for, the build of the CPU inner loops in use
+        (``cpu_isa``: default, avx2 or avx512bf16; ``FASTCOLL_CPU_ISA``
+        picks a lower one), and why the fallback is in use (if it is).
     """
     info = {
         "fastcoll": __version__,

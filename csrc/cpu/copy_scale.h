@@ -1,8 +1,11 @@
-// The copy-and-scale inner loops of the CPU kernels, compiled twice: once for
-// the baseline ISA (copy_scale_default.cpp) and once for AVX2+FMA+F16C
-// (copy_scale_avx2.cpp); flatten_scale_cpu.cpp picks one at run time. Each
-// includer defines FASTCOLL_CPU_NS (and, for AVX2, CPU_CAPABILITY) first, so
-// the two builds never share a symbol.
+// The copy-and-scale inner loops of the CPU kernels, compiled three times:
+// for the baseline ISA (copy_scale_default.cpp), for AVX2+FMA+F16C
+// (copy_scale_avx2.cpp), and for AVX2 with its float -> bfloat16 conversions
+// done by AVX-512 BF16's VCVTNE2PS2BF16, one instruction where AVX2 needs seven
+// per vector (copy_scale_avx512bf16.cpp; it stores the same bits, see
+// bf16_from_floats). cpu_isa.cpp picks the build at run time. Each includer
+// defines FASTCOLL_CPU_NS (and CPU_CAPABILITY for the vector builds) first, so
+// the builds never share a symbol.
 //
 // The AVX2 build also has streaming variants, for calls that write more than
 // the caches hold: their 32-byte stores bypass the cache (non-temporal), so
@@ -11,8 +14,8 @@
 // The baseline build's "streaming" variants are its regular loops.
 //
 // The copies of the gradient-health ops, which observe the values they store
-// (sum of squares, non-finite check), are here too, compiled twice the same
-// way; see the bottom of the file.
+// (sum of squares, non-finite check), are here too, compiled with each build;
+// see the bottom of the file.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -67,17 +70,42 @@ struct FloatPair<float> {
 #endif
 };
 
+#if defined(FASTCOLL_AVX512BF16)
+// 16 floats (a: elements 0-7, b: 8-15) to bfloat16 in element order, rounded
+// to nearest even. VCVTNE2PS2BF16 treats subnormal inputs as zero and quiets
+// NaNs, where the other builds keep subnormals and store NaN as 0xFFFF: a
+// step holding a NaN or a subnormal (rare in gradients) takes at::vec's
+// conversion instead, so every build stores the same bits. (bfloat16 has
+// float's exponent range: only subnormal inputs give subnormal outputs.)
+inline __m256i bf16_from_floats(const __m256& a, const __m256& b) {
+  constexpr int kNanOrSubnormal = 0x01 | 0x20 | 0x80;  // VFPCLASSPS: quiet NaN, subnormal, signaling NaN
+  if (__builtin_expect((_mm256_fpclass_ps_mask(a, kNanOrSubnormal) | _mm256_fpclass_ps_mask(b, kNanOrSubnormal)) != 0, 0)) {
+    return at::vec::convert_from_float<c10::BFloat16>(a, b);
+  }
+  return reinterpret_cast<__m256i>(_mm256_cvtne2ps_pbh(b, a));  // b to the upper half, a to the lower
+}
+#endif
+
+// 2 * FVec::size() floats to R (float16 or bfloat16), in element order.
+template <typename R>
+inline Vectorized<R> reduced_from_floats(const FVec& a, const FVec& b) {
+#if defined(FASTCOLL_AVX512BF16)
+  if constexpr (std::is_same_v<R, c10::BFloat16>) return Vectorized<R>(bf16_from_floats(a, b));
+#endif
+  return at::vec::convert_from_float<R>(a, b);
+}
+
 template <typename R>  // c10::Half or c10::BFloat16
 struct ReducedFloatPair {
   static inline void load(const R* p, FVec& a, FVec& b) {
     std::tie(a, b) = at::vec::convert_to_float<R>(Vectorized<R>::loadu(p));
   }
   static inline void store(R* p, const FVec& a, const FVec& b) {
-    at::vec::convert_from_float<R>(a, b).store(p);
+    reduced_from_floats<R>(a, b).store(p);
   }
 #if defined(CPU_CAPABILITY_AVX2)
   static inline void stream(R* p, const FVec& a, const FVec& b) {  // p 32-byte aligned
-    const __m256i v = at::vec::convert_from_float<R>(a, b);
+    const __m256i v = reduced_from_floats<R>(a, b);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
   }
 #endif
@@ -123,7 +151,9 @@ struct StepIO {
 #endif
 };
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) && !defined(FASTCOLL_AVX512BF16)
+// (The AVX-512 BF16 build converts in element order instead: FloatPair's load,
+// bf16_from_floats.)
 // float -> bfloat16 bits in the low half of each 32-bit lane: round to nearest
 // even, NaN to 0xFFFF (at::vec's cvtfp32_bf16, before its pack and permute).
 inline __m256i bf16_bits_in_low_half(const __m256& x) {
@@ -508,7 +538,7 @@ inline void put_pair(D* p, FVec& a, FVec& b) {
 #endif
     FloatPair<float>::store(p, a, b);
   } else {
-    const auto r = at::vec::convert_from_float<D>(a, b);
+    const auto r = reduced_from_floats<D>(a, b);
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (kStream) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(p), r);

@@ -4,8 +4,9 @@
 // order and at::parallel_for splits that element range evenly across threads,
 // so a huge tensor is shared by all threads and many tiny ones are batched into
 // one thread's range. The inner loops (copy_scale.h) use at::vec, built for
-// AVX2 when the CPU has it; the multiply runs in float (double when either
-// side is double). A call that writes at least cpu_stream_min_bytes() (default
+// AVX2 when the CPU has it, with AVX-512 BF16 conversions where it has those
+// too (cpu_isa.cpp); the multiply runs in float (double when either side is
+// double). A call that writes at least cpu_stream_min_bytes() (default
 // 16 MiB: source and destination together then exceed a typical last-level
 // cache) uses non-temporal stores. Nothing is allocated beyond the plan.
 #include <ATen/Parallel.h>
@@ -22,6 +23,9 @@ namespace cpu_default {
 CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
 }
 namespace cpu_avx2 {
+CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
+}
+namespace cpu_avx512bf16 {
 CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
 }
 
@@ -49,18 +53,15 @@ void set_cpu_stream_min_bytes(int64_t nbytes) {
 
 namespace {
 
-bool cpu_has_avx2() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c");
-  return has;
-#else
-  return false;
-#endif
-}
-
 CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming) {
-  return cpu_has_avx2() ? cpu_avx2::pick_copy(src, dst, streaming) : cpu_default::pick_copy(src, dst, streaming);
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512Bf16:
+      return cpu_avx512bf16::pick_copy(src, dst, streaming);
+    case CpuIsa::kAvx2:
+      return cpu_avx2::pick_copy(src, dst, streaming);
+    default:
+      return cpu_default::pick_copy(src, dst, streaming);
+  }
 }
 
 // Elements below which splitting across threads costs more than it saves.

@@ -39,6 +39,9 @@ HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bo
 namespace cpu_avx2 {
 HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64);
 }
+namespace cpu_avx512bf16 {
+HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64);
+}
 
 namespace {
 
@@ -58,19 +61,15 @@ void store_fence() {
 #endif
 }
 
-bool cpu_has_avx2() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c");
-  return has;
-#else
-  return false;
-#endif
-}
-
 HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64) {
-  return cpu_has_avx2() ? cpu_avx2::pick_health(src, dst, streaming, f64)
-                        : cpu_default::pick_health(src, dst, streaming, f64);
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512Bf16:
+      return cpu_avx512bf16::pick_health(src, dst, streaming, f64);
+    case CpuIsa::kAvx2:
+      return cpu_avx2::pick_health(src, dst, streaming, f64);
+    default:
+      return cpu_default::pick_health(src, dst, streaming, f64);
+  }
 }
 
 bool is_double(at::ScalarType t) {
