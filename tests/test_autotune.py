@@ -170,6 +170,21 @@ def test_keeps_the_default_within_tolerance():
     assert chosen == 1
 
 
+def test_keeps_the_default_when_the_samples_overlap():
+    # Medians 4% apart (beyond the tolerance), but each candidate's sample is the faster in only
+    # half of the pairs with the default's: noise could explain it.
+    t = tuner()
+    chosen = drive(t, lambda k, i: (0.090 + 0.020 * (i % 2)) if k == 0 else (0.080 + 0.032 * (i % 2)))
+    assert chosen == 0
+    rep = t.report()
+    assert rep[1]["step_median_s"] < 0.97 * rep[0]["step_median_s"]
+    assert rep[1]["step_quartiles_s"][1] > rep[0]["step_quartiles_s"][1]
+    # A gap like that with the samples apart: switch.
+    t = tuner()
+    chosen = drive(t, lambda k, i: (0.090 + 0.020 * (i % 2)) if k == 0 else (0.085 + 0.004 * (i % 2)))
+    assert chosen == 1
+
+
 def test_median_ignores_outliers_and_warmup():
     t = tuner()
 

@@ -26,9 +26,12 @@ iterations. The whole schedule spans at most ``budget`` iterations.
 
 Decision (:meth:`AutoTuner.decide`, on rank 0): the candidate with the lowest
 median step time (``metric="step"``; or the lowest median exposed sync time,
-``metric="exposed"``); the default wins when its median is within
-``tolerance`` (2%) of the best, since a change that noise could explain is not
-worth making. Deterministic given the measurements.
+``metric="exposed"``), unless the default is as good as far as the
+measurements can tell: the default wins when its median is within
+``tolerance`` (2%) of the best's, or when their samples overlap too much
+(the best's sample is the faster in fewer than 70% of the pairs of one
+sample of each), since a change that noise could explain is not worth making. Deterministic given the
+measurements.
 
 Integration (the reducer, with ``bucket_cap_mb="auto"``)::
 
@@ -91,6 +94,8 @@ _MODEL_SINGLE_MB = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _MODEL_LIST_STARTS_MB = (1, 2, 4)
 _MODEL_LIST_RATIOS = (2, 4)
 _MODEL_LIST_TOPS_MB = (16, 64, 256)
+# decide(): the best candidate replaces the default only if its sample is the faster in this share of all pairs.
+_WIN_FRACTION = 0.7
 # Grid points predicted within this of the best (relative, absolute seconds) count as equal: the fewest buckets wins.
 _MODEL_SLACK = (0.05, 1e-4)
 
@@ -216,6 +221,12 @@ class Candidate:
     @property
     def first_mb(self) -> float | None:
         return None if isinstance(self.caps, list) else caps_to_mb(self.first_cap_bytes)
+
+
+def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
+    """First and third quartile (inclusive method: within the samples' range)."""
+    q1, _, q3 = statistics.quantiles(sorted(xs), n=4, method="inclusive")
+    return q1, q3
 
 
 def _mb_label(mb: float) -> str:
@@ -451,7 +462,7 @@ class AutoTuner:
     # --------------------------------------------------------------- decision
 
     def _score(self, c: Candidate) -> float | None:
-        xs = c.steps if self.metric == "step" else c.exposed
+        xs = self._samples(c)
         return statistics.median(xs) if xs else None
 
     def decide(self) -> int:
@@ -464,7 +475,20 @@ class AutoTuner:
         default = scores[0]
         if default is not None and default <= best_score * (1 + self.tolerance):
             return 0
+        if default is not None and not self._separated(self.candidates[best], self.candidates[0]):
+            return 0
         return best
+
+    def _samples(self, c: Candidate) -> list[float]:
+        return c.steps if self.metric == "step" else c.exposed
+
+    def _separated(self, faster: Candidate, slower: Candidate) -> bool:
+        """Whether ``faster``'s samples are below ``slower``'s in at least :data:`_WIN_FRACTION` of all pairs (ties: half)."""
+        a, b = self._samples(faster), self._samples(slower)
+        if not a or not b:
+            return True
+        wins = sum(1.0 if x < y else 0.5 if x == y else 0.0 for x in a for y in b)
+        return wins >= _WIN_FRACTION * len(a) * len(b)
 
     def freeze(self, k: int) -> Candidate:
         """Apply the (broadcast) decision: candidate ``k`` is kept from now on; returns it."""
@@ -481,7 +505,8 @@ class AutoTuner:
 
         Keys: ``index`` (None for pruned), ``label``, ``caps_mb`` (a number
         or a list), ``first_mb`` (None for a list), ``buckets``,
-        ``measured_iterations``, ``step_median_s``, ``exposed_median_s``,
+        ``measured_iterations``, ``step_median_s``, ``step_quartiles_s``
+        (first and third quartile; None below 2 samples), ``exposed_median_s``,
         ``predicted_exposed_s``, ``default``, ``chosen``, ``pruned``.
         """
         rows = []
@@ -499,6 +524,7 @@ class AutoTuner:
             "buckets": len(c.layout),
             "measured_iterations": len(c.steps),
             "step_median_s": statistics.median(c.steps) if c.steps else None,
+            "step_quartiles_s": _quartiles(c.steps) if len(c.steps) >= 2 else None,
             "exposed_median_s": statistics.median(c.exposed) if c.exposed else None,
             "predicted_exposed_s": c.predicted_exposed_s,
             "default": i == 0,
