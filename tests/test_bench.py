@@ -40,6 +40,18 @@ def test_ops_smoke_run(tmp_path, capsys):
     assert all(t["pass"] in (True, False) for t in resnet[0]["targets"].values())
     assert path.with_suffix(".png").stat().st_size > 1000
 
+    # dtype pairs: --smoke keeps the (shrunk) model bucket only, so one row per ordered pair of the 4 dtypes
+    assert "dtype pairs" in out
+    pairs = data["dtype_pairs"]
+    names = ("float32", "bfloat16", "float16", "float64")
+    assert sorted((r["src"], r["dst"]) for r in pairs) == sorted((s, d) for s in names for d in names)
+    for r in pairs:
+        assert r["layout"].startswith("resnet50 b2") and r["threads"] == 1
+        assert set(r["methods"]) == {"floor", "fused"} and all(st["n"] == 3 for st in r["methods"].values())
+        assert r["ratios"]["fused/floor"] > 0 and r["targets"]["fused/floor"]["pass"] in (True, False)
+        assert r["checks"]["ok"], r["checks"]
+    assert data["config"]["dtype_pairs"]["threads"] == 1
+
 
 def test_ddp_bucket_assignment():
     MiB = common.MiB

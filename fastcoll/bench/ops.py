@@ -26,6 +26,18 @@ the first with a 1 MiB cap and the rest with 25 MiB caps, each closing once its
 size reaches its cap, as torch DDP does when it rebuilds buckets in backward
 order), plus synthetic sweeps over the tensor count at a fixed total size, in
 float32 and bfloat16.
+
+Dtype pairs (CPU, 1 intra-op thread; issue 11's target: every pair within
+1.25x of the floor): for each of the 16 ordered (gradient dtype, bucket dtype)
+pairs of float32, bfloat16, float16 and float64, the ``fused`` round trip
+packs gradients of the first dtype into a bucket of the second and unpacks
+into gradients of the first; its ``floor`` is a plain copy of n elements in
+each dtype (the same bytes read and written). Layouts: ResNet-50's bucket
+``resnet50 b2`` and 64 equal tensors of as many elements (``--quick``: the
+bucket only). Each pair's result is checked against torch
+(``(g.to(opmath) * scale).to(dst)``, and that cast back) within the coarser
+dtype's tolerance before it is timed; the JSON's ``dtype_pairs`` has a row per
+pair and layout, with its ``checks``.
 """
 
 from __future__ import annotations
@@ -67,6 +79,24 @@ METHOD_DESCRIPTIONS = {
 # The issue's targets, as (ratio, threshold); "le" means ratio <= threshold passes.
 CPU_TARGETS = {"fused/floor": ("le", 1.25), "per-param/fused": ("ge", 1.5)}  # ResNet-50 buckets
 GPU_TARGETS = {"floor/fused": ("ge", 0.90), "per-param/fused": ("ge", 5.0)}  # BW: all models; speedup: ResNet-50
+
+# Dtype pairs (issue 11): every (gradient dtype, bucket dtype) pair within 1.25x of the floor at 1 thread.
+PAIR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+PAIR_MODEL_BUCKET = ("resnet50", 2)  # the main table's "resnet50 b2"
+PAIR_SYNTH_COUNT = 64
+PAIR_THREADS = 1
+PAIR_TARGET = ("le", 1.25)
+PAIR_METHOD_DESCRIPTIONS = {
+    "floor": "src_a.copy_(src_b) + dst_a.copy_(dst_b): the round trip's bytes in plain same-dtype copies",
+    "fused": "fastcoll.ops.flatten_scale(grads_src, bucket_dst, 1/ws) + fastcoll.ops.unflatten_scale(bucket_dst, dests_src, 1.0)",
+}
+# torch.testing.assert_close's default (rtol, atol) per dtype; a pair is checked with its coarser dtype's
+PAIR_TOLERANCES = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+}
 
 
 # ---------------------------------------------------------------------------
@@ -486,6 +516,202 @@ def chart(path: Path, results: List[Dict[str, object]]) -> Optional[Path]:
     )
 
 
+# ---------------------------------------------------------------------------
+# Dtype pairs (issue 11): mixed-dtype round trips against a floor of plain copies
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class PairCase:
+    src: torch.dtype  # the gradients' dtype
+    dst: torch.dtype  # the bucket's (wire) dtype
+    grads: List[torch.Tensor]
+    dests: List[torch.Tensor]
+    bucket: torch.Tensor
+    floor_src: Tuple[torch.Tensor, torch.Tensor]  # (destination, source) of the floor's copy in src
+    floor_dst: Tuple[torch.Tensor, torch.Tensor]  # and in dst
+
+
+def pair_layouts(cfg: Config) -> List[Layout]:
+    """ResNet-50's bucket 2 (the main table's ``resnet50 b2``) and 64 equal tensors of as many elements.
+
+    ``--quick`` and ``--smoke`` keep the model bucket only; ``--smoke`` shrinks it 64-fold.
+    """
+    model, index = PAIR_MODEL_BUCKET
+    layouts, _ = model_layouts(quick=False, models=(model,))
+    bucket = next(lay for lay in layouts if lay.meta["bucket_index"] == index)
+    if cfg.smoke:
+        bucket = _shrunk(bucket)
+    if cfg.quick:
+        return [bucket]
+    synth = Layout(
+        name=f"synth x{PAIR_SYNTH_COUNT}",
+        kind="synthetic",
+        shapes=synthetic_shapes(PAIR_SYNTH_COUNT, bucket.numel),
+        dtype=bucket.dtype,
+        note=f"{PAIR_SYNTH_COUNT} equal 1-D tensors, {bucket.numel:,} elements in total (as many as {bucket.name})",
+    )
+    return [bucket, synth]
+
+
+def make_pair_case(shapes: Sequence[Tuple[int, ...]], src: torch.dtype, dst: torch.dtype, seed: int = 0) -> PairCase:
+    gen = torch.Generator().manual_seed(seed)
+    # drawn in their own dtype, one after another: no freed temporaries between them (see make_case)
+    grads = [torch.randn(s, generator=gen, dtype=src) for s in shapes]
+    dests = [torch.empty_like(g) for g in grads]
+    n = sum(g.numel() for g in grads)
+    bucket = torch.empty(n, dtype=dst)
+    floor_src = (torch.empty(n, dtype=src), torch.randn(n, generator=gen, dtype=src))
+    floor_dst = (torch.empty(n, dtype=dst), torch.randn(n, generator=gen, dtype=dst))
+    return PairCase(src, dst, grads, dests, bucket, floor_src, floor_dst)
+
+
+def make_pair_methods(case: PairCase) -> Dict[str, Callable[[], None]]:
+    """One round trip per method: ``floor`` (a plain copy in each dtype) and ``fused``."""
+    from .. import ops
+
+    c = case
+    scale = 1.0 / WORLD_SIZE
+
+    def floor():
+        c.floor_src[0].copy_(c.floor_src[1])
+        c.floor_dst[0].copy_(c.floor_dst[1])
+
+    def fused():
+        ops.flatten_scale(c.grads, c.bucket, scale)
+        ops.unflatten_scale(c.bucket, c.dests, 1.0)
+
+    return {"floor": floor, "fused": fused}
+
+
+def verify_pair(case: PairCase, fused: Callable[[], None]) -> Dict[str, object]:
+    """The bucket holds ``(g * scale).to(dst)`` and the dests that cast back to ``src``, within the coarser dtype's tolerance.
+
+    The torch reference multiplies in float32 (float64 when either dtype is
+    float64), as the ops do. Rounding may differ in the last bit (a kernel
+    may narrow float64 to a 16-bit dtype through float32), so ``exact`` is
+    recorded but only the tolerance (``torch.testing``'s default for the
+    coarser dtype) decides ``ok``; a miss raises, as :func:`verify` does.
+    """
+    c = case
+    c.bucket.fill_(float("nan"))
+    for d in c.dests:
+        d.fill_(float("nan"))
+    fused()
+    opmath = torch.float64 if torch.float64 in (c.src, c.dst) else torch.float32
+    rtol, atol = max(PAIR_TOLERANCES[c.src], PAIR_TOLERANCES[c.dst])
+    ok, exact, err = True, True, 0.0
+    views = [v.reshape(g.shape) for v, g in zip(c.bucket.split([g.numel() for g in c.grads]), c.grads)]
+    for g, v, d in zip(c.grads, views, c.dests):
+        packed = (g.to(opmath) * (1.0 / WORLD_SIZE)).to(c.dst)
+        for got, want in ((v, packed), (d, packed.to(c.src))):
+            exact = exact and torch.equal(got, want)
+            ok = ok and torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol)
+            err = max(err, (got.double() - want.double()).abs().max().item())
+    checks = {"ok": ok, "exact": exact, "max_abs_err": err, "rtol": rtol, "atol": atol}
+    if not ok:
+        raise RuntimeError(f"fused round trip {_pair_name(c.src, c.dst)} produced a wrong result: {checks}")
+    return checks
+
+
+def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Config, bar) -> Dict[str, object]:
+    case = make_pair_case(layout.shapes, src, dst)
+    methods = make_pair_methods(case)
+    checks = verify_pair(case, methods["fused"])
+    samples = common.measure_interleaved(
+        methods, "cpu", warmup=cfg.warmup, reps=cfg.reps, target_s=cfg.target_s, on_sample=bar.advance
+    )
+    del case, methods
+    stats = {name: common.summarize(xs) for name, xs in samples.items()}
+    ratio = _ratio(stats["fused"]["median_s"], stats["floor"]["median_s"])
+    op, thr = PAIR_TARGET
+    moved = 2 * layout.numel * (_element_size(src) + _element_size(dst))  # each dtype read and written once
+    return {
+        "layout": layout.name,
+        "kind": layout.kind,
+        "model": layout.model,
+        "tensors": len(layout.shapes),
+        "numel": layout.numel,
+        "src": _dtype_name(src),
+        "dst": _dtype_name(dst),
+        "pair": f"{_dtype_name(src)}->{_dtype_name(dst)}",
+        "threads": PAIR_THREADS,
+        "bytes_moved": moved,
+        "methods": stats,
+        "ratios": {"fused/floor": ratio},
+        "bandwidth_gb_s": {name: moved / st["median_s"] / 1e9 for name, st in stats.items() if st["median_s"]},
+        "targets": {"fused/floor": {"value": ratio, "op": op, "threshold": thr, "pass": None if ratio is None else ratio <= thr}},
+        "checks": checks,
+    }
+
+
+def run_dtype_pairs(layouts: List[Layout], cfg: Config, bar) -> List[Dict[str, object]]:
+    """Every (gradient dtype, bucket dtype) pair on every layout, at :data:`PAIR_THREADS` intra-op thread."""
+    rows = []
+    with common.num_threads(PAIR_THREADS):
+        for src, dst in dtype_pairs():
+            for layout in layouts:
+                bar.describe(f"dtype pairs: {_pair_name(src, dst)}, {layout.name}")
+                rows.append(bench_pair(layout, src, dst, cfg, bar))
+    return rows
+
+
+def dtype_pairs() -> List[Tuple[torch.dtype, torch.dtype]]:
+    """The 16 ordered (src, dst) pairs: the 4 same-dtype ones first, then the 12 mixed ones."""
+    same = [(d, d) for d in PAIR_DTYPES]
+    return same + [(s, d) for s in PAIR_DTYPES for d in PAIR_DTYPES if s != d]
+
+
+def print_dtype_pairs(rows: List[Dict[str, object]], layouts: List[Layout]) -> None:
+    op, thr = PAIR_TARGET
+    tags = {lay.name: ("model" if lay.kind == "model" else "synth") for lay in layouts}
+    columns = ["grads → bucket"]
+    for lay in layouts:
+        tag = tags[lay.name]
+        columns += [f"{tag} floor", f"{tag} fused", f"{tag} fused/floor", f"{tag} ≤{thr}x"]
+    by_pair: Dict[str, List[str]] = {}
+    for r in rows:
+        line = by_pair.setdefault(r["pair"], [_pair_name(getattr(torch, r["src"]), getattr(torch, r["dst"]))])
+        line += [common.fmt_time(r["methods"][m]["median_s"]) for m in ("floor", "fused")]
+        line += [common.fmt_ratio(r["ratios"]["fused/floor"]), common.pass_miss(r["targets"]["fused/floor"]["pass"])]
+    caption = (
+        f"median time of one round trip at {PAIR_THREADS} thread: fused = flatten_scale(grads, bucket, 1/{WORLD_SIZE}) "
+        "+ unflatten_scale(bucket, dests, 1.0), grads and dests in the first dtype, the bucket in the second; "
+        "floor = src_a.copy_(src_b) + dst_a.copy_(dst_b), the same bytes in plain same-dtype copies\n"
+        + "\n".join(f"{tags[lay.name]}: {lay.name}, {len(lay.shapes)} tensors, {lay.numel:,} elements" for lay in layouts)
+    )
+    common.render_table(
+        f"fastcoll ops: dtype pairs, CPU, {PAIR_THREADS} thread", columns, list(by_pair.values()), caption=caption
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _pair_name(src: torch.dtype, dst: torch.dtype) -> str:
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+    return f"{short[src]} → {short[dst]}"
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _shrunk(layout: Layout) -> Layout:
+    """``--smoke``: the layout with every tensor 64 times smaller (1-D)."""
+    return replace(layout, name=layout.name + " (x1/64)", shapes=[(max(1, math.prod(s) // 64),) for s in layout.shapes])
+
+
+def main_layouts(cfg: Config) -> Tuple[List[Layout], List[str]]:
+    """The main table's layouts and the buckets left out of it."""
+    if cfg.smoke:
+        layouts, skipped = model_layouts(quick=True, models=("resnet50",))
+        return [_shrunk(lay) for lay in layouts] + synthetic_layouts(counts=(1, 64), total=1 << 14), skipped
+    layouts, skipped = model_layouts(quick=cfg.quick)
+    return layouts + synthetic_layouts(total=cfg.synth_total), skipped
+
+
 def run(args) -> int:
     device = getattr(args, "device", "cpu") or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -500,24 +726,17 @@ def run(args) -> int:
             "reference (one op per tensor), not the fused kernels[/yellow]"
         )
 
-    if cfg.smoke:
-        layouts, skipped = model_layouts(quick=True, models=("resnet50",))
-        layouts = [
-            replace(lay, name=lay.name + " (x1/64)", shapes=[(max(1, math.prod(s) // 64),) for s in lay.shapes])
-            for lay in layouts
-        ]
-        layouts += synthetic_layouts(counts=(1, 64), total=1 << 14)
-    else:
-        layouts, skipped = model_layouts(quick=cfg.quick)
-        layouts += synthetic_layouts(total=cfg.synth_total)
+    layouts, skipped = main_layouts(cfg)
     settings = [None] if device == "cuda" else common.thread_counts(args)
     if cfg.smoke:
         settings = settings[:1]
+    pair_lays = pair_layouts(cfg) if device == "cpu" else []  # the dtype-pair target is a CPU one
 
     print_layouts(layouts, skipped)
     results: List[Dict[str, object]] = []
+    pairs: List[Dict[str, object]] = []
     flush_denormal = torch.set_flush_denormal(True)  # see verify(); no effect on the other methods' values
-    total = len(layouts) * len(settings) * len(METHODS) * cfg.reps
+    total = (len(layouts) * len(settings) * len(METHODS) + len(pair_lays) * len(dtype_pairs()) * 2) * cfg.reps
     with common.progress(total, "ops") as bar:
         for threads in settings:
             label = _setting_label(device, threads)
@@ -529,10 +748,14 @@ def run(args) -> int:
                     rows.append(bench_layout(layout, device, threads, cfg, bar))
             results += rows
             print_results(label, rows, device)
+        if pair_lays:
+            pairs = run_dtype_pairs(pair_lays, cfg, bar)
+            print_dtype_pairs(pairs, pair_lays)
     if flush_denormal:
         torch.set_flush_denormal(False)
 
     _summary(results)
+    _pairs_summary(pairs)
     path = common.resolve_json_path(args, f"ops_{device}")
     payload = {
         "benchmark": "ops",
@@ -550,8 +773,16 @@ def run(args) -> int:
             "synthetic_total_elements": cfg.synth_total,
             "methods": METHOD_DESCRIPTIONS,
             "not_benchmarked": skipped,
+            "dtype_pairs": {
+                "dtypes": [_dtype_name(d) for d in PAIR_DTYPES],
+                "threads": PAIR_THREADS,
+                "layouts": {lay.name: lay.note for lay in pair_lays},
+                "methods": PAIR_METHOD_DESCRIPTIONS,
+                "target": {"fused/floor": list(PAIR_TARGET)},
+            },
         },
         "results": results,
+        "dtype_pairs": pairs,
     }
     common.write_json(path, payload, device)
     png = chart(path.with_suffix(".png"), results)
@@ -576,6 +807,19 @@ def _summary(results: List[Dict[str, object]]) -> None:
         common.say("[bold]targets (issue 2; informational, never asserted):[/bold]")
         for line in lines:
             common.say(line)
+
+
+def _pairs_summary(rows: List[Dict[str, object]]) -> None:
+    ratios = [(r["ratios"]["fused/floor"], r) for r in rows if r["ratios"]["fused/floor"] is not None]
+    if not ratios:
+        return
+    passed = sum(1 for _, r in ratios if r["targets"]["fused/floor"]["pass"])
+    worst, r = max(ratios, key=lambda x: x[0])
+    common.say(
+        f"[bold]dtype pairs (issue 11; informational, never asserted):[/bold] {passed}/{len(ratios)} "
+        f"within {PAIR_TARGET[1]}x of the floor at {PAIR_THREADS} thread; worst {r['pair']} on {r['layout']}: "
+        f"{worst:.2f}x {common.pass_miss(passed == len(ratios))}"
+    )
 
 
 class _null:
