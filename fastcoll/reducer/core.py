@@ -47,6 +47,7 @@ its range (a naive sum-then-divide overflows at 65504 / world_size).
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
@@ -422,7 +423,7 @@ class Reducer(ReducerSettings):
         total = health.finish(self.params)
         self.timeline.finalize_end()
         self._end_iteration(joined=False)
-        if total is not None and not bool(torch.isfinite(total)):
+        if total is not None and not math.isfinite(total.item()):  # one read (a tensor isfinite + bool costs two ops)
             self.health.raise_nonfinite(self.comm, self.process_group, self._set.buckets, self.usage.iterations)
 
     def _end_iteration(self, joined: bool) -> None:
