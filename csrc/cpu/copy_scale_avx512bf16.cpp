@@ -10,19 +10,7 @@
 // for it) holds AVX-512 instructions: a CPU without them never runs one.
 // tests/test_cpu_isa.py checks the built library for that.
 #if defined(__x86_64__) || defined(__i386__)
-#pragma GCC target("avx2,fma,f16c")
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
+#include "cpu/avx2_target.h"
 #define CPU_CAPABILITY AVX2_BF16
 #define CPU_CAPABILITY_AVX2
 #include <immintrin.h>
