@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "dtypes.h"
@@ -97,6 +98,9 @@ const char* cpu_isa_name(CpuIsa isa);
 // bypassing) stores; FASTCOLL_CPU_STREAM_MIN_BYTES sets the initial value.
 int64_t cpu_stream_min_bytes();
 void set_cpu_stream_min_bytes(int64_t nbytes);
+
+// A shape or strides as Python prints a tuple: "(2, 3)", "(4,)", "()" (error messages).
+std::string shape_str(at::IntArrayRef a);
 
 // Small integer code of a supported dtype: its row in FASTCOLL_FOR_EACH_DTYPE
 // (dtypes.h). Only for dtypes plan_segments accepted.

@@ -18,6 +18,16 @@
 
 namespace fastcoll {
 
+std::string shape_str(at::IntArrayRef a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.size(); ++i) {
+    s += std::to_string(a[i]);
+    if (a.size() == 1 || i + 1 < a.size()) s += ", ";
+  }
+  if (a.size() == 1) s.pop_back();
+  return s + ")";
+}
+
 namespace {
 
 // The name Python prints for a dtype (float32, int64, bool, ...).
@@ -40,15 +50,6 @@ void check_strided(const char* op, const at::Tensor& t, const std::string& what)
       "; only strided (dense) tensors are supported");
 }
 
-std::string shape_str(at::IntArrayRef a) {
-  std::string s = "(";
-  for (size_t i = 0; i < a.size(); ++i) {
-    s += std::to_string(a[i]);
-    if (a.size() == 1 || i + 1 < a.size()) s += ", ";
-  }
-  if (a.size() == 1) s.pop_back();
-  return s + ")";
-}
 
 // The checks of one listed tensor (tensors[i]) against the op's flat buffer
 // (or sum_of_squares' out): layout, device, dtype, dense.

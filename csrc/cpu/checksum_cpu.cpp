@@ -40,6 +40,8 @@
 #include <string>
 #include <vector>
 
+#include "fastcoll.h"
+
 namespace fastcoll {
 
 // The argument checks of fastcoll.checksum (the words of fastcoll/_reference.py
@@ -50,16 +52,6 @@ void check_checksum_args(at::TensorList tensors);
 namespace {
 
 constexpr const char* kOp = "fastcoll.checksum";
-
-std::string shape_str(at::IntArrayRef a) {
-  std::string s = "(";
-  for (size_t i = 0; i < a.size(); ++i) {
-    s += std::to_string(a[i]);
-    if (a.size() == 1 || i + 1 < a.size()) s += ", ";
-  }
-  if (a.size() == 1) s.pop_back();
-  return s + ")";
-}
 
 }  // namespace
 
