@@ -496,6 +496,16 @@ def save_rank_rows(rank: int, out_path: str, rows: List[Dict[str, Any]]) -> None
         json.dump({"rows": rows, "implementation": ops.implementation()}, f)
 
 
+def rank_ticker(rank: int, progress_q: Any) -> Callable[[int], None]:
+    """A rank worker's progress callback: rank 0 reports ``n`` finished units to the parent's bar (:func:`follow_ranks`)."""
+
+    def tick(n: int) -> None:
+        if rank == 0 and progress_q is not None:
+            progress_q.put(("advance", n))
+
+    return tick
+
+
 def follow_ranks(ctx: Any, progress_q: Any, bar: Any) -> None:
     """Wait for the rank processes of ``ctx`` (``torch.multiprocessing.spawn(join=False)``), moving ``bar`` as they report.
 

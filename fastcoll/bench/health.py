@@ -575,9 +575,7 @@ def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], specs, out
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
 
-    def tick(n: int) -> None:
-        if rank == 0 and progress_q is not None:
-            progress_q.put(("advance", n))
+    tick = common.rank_ticker(rank, progress_q)
 
     with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
         _warm_up_code_paths(device, rank)

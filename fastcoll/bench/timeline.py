@@ -249,9 +249,7 @@ def _worker(rank: int, ws: int, store_path: str, cfg: dict[str, Any], out_path: 
     else:  # every step frees and reallocates its gradients: keep the heap instead of page-faulting it back in
         common.keep_freed_memory()
 
-    def tick(n: int) -> None:
-        if rank == 0 and progress_q is not None:
-            progress_q.put(("advance", n))
+    tick = common.rank_ticker(rank, progress_q)
 
     with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
         gc.collect()
