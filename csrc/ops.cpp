@@ -54,6 +54,11 @@ void check_strided(const char* op, const at::Tensor& t, const std::string& what)
 // The checks of one listed tensor (tensors[i]) against the op's flat buffer
 // (or sum_of_squares' out): layout, device, dtype, dense.
 void check_listed(const char* op, const at::Tensor& t, size_t i, const at::Tensor& flat, const std::string& flat_name) {
+  // The common case first, without building the tensor's name (this runs once per listed tensor).
+  if (t.layout() == at::kStrided && t.device() == flat.device() && is_supported_dtype(t.scalar_type()) &&
+      (t.numel() <= 1 || t.is_non_overlapping_and_dense())) {
+    return;
+  }
   const std::string what = "tensors[" + std::to_string(i) + "]";
   check_strided(op, t, what);
   TORCH_CHECK(
@@ -159,7 +164,8 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
 
   // Aliasing. A tensor sitting exactly in its own slot of the flat buffer is an
   // in-place scale and is allowed; any other overlap would read overwritten data.
-  const auto flat_lo = reinterpret_cast<uintptr_t>(flat.data_ptr());
+  char* const flat_data = static_cast<char*>(flat.data_ptr());
+  const auto flat_lo = reinterpret_cast<uintptr_t>(flat_data);
   const auto flat_hi = flat_lo + flat.numel() * flat.element_size();
   const int64_t fsize = flat.element_size();
   std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> ranges;
@@ -179,7 +185,7 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
           "memory, or exactly that slot (fastcoll.bucket_views) for an in-place scale");
     }
     ranges.emplace_back(lo, hi, i);
-    char* slot = static_cast<char*>(flat.data_ptr()) + offsets[i] * fsize;
+    char* slot = flat_data + offsets[i] * fsize;
     Segment s;
     s.numel = t.numel();
     s.flat_offset = offsets[i];

@@ -15,6 +15,10 @@
 #define FASTCOLL_COMPILER "unknown"
 #endif
 
+namespace fastcoll {
+void bind_eager(py::module_& m);  // csrc/eager.cpp
+}  // namespace fastcoll
+
 namespace {
 
 py::dict build_info() {
@@ -63,4 +67,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU calls writing at least this many bytes use non-temporal stores");
   m.def("_set_cpu_stream_min_bytes", &fastcoll::set_cpu_stream_min_bytes,
         "Set the non-temporal store threshold of the CPU kernels (bytes written per call; tests use 0)");
+  fastcoll::bind_eager(m);
 }

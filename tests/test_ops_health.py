@@ -11,8 +11,10 @@ unflatten_scale (and, with the extension, as the reference, but for the sums,
 whose fixed order is each implementation's own).
 
 Implementations under test: ``torch.ops.fastcoll.*`` (the compiled kernels, or
-the reference under ``FASTCOLL_NO_EXT=1``), the same with the CPU kernels'
-non-temporal stores forced on, and fastcoll._reference called directly.
+the reference under ``FASTCOLL_NO_EXT=1``, through the dispatcher's boxed
+call), the public ``fastcoll.ops`` wrappers (the same kernels through their
+direct eager entry points, csrc/eager.cpp) with the CPU kernels' non-temporal
+stores forced on, and fastcoll._reference called directly.
 
 Chunk sizes the non-finite placements aim at: the CPU kernels sum in pieces of
 CPU_PIECE elements of the flat range and their vector loops take 32 elements
@@ -105,7 +107,11 @@ class HImpl:
             _reference.flatten_scale_ex(tensors, out, scale, scale_by, nonfinite)
         else:
             with self._ctx():
-                torch.ops.fastcoll.flatten_scale_ex(list(tensors), out, float(scale), scale_by, nonfinite)
+                if self.name == "ops_streaming" and (scale_by is not None or nonfinite is not None):
+                    # the public wrapper (direct path); without either option it calls the plain op
+                    ops.flatten_scale(tensors, out, scale, scale_by=scale_by, nonfinite=nonfinite)
+                else:
+                    torch.ops.fastcoll.flatten_scale_ex(list(tensors), out, float(scale), scale_by, nonfinite)
 
     def unflatten_ex(self, flat, tensors, scale=1.0, sumsq=None):
         _LAST_OP["name"] = "fastcoll.unflatten_scale_ex"
@@ -113,12 +119,17 @@ class HImpl:
             _reference.unflatten_scale_ex(flat, tensors, scale, sumsq)
         else:
             with self._ctx():
-                torch.ops.fastcoll.unflatten_scale_ex(flat, list(tensors), float(scale), sumsq)
+                if self.name == "ops_streaming":
+                    ops.unflatten_scale(flat, tensors, scale, sumsq=sumsq)
+                else:
+                    torch.ops.fastcoll.unflatten_scale_ex(flat, list(tensors), float(scale), sumsq)
 
     def sum_of_squares(self, tensors, out):
         _LAST_OP["name"] = "fastcoll.sum_of_squares"
         if self.name == "reference":
             _reference.sum_of_squares(tensors, out)
+        elif self.name == "ops_streaming":
+            ops.sum_of_squares(tensors, out)
         else:
             torch.ops.fastcoll.sum_of_squares(list(tensors), out)
 
