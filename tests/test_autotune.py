@@ -114,7 +114,7 @@ def test_schedule_fits_the_budget(budget):
         prev = s.candidate
 
 
-def test_two_rounds_in_mirrored_order_when_they_fit():
+def test_two_rounds_in_mirrored_order_when_they_fit_else_the_default_last():
     t = tuner(model_specs(50), budget=48)  # 6 candidates: 8 iterations each
     visits = []
     for s in t.schedule:
@@ -124,7 +124,8 @@ def test_two_rounds_in_mirrored_order_when_they_fit():
     assert t.schedule[0] == autotune._Slot(0, False)  # the default warms up too (it was just rebuilt)
     one = tuner(model_specs(50), budget=30)
     visits = [s.candidate for j, s in enumerate(one.schedule) if j == 0 or one.schedule[j - 1].candidate != s.candidate]
-    assert visits == [0, 1, 2, 3, 4, 5]
+    assert visits == [1, 2, 3, 4, 5, 0]  # one round: the default last, once the job has warmed up
+    assert one.schedule[0] == autotune._Slot(1, False)
 
 
 def test_pruning_keeps_the_default_then_the_list_order():
