@@ -228,8 +228,9 @@ def keep_freed_memory() -> Optional[str]:
     to the kernel (heap trimming, mmap for large blocks) and every step
     page-faults it in again: on the 2-core box that system time was over 40% of
     a run's CPU time and the largest source of noise, the same for every method. With
-    the heap kept and blocks up to 32 MiB (glibc's maximum) served from it,
-    only tensors above 32 MiB (GPT-2's embedding) are still mapped afresh.
+    the heap kept and no block mapped on its own (``M_MMAP_MAX`` 0: even
+    GPT-2's 154 MB embedding gradient, above the largest mmap threshold glibc
+    accepts, comes from the heap and is reused), a step page-faults nothing.
     CUDA's caching allocator does this for GPU memory anyway.
     """
     import ctypes
@@ -239,9 +240,10 @@ def keep_freed_memory() -> Optional[str]:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # pragma: no cover (not glibc)
         return None
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
     ok = mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and mallopt(M_MMAP_THRESHOLD, 32 * MiB) == 1
-    return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB" if ok else None
+    ok = ok and mallopt(M_MMAP_MAX, 0) == 1
+    return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB, M_MMAP_MAX 0" if ok else None
 
 
 def summarize(samples: Sequence[float]) -> Dict[str, float]:
