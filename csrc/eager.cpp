@@ -75,9 +75,8 @@ class BorrowedCall {
     owner_ = py::reinterpret_steal<py::tuple>(tuple);
     const Py_ssize_t n = PyTuple_GET_SIZE(tuple);
     list_.reserve(n);
-    PyObject* const* items = &PyTuple_GET_ITEM(tuple, 0);
     for (Py_ssize_t i = 0; i < n; ++i) {
-      const at::Tensor* t = check(items[i]);
+      const at::Tensor* t = check(PyTuple_GET_ITEM(tuple, i));
       if (t == nullptr) return false;
       list_.push_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(*t));
     }

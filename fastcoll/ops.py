@@ -51,6 +51,11 @@ def _eager() -> bool:
     return _direct is not None and not torch.compiler.is_compiling()
 
 
+def _listed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``tensors`` as a list or tuple: an iterator must survive a direct call that defers to torch.ops."""
+    return tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+
+
 def flatten_scale(
     tensors: Sequence[torch.Tensor],
     out: torch.Tensor,
@@ -96,6 +101,7 @@ def flatten_scale(
             tensor index (or ``scale_by`` / ``nonfinite``), before anything is
             written.
     """
+    tensors = _listed(tensors)
     if scale_by is None and nonfinite is None:
         if not (_eager() and _direct._flatten_scale(tensors, out, float(scale))):
             torch.ops.fastcoll.flatten_scale(list(tensors), out, float(scale))
@@ -135,6 +141,7 @@ def unflatten_scale(
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
             tensor index (or ``sumsq``), before anything is written.
     """
+    tensors = _listed(tensors)
     if sumsq is None:
         if not (_eager() and _direct._unflatten_scale(flat, tensors, float(scale))):
             torch.ops.fastcoll.unflatten_scale(flat, list(tensors), float(scale))

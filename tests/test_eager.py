@@ -129,6 +129,15 @@ def test_sum_of_squares_matches_the_boxed_call():
     assert_bitwise(direct.reshape(1), boxed, "sum")
 
 
+def test_a_generator_survives_a_deferred_call():
+    ts = [torch.randn(4, requires_grad=True), torch.randn(3)]  # requires_grad: torch.ops takes it
+    out = torch.full((7,), float("nan"))
+    with counts() as c:
+        ops.flatten_scale((t for t in ts), out, 0.5)
+    assert (c.direct, c.deferred) == (0, 1)
+    torch.testing.assert_close(out, torch.cat([t.detach() for t in ts]) * 0.5, rtol=0, atol=0)
+
+
 def test_a_tuple_or_generator_of_tensors_works():
     ts = [torch.randn(4), torch.randn(3)]
     want = torch.cat(ts) * 0.5
@@ -194,21 +203,23 @@ def _deferred_cases():
             t = torch.randn(3)
         ops.flatten_scale([t], torch.empty(3))
 
-    def dispatch_mode():
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                return func(*args, **(kwargs or {}))
-
-        with Mode():
+    def pack_under(mode):
+        with mode:
             ops.flatten_scale([torch.randn(3)], torch.empty(3))
+
+    class PassDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class PassFunction(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def dispatch_mode():
+        pack_under(PassDispatch())
 
     def function_mode():
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                return func(*args, **(kwargs or {}))
-
-        with Mode():
-            ops.flatten_scale([torch.randn(3)], torch.empty(3))
+        pack_under(PassFunction())
 
     def fake_tensors():
         from torch._subclasses.fake_tensor import FakeTensorMode
