@@ -36,7 +36,7 @@ def force_collectives() -> bool:
 
 def eager_direct() -> bool:
     """``FASTCOLL_EAGER`` (default on): eager calls of the fused ops on plain tensors skip torch.ops."""
-    return os.environ.get("FASTCOLL_EAGER", "1").strip() not in ("0", "")
+    return os.environ.get("FASTCOLL_EAGER", "1").strip() != "0"
 
 
 def early_pack_min_numel() -> int:

@@ -46,14 +46,16 @@ __all__ = [
 _direct = _loader._C if _loader._C is not None and _knobs.eager_direct() else None
 
 
-def _eager() -> bool:
-    """Whether a call may try the direct entry points (which still defer what they cannot take)."""
-    return _direct is not None and not torch.compiler.is_compiling()
-
-
 def _listed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """``tensors`` as a list or tuple: an iterator must survive a direct call that defers to torch.ops."""
     return tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+
+
+def _run(op: str, *args) -> None:
+    """``torch.ops.fastcoll.<op>(*args)``, through its direct eager entry point when that takes the call."""
+    if _direct is not None and not torch.compiler.is_compiling() and getattr(_direct, "_" + op)(*args):
+        return
+    getattr(torch.ops.fastcoll, op)(*args)
 
 
 def flatten_scale(
@@ -103,10 +105,9 @@ def flatten_scale(
     """
     tensors = _listed(tensors)
     if scale_by is None and nonfinite is None:
-        if not (_eager() and _direct._flatten_scale(tensors, out, float(scale))):
-            torch.ops.fastcoll.flatten_scale(list(tensors), out, float(scale))
-    elif not (_eager() and _direct._flatten_scale_ex(tensors, out, float(scale), scale_by, nonfinite)):
-        torch.ops.fastcoll.flatten_scale_ex(list(tensors), out, float(scale), scale_by, nonfinite)
+        _run("flatten_scale", tensors, out, float(scale))
+    else:
+        _run("flatten_scale_ex", tensors, out, float(scale), scale_by, nonfinite)
     return out
 
 
@@ -143,10 +144,9 @@ def unflatten_scale(
     """
     tensors = _listed(tensors)
     if sumsq is None:
-        if not (_eager() and _direct._unflatten_scale(flat, tensors, float(scale))):
-            torch.ops.fastcoll.unflatten_scale(flat, list(tensors), float(scale))
-    elif not (_eager() and _direct._unflatten_scale_ex(flat, tensors, float(scale), sumsq)):
-        torch.ops.fastcoll.unflatten_scale_ex(flat, list(tensors), float(scale), sumsq)
+        _run("unflatten_scale", flat, tensors, float(scale))
+    else:
+        _run("unflatten_scale_ex", flat, tensors, float(scale), sumsq)
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -174,8 +174,7 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] 
     if out is None:
         device = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else torch.device("cpu")
         out = torch.empty((), dtype=torch.float64, device=device)
-    if not (_eager() and _direct._sum_of_squares(tensors, out)):
-        torch.ops.fastcoll.sum_of_squares(tensors, out)
+    _run("sum_of_squares", tensors, out)
     return out
 
 
