@@ -105,6 +105,25 @@ def test_timing_helpers():
     assert common.fmt_time(2e-6).endswith("µs") and common.fmt_time(2e-3).endswith("ms")
 
 
+def test_bootstrap_ci():
+    import random
+    import statistics
+
+    rng = random.Random(1)
+    samples = {"a": [rng.gauss(2.0, 0.2) for _ in range(60)], "b": [rng.gauss(1.0, 0.1) for _ in range(60)]}
+
+    def ratio(s):
+        return statistics.median(s["a"]) / statistics.median(s["b"])
+
+    lo, hi = common.bootstrap_ci(ratio, samples)
+    assert lo < ratio(samples) < hi and 1.8 < lo and hi < 2.2 and hi - lo > 0.02
+    assert common.bootstrap_ci(ratio, samples) == (lo, hi)  # seeded
+    assert common.bootstrap_ci(ratio, samples, level=0.5)[1] - common.bootstrap_ci(ratio, samples, level=0.5)[0] < hi - lo
+    assert common.bootstrap_ci(lambda s: None, samples) is None
+    same = {"a": [1.0] * 5, "b": [1.0] * 5}
+    assert common.bootstrap_ci(ratio, same) == (1.0, 1.0)
+
+
 @pytest.mark.timeout(180)
 def test_health_smoke_run(tmp_path, capsys):
     from fastcoll.bench import health as bench_health

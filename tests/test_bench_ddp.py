@@ -68,6 +68,20 @@ def test_shape_model_gradients():
     assert b.params[0].grad is None  # shared storage, separate autograd leaves
 
 
+def test_real_models_share_weights_between_instances():
+    import torch
+
+    spec = bench_ddp.ModelSpec("c", "c", "convbn", {"channels": (4, 8)}, batch=2)
+    storage = bench_ddp.build_storage(spec, "cpu")
+    a, b = bench_ddp.build_model(spec, "cpu", storage), bench_ddp.build_model(spec, "cpu", storage)
+    fresh = bench_ddp.build_model(spec, "cpu")
+    for p, q, f in zip(a.state_dict().values(), b.state_dict().values(), fresh.state_dict().values()):
+        assert p.data_ptr() == q.data_ptr() and torch.equal(p, f)  # shared, and the seed-0 values
+    x = bench_ddp.make_input(spec, rank=0, device="cpu")
+    bench_ddp.loss_of(spec, a(x)).backward()
+    assert all(p.grad is not None for p in a.parameters()) and all(q.grad is None for q in b.parameters())
+
+
 def test_cases_and_comparisons():
     for args, n_fp32 in ((["ddp", "--smoke"], 4), (["ddp", "--quick"], 9), (["ddp"], 10)):
         cfg = bench_ddp._config(cli.build_parser().parse_args(args), "cpu")

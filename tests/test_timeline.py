@@ -8,6 +8,8 @@ backward's hooks to check the order of real timestamps.
 from __future__ import annotations
 
 import json
+import random
+import statistics
 
 import pytest
 import torch
@@ -432,6 +434,45 @@ def test_summarize_row_targets():
     bench.summarize_row(row)
     assert not row["targets"]["auto vs best fixed"]["pass"] and not row["targets"]["auto vs torch"]["pass"]
     assert row["exposed_sync_s"] == {"25 MiB": None, "auto": None}
+    assert row["targets"]["auto vs torch"]["ci90"] is None  # no samples: no interval
+
+
+def test_summarize_row_intervals():
+    """With the samples, each target carries a 90% bootstrap interval; resolved only when it excludes the threshold."""
+    from fastcoll.bench import timeline as bench
+
+    rng = random.Random(0)
+
+    def noisy(center, spread):
+        return [center * (1 + spread * rng.uniform(-1, 1)) for _ in range(40)]
+
+    def row_of(samples):
+        return {
+            "methods": {m: {"median_s": statistics.median(xs)} for m, xs in samples.items()},
+            "samples_s": samples,
+            "layouts": {},
+        }
+
+    tight = {m: noisy(0.1, 0.01) for m in bench.METHODS}
+    tight["auto"] = noisy(0.08, 0.01)  # clearly faster than everything: both targets pass, resolved
+    row = bench.summarize_row(row_of(tight))
+    for t in row["targets"].values():
+        lo, hi = t["ci90"]
+        assert lo <= t["value"] <= hi and hi < t["threshold"] and t["pass"] and t["resolved"]
+    wide = {m: noisy(0.1, 0.5) for m in bench.METHODS}  # +-50% noise: the interval straddles 1.0
+    row = bench.summarize_row(row_of(wide))
+    t = row["targets"]["auto vs torch"]
+    assert t["ci90"][0] < 1.0 < t["ci90"][1] and not t["resolved"]
+
+
+def test_sample_count_fills_the_budget_within_bounds():
+    from fastcoll.bench import timeline as bench
+
+    cfg = {"reps": 10, "max_reps": 100, "budget_s": 45.0}
+    n = len(bench.METHODS)
+    assert bench.sample_count(cfg, 45.0 / (n * 50)) == 50
+    assert bench.sample_count(cfg, 10.0) == 10  # slow steps: never below reps
+    assert bench.sample_count(cfg, 1e-4) == 100  # fast steps: never above max_reps
 
 
 def test_bench_cli_registration(capsys):

@@ -263,6 +263,45 @@ def summarize(samples: Sequence[float]) -> Dict[str, float]:
     }
 
 
+def bootstrap_ci(
+    statistic: Callable[[Dict[str, List[float]]], Optional[float]],
+    samples: Dict[str, Sequence[float]],
+    level: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> Optional[Tuple[float, float]]:
+    """Percentile bootstrap interval of ``statistic`` over per-method timing samples.
+
+    Each resample draws every method's samples with replacement (as many as it
+    has) and evaluates ``statistic`` on them; the interval is the central
+    ``level`` of those values. Seeded: the same samples give the same interval.
+
+    Args:
+        statistic: Maps ``{method: samples}`` to a number (for example a ratio of medians); None is skipped.
+        samples: Timing samples per method.
+        level: Coverage of the interval.
+        resamples: Number of bootstrap resamples.
+        seed: Seed of the resampling.
+
+    Returns:
+        ``(low, high)``, or None when ``statistic`` gave no value.
+    """
+    import random
+
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        drawn = {m: [xs[rng.randrange(len(xs))] for _ in xs] for m, xs in samples.items()}
+        v = statistic(drawn)
+        if v is not None:
+            values.append(v)
+    if not values:
+        return None
+    values.sort()
+    tail = (1.0 - level) / 2
+    return values[int(tail * (len(values) - 1))], values[int(math.ceil((1.0 - tail) * (len(values) - 1)))]
+
+
 def count_cuda_kernels(fn: Callable[[], object]) -> List[str]:
     """Names of the CUDA kernels one call of ``fn`` launches (memcpy/memset excluded)."""
     from torch.profiler import ProfilerActivity, profile

@@ -210,12 +210,19 @@ def load_shapes(model: str) -> Tuple[List[str], List[Tuple[int, ...]]]:
     return [n for n, _ in entries], [s for _, s in entries]
 
 
-def build_storage(spec: ModelSpec, device: str) -> Optional[List[torch.Tensor]]:
-    """Shared parameter tensors for a synthetic model (None for the real ones)."""
-    if not spec.synthetic:
-        return None
-    _, shapes = _spec_shapes(spec)
-    return [torch.full(s, 0.01, device=device) for s in shapes]
+def build_storage(spec: ModelSpec, device: str) -> List[torch.Tensor]:
+    """Weights that every instance of ``spec``'s model built with them shares (parameters, then buffers).
+
+    The timed wrappers of one model then compute on the same memory: besides
+    not holding several copies of a large model, this keeps where each copy
+    happened to be allocated out of the comparison (two identical wrappers on
+    separately allocated small models differed by up to 15% on this box).
+    """
+    if spec.synthetic:
+        _, shapes = _spec_shapes(spec)
+        return [torch.full(s, 0.01, device=device) for s in shapes]
+    model = build_model(spec, device)
+    return [t.detach() for t in (*model.parameters(), *model.buffers())]
 
 
 def _spec_shapes(spec: ModelSpec) -> Tuple[List[str], List[Tuple[int, ...]]]:
@@ -241,7 +248,11 @@ def build_model(spec: ModelSpec, device: str, storage: Optional[List[torch.Tenso
         return ShapeModel(_spec_shapes(spec)[1], storage, device)
     else:  # pragma: no cover
         raise ValueError(spec.kind)
-    return model.to(device)
+    model = model.to(device)
+    if storage is not None:
+        for t, shared in zip((*model.parameters(), *model.buffers()), storage):
+            t.data = shared
+    return model
 
 
 def make_input(spec: ModelSpec, rank: int, device: str) -> torch.Tensor:
