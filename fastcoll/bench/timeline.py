@@ -15,7 +15,7 @@ training step (zero_grad + forward + loss + backward, no optimizer) of
 Samples are taken round-robin (sample k of every method before sample k+1,
 round k starting at the k-th method), a sample is ``inner`` back-to-back
 steps, its time the slowest rank's; medians are reported. Every method
-gets the same number of samples: at least 10, more (up to 100) while a
+gets the same number of samples: at least 30, more (up to 100) while a
 model's sampling fits in 45 s (:func:`sample_count`). All methods of a model
 compute on the same weights (:func:`fastcoll.bench.ddp.build_storage`). On
 CPU the ranks keep freed heap memory
@@ -117,7 +117,7 @@ def _config(args: Any, device: str) -> dict[str, Any]:
         cfg = {"reps": 5, "max_reps": 30, "budget_s": 10.0, "setup_steps": 3, "target_s": 0.03, "max_inner": 50}
         cfg.update(smoke=False, quick=True)
     else:
-        cfg = {"reps": 10, "max_reps": 100, "budget_s": 45.0, "setup_steps": 3, "target_s": 0.1, "max_inner": 200}
+        cfg = {"reps": 30, "max_reps": 100, "budget_s": 45.0, "setup_steps": 3, "target_s": 0.1, "max_inner": 200}
         cfg.update(smoke=False, quick=False)
     cfg["device"] = device
     cfg["world_size"] = CUDA_WORLD_SIZE if device == "cuda" else CPU_WORLD_SIZE
@@ -171,9 +171,10 @@ def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
 def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
     """Samples per method: as many as ``budget_s`` of one model's sampling allows, within ``[reps, max_reps]``.
 
-    The small models' steps vary by 20-30% sample to sample on a 2-core
-    machine (interquartile range over the median), so 10 samples leave a
-    median uncertain by about 5%, as much as the target to resolve.
+    The steps vary by 10-30% sample to sample on a 2-core machine
+    (interquartile range over the median), so 10 samples leave a median
+    uncertain by about 5%, as much as the target to resolve; 30 or more
+    bring the 90% interval of a ratio to about +-3%.
     """
     fit = int(cfg["budget_s"] / (len(METHODS) * max(sample_s, 1e-6)))
     return max(cfg["reps"], min(cfg["max_reps"], fit))
