@@ -122,6 +122,33 @@ def test_bootstrap_ci():
     assert common.bootstrap_ci(lambda s: None, samples) is None
     same = {"a": [1.0] * 5, "b": [1.0] * 5}
     assert common.bootstrap_ci(ratio, same) == (1.0, 1.0)
+    # paired: rounds are resampled whole, so a drift shared by both methods cancels in their ratio
+    drift = [rng.uniform(1.0, 2.0) for _ in range(60)]
+    rounds = {"a": [2.0 * d for d in drift], "b": [1.0 * d for d in drift]}
+    lo_p, hi_p = common.bootstrap_ci(lambda s: statistics.median(x / y for x, y in zip(s["a"], s["b"])), rounds, paired=True)
+    assert lo_p == pytest.approx(2.0) and hi_p == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="different sample counts"):
+        common.bootstrap_ci(ratio, {"a": [1.0, 2.0], "b": [1.0]}, paired=True)
+
+
+def test_health_targets_carry_paired_intervals():
+    import random
+
+    from fastcoll.bench import health
+
+    rng = random.Random(2)
+    drift = [1 + 0.3 * rng.random() for _ in range(40)]  # a round's slowdown, shared by every method
+    base = {"torch": 0.100, "torch+clip": 0.130, "fastcoll": 0.100, "fastcoll+torch clip": 0.130}
+    base.update({"fastcoll norm": 0.101, "fastcoll norm+clip": 0.110, "fastcoll nonfinite": 0.1005})
+    samples = {m: [base[m] * d * (1 + 0.002 * rng.uniform(-1, 1)) for d in drift] for m in health.METHODS}
+    out = health.analyze("resnet50", samples)
+    for name in ("norm", "nonfinite", "clip"):
+        t = out["targets"][name]
+        lo, hi = t["ci90"]
+        assert lo <= t["value"] <= hi and t["pass"] and t["resolved"], (name, t)
+    # the shared drift (+-15%) cancels in the paired costs: the norm's interval stays within about a point of 1%
+    assert 0.0 < out["targets"]["norm"]["ci90"][0] and out["targets"]["norm"]["ci90"][1] < 0.02
+    assert "clip" not in health.analyze("mlp96", samples)["targets"]
 
 
 @pytest.mark.timeout(180)

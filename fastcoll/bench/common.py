@@ -269,19 +269,24 @@ def bootstrap_ci(
     level: float = 0.9,
     resamples: int = 2000,
     seed: int = 0,
+    paired: bool = False,
 ) -> Optional[Tuple[float, float]]:
     """Percentile bootstrap interval of ``statistic`` over per-method timing samples.
 
     Each resample draws every method's samples with replacement (as many as it
     has) and evaluates ``statistic`` on them; the interval is the central
     ``level`` of those values. Seeded: the same samples give the same interval.
+    ``paired``: the samples are rounds (sample k of every method taken in the
+    same round, as :func:`measure_interleaved` takes them), and a resample
+    draws rounds, keeping each round's samples together.
 
     Args:
         statistic: Maps ``{method: samples}`` to a number (for example a ratio of medians); None is skipped.
-        samples: Timing samples per method.
+        samples: Timing samples per method (as many for each method when ``paired``).
         level: Coverage of the interval.
         resamples: Number of bootstrap resamples.
         seed: Seed of the resampling.
+        paired: Resample whole rounds.
 
     Returns:
         ``(low, high)``, or None when ``statistic`` gave no value.
@@ -289,9 +294,16 @@ def bootstrap_ci(
     import random
 
     rng = random.Random(seed)
+    rounds = {len(xs) for xs in samples.values()}
+    if paired and len(rounds) > 1:
+        raise ValueError(f"bootstrap_ci(paired=True): the methods have different sample counts {sorted(rounds)}")
     values = []
     for _ in range(resamples):
-        drawn = {m: [xs[rng.randrange(len(xs))] for _ in xs] for m, xs in samples.items()}
+        if paired:
+            picks = [rng.randrange(n) for n in rounds for _ in range(n)]
+            drawn = {m: [xs[k] for k in picks] for m, xs in samples.items()}
+        else:
+            drawn = {m: [xs[rng.randrange(len(xs))] for _ in xs] for m, xs in samples.items()}
         v = statistic(drawn)
         if v is not None:
             values.append(v)
@@ -300,6 +312,13 @@ def bootstrap_ci(
     values.sort()
     tail = (1.0 - level) / 2
     return values[int(tail * (len(values) - 1))], values[int(math.ceil((1.0 - tail) * (len(values) - 1)))]
+
+
+def interval_fields(ci: Optional[Tuple[float, float]], threshold: float) -> Dict[str, Any]:
+    """A "lower is better" target's ``ci90`` and ``resolved`` (the interval lies on one side of the threshold)."""
+    if ci is None:
+        return {"ci90": None, "resolved": False}
+    return {"ci90": list(ci), "resolved": ci[1] <= threshold or ci[0] > threshold}
 
 
 def count_cuda_kernels(fn: Callable[[], object]) -> List[str]:

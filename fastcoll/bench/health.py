@@ -256,8 +256,14 @@ def paired_cost(with_feature: Sequence[float], without: Sequence[float]) -> Dict
     }
 
 
-def _target(value: Optional[float], threshold: float) -> Dict[str, Any]:
-    return {"op": "le", "threshold": threshold, "value": value, "pass": None if value is None else value <= threshold}
+def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:
+    return {
+        "op": "le",
+        "threshold": threshold,
+        "value": value,
+        "pass": None if value is None else value <= threshold,
+        **common.interval_fields(ci, threshold),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -526,21 +532,44 @@ def bench_model(
     return row
 
 
+def _paired_median(samples: Dict[str, List[float]], cost: str) -> float:
+    a, b = COSTS[cost]
+    return statistics.median(x - y for x, y in zip(samples[a], samples[b]))
+
+
+def _target_values(samples: Dict[str, List[float]]) -> Dict[str, Optional[float]]:
+    """The targets' statistics: the fused norm's and the check's cost per fastcoll step, fastcoll's clipping cost per torch's."""
+    base = statistics.median(samples["fastcoll"])
+    ct = _paired_median(samples, "clip torch")
+    return {
+        "norm": _paired_median(samples, "norm") / base,
+        "nonfinite": _paired_median(samples, "nonfinite") / base,
+        "clip": _paired_median(samples, "clip fastcoll") / ct if ct > 0 else None,
+    }
+
+
 def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
-    """Per-method summaries, paired costs, the cost ratios and the targets of one model's samples."""
+    """Per-method summaries, paired costs, the cost ratios and the targets of one model's samples.
+
+    Each target also carries the 90% bootstrap interval of its statistic (rounds resampled).
+    """
     stats = {m: common.summarize(s) for m, s in samples.items()}
     costs = {name: paired_cost(samples[a], samples[b]) for name, (a, b) in COSTS.items()}
     base_fc = stats["fastcoll"]["median_s"]
     ct, cf = costs["clip torch"]["median_s"], costs["clip fastcoll"]["median_s"]
-    clip_ratio = cf / ct if ct > 0 else None
-    norm_frac = costs["norm"]["median_s"] / base_fc
-    nonfinite_frac = costs["nonfinite"]["median_s"] / base_fc
-    targets = {
-        "norm": _target(norm_frac, NORM_TARGET),
-        "nonfinite": _target(nonfinite_frac, NONFINITE_TARGET),
-    }
+    values = _target_values(samples)
+    clip_ratio, norm_frac, nonfinite_frac = values["clip"], values["norm"], values["nonfinite"]
+    thresholds = {"norm": NORM_TARGET, "nonfinite": NONFINITE_TARGET}
     if model in CLIP_TARGET_MODELS:
-        targets["clip"] = _target(clip_ratio, CLIP_TARGET)
+        thresholds["clip"] = CLIP_TARGET
+    targets = {}
+    for name, threshold in thresholds.items():
+
+        def stat(s: Dict[str, List[float]], name: str = name) -> Optional[float]:
+            return _target_values(s)[name]
+
+        ci = common.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
+        targets[name] = _target(values[name], threshold, ci)
     return {
         "methods": stats,
         "samples": samples,
@@ -803,7 +832,10 @@ def _target_lines(payload: Dict[str, Any], key: Optional[str]) -> Tuple[List[str
                 continue
             total += 1
             passed += bool(t["pass"])
-            value = f"{t['value']:.2f}x" if name == "clip" else _pct(t["value"])
+            fmt = (lambda x: f"{x:.2f}x") if name == "clip" else _pct
+            value = fmt(t["value"])
+            if t.get("ci90"):
+                value += f" (90%: {fmt(t['ci90'][0])} to {fmt(t['ci90'][1])}{'' if t['resolved'] else ', not resolved'})"
             thr = f"{t['threshold']}x" if name == "clip" else f"{t['threshold']:.0%}"
             lines.append(f"  {r['label']}, {r['world_size']} rank(s): {name} {value} (<= {thr}) {common.pass_miss(t['pass'])}")
     return lines, total, passed

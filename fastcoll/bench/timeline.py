@@ -23,7 +23,7 @@ CPU the ranks keep freed heap memory
 every step reallocates are not page-faulted in afresh, the largest source of
 noise on a small machine and the same for every method. Each ratio comes
 with a 90% bootstrap interval (:func:`fastcoll.bench.common.bootstrap_ci`,
-resampling every method's samples); a target whose interval includes its
+resampling the rounds); a target whose interval includes its
 threshold is marked as not resolved by the run.
 Targets of issue 13, printed as PASS/MISS and never asserted: auto's step
 within 5% of the best fixed cap's, and at most 1.0x torch DDP's.
@@ -333,13 +333,6 @@ def _auto_vs_torch(samples: dict[str, list[float]]) -> float | None:
     return _ratio(statistics.median(samples["auto"]), statistics.median(samples["torch"]))
 
 
-def _interval(ci: tuple[float, float] | None, threshold: float) -> dict[str, Any]:
-    """A target's 90% bootstrap interval, and whether it lies wholly on one side of the threshold."""
-    if ci is None:
-        return {"ci90": None, "resolved": False}
-    return {"ci90": list(ci), "resolved": ci[1] <= threshold or ci[0] > threshold}
-
-
 def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     """Ratios, targets and exposed sync times of one model's row (added in place; returned)."""
     med = {m: st["median_s"] for m, st in row["methods"].items()}
@@ -349,8 +342,8 @@ def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     auto_vs_torch = _ratio(med["auto"], med["torch"])
     samples = row.get("samples_s") or {}
     ci = {
-        "auto vs best fixed": common.bootstrap_ci(_auto_vs_best_fixed, samples) if samples else None,
-        "auto vs torch": common.bootstrap_ci(_auto_vs_torch, samples) if samples else None,
+        "auto vs best fixed": common.bootstrap_ci(_auto_vs_best_fixed, samples, paired=True) if samples else None,
+        "auto vs torch": common.bootstrap_ci(_auto_vs_torch, samples, paired=True) if samples else None,
     }
     row["best_fixed"] = best
     row["ratios"] = {
@@ -364,14 +357,14 @@ def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
             "threshold": AUTO_VS_BEST_FIXED,
             "value": auto_vs_best,
             "pass": auto_vs_best is not None and auto_vs_best <= AUTO_VS_BEST_FIXED,
-            **_interval(ci["auto vs best fixed"], AUTO_VS_BEST_FIXED),
+            **common.interval_fields(ci["auto vs best fixed"], AUTO_VS_BEST_FIXED),
         },
         "auto vs torch": {
             "op": "le",
             "threshold": AUTO_VS_TORCH,
             "value": auto_vs_torch,
             "pass": auto_vs_torch is not None and auto_vs_torch <= AUTO_VS_TORCH,
-            **_interval(ci["auto vs torch"], AUTO_VS_TORCH),
+            **common.interval_fields(ci["auto vs torch"], AUTO_VS_TORCH),
         },
     }
     chosen = next((r for r in row.get("tuning_report") or [] if r.get("chosen")), None)
