@@ -139,7 +139,7 @@ def test_health_targets_carry_paired_intervals():
     rng = random.Random(2)
     drift = [1 + 0.3 * rng.random() for _ in range(40)]  # a round's slowdown, shared by every method
     base = {"torch": 0.100, "torch+clip": 0.130, "fastcoll": 0.100, "fastcoll+torch clip": 0.130}
-    base.update({"fastcoll norm": 0.101, "fastcoll norm+clip": 0.110, "fastcoll nonfinite": 0.1005})
+    base.update({"fastcoll norm": 0.101, "fastcoll norm+clip": 0.110, "fastcoll nonfinite": 0.1005, "fastcoll again": 0.1})
     samples = {m: [base[m] * d * (1 + 0.002 * rng.uniform(-1, 1)) for d in drift] for m in health.METHODS}
     out = health.analyze("resnet50", samples)
     for name in ("norm", "nonfinite", "clip"):
