@@ -75,7 +75,8 @@ they existed uses the reference for them). The ops rows are left out when
 ``fastcoll/bench/ops.py`` times ``unflatten_scale`` with ``sumsq`` itself.
 
 ``--quick`` (about 2-3 minutes on 2 cores) takes 9 samples (6 for the GPT-2
-shapes) of at least 30 ms; the full run 21 (11). ``--smoke`` (hidden;
+shapes) of at least 30 ms; the full run 21 for every model (11 for the GPT-2
+shapes left them at the mercy of one or two slow samples). ``--smoke`` (hidden;
 tests/test_bench.py) runs shrunken models, 2 one-step samples, 2 ranks only.
 Output: tables on the terminal, ``benchmarks/out/health_<device>.json`` and a
 PNG chart next to it.
@@ -203,7 +204,7 @@ def _config(args: Any, device: str) -> Dict[str, Any]:
     elif quick:
         cfg = dict(reps=9, reps_large=6, setup_steps=2, target_s=0.03, max_inner=50, ops_reps=15, ops_target_s=0.03)
     else:
-        cfg = dict(reps=21, reps_large=11, setup_steps=3, target_s=0.1, max_inner=200, ops_reps=25, ops_target_s=0.1)
+        cfg = dict(reps=21, reps_large=21, setup_steps=3, target_s=0.1, max_inner=200, ops_reps=25, ops_target_s=0.1)
     cfg.update(smoke=smoke, quick=quick or smoke, device=device)
     if device == "cuda":
         cfg.update(world_sizes=list(CUDA_WORLD_SIZES), backend="nccl")
