@@ -164,7 +164,7 @@ def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
         kw["device_ids"] = [torch.cuda.current_device()]
     if method == "torch":
         return TorchDDP(module, **kw)
-    cap: Any = "auto" if method.startswith("auto") else float(method.split()[0])
+    cap: Any = "auto" if method == "auto" else float(method.split()[0])
     return fastcoll.DDP(module, bucket_cap_mb=cap, record_timeline=True, **kw)
 
 
@@ -217,7 +217,7 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     for method in METHODS:
         wrapper = make_wrapper(method, ddp.build_model(spec, device, storage), device)
         step = ddp.make_step("fastcoll", wrapper, spec, x)
-        n = tune_steps if method.startswith("auto") else cfg["setup_steps"]
+        n = tune_steps if method == "auto" else cfg["setup_steps"]
         for _ in range(n - 1):  # the rebuild (and auto's tuning) happen here
             step()
         common.synchronize(device)
