@@ -549,15 +549,12 @@ def _paired_median(samples: Dict[str, List[float]], cost: str) -> float:
     return statistics.median(x - y for x, y in zip(samples[a], samples[b]))
 
 
-def _target_values(samples: Dict[str, List[float]]) -> Dict[str, Optional[float]]:
-    """The targets' statistics: the fused norm's and the check's cost per fastcoll step, fastcoll's clipping cost per torch's."""
-    base = statistics.median(samples["fastcoll"])
-    ct = _paired_median(samples, "clip torch")
-    return {
-        "norm": _paired_median(samples, "norm") / base,
-        "nonfinite": _paired_median(samples, "nonfinite") / base,
-        "clip": _paired_median(samples, "clip fastcoll") / ct if ct > 0 else None,
-    }
+def _target_value(samples: Dict[str, List[float]], name: str) -> Optional[float]:
+    """One target's statistic: the fused norm's or the check's cost per fastcoll step, or fastcoll's clipping cost per torch's."""
+    if name == "clip":
+        ct = _paired_median(samples, "clip torch")
+        return _paired_median(samples, "clip fastcoll") / ct if ct > 0 else None
+    return _paired_median(samples, name) / statistics.median(samples["fastcoll"])
 
 
 def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
@@ -569,7 +566,7 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     costs = {name: paired_cost(samples[a], samples[b]) for name, (a, b) in COSTS.items()}
     base_fc = stats["fastcoll"]["median_s"]
     ct, cf = costs["clip torch"]["median_s"], costs["clip fastcoll"]["median_s"]
-    values = _target_values(samples)
+    values = {name: _target_value(samples, name) for name in ("norm", "nonfinite", "clip")}
     clip_ratio, norm_frac, nonfinite_frac = values["clip"], values["norm"], values["nonfinite"]
     thresholds = {"norm": NORM_TARGET, "nonfinite": NONFINITE_TARGET}
     if model in CLIP_TARGET_MODELS:
@@ -578,7 +575,7 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     for name, threshold in thresholds.items():
 
         def stat(s: Dict[str, List[float]], name: str = name) -> Optional[float]:
-            return _target_values(s)[name]
+            return _target_value(s, name)
 
         ci = common.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
         targets[name] = _target(values[name], threshold, ci)
