@@ -4,7 +4,7 @@
 // argument checks and their messages (ops.cpp), dtype_code, the CPU kernels'
 // choice of inner loop (cpu/copy_scale.h), the CUDA kernel's switch over the
 // dtype pair (cuda/copy_chunk.cuh) and build_info()["dtypes"]. Python has the
-// same table in fastcoll/_dtypes.py; tests/test_ops.py checks that they agree.
+// same table in fastcoll/ops/dtypes.py; tests/test_ops.py checks that they agree.
 //
 // Compiles as plain C++ and under nvcc (device code uses the C++ types only).
 #pragma once

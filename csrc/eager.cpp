@@ -14,7 +14,7 @@
 // of a plain CPU or CUDA tensor, all on one backend, none requiring grad, no
 // dispatch key forced on by thread-local state (modes, functionalization,
 // vmap) and no torch function mode. For anything else they return False
-// having done nothing, and fastcoll/ops.py makes the boxed call, which also
+// having done nothing, and fastcoll/ops/__init__.py makes the boxed call, which also
 // produces the usual errors for arguments that are not tensors. The kernels
 // check every argument themselves (plan_segments), so errors are the same.
 #include <torch/extension.h>

@@ -1,6 +1,6 @@
 // Op schemas and the argument checks shared by every device.
 //
-// The schemas here must match fastcoll/_loader.py SCHEMAS (the pure-PyTorch
+// The schemas here must match fastcoll/ops/loader.py SCHEMAS (the pure-PyTorch
 // fallback registers the same ones when this library is not built).
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -71,7 +71,7 @@ void check_listed(const char* op, const at::Tensor& t, size_t i, const at::Tenso
       ") is not dense and non-overlapping; make it .contiguous() first");
 }
 
-// ---- The small tensors of the health ops (same words as fastcoll/_reference.py) ----
+// ---- The small tensors of the health ops (same words as fastcoll/ops/reference.py) ----
 
 // "a float32 tensor of shape (2,) on cpu"
 std::string describe(const at::Tensor& t) {
@@ -217,7 +217,7 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
   return segments;
 }
 
-// Checks in the order of fastcoll/_reference.py: the list and the flat buffer
+// Checks in the order of fastcoll/ops/reference.py: the list and the flat buffer
 // (plan_segments), scale_by, nonfinite (or sumsq), then overlaps.
 HealthPlan plan_flatten_scale_ex(
     at::TensorList tensors, const at::Tensor& out, const std::optional<at::Tensor>& scale_by,
@@ -287,7 +287,7 @@ HealthPlan plan_sum_of_squares(at::TensorList tensors, const at::Tensor& out) {
 TORCH_LIBRARY(fastcoll, m) {
   m.def("flatten_scale(Tensor[] tensors, Tensor(a!) out, float scale=1.0) -> ()");
   m.def("unflatten_scale(Tensor flat, Tensor(a!)[] tensors, float scale=1.0) -> ()");
-  // Gradient health (HealthPlan in fastcoll.h; semantics in fastcoll/ops.py and fastcoll/_reference.py).
+  // Gradient health (HealthPlan in fastcoll.h; semantics in fastcoll/ops/__init__.py and fastcoll/ops/reference.py).
   m.def(
       "flatten_scale_ex(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor? scale_by=None, "
       "Tensor(b!)? nonfinite=None) -> ()");

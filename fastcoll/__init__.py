@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _loader, dist, ops
+from . import dist, ops
 from .ddp import DDP, DistributedDataParallel
 from .dist import (
     all_reduce_dict,
@@ -21,6 +21,7 @@ from .dist import (
     synchronize,
 )
 from .errors import NonFiniteGradError, ReplicaMismatchError
+from .ops import loader
 from .reducer import GradBucket
 from .stall import StallError
 
@@ -41,15 +42,15 @@ def build_info() -> dict:
         "fastcoll": __version__,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "extension": _loader._C is not None,
+        "extension": loader._C is not None,
         "cuda_kernels": False,
         "compiler": None,
         "cuda_version": None,
         "cuda_arch_list": [],
-        "fallback_reason": _loader.FALLBACK_REASON,
+        "fallback_reason": loader.FALLBACK_REASON,
     }
-    if _loader._C is not None:
-        info.update(_loader._C.build_info())
+    if loader._C is not None:
+        info.update(loader._C.build_info())
     return info
 
 

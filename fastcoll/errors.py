@@ -17,7 +17,7 @@ class NonFiniteGradError(RuntimeError):
 class ReplicaMismatchError(RuntimeError):
     """The model replicas are not bitwise equal across ranks; raised on every rank with the same message.
 
-    Raised by ``fastcoll.DDP.verify_replicas()`` (``fastcoll._replicas``). The
+    Raised by ``fastcoll.DDP.verify_replicas()`` (``fastcoll.ddp.replicas``). The
     message names the first differing parameters and buffers (qualified names,
     up to 10) and, for each, the ranks holding the majority version and the
     outlier ranks grouped by the version they hold. Attributes (the same on

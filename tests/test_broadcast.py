@@ -37,7 +37,7 @@ def _tensors(rank: int, round_: int = 0):
 def _check_broadcast(rank: int, world_size: int, cap_bytes: int, src: int):
     import torch.distributed as dist
 
-    from fastcoll._broadcast import CoalescedBroadcast
+    from fastcoll.ddp.broadcast import CoalescedBroadcast
 
     calls = []
     real = dist.broadcast
@@ -81,7 +81,7 @@ def test_cap_splits_into_messages_and_one_shot_helper():
 
 
 def _one_shot(rank: int, world_size: int):
-    from fastcoll._broadcast import broadcast_coalesced
+    from fastcoll.ddp.broadcast import broadcast_coalesced
 
     mine = _tensors(rank)
     broadcast_coalesced(mine, None, 1)
@@ -94,7 +94,7 @@ def test_broadcast_coalesced_function():
 
 def test_staging_memory_is_one_message_not_the_whole_set():
     """Broadcasting a whole model needs one message of staging memory, not a second copy of the model."""
-    from fastcoll._broadcast import CoalescedBroadcast
+    from fastcoll.ddp.broadcast import CoalescedBroadcast
 
     tensors = [torch.randn(1000) for _ in range(64)]  # 256,000 bytes in all
     cap = 16_000

@@ -2,7 +2,7 @@
 
 Three implementations are checked against each other: a plain-Python
 transcription of the definition in fastcoll.ops.checksum's docstring (Python
-integers, byte by byte), the pure-PyTorch reference (fastcoll._reference, the
+integers, byte by byte), the pure-PyTorch reference (fastcoll.ops.reference, the
 oracle of the kernels) and the op itself (the C++ kernels when the extension is
 built; on a CUDA machine, the CUDA kernel against the CPU one).
 """
@@ -14,8 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastcoll import _reference, ops
+from fastcoll import ops
 from fastcoll.bench.common import num_threads
+from fastcoll.ops import reference
 
 CUDA = pytest.mark.cuda
 HYP = dict(deadline=None, suppress_health_check=list(HealthCheck))
@@ -44,7 +45,7 @@ def py_hash(data: bytes) -> int:
 
 def memory_bytes(t: torch.Tensor) -> bytes:
     """The numel * element_size bytes from data_ptr() (a dense tensor), in memory order."""
-    return _reference._bytes_of(t.detach().cpu()).numpy().tobytes()
+    return reference._bytes_of(t.detach().cpu()).numpy().tobytes()
 
 
 def u8(data: bytes) -> torch.Tensor:
@@ -89,7 +90,7 @@ def test_reference_and_op_match_the_definition(n):
     gen = torch.Generator().manual_seed(n)
     t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
     expected = py_hash(memory_bytes(t))
-    assert _reference.checksum([t]).tolist() == [expected]
+    assert reference.checksum([t]).tolist() == [expected]
     assert ops.checksum([t]).tolist() == [expected]
 
 
@@ -107,7 +108,7 @@ def test_every_dtype_matches_reference(dtype):
     tensors = [random_tensor(shape, dtype, gen) for shape in [(1,), (3,), (5, 7), (2, 3, 5), (0,), (1031,), (33, 65)]]
     got = ops.checksum(tensors)
     assert got.dtype == torch.int64 and got.shape == (len(tensors),) and got.device.type == "cpu"
-    assert torch.equal(got, _reference.checksum(tensors))
+    assert torch.equal(got, reference.checksum(tensors))
     assert got.tolist() == [py_hash(memory_bytes(t)) for t in tensors]
 
 
@@ -120,7 +121,7 @@ def test_odd_lengths_and_misaligned_storage(tail, offset):
     tensors = [storage[offset : offset + tail], storage[offset : offset + 64 + tail], storage[offset:]]
     expected = [py_hash(memory_bytes(t)) for t in tensors]
     assert ops.checksum(tensors).tolist() == expected
-    assert _reference.checksum(tensors).tolist() == expected
+    assert reference.checksum(tensors).tolist() == expected
 
 
 @pytest.mark.parametrize("offset", range(0, 4))
@@ -130,7 +131,7 @@ def test_misaligned_wider_dtypes(offset):
     h = torch.randn(4099, generator=gen).half()[offset : offset + 4093]
     f = torch.randn(70001, generator=gen)[offset : offset + 69997]
     tensors = [h, f, h[1:].reshape(6, 682), f[:-3]]
-    assert torch.equal(ops.checksum(tensors), _reference.checksum(tensors))
+    assert torch.equal(ops.checksum(tensors), reference.checksum(tensors))
     assert ops.checksum(tensors).tolist() == [py_hash(memory_bytes(t)) for t in tensors]
 
 
@@ -143,7 +144,7 @@ def test_memory_order_of_dense_non_contiguous_tensors():
     assert got == [py_hash(memory_bytes(cl)), py_hash(memory_bytes(t))]
     assert got[0] == ops.checksum([x.permute(0, 2, 3, 1).contiguous()]).item()  # the same bytes, in that order
     assert got[1] == ops.checksum([t.t().contiguous()]).item()
-    assert got == _reference.checksum([cl, t]).tolist()
+    assert got == reference.checksum([cl, t]).tolist()
 
 
 def test_many_tensors_and_large_ones_match_reference():
@@ -151,7 +152,7 @@ def test_many_tensors_and_large_ones_match_reference():
     tensors = [random_tensor((int(n),), torch.float32, gen) for n in torch.randint(0, 40, (300,), generator=gen)]
     tensors.insert(150, torch.randn(3 * 65536 + 5, generator=gen))
     tensors.append(torch.randn(1 << 20, generator=gen).to(torch.bfloat16))
-    assert torch.equal(ops.checksum(tensors), _reference.checksum(tensors))
+    assert torch.equal(ops.checksum(tensors), reference.checksum(tensors))
 
 
 # ---------------------------------------------------------------------------
@@ -169,7 +170,7 @@ def test_any_single_flipped_bit_changes_the_hash(data, bit, offset):
     t[bit // 8] ^= 1 << (bit % 8)
     after = ops.checksum([t]).item()
     assert before != after
-    assert _reference.checksum([t]).item() == after
+    assert reference.checksum([t]).item() == after
 
 
 @settings(max_examples=50, **HYP)
@@ -225,7 +226,7 @@ def test_deterministic_across_thread_counts():
     for n in (1, 2, 3):
         with num_threads(n):
             results.append(ops.checksum(tensors).tolist())
-    assert results[0] == results[1] == results[2] == _reference.checksum(tensors).tolist()
+    assert results[0] == results[1] == results[2] == reference.checksum(tensors).tolist()
 
 
 def test_buffers_of_a_module():
@@ -244,13 +245,13 @@ def test_buffers_of_a_module():
 
 
 def test_empty_list_returns_empty_tensor():
-    for got in (ops.checksum([]), torch.ops.fastcoll.checksum([]), _reference.checksum([])):
+    for got in (ops.checksum([]), torch.ops.fastcoll.checksum([]), reference.checksum([])):
         assert got.dtype == torch.int64 and got.shape == (0,)
 
 
 @pytest.mark.parametrize("impl", ["op", "reference"])
 def test_errors_name_the_tensor(impl):
-    fn = torch.ops.fastcoll.checksum if impl == "op" else _reference.checksum
+    fn = torch.ops.fastcoll.checksum if impl == "op" else reference.checksum
     ok = torch.randn(3)
     with pytest.raises(ValueError, match=r"fastcoll\.checksum: tensors\[1\] \(shape \(4, 2\), strides \(8, 4\)\) is not dense"):
         fn([ok, torch.randn(4, 8)[:, ::4]])
@@ -294,7 +295,7 @@ def test_cuda_matches_cpu(dtype):
     got = ops.checksum([t.cuda() for t in tensors])
     assert got.device.type == "cuda"
     assert torch.equal(got.cpu(), cpu)
-    assert torch.equal(_reference.checksum([t.cuda() for t in tensors]).cpu(), cpu)
+    assert torch.equal(reference.checksum([t.cuda() for t in tensors]).cpu(), cpu)
 
 
 @CUDA
@@ -338,9 +339,9 @@ def test_extension_serves_checksum():
     if ops.implementation() != "extension":
         pytest.skip("the compiled extension is not loaded")
     import fastcoll
-    from fastcoll import _loader
+    from fastcoll.ops import loader
 
-    assert "checksum" not in _loader.REFERENCE_OPS
+    assert "checksum" not in loader.REFERENCE_OPS
     keys = ["CPU"] + (["CUDA"] if fastcoll.build_info()["cuda_kernels"] else [])
     for key in keys:
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fastcoll::checksum", key), key

@@ -857,7 +857,7 @@ def test_sparse_gradients():
 )
 def test_construction_check_device(backend, device_ids, params, bound, current, want):
     """The device of DDP's construction-time agreement comes from device_ids / the module, not from cuda:0."""
-    from fastcoll.ddp import sync_device
+    from fastcoll.ddp.arguments import sync_device
 
     got = sync_device(backend, device_ids, [torch.device(p) for p in params], bound, current)
     assert got == torch.device(want)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastcoll
-from fastcoll import _compile_support
+from fastcoll.ddp import compile_support as _compile_support
 
 WIDTH, DEPTH, BATCH = 512, 4, 4
 STEPS = 3

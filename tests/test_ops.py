@@ -3,7 +3,7 @@
 The oracle here is an independent float64 computation written in this file:
 every test tensor is carved out of a 1-D storage buffer built by the test, so
 the test knows each tensor's elements in memory order without asking the code
-under test (or fastcoll._reference) how to find them. Results are compared
+under test (or fastcoll.ops.reference) how to find them. Results are compared
 with tolerances derived from the destination dtype: the op multiplies in
 float32 (float64 when either side is float64) and then casts, so an element
 may differ from the exact float64 product by half an ulp of the destination
@@ -11,7 +11,7 @@ plus two roundings of the multiply (scale and product).
 
 Every test runs against both implementations: the active one, reached through
 torch.ops.fastcoll.* (fastcoll.ops; the C++/CUDA kernels when the extension is
-built), and fastcoll._reference called directly. When the extension is built,
+built), and fastcoll.ops.reference called directly. When the extension is built,
 its results are also compared bit for bit with the reference's.
 """
 
@@ -29,8 +29,9 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import fastcoll
-from fastcoll import _dtypes, _loader, _reference, ops
+from fastcoll import ops
 from fastcoll.bench.common import num_threads
+from fastcoll.ops import dtypes, loader, reference
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DTYPES = [F32, F16, BF16, F64]
@@ -81,7 +82,7 @@ class Impl:
                 ret = ops.flatten_scale(tensors, out, scale)
             assert ret is out
         else:
-            _reference.flatten_scale(tensors, out, scale)
+            reference.flatten_scale(tensors, out, scale)
 
     def unflatten(self, flat, tensors, scale=1.0):
         _LAST_OP["name"] = "fastcoll.unflatten_scale"
@@ -89,7 +90,7 @@ class Impl:
             with _cpu_streaming(self.name == "ops_streaming"):
                 assert ops.unflatten_scale(flat, tensors, scale) is None
         else:
-            _reference.unflatten_scale(flat, tensors, scale)
+            reference.unflatten_scale(flat, tensors, scale)
 
 
 # "ops_streaming": the compiled ops with the CPU kernels' non-temporal stores
@@ -387,7 +388,7 @@ def check_flatten(impl: Impl, specs: Sequence[Spec], out_dtype, scale, out_offse
 
     if impl.name == "ops" and extension_active():  # extension vs reference, bit for bit
         ref = make_flat(out.numel, out_dtype, device, out_offset, out_pad)
-        _reference.flatten_scale([m.tensor for m in made], ref.tensor, scale)
+        reference.flatten_scale([m.tensor for m in made], ref.tensor, scale)
         assert_slots_match(out.tensor, ref.tensor, specs, skip=lambda s: s.dtype == F64 and out_dtype in (F16, BF16))
 
 
@@ -408,7 +409,7 @@ def check_unflatten(impl: Impl, specs: Sequence[Spec], out_dtype, scale, out_off
 
     if impl.name == "ops" and extension_active():
         refs = [make_tensor(s, device, gen, fill=float("nan")) for s in specs]
-        _reference.unflatten_scale(flat.tensor, [r.tensor for r in refs], scale)
+        reference.unflatten_scale(flat.tensor, [r.tensor for r in refs], scale)
         for i, (s, d, r) in enumerate(zip(specs, dests, refs)):
             if not (out_dtype == F64 and s.dtype in (F16, BF16)):
                 assert_bitwise(d.mem, r.mem, f"extension != reference for tensors[{i}] {s}")
@@ -688,9 +689,9 @@ def test_unsupported_dtype_message_lists_the_dtype_table(impl):
     ts[1] = torch.zeros(4, dtype=torch.int16)
     out = torch.zeros(18)
     msg = _raises_and_writes_nothing(lambda: impl.flatten(ts, out, 0.5), TypeError, ["tensors[1]", "int16"], out)
-    assert msg.splitlines()[0].endswith(f"supported dtypes are {_dtypes.SUPPORTED_NAMES}"), msg
-    names = [_dtypes.dtype_name(d) for d in _dtypes.SUPPORTED_DTYPES]
-    assert _dtypes.SUPPORTED_NAMES == ", ".join(names[:-1]) + " and " + names[-1]
+    assert msg.splitlines()[0].endswith(f"supported dtypes are {dtypes.SUPPORTED_NAMES}"), msg
+    names = [dtypes.dtype_name(d) for d in dtypes.SUPPORTED_DTYPES]
+    assert dtypes.SUPPORTED_NAMES == ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _bad_calls():
@@ -738,12 +739,12 @@ def assert_extension_and_reference_agree(case: str, bad_calls: Callable[[], dict
 @pytest.mark.parametrize("case", sorted(_bad_calls()))
 def test_extension_and_reference_say_the_same(case):
     """The compiled checks (csrc/ops.cpp; the fake kernels for mixed meta inputs) and the
-    reference (fastcoll/_reference.py) raise the same exception type with the same message."""
+    reference (fastcoll/reference.py) raise the same exception type with the same message."""
     assert_extension_and_reference_agree(
         case,
         _bad_calls,
         (ops.flatten_scale, ops.unflatten_scale),
-        (_reference.flatten_scale, _reference.unflatten_scale),
+        (reference.flatten_scale, reference.unflatten_scale),
         ("fastcoll.flatten_scale: ", "fastcoll.unflatten_scale: "),
     )
 
@@ -864,14 +865,14 @@ def test_bucket_views_errors():
 
 
 def test_extension_dtype_table_matches_python():
-    """csrc/dtypes.h (FASTCOLL_FOR_EACH_DTYPE, in code order) and fastcoll/_dtypes.py list the same dtypes."""
+    """csrc/dtypes.h (FASTCOLL_FOR_EACH_DTYPE, in code order) and fastcoll/dtypes.py list the same dtypes."""
     if not extension_active():
         pytest.skip("the compiled extension is not loaded")
     from fastcoll import _C
 
     cpp = _C.build_info()["dtypes"]
-    assert cpp == [_dtypes.dtype_name(d) for d in _dtypes.SUPPORTED_DTYPES]
-    assert [getattr(torch, name) for name in cpp] == list(_dtypes.SUPPORTED_DTYPES)
+    assert cpp == [dtypes.dtype_name(d) for d in dtypes.SUPPORTED_DTYPES]
+    assert [getattr(torch, name) for name in cpp] == list(dtypes.SUPPORTED_DTYPES)
     assert fastcoll.build_info()["dtypes"] == cpp
 
 
@@ -896,10 +897,10 @@ def test_build_info():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(_loader.SCHEMAS))
+@pytest.mark.parametrize("name", sorted(loader.SCHEMAS))
 def test_schema_matches_loader(name):
     registered = getattr(torch.ops.fastcoll, name).default._schema
-    expected = torch._C.parse_schema("fastcoll::" + _loader.SCHEMAS[name])
+    expected = torch._C.parse_schema("fastcoll::" + loader.SCHEMAS[name])
     assert str(registered) == str(expected)
 
 

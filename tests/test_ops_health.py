@@ -14,7 +14,7 @@ Implementations under test: ``torch.ops.fastcoll.*`` (the compiled kernels, or
 the reference under ``FASTCOLL_NO_EXT=1``, through the dispatcher's boxed
 call), the public ``fastcoll.ops`` wrappers (the same kernels through their
 direct eager entry points, csrc/eager.cpp) with the CPU kernels' non-temporal
-stores forced on, and fastcoll._reference called directly.
+stores forced on, and fastcoll.ops.reference called directly.
 
 Chunk sizes the non-finite placements aim at: the CPU kernels sum in pieces of
 CPU_PIECE elements of the flat range and their vector loops take 32 elements
@@ -71,8 +71,9 @@ from test_ops import (
 )
 
 import fastcoll
-from fastcoll import _loader, _reference, ops
+from fastcoll import ops
 from fastcoll.bench.common import num_threads
+from fastcoll.ops import loader, reference
 
 INF, NAN = float("inf"), float("nan")
 CPU_PIECE = 16384  # csrc/cpu/health_cpu.cpp kPieceElements
@@ -104,7 +105,7 @@ class HImpl:
     def flatten_ex(self, tensors, out, scale=1.0, scale_by=None, nonfinite=None):
         _LAST_OP["name"] = "fastcoll.flatten_scale_ex"
         if self.name == "reference":
-            _reference.flatten_scale_ex(tensors, out, scale, scale_by, nonfinite)
+            reference.flatten_scale_ex(tensors, out, scale, scale_by, nonfinite)
         else:
             with self._ctx():
                 if self.name == "ops_streaming" and (scale_by is not None or nonfinite is not None):
@@ -116,7 +117,7 @@ class HImpl:
     def unflatten_ex(self, flat, tensors, scale=1.0, sumsq=None):
         _LAST_OP["name"] = "fastcoll.unflatten_scale_ex"
         if self.name == "reference":
-            _reference.unflatten_scale_ex(flat, tensors, scale, sumsq)
+            reference.unflatten_scale_ex(flat, tensors, scale, sumsq)
         else:
             with self._ctx():
                 if self.name == "ops_streaming":
@@ -127,7 +128,7 @@ class HImpl:
     def sum_of_squares(self, tensors, out):
         _LAST_OP["name"] = "fastcoll.sum_of_squares"
         if self.name == "reference":
-            _reference.sum_of_squares(tensors, out)
+            reference.sum_of_squares(tensors, out)
         elif self.name == "ops_streaming":
             ops.sum_of_squares(tensors, out)
         else:
@@ -136,14 +137,14 @@ class HImpl:
     # The plain ops of the same implementation, whose bits the _ex ops must write.
     def flatten(self, tensors, out, scale=1.0):
         if self.name == "reference":
-            _reference.flatten_scale(tensors, out, scale)
+            reference.flatten_scale(tensors, out, scale)
         else:
             with self._ctx():
                 torch.ops.fastcoll.flatten_scale(list(tensors), out, float(scale))
 
     def unflatten(self, flat, tensors, scale=1.0):
         if self.name == "reference":
-            _reference.unflatten_scale(flat, tensors, scale)
+            reference.unflatten_scale(flat, tensors, scale)
         else:
             with self._ctx():
                 torch.ops.fastcoll.unflatten_scale(flat, list(tensors), float(scale))
@@ -237,7 +238,7 @@ def check_flatten_ex(impl: HImpl, specs, out_dtype, scale, out_offset, out_pad, 
         assert_bitwise(out.tensor, plain.tensor, "flatten_scale_ex != flatten_scale")
     if impl.name == "ops" and extension_active():
         ref = make_flat(n, out_dtype, device, out_offset, out_pad)
-        _reference.flatten_scale_ex([m.tensor for m in made], ref.tensor, scale, sb, None)
+        reference.flatten_scale_ex([m.tensor for m in made], ref.tensor, scale, sb, None)
         # float64 -> 16 bits rounds twice in both, not always alike
         assert_slots_match(
             out.tensor, ref.tensor, specs, skip=lambda s: (s.dtype == F64 or sb_kind == "f64") and out_dtype in (F16, BF16)
@@ -668,7 +669,7 @@ def test_extension_has_every_op():
     """A fresh build serves every op of SCHEMAS (none fell back to the reference), on CPU and, if built, CUDA."""
     if not extension_active():
         pytest.skip("the compiled extension is not loaded")
-    assert _loader.REFERENCE_OPS == ()
+    assert loader.REFERENCE_OPS == ()
     keys = ["CPU"] + (["CUDA"] if fastcoll.build_info()["cuda_kernels"] else [])
     for name in ("flatten_scale_ex", "unflatten_scale_ex", "sum_of_squares"):
         for key in keys:
@@ -822,7 +823,7 @@ def test_extension_and_reference_say_the_same(case):
         case,
         _bad_calls,
         (torch.ops.fastcoll.flatten_scale_ex, torch.ops.fastcoll.unflatten_scale_ex, torch.ops.fastcoll.sum_of_squares),
-        (_reference.flatten_scale_ex, _reference.unflatten_scale_ex, _reference.sum_of_squares),
+        (reference.flatten_scale_ex, reference.unflatten_scale_ex, reference.sum_of_squares),
         ("fastcoll.flatten_scale_ex: ", "fastcoll.unflatten_scale_ex: ", "fastcoll.sum_of_squares: "),
     )
 

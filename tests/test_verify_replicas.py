@@ -1,4 +1,4 @@
-"""Replica verification (issue #12): fastcoll._replicas.verify_replicas(ddp), behind fastcoll.DDP.verify_replicas().
+"""Replica verification (issue #12): fastcoll.ddp.replicas.verify_replicas(ddp), behind fastcoll.DDP.verify_replicas().
 
 Multi-rank tests on 2 and 3 gloo ranks (tests/multiproc.py, hard timeouts):
 a parameter or a buffer perturbed on some ranks makes every rank raise
@@ -17,14 +17,14 @@ from multiproc import run_ranks
 from torch import nn
 
 import fastcoll
-from fastcoll import _replicas
+from fastcoll.ddp import replicas as _replicas
 from fastcoll.errors import ReplicaMismatchError
 
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "all_gather_object", "barrier")
 
 
 class CollectiveCounter:
-    """Counts torch.distributed collective calls (the module attributes fastcoll._replicas calls through)."""
+    """Counts torch.distributed collective calls (the module attributes fastcoll.ddp.replicas calls through)."""
 
     def __init__(self):
         self.calls = []

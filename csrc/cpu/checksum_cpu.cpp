@@ -1,9 +1,9 @@
 // fastcoll::checksum: one bitwise hash per tensor, of the bytes it holds, for
-// replica verification (fastcoll/_replicas.py). CPU kernel, the argument
+// replica verification (fastcoll/ddp/replicas.py). CPU kernel, the argument
 // checks (shared with csrc/cuda/checksum_cuda.cu) and the kernel for an empty
 // list (CompositeExplicitAutograd: a call without tensors has no device).
 //
-// The hash (the same definition in fastcoll/ops.py, fastcoll/_reference.py,
+// The hash (the same definition in fastcoll/ops/__init__.py, fastcoll/ops/reference.py,
 // and checksum_cuda.cu). A tensor's bytes are the L = numel * element_size
 // bytes from data_ptr() in memory order (it must be dense). With
 //   mix(x) = splitmix64's finalizer: x ^= x >> 30; x *= 0xBF58476D1CE4E5B9;
@@ -44,7 +44,7 @@
 
 namespace fastcoll {
 
-// The argument checks of fastcoll.checksum (the words of fastcoll/_reference.py
+// The argument checks of fastcoll.checksum (the words of fastcoll/ops/reference.py
 // checksum): every tensor strided, on tensors[0]'s device, dense. Any dtype.
 // Also called by the CUDA kernel (checksum_cuda.cu declares it).
 void check_checksum_args(at::TensorList tensors);

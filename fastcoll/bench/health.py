@@ -154,11 +154,12 @@ def supported() -> bool:
 
 def health_ops_implementation() -> str:
     """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
-    from .. import _loader, ops
+    from .. import ops
+    from ..ops import loader
 
     if ops.implementation() != "extension":
         return "reference (pure PyTorch): the extension is not loaded"
-    missing = [n for n in HEALTH_OPS if n in getattr(_loader, "REFERENCE_OPS", ())]
+    missing = [n for n in HEALTH_OPS if n in getattr(loader, "REFERENCE_OPS", ())]
     if missing:
         return f"reference (pure PyTorch) for {', '.join(missing)}: the extension was built before them"
     return "extension"
@@ -166,9 +167,9 @@ def health_ops_implementation() -> str:
 
 def extension_file() -> Optional[Dict[str, Any]]:
     """Path, size and modification time of the compiled extension's file, read when called (so: at load time)."""
-    from .. import _loader
+    from ..ops import loader
 
-    mod = getattr(_loader, "_C", None)
+    mod = getattr(loader, "_C", None)
     path = getattr(mod, "__file__", None)
     if not path:
         return None

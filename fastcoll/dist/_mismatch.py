@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._dtypes import dtype_name
+from ..ops.dtypes import dtype_name
 from .serialize import type_name
 
 __all__ = ["explain_dict_mismatch", "explain_grads_mismatch", "spec"]

@@ -19,14 +19,14 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from .._dtypes import SUPPORTED_DTYPES, dtype_name, is_dense, is_fusable
-from .._sparse import all_reduce_sparse
 from ..bucketing import split_by_bytes
+from ..ops.dtypes import SUPPORTED_DTYPES, dtype_name, is_dense, is_fusable
 from . import backends
 from ._agree import agree
 from ._mismatch import explain_dict_mismatch, explain_grads_mismatch, spec
 from .process import Group, collectives_needed, get_world_size
 from .serialize import type_name
+from .sparse import all_reduce_sparse
 
 __all__ = ["all_reduce_dict", "allreduce_grads", "reduce_mean"]
 
@@ -248,7 +248,7 @@ def all_reduce_dict(
 
 def _mean_one(t: torch.Tensor, ws: int, group: Group, device: torch.device) -> Any | None:
     """Start averaging one tensor in place; the work handle when the reduce is still running."""
-    if t.layout == torch.sparse_coo:  # summed from all-gathers (see fastcoll._sparse), then written back
+    if t.layout == torch.sparse_coo:  # summed from all-gathers (see fastcoll.dist.sparse), then written back
         t.copy_(all_reduce_sparse(t, group, ws) / ws)
         return None
     if t.is_contiguous():

@@ -14,12 +14,11 @@ call per run of consecutive taking-part gradients (:func:`for_each_run`).
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .. import ops
-from ..comm_hooks import check_set_buffer
 
 __all__ = ["GradBucket", "PackArgs", "for_each_run"]
 
@@ -46,6 +45,17 @@ def for_each_run(present: Sequence[bool], offsets: Sequence[int], numel: int, fn
         hi = offsets[stop] if stop < len(offsets) else numel
         if hi > lo:
             fn(start, stop, lo, hi)
+
+
+def check_set_buffer(buffer: Any, numel: int, pos: int) -> None:
+    """Check the argument of ``GradBucket.set_buffer`` for bucket ``pos`` of ``numel`` elements."""
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"fastcoll.DDP: GradBucket.set_buffer expects a tensor, got {type(buffer).__name__}")
+    if buffer.dim() != 1 or buffer.numel() != numel or not buffer.is_contiguous():
+        raise ValueError(
+            f"fastcoll.DDP: GradBucket.set_buffer expects a 1-D contiguous tensor of {numel} elements "
+            f"(bucket {pos}), got shape {tuple(buffer.shape)} strides {tuple(buffer.stride())}"
+        )
 
 
 class GradBucket:

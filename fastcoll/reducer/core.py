@@ -55,9 +55,9 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._dtypes import check_comm_dtype
 from .._knobs import force_collectives
 from ..bucketing import Caps
+from ..ops.dtypes import check_comm_dtype
 from .bucket import GradBucket, PackArgs
 from .comm import Communicator
 from .health import Divisor, GradHealth

@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from .._sparse import SparseExchange, empty_sparse_grad
-from ..comm_hooks import call_hook, hook_result
+from ..dist.sparse import SparseExchange, empty_sparse_grad
 from .bucket import GradBucket, PackArgs
 from .comm import DONE, Communicator
+from .hooks import call_hook, hook_result
 from .timeline import Timeline
 
 __all__ = ["AllReduce", "CommHook", "InFlight", "SparseSum", "ZeroBuffers"]
@@ -204,7 +204,7 @@ class _SparseSummed(InFlight):
 
 
 class SparseSum:
-    """A sparse gradient scaled by 1/divisor and summed as a sparse tensor (:class:`fastcoll._sparse.SparseExchange`).
+    """A sparse gradient scaled by 1/divisor and summed as a sparse tensor (:class:`fastcoll.dist.sparse.SparseExchange`).
 
     A parameter that got no gradient contributes an empty sparse tensor, so
     every rank issues the same collectives.

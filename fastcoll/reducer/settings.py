@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .._dtypes import check_comm_dtype
+from ..ops.dtypes import check_comm_dtype
 from .bucket import PackArgs
 from .comm import Collective
 from .health import check_divisor, inverse_divisor

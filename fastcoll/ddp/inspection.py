@@ -61,7 +61,7 @@ class SyncInspection:
                 forward until the next one broadcasts them: between steps,
                 pass ``buffers=False`` for such a model.
         """
-        from ._replicas import verify_replicas
+        from .replicas import verify_replicas
 
         verify_replicas(self, buffers=buffers)
 

@@ -6,7 +6,7 @@ from typing import Any, Dict
 
 import torch.distributed as dist
 
-from ._join import JoinState
+from .join import JoinState
 
 __all__ = ["PicklingSupport"]
 

@@ -12,11 +12,11 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import ops
-from ._dtypes import is_fusable
-from ._knobs import force_collectives
-from .bucketing import split_by_bytes
-from .stall import run_collective
+from .. import ops
+from .._knobs import force_collectives
+from ..bucketing import split_by_bytes
+from ..ops.dtypes import is_fusable
+from ..stall import run_collective
 
 __all__ = ["CoalescedBroadcast", "broadcast_coalesced"]
 

@@ -30,12 +30,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import ops
-from ._dtypes import dtype_name, is_dense
-from .dist.backends import comm_device
-from .dist.process import collectives_needed
-from .errors import ReplicaMismatchError
-from .stall import run_collective
+from .. import ops
+from ..dist.backends import comm_device
+from ..dist.process import collectives_needed
+from ..errors import ReplicaMismatchError
+from ..ops.dtypes import dtype_name, is_dense
+from ..stall import run_collective
 
 __all__ = ["MAX_NAMED", "synchronized_tensors", "local_checksums", "verify_replicas"]
 

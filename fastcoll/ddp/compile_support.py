@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from .bucketing import MIB
+from ..bucketing import MIB
 
 __all__ = ["DynamoView", "activate", "call", "call_eagerly", "is_compiling", "restore", "skip_frame"]
 

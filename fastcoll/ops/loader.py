@@ -43,12 +43,12 @@ _fallback_lib = None
 
 def _register_reference(names, kind: str = "DEF") -> None:
     global _fallback_lib
-    from . import _reference
+    from . import reference
 
     lib = torch.library.Library("fastcoll", kind)
     for name in names:
         lib.define(SCHEMAS[name])
-        lib.impl(name, getattr(_reference, name), "CompositeExplicitAutograd")
+        lib.impl(name, getattr(reference, name), "CompositeExplicitAutograd")
     _fallback_lib = lib  # the registrations live as long as this object
 
 
@@ -66,7 +66,7 @@ def _load() -> None:
         FALLBACK_REASON = "FASTCOLL_NO_EXT is set"
     else:
         try:
-            from . import _C as compiled  # loading the library runs its TORCH_LIBRARY registrations
+            from .. import _C as compiled  # loading the library runs its TORCH_LIBRARY registrations
 
             _C = compiled
         except ImportError as exc:  # not built, or built against another torch
@@ -118,7 +118,7 @@ def _register_fakes() -> None:
 
     # The health ops: the same device checks, plus the metadata checks of their
     # small tensors (dtype, number of elements, device; overlaps need memory).
-    from ._reference import check_health_args
+    from .reference import check_health_args
 
     @torch.library.register_fake("fastcoll::flatten_scale_ex")
     def _flatten_scale_ex_fake(tensors, out, scale=1.0, scale_by=None, nonfinite=None):

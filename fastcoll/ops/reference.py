@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, dtype_name, is_dense
+from .dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, dtype_name, is_dense
 
 # ``is_dense`` is also imported from here by fastcoll.ops (bucket_views).
 __all__ = [

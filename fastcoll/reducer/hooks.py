@@ -7,7 +7,8 @@ by the world size; the future's value (one tensor, or a list holding one,
 with the bucket's number of elements in any floating dtype) is what gets
 written back into the gradients. The reducer calls hooks through
 :func:`call_hook` and reads their results through :func:`hook_result`, so
-every message about a misbehaving hook is written here.
+every message about a misbehaving hook is written here. Registration on the
+wrapper is :class:`fastcoll.ddp.comm_hooks.CommHookRegistration`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CommHookRegistration",
     "call_hook",
     "check_comm_hook",
-    "check_set_buffer",
     "describe_value",
     "hook_name",
     "hook_result",
@@ -47,17 +46,6 @@ def describe_value(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return f"a {type(v).__name__} of {len(v)} element(s) ({', '.join(type(x).__name__ for x in v[:4])})"
     return "None" if v is None else f"a {type(v).__module__}.{type(v).__qualname__}"
-
-
-def check_set_buffer(buffer: Any, numel: int, pos: int) -> None:
-    """Check the argument of ``GradBucket.set_buffer`` for bucket ``pos`` of ``numel`` elements."""
-    if not isinstance(buffer, torch.Tensor):
-        raise TypeError(f"{_WHO}: GradBucket.set_buffer expects a tensor, got {type(buffer).__name__}")
-    if buffer.dim() != 1 or buffer.numel() != numel or not buffer.is_contiguous():
-        raise ValueError(
-            f"{_WHO}: GradBucket.set_buffer expects a 1-D contiguous tensor of {numel} elements "
-            f"(bucket {pos}), got shape {tuple(buffer.shape)} strides {tuple(buffer.stride())}"
-        )
 
 
 def call_hook(hook: Callable, state: Any, bucket: Any) -> torch.futures.Future:
@@ -106,7 +94,7 @@ def _is_bucket_annotation(a: Any) -> bool:
     if a is inspect.Parameter.empty or a is typing.Any or a is object:
         return True
     if isinstance(a, type):
-        from .reducer.bucket import GradBucket
+        from .bucket import GradBucket
 
         return issubclass(a, (GradBucket, dist.GradBucket))
     if isinstance(a, str):
@@ -190,66 +178,3 @@ def check_comm_hook(hook: Any) -> None:
             f"{_WHO}: the communication hook {hook_name(hook)}: return annotation "
             f"{sig.return_annotation!r} should be torch.futures.Future[torch.Tensor] (or none)"
         )
-
-
-class CommHookRegistration:
-    """Comm hook registration of :class:`fastcoll.DDP` (torch DDP's ``register_comm_hook`` and built-in hooks).
-
-    Expects the wrapper's ``reducer``, ``comm_dtype`` and ``_comm_hook_desc``
-    (the one registered hook, built-in hook or comm_dtype, or None).
-    """
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Register a communication hook, with torch DDP's contract.
-
-        ``hook(state, bucket) -> torch.futures.Future`` is called once per
-        bucket per synchronized backward, in bucket index order, with a
-        :class:`fastcoll.GradBucket` (torch's GradBucket interface: ``index()``,
-        ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``,
-        ``set_buffer()``). The buffer holds the bucket's gradients *not*
-        divided by the world size (the hook divides). The future's value, one
-        tensor (or a list holding one) with the bucket's number of elements
-        in any floating dtype, is written back into the gradients by one fused
-        unpack that casts on the way. torch's hooks (allreduce, fp16/bf16
-        compress and wrappers, PowerSGD, post-local SGD, noop) run unchanged.
-
-        Only one hook per module (this, ``_register_builtin_comm_hook`` or
-        ``comm_dtype``), registered between iterations.
-
-        Raises:
-            TypeError: ``hook`` is not callable or cannot take ``(state, bucket)``.
-            ValueError: its annotations are not a GradBucket and a Future of a tensor.
-            RuntimeError: a hook (or comm_dtype) is already registered.
-        """
-        check_comm_hook(hook)
-        self._check_no_hook(hook_name(hook))
-        self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_desc = hook_name(hook)
-
-    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """torch DDP's built-in hooks, on fastcoll's fused paths.
-
-        ``ALLREDUCE`` is the default reduction; ``FP16_COMPRESS`` is
-        ``comm_dtype=torch.float16`` (one fused cast+scale pack, a float16
-        all-reduce, one fused upcast unpack).
-        """
-        if not isinstance(comm_hook_type, dist.BuiltinCommHookType):
-            raise TypeError(
-                f"fastcoll.DDP: expected a torch.distributed.BuiltinCommHookType, got {type(comm_hook_type).__name__}"
-            )
-        desc = f"builtin {comm_hook_type.name}"
-        self._check_no_hook(desc)
-        if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
-            self.reducer.set_comm_dtype(torch.float16)
-            self.comm_dtype = torch.float16
-        elif comm_hook_type != dist.BuiltinCommHookType.ALLREDUCE:
-            raise ValueError(f"fastcoll.DDP: unsupported builtin comm hook {comm_hook_type}")
-        self._comm_hook_desc = desc
-
-    def _check_no_hook(self, new: str) -> None:
-        if self._comm_hook_desc is not None:
-            raise RuntimeError(
-                f"fastcoll.DDP: a communication hook ({self._comm_hook_desc}) is already registered; "
-                f"cannot also register {new} (register_comm_hook, _register_builtin_comm_hook and "
-                "comm_dtype allow one per module, as in torch DDP)"
-            )

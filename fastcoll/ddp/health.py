@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import ops
+from .. import ops
 
 __all__ = ["GradHealthMethods"]
 

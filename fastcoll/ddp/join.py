@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ._broadcast import broadcast_coalesced
-from .stall import protected_wait, run_collective
+from ..stall import protected_wait, run_collective
+from .broadcast import broadcast_coalesced
 
 __all__ = ["DDPJoinHook", "JoinState", "JoinSupport"]
 
@@ -99,7 +99,7 @@ class DDPJoinHook(JoinHook):
     """
 
     def __init__(self, ddp: Any, divide_by_initial_world_size: bool):
-        from .ddp import DDP
+        from .wrapper import DDP
 
         if not isinstance(ddp, DDP):
             raise TypeError(f"fastcoll.DDP.join_hook: expects a fastcoll.DDP, got {type(ddp).__name__}")

@@ -10,56 +10,28 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _compile_support
-from ._broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
-from ._ddp_health import GradHealthMethods
-from ._ddp_inspect import SyncInspection
-from ._ddp_pickle import PicklingSupport
-from ._dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, dtype_name, is_dense
-from ._join import JoinState, JoinSupport
-from .bucketing import AUTO, MIB, bucket_caps_from_mb
+from ..bucketing import AUTO
+from ..dist._agree import agree
+from ..dist.backends import backend_name, bound_device
+from ..ops.dtypes import dtype_name
+from ..reducer import Reducer
+from ..stall import resolve_stall_timeout
+from . import compile_support
+from .arguments import check_arguments, check_verify_replicas_every, mismatch_message, resolve_process_group, sync_device
+from .broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
 from .comm_hooks import CommHookRegistration
-from .dist._agree import agree
-from .dist.backends import backend_name, bound_device, pick_comm_device
-from .reducer import Reducer
-from .stall import resolve_stall_timeout
+from .health import GradHealthMethods
+from .inspection import SyncInspection
+from .join import JoinState, JoinSupport
+from .pickling import PicklingSupport
 
 __all__ = ["DDP", "DistributedDataParallel"]
-
-
-def _check_device_ids(
-    device_ids: Optional[Sequence[Any]], output_device: Any, device_type: str, multi_device: bool, devices: set
-) -> Tuple[Optional[List[int]], Optional[int]]:
-    """Validate device_ids/output_device like torch DDP; returns the normalized pair.
-
-    device_ids name the one accelerator a single-device module lives on. For a
-    CPU module or a module spread over several devices they must be None (or
-    empty), as in torch DDP. Kept in one place so the rule can be relaxed.
-
-    Raises:
-        ValueError: more than one device id, or device ids for a CPU / multi-device module.
-    """
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"fastcoll.DDP: device_ids can only be None or contain a single element, got {list(device_ids)}")
-    if not device_ids or device_type == "cpu" or multi_device:
-        if device_ids or output_device is not None:
-            raise ValueError(
-                "fastcoll.DDP: device_ids and output_device only work with a module whose parameters are all on "
-                f"one accelerator; got device_ids {device_ids}, output_device {output_device} and parameters "
-                f"on {sorted(str(d) for d in devices)}. Leave them unset for CPU or multi-device modules."
-            )
-        return None, None
-    ids = [torch.device(device_type, d).index if isinstance(d, int) else torch.device(d).index for d in device_ids]
-    out = output_device if output_device is not None else ids[0]
-    if not isinstance(out, int):
-        out = torch.device(out).index
-    return ids, out
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:
@@ -77,131 +49,6 @@ def _move_to(obj: Any, device: torch.device) -> Any:
             obj, **{f.name: _move_to(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
         )
     return obj
-
-
-def _describe(entry: Optional[tuple]) -> str:
-    if entry is None:
-        return "no such parameter"
-    name, shape, dtype, stride, requires_grad = entry
-    return f"'{name}' shape {shape} dtype {dtype} stride {stride} requires_grad={requires_grad}"
-
-
-def _mismatch_message(sigs: List[List[tuple]]) -> str:
-    """Describe the first parameter at which the ranks' signatures differ."""
-    n_max = max(len(s) for s in sigs)
-    first = next(i for i in range(n_max + 1) if len({(s[i] if i < len(s) else None) for s in sigs}) > 1)
-    groups: Dict[str, List[int]] = {}
-    for r, s in enumerate(sigs):
-        desc = _describe(s[first] if first < len(s) else None) + f" ({len(s)} parameters in all)"
-        groups.setdefault(desc, []).append(r)
-    per_rank = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}" for d, rs in groups.items())
-    return (
-        "the wrapped module differs across ranks (every rank must build the same model, with "
-        f"parameters registered in the same order). First difference at parameter #{first}: {per_rank}"
-    )
-
-
-def sync_device(
-    backend: str,
-    device_ids: Optional[Sequence[Any]],
-    param_devices: Sequence[torch.device],
-    bound: Optional[torch.device],
-    current: Optional[int],
-) -> torch.device:
-    """The device of fastcoll.DDP's construction-time agreement collective (a pure function).
-
-    The rule: with a backend that needs CUDA tensors (NCCL), the device named
-    by ``device_ids``, else the module's first CUDA parameter's device, else the
-    group's bound device, else ``cuda:current``; CPU for backends that take CPU
-    tensors (gloo). ``torch.cuda.set_device`` is therefore not needed when the
-    model is on its GPU: ``model.to(local_rank); DDP(model, device_ids=[local_rank])``
-    never puts two ranks of a node on cuda:0.
-    """
-    named = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in (device_ids or [])]
-    return pick_comm_device(backend, [*named, *param_devices], bound, current)
-
-
-def _resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    """The group fastcoll.DDP averages over: ``process_group``, or the default group when None.
-
-    Raises:
-        RuntimeError: the default process group is not initialized.
-        TypeError: ``process_group`` is not a ProcessGroup.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "fastcoll.DDP: the default process group has not been initialized; call "
-            "torch.distributed.init_process_group(...) before wrapping the model"
-        )
-    if process_group is None:
-        return dist.distributed_c10d._get_default_group()
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"fastcoll.DDP: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}"
-        )
-    return process_group
-
-
-def _check_verify_replicas_every(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"fastcoll.DDP: verify_replicas_every must be an int >= 0 (0: never), got {value!r}")
-    return value
-
-
-def _check_positive_mib(name: str, value: Any) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"fastcoll.DDP: {name} must be a positive number of MiB, got {value!r}")
-    return float(value)
-
-
-def _check_arguments(
-    named: List[Tuple[str, torch.Tensor]],
-    bucket_cap_mb: Any,
-    first_bucket_mb: Any,
-    comm_dtype: Any,
-    device_ids: Optional[Sequence[Any]],
-    output_device: Any,
-) -> Tuple[Any, Any, int, str, Optional[List[int]], Optional[int]]:
-    """This rank's checks of the module and the arguments, before anything is built.
-
-    Returns:
-        (parsed bucket_cap_mb: bytes, a list of bytes or "auto"; the caps the reducer starts
-        with; first bucket cap bytes; device type; device_ids; output_device).
-
-    Raises:
-        ValueError, RuntimeError, TypeError: naming the argument or parameter at fault.
-    """
-    caps = bucket_caps_from_mb(bucket_cap_mb)
-    first = _check_positive_mib("first_bucket_mb", first_bucket_mb)
-    # "auto" starts from the default caps; a list of caps sets the first bucket's too.
-    cap_bytes = bucket_caps_from_mb(None) if caps == AUTO else caps
-    # The first bucket is never larger than the others (as in torch, where a
-    # user-set bucket_cap_mb also caps the first bucket).
-    first_bytes = min(int(first * MIB), cap_bytes if isinstance(cap_bytes, int) else cap_bytes[0])
-    check_comm_dtype(comm_dtype)
-    for n, p in named:
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            raise RuntimeError(f"fastcoll.DDP: parameter '{n}' is uninitialized (lazy module); run a dummy forward pass first")
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    if not trainable:
-        raise RuntimeError("fastcoll.DDP: the module has no parameter that requires a gradient; DDP is not needed")
-    devices = {p.device for _, p in named}
-    types = {d.type for d in devices}
-    if len(types) != 1:
-        raise ValueError(f"fastcoll.DDP: all parameters must be on one device type, but they are on {sorted(types)}")
-    device_type = next(iter(types))
-    ids, out = _check_device_ids(device_ids, output_device, device_type, len(devices) > 1, devices)
-    for n, p in trainable:
-        if p.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be one of {SUPPORTED_NAMES}"
-            )
-        if p.layout != torch.strided or not is_dense(p):
-            raise ValueError(
-                f"fastcoll.DDP: parameter '{n}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is "
-                "not a dense tensor; parameters must be dense and non-overlapping"
-            )
-    return caps, cap_bytes, first_bytes, device_type, ids, out
 
 
 class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection):
@@ -319,7 +166,7 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         JoinSupport.__init__(self)
         self._join = JoinState(self)
         self._comm_hook_desc: Optional[str] = None  # the one registered comm hook (or builtin / comm_dtype)
-        self.process_group = _resolve_process_group(process_group)
+        self.process_group = resolve_process_group(process_group)
         if check_reduction:
             warnings.warn("fastcoll.DDP: check_reduction is deprecated and ignored", FutureWarning, stacklevel=2)
 
@@ -339,7 +186,7 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         self.check_nonfinite = bool(check_nonfinite)
         self.record_timeline = bool(record_timeline)
         self.stall_timeout = stall_timeout
-        self.verify_replicas_every = _check_verify_replicas_every(verify_replicas_every)
+        self.verify_replicas_every = check_verify_replicas_every(verify_replicas_every)
         self._verified_at = 0
         self._check_and_agree(bucket_cap_mb, first_bucket_mb, device_ids, output_device)  # a collective
 
@@ -399,7 +246,7 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         named = self._named_parameters()
         error: Optional[BaseException] = None
         try:
-            cfg = _check_arguments(named, bucket_cap_mb, first_bucket_mb, self.comm_dtype, device_ids, output_device)
+            cfg = check_arguments(named, bucket_cap_mb, first_bucket_mb, self.comm_dtype, device_ids, output_device)
             resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
         except (ValueError, RuntimeError, TypeError) as exc:
             error, cfg = exc, None
@@ -433,7 +280,7 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
             group=self.process_group,
             error=error,
             desc=sig,
-            explain=_mismatch_message,
+            explain=mismatch_message,
             mismatch=RuntimeError,
             device=device,
         )
@@ -462,30 +309,30 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
 
         Under torch.compile (``DDP(torch.compile(model))`` or
         ``torch.compile(DDP(model))``) only the wrapped module is compiled, split
-        at bucket boundaries as for torch's DDP; see ``fastcoll._compile_support``.
+        at bucket boundaries as for torch's DDP; see ``fastcoll.ddp.compile_support``.
         """
-        if _compile_support.is_compiling():
+        if compile_support.is_compiling():
             # torch.compile(DDP(model)): dynamo is tracing this frame. Run the
             # wrapper's steps eagerly and let dynamo compile only the module.
-            return self._forward_outside_dynamo(inputs, kwargs, _compile_support.call_eagerly)
-        return self._forward(inputs, kwargs, _compile_support.call)
+            return self._forward_outside_dynamo(inputs, kwargs, compile_support.call_eagerly)
+        return self._forward(inputs, kwargs, compile_support.call)
 
     def _forward(self, inputs: tuple, kwargs: dict, call: Callable[..., Any]) -> Any:
         # ``call`` runs the wrapper's own steps (eagerly when dynamo is active).
         inputs, kwargs = call(self._pre_forward, inputs, kwargs)
-        token = call(_compile_support.activate, self)  # dynamo's DDPOptimizer splits graphs compiled in here
+        token = call(compile_support.activate, self)  # dynamo's DDPOptimizer splits graphs compiled in here
         try:
             output = self.module(*inputs, **kwargs)
         finally:
-            call(_compile_support.restore, token)
+            call(compile_support.restore, token)
         call(self._post_forward, output)
         return output
 
     # The same steps in a frame dynamo does not trace (it still compiles the module's frames).
-    _forward_outside_dynamo = _compile_support.skip_frame(_forward)
+    _forward_outside_dynamo = compile_support.skip_frame(_forward)
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        # Collective order (a joined rank's DDPJoinHook.main_hook replays it, see fastcoll._join):
+        # Collective order (a joined rank's DDPJoinHook.main_hook replays it, see fastcoll.ddp.join):
         # [join: "not joined" all-reduce (+ early-termination all-reduce)],
         # [bucket layout broadcast, once], [join: authoritative-rank all-reduce]
         # + buffer broadcast, [join: requires-sync all-reduce].

@@ -29,7 +29,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import _knobs, _loader, _reference
+from .. import _knobs
+from . import loader, reference
 
 __all__ = [
     "flatten_scale",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 # The compiled module's direct eager entry points (csrc/eager.cpp), or None.
-_direct = _loader._C if _loader._C is not None and _knobs.eager_direct() else None
+_direct = loader._C if loader._C is not None and _knobs.eager_direct() else None
 
 
 def _listed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -252,7 +253,7 @@ def bucket_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch
     views: List[torch.Tensor] = []
     offset = flat.storage_offset()
     for i, t in enumerate(like):
-        if not _reference.is_dense(t):
+        if not reference.is_dense(t):
             raise ValueError(
                 f"fastcoll.bucket_views: like[{i}] (shape {tuple(t.shape)}, strides {tuple(t.stride())}) "
                 "is not dense and non-overlapping; make it .contiguous() first"
@@ -278,10 +279,10 @@ def eager_stats() -> dict:
         while tracing with torch.compile, or with ``FASTCOLL_EAGER=0``, are in
         neither count.
     """
-    counts = _loader._C._eager_stats() if _loader._C is not None else {"direct": 0, "deferred": 0}
+    counts = loader._C._eager_stats() if loader._C is not None else {"direct": 0, "deferred": 0}
     return {"enabled": _direct is not None, **counts}
 
 
 def implementation() -> str:
     """'extension' when the compiled kernels are loaded, else 'reference'."""
-    return "extension" if _loader._C is not None else "reference"
+    return "extension" if loader._C is not None else "reference"

@@ -1,0 +1,172 @@
+"""Construction checks of :class:`fastcoll.DDP`: arguments, devices, the process group, the module.
+
+Everything here runs on one rank before anything is built; the wrapper then
+shares a local failure with the other ranks (``fastcoll.dist._agree``) so that
+every rank raises the same error and none hangs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..bucketing import AUTO, MIB, bucket_caps_from_mb
+from ..dist.backends import pick_comm_device
+from ..ops.dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, is_dense
+
+
+def check_device_ids(
+    device_ids: Optional[Sequence[Any]], output_device: Any, device_type: str, multi_device: bool, devices: set
+) -> Tuple[Optional[List[int]], Optional[int]]:
+    """Validate device_ids/output_device like torch DDP; returns the normalized pair.
+
+    device_ids name the one accelerator a single-device module lives on. For a
+    CPU module or a module spread over several devices they must be None (or
+    empty), as in torch DDP. Kept in one place so the rule can be relaxed.
+
+    Raises:
+        ValueError: more than one device id, or device ids for a CPU / multi-device module.
+    """
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"fastcoll.DDP: device_ids can only be None or contain a single element, got {list(device_ids)}")
+    if not device_ids or device_type == "cpu" or multi_device:
+        if device_ids or output_device is not None:
+            raise ValueError(
+                "fastcoll.DDP: device_ids and output_device only work with a module whose parameters are all on "
+                f"one accelerator; got device_ids {device_ids}, output_device {output_device} and parameters "
+                f"on {sorted(str(d) for d in devices)}. Leave them unset for CPU or multi-device modules."
+            )
+        return None, None
+    ids = [torch.device(device_type, d).index if isinstance(d, int) else torch.device(d).index for d in device_ids]
+    out = output_device if output_device is not None else ids[0]
+    if not isinstance(out, int):
+        out = torch.device(out).index
+    return ids, out
+
+
+def _describe(entry: Optional[tuple]) -> str:
+    if entry is None:
+        return "no such parameter"
+    name, shape, dtype, stride, requires_grad = entry
+    return f"'{name}' shape {shape} dtype {dtype} stride {stride} requires_grad={requires_grad}"
+
+
+def mismatch_message(sigs: List[List[tuple]]) -> str:
+    """Describe the first parameter at which the ranks' signatures differ."""
+    n_max = max(len(s) for s in sigs)
+    first = next(i for i in range(n_max + 1) if len({(s[i] if i < len(s) else None) for s in sigs}) > 1)
+    groups: Dict[str, List[int]] = {}
+    for r, s in enumerate(sigs):
+        desc = _describe(s[first] if first < len(s) else None) + f" ({len(s)} parameters in all)"
+        groups.setdefault(desc, []).append(r)
+    per_rank = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}" for d, rs in groups.items())
+    return (
+        "the wrapped module differs across ranks (every rank must build the same model, with "
+        f"parameters registered in the same order). First difference at parameter #{first}: {per_rank}"
+    )
+
+
+def sync_device(
+    backend: str,
+    device_ids: Optional[Sequence[Any]],
+    param_devices: Sequence[torch.device],
+    bound: Optional[torch.device],
+    current: Optional[int],
+) -> torch.device:
+    """The device of fastcoll.DDP's construction-time agreement collective (a pure function).
+
+    The rule: with a backend that needs CUDA tensors (NCCL), the device named
+    by ``device_ids``, else the module's first CUDA parameter's device, else the
+    group's bound device, else ``cuda:current``; CPU for backends that take CPU
+    tensors (gloo). ``torch.cuda.set_device`` is therefore not needed when the
+    model is on its GPU: ``model.to(local_rank); DDP(model, device_ids=[local_rank])``
+    never puts two ranks of a node on cuda:0.
+    """
+    named = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in (device_ids or [])]
+    return pick_comm_device(backend, [*named, *param_devices], bound, current)
+
+
+def resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The group fastcoll.DDP averages over: ``process_group``, or the default group when None.
+
+    Raises:
+        RuntimeError: the default process group is not initialized.
+        TypeError: ``process_group`` is not a ProcessGroup.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fastcoll.DDP: the default process group has not been initialized; call "
+            "torch.distributed.init_process_group(...) before wrapping the model"
+        )
+    if process_group is None:
+        return dist.distributed_c10d._get_default_group()
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"fastcoll.DDP: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}"
+        )
+    return process_group
+
+
+def check_verify_replicas_every(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"fastcoll.DDP: verify_replicas_every must be an int >= 0 (0: never), got {value!r}")
+    return value
+
+
+def check_positive_mib(name: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"fastcoll.DDP: {name} must be a positive number of MiB, got {value!r}")
+    return float(value)
+
+
+def check_arguments(
+    named: List[Tuple[str, torch.Tensor]],
+    bucket_cap_mb: Any,
+    first_bucket_mb: Any,
+    comm_dtype: Any,
+    device_ids: Optional[Sequence[Any]],
+    output_device: Any,
+) -> Tuple[Any, Any, int, str, Optional[List[int]], Optional[int]]:
+    """This rank's checks of the module and the arguments, before anything is built.
+
+    Returns:
+        (parsed bucket_cap_mb: bytes, a list of bytes or "auto"; the caps the reducer starts
+        with; first bucket cap bytes; device type; device_ids; output_device).
+
+    Raises:
+        ValueError, RuntimeError, TypeError: naming the argument or parameter at fault.
+    """
+    caps = bucket_caps_from_mb(bucket_cap_mb)
+    first = check_positive_mib("first_bucket_mb", first_bucket_mb)
+    # "auto" starts from the default caps; a list of caps sets the first bucket's too.
+    cap_bytes = bucket_caps_from_mb(None) if caps == AUTO else caps
+    # The first bucket is never larger than the others (as in torch, where a
+    # user-set bucket_cap_mb also caps the first bucket).
+    first_bytes = min(int(first * MIB), cap_bytes if isinstance(cap_bytes, int) else cap_bytes[0])
+    check_comm_dtype(comm_dtype)
+    for n, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(f"fastcoll.DDP: parameter '{n}' is uninitialized (lazy module); run a dummy forward pass first")
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise RuntimeError("fastcoll.DDP: the module has no parameter that requires a gradient; DDP is not needed")
+    devices = {p.device for _, p in named}
+    types = {d.type for d in devices}
+    if len(types) != 1:
+        raise ValueError(f"fastcoll.DDP: all parameters must be on one device type, but they are on {sorted(types)}")
+    device_type = next(iter(types))
+    ids, out = check_device_ids(device_ids, output_device, device_type, len(devices) > 1, devices)
+    for n, p in trainable:
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be one of {SUPPORTED_NAMES}"
+            )
+        if p.layout != torch.strided or not is_dense(p):
+            raise ValueError(
+                f"fastcoll.DDP: parameter '{n}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is "
+                "not a dense tensor; parameters must be dense and non-overlapping"
+            )
+    return caps, cap_bytes, first_bytes, device_type, ids, out
