@@ -92,20 +92,29 @@ def _remove_handles(handles: List[Any]) -> None:
 def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[threading.Lock]) -> Callable:
     # The hook holds the reducer weakly so a dropped DDP wrapper does not keep
     # reducing gradients of a module that has been re-wrapped.
+    # Between synchronized backwards (no_sync micro-batches) a gradient only
+    # counts as use, as in torch's reducer: a parameter used in any backward
+    # since the last synchronized one is averaged at the next.
     if lock is None:
 
         def hook(_param: torch.Tensor) -> None:
             r = ref()
-            if r is not None and r._phase is not _IDLE:
-                r._on_grad(idx)
+            if r is not None:
+                if r._phase is not _IDLE:
+                    r._on_grad(idx)
+                elif r.usage.tracking_use:
+                    r.usage.local_used[idx] = 1
 
     else:
 
         def hook(_param: torch.Tensor) -> None:
             r = ref()
-            if r is not None and r._phase is not _IDLE:
+            if r is not None:
                 with lock:
-                    r._on_grad(idx)
+                    if r._phase is not _IDLE:
+                        r._on_grad(idx)
+                    elif r.usage.tracking_use:
+                        r.usage.local_used[idx] = 1
 
     return hook
 
@@ -385,6 +394,8 @@ class Reducer(ReducerSettings):
             self.usage.learn_from_hooks()
             self._pending = [0] * len(self._set.buckets)
             self._advance()
+        elif self.usage.searching and self._next_bucket < len(self._set.buckets):
+            self._mark_unreached()
         if self._next_bucket < len(self._set.buckets):
             # Some gradients are missing: raised at the next forward; published now, so
             # that a stall report on the other ranks names them even if this rank dies.
@@ -394,6 +405,24 @@ class Reducer(ReducerSettings):
             return
         self.comm.state.end_backward()
         self._finalize()
+
+    def _mark_unreached(self) -> None:
+        """End of a backward with unused parameters searched: the parameters it did not reach are ready.
+
+        They were reachable from the forward's outputs, but the loss did not
+        depend on those outputs (a head whose output the loss ignores). torch's
+        reducer gets them through its output sink, whose backward sends them
+        undefined gradients: each counts as ready, contributes its ``.grad``
+        as it stands (zeros when None) and is locally used only if it has a
+        ``.grad``. The same here, at the end of backward.
+        """
+        usage, params = self.usage, self.params
+        for idx in usage.unfinished():
+            if params[idx].grad is not None:
+                usage.local_used[idx] = 1
+            self._pending[self._bucket_of[idx]] -= usage.remaining[idx]
+            usage.remaining[idx] = 0
+        self._advance()
 
     def _finalize(self) -> None:
         usage, health = self.usage, self.health

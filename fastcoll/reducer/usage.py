@@ -5,9 +5,12 @@ Three modes, fixed per iteration by :meth:`ParameterUsage.begin_iteration`:
 * default: every parameter gets exactly one gradient per synchronized backward;
 * ``find_unused_parameters``: before backward, the autograd graph is searched
   from the forward's outputs; parameters not reached are marked ready at the
-  first hook, and each rank's "got a gradient" map is summed over ranks (the
-  used-parameter all-reduce, issued after the last bucket) so that a
-  parameter unused on every rank keeps its ``.grad``;
+  first hook; parameters reachable from the outputs that the backward did
+  not reach (an output the loss ignores) are ready at its end. Each rank's
+  "got a gradient" map, which also counts the ``no_sync`` backwards since the
+  last synchronized one, is summed over ranks (the used-parameter all-reduce,
+  issued after the last bucket): a parameter used on any rank is averaged,
+  one unused on every rank keeps its ``.grad`` (torch's reducer rules);
 * ``static_graph``: the first iteration is a learning one (no bucket launches
   during backward: the hooks only count), its counts become the expected
   counts and its global use map is kept for every later iteration, without
@@ -140,13 +143,16 @@ class ParameterUsage:
         """Whether each iteration searches the graph for unused parameters."""
         return self.find_unused and not self.static_graph
 
+    @property
+    def tracking_use(self) -> bool:
+        """Whether gradients mark their parameters used (:attr:`local_used`), also between synchronized backwards."""
+        return self.searching or self.learning_static_graph
+
     def begin_iteration(self, outputs: Any) -> None:
         """Reset the per-iteration state; search ``outputs`` for unused parameters when the graph is dynamic."""
         n = self.n
         self.remaining = self.expected[:]
-        self.track_used = self.searching or self.learning_static_graph
-        if self.track_used:
-            self.local_used = bytearray(n)
+        self.track_used = self.tracking_use
         self._used_work = None
         self._used_tensor = None
         self.global_used = self._static_used
@@ -222,6 +228,7 @@ class ParameterUsage:
             self._static_used = None if all(used) else list(used)
             trained = any(self.hook_counts)
             self.expected = list(self.hook_counts) if trained else [1 if u else 0 for u in used]
+        self.local_used = bytearray(self.n)  # use counts from here to the next synchronized backward's end
         self.iterations += 1
 
 
@@ -229,8 +236,13 @@ def marked_twice_error(name: str, unused: bool) -> RuntimeError:
     """The error for a parameter whose gradient arrived again in the same iteration (``unused``: it was marked unused)."""
     if unused:
         why = (
-            "it was not reachable from the forward outputs (find_unused_parameters marked it unused), "
-            "yet it received a gradient: return every tensor the loss depends on from forward"
+            "find_unused_parameters found it unreachable from the forward's outputs through the autograd graph "
+            "(so it was marked unused), yet this backward computed a gradient for it. The usual cause is "
+            "activation checkpointing with use_reentrant=True: the checkpointed region's parameters are hidden "
+            "from the graph until its backward recomputes the forward. Use torch.utils.checkpoint with "
+            "use_reentrant=False, or static_graph=True if the same parameters are used every iteration. "
+            "Otherwise the parameter was used outside the wrapped module's forward (e.g. a loss term on "
+            "model.module's weights), or in a tensor the forward did not return"
         )
     else:
         why = (
