@@ -7,6 +7,8 @@ every rank raises the same error and none hangs.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -170,3 +172,110 @@ def check_arguments(
                 "not a dense tensor; parameters must be dense and non-overlapping"
             )
     return caps, cap_bytes, first_bytes, device_type, ids, out
+
+
+def group_from_mesh(process_group: Optional[dist.ProcessGroup], device_mesh: Any) -> Optional[dist.ProcessGroup]:
+    """The group that ``device_mesh`` selects, as torch DDP reads it (a 1-D mesh: its only dimension's group).
+
+    Raises:
+        RuntimeError: both ``process_group`` and ``device_mesh`` given, or a mesh that is not 1-D (torch's errors).
+        ValueError: a mesh sliced out of a larger one (torch's DDP + tensor parallel path, which
+            rewrites the module's DTensor parameters; fastcoll reduces plain tensors only).
+    """
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise RuntimeError("fastcoll.DDP: cannot specify both process_group and device_mesh arguments")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"fastcoll.DDP: only a 1-D device mesh is supported, got {device_mesh}")
+    root = device_mesh._get_root_mesh() if hasattr(device_mesh, "_get_root_mesh") else device_mesh
+    if root != device_mesh:
+        raise ValueError(
+            "fastcoll.DDP: device_mesh is a slice of a larger mesh (data parallel over tensor-parallel DTensor "
+            "parameters); fastcoll reduces plain tensors only: use torch DDP or FSDP2 for DDP + tensor parallel"
+        )
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def buffer_sync_flags(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool]) -> Tuple[bool, bool]:
+    """``(forward_sync_buffers, init_sync_buffers)`` from torch 2.13's pair of arguments, with its rules.
+
+    ``forward_sync_buffers`` (the new name) sets the per-forward buffer broadcast
+    and leaves the construction-time one on; the deprecated ``broadcast_buffers``
+    sets both; neither given: both on.
+    """
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    on = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return on, on
+
+
+def refuse_torch_only(
+    delay_all_reduce_named_params: Any,
+    param_to_hook_all_reduce: Any,
+    mixed_precision: Any,
+    bucket_cap_mb: Any,
+    bucket_cap_mb_list: Any,
+) -> None:
+    """Refuse, with what fastcoll does instead, torch DDP arguments whose mechanism fastcoll does not have.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+        raise ValueError("fastcoll.DDP: delay_all_reduce_named_params and param_to_hook_all_reduce need to be set together")
+    if delay_all_reduce_named_params is not None:
+        raise ValueError(
+            "fastcoll.DDP: delay_all_reduce_named_params/param_to_hook_all_reduce are not supported. fastcoll "
+            "starts every bucket's reduction as soon as its gradients are ready; to send some parameters "
+            "first or last, size the buckets with bucket_cap_mb=[caps in reduction order] and first_bucket_mb"
+        )
+    if mixed_precision is not None:
+        raise ValueError(
+            "fastcoll.DDP: mixed_precision (torch DDP's experimental _MixedPrecision) is not supported; use "
+            "torch.autocast for low-precision compute and comm_dtype=torch.bfloat16/float16 for fused "
+            "low-precision communication (the gradients stay in the parameters' dtype)"
+        )
+    if bucket_cap_mb_list is not None and (isinstance(bucket_cap_mb, (list, tuple, str))):
+        raise ValueError(
+            f"fastcoll.DDP: bucket_cap_mb={bucket_cap_mb!r} and bucket_cap_mb_list={bucket_cap_mb_list!r}: give the "
+            "per-bucket caps once (bucket_cap_mb also takes a list)"
+        )
+
+
+def reducer_parameter_names(names: Sequence[str], ignored: set) -> List[str]:
+    """The names of ``names`` that the reducer averages, as torch DDP's reducer chooses them.
+
+    torch builds the reducer's list from ``named_modules()`` and tests
+    ``f"{module_name}.{param_name}"`` against the ignore list: a parameter of the
+    root module is tested as ``".name"`` and so is never ignored by the
+    reducer, although the construction-time broadcast (which uses the real
+    names) skips it. fastcoll averages the same parameters.
+    """
+    return [n for n in names if not ("." in n and n in ignored)]
+
+
+def _torch_has_forward_sync_buffers() -> bool:
+    try:
+        return "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+#: The running torch's DDP deprecates ``broadcast_buffers`` (2.13 and newer): fastcoll warns when torch would.
+BROADCAST_BUFFERS_DEPRECATED = _torch_has_forward_sync_buffers()
+
+
+def warn_deprecated(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool], check_reduction: bool) -> None:
+    """The FutureWarnings torch DDP gives for its deprecated arguments (pointing at the caller's line)."""
+    if broadcast_buffers is not None and BROADCAST_BUFFERS_DEPRECATED:
+        if forward_sync_buffers is not None:
+            msg = "both broadcast_buffers (deprecated) and forward_sync_buffers were given; broadcast_buffers is ignored"
+        else:
+            msg = (
+                "broadcast_buffers is deprecated, use forward_sync_buffers; note that broadcast_buffers=False also "
+                "skips the buffers' broadcast at construction, forward_sync_buffers=False does not"
+            )
+        warnings.warn(f"fastcoll.DDP: {msg}", FutureWarning, stacklevel=3)
+    if check_reduction:
+        warnings.warn("fastcoll.DDP: check_reduction is deprecated and ignored", FutureWarning, stacklevel=3)

@@ -87,7 +87,8 @@ class JoinState:
         ddp = self.ddp
         src = self.common_rank(is_last_joiner)
         with torch.no_grad():
-            broadcast_coalesced(ddp._sync_states(), ddp.process_group, src, ddp.broadcast_bucket_size, ddp.stall_timeout)
+            states = ddp._sync_states(ddp.forward_sync_buffers)
+            broadcast_coalesced(states, ddp.process_group, src, ddp.broadcast_bucket_size, ddp.stall_timeout)
 
 
 class DDPJoinHook(JoinHook):
@@ -110,7 +111,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         ddp.reducer.prepare_layout()
-        if ddp.require_forward_param_sync and ddp.broadcast_buffers and ddp._buffers_to_sync:
+        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffers_to_sync:
             ddp._sync_buffers(ddp._join.common_rank(False))
         should_sync = ddp._join.receive_requires_sync()
         ddp.require_forward_param_sync = should_sync

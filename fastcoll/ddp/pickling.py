@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import torch.distributed as dist
+from torch import nn
 
 from .join import JoinState
 
@@ -30,7 +31,9 @@ class PicklingSupport:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Rebuild against the default process group: the loaded model trains and synchronizes at once."""
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)  # not torch DDP's: it would build a torch reducer
+        if "broadcast_buffers" in self.__dict__:  # pickled before forward_sync_buffers
+            self.forward_sync_buffers = self.__dict__.pop("broadcast_buffers")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "fastcoll.DDP: unpickling needs the default process group; call "

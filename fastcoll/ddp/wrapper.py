@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ..bucketing import AUTO
 from ..dist._agree import agree
@@ -23,7 +24,18 @@ from ..ops.dtypes import dtype_name
 from ..reducer import Reducer
 from ..stall import resolve_stall_timeout
 from . import compile_support
-from .arguments import check_arguments, check_verify_replicas_every, mismatch_message, resolve_process_group, sync_device
+from .arguments import (
+    buffer_sync_flags,
+    check_arguments,
+    check_verify_replicas_every,
+    group_from_mesh,
+    mismatch_message,
+    reducer_parameter_names,
+    refuse_torch_only,
+    resolve_process_group,
+    sync_device,
+    warn_deprecated,
+)
 from .broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
 from .comm_hooks import CommHookRegistration
 from .health import GradHealthMethods
@@ -51,7 +63,7 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection):
+class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection, TorchDDP):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
 
     Wraps ``module`` so that every synchronized backward averages the
@@ -145,14 +157,22 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         device_ids: Optional[Sequence[Any]] = None,
         output_device: Any = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: Optional[bool] = None,
+        init_sync: bool = True,
         process_group: Optional[dist.ProcessGroup] = None,
-        bucket_cap_mb: Optional[float] = None,
+        bucket_cap_mb: Any = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
-        init_sync: bool = True,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Optional[List[float]] = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: Optional[bool] = None,
         *,
         first_bucket_mb: float = 1.0,
         comm_dtype: Optional[torch.dtype] = None,
@@ -162,19 +182,25 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         stall_timeout: Optional[float] = None,
         verify_replicas_every: int = 0,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # not torch DDP's __init__: no torch reducer, hooks or broadcasts
         JoinSupport.__init__(self)
         self._join = JoinState(self)
         self._comm_hook_desc: Optional[str] = None  # the one registered comm hook (or builtin / comm_dtype)
-        self.process_group = resolve_process_group(process_group)
-        if check_reduction:
-            warnings.warn("fastcoll.DDP: check_reduction is deprecated and ignored", FutureWarning, stacklevel=2)
+        self.process_group = resolve_process_group(group_from_mesh(process_group, device_mesh))
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
+        warn_deprecated(broadcast_buffers, forward_sync_buffers, check_reduction)
+        if bucket_cap_mb_list is not None:
+            bucket_cap_mb = list(bucket_cap_mb_list) if not isinstance(bucket_cap_mb, (list, tuple, str)) else bucket_cap_mb
 
         self.module = module
         self.dim = dim
-        self.broadcast_buffers = bool(broadcast_buffers)
+        self.forward_sync_buffers, init_sync_buffers = buffer_sync_flags(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
+        self.batched_grad_copy = bool(batched_grad_copy)  # fastcoll's pack is always one fused call per bucket
+        self.mixed_precision = None
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.static_graph = False
@@ -188,15 +214,26 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         self.stall_timeout = stall_timeout
         self.verify_replicas_every = check_verify_replicas_every(verify_replicas_every)
         self._verified_at = 0
-        self._check_and_agree(bucket_cap_mb, first_bucket_mb, device_ids, output_device)  # a collective
+        torch_only = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, bucket_cap_mb, bucket_cap_mb_list)
+        self._check_and_agree(bucket_cap_mb, first_bucket_mb, device_ids, output_device, torch_only)  # a collective
 
         self._build()
         if init_sync:
-            broadcast_coalesced(self._sync_states(), self.process_group, 0, self.broadcast_bucket_size, self.stall_timeout)
+            states = self._sync_states(init_sync_buffers)
+            broadcast_coalesced(states, self.process_group, 0, self.broadcast_bucket_size, self.stall_timeout)
         if comm_dtype is not None:
             self._comm_hook_desc = f"comm_dtype={comm_dtype}"
         if static_graph:
             self._set_static_graph()
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before each forward (torch 2.13's alias of ``forward_sync_buffers``)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = bool(value)
 
     def _named_parameters(self) -> List[Tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
@@ -204,9 +241,11 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
     def _build(self) -> None:
         """Build what synchronizes (the reducer and its hooks, the buffer broadcast): at construction and after unpickling."""
         named = self._named_parameters()
-        trainable = [(n, p) for n, p in named if p.requires_grad]
+        averaged = set(reducer_parameter_names([n for n, _ in self.module.named_parameters()], self.parameters_to_ignore))
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n in averaged]
         self.device = trainable[0][1].device
-        self._params_to_sync = [p for _, p in named]
+        self._module_parameters = [p for _, p in named]  # torch DDP's name for them
+        self._params_to_sync = self._module_parameters
         self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
         self._buffer_broadcast = CoalescedBroadcast(self._buffers_to_sync, self.broadcast_bucket_size)
         # As in torch DDP: the weights of embeddings built with sparse=True get sparse gradients.
@@ -228,16 +267,18 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
             stall_timeout=self.stall_timeout,
         )
 
-    def _sync_states(self) -> List[torch.Tensor]:
-        """What init_sync and the end of join() broadcast: the parameters, and the buffers with broadcast_buffers."""
+    def _sync_states(self, buffers: bool) -> List[torch.Tensor]:
+        """What init_sync and the end of join() broadcast: the parameters, and the buffers if ``buffers``."""
         states = [p.detach() for p in self._params_to_sync]
-        if self.broadcast_buffers:
+        if buffers:
             states += [b.detach() for b in self._buffers_to_sync]
         return states
 
     # ------------------------------------------------------------ construction
 
-    def _check_and_agree(self, bucket_cap_mb: Any, first_bucket_mb: Any, device_ids: Any, output_device: Any) -> None:
+    def _check_and_agree(
+        self, bucket_cap_mb: Any, first_bucket_mb: Any, device_ids: Any, output_device: Any, torch_only: tuple
+    ) -> None:
         """Check the module and the arguments on every rank, then set the parsed bucket and device settings.
 
         A local failure is shared with the other ranks by the signature
@@ -246,6 +287,7 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
         named = self._named_parameters()
         error: Optional[BaseException] = None
         try:
+            refuse_torch_only(*torch_only)
             cfg = check_arguments(named, bucket_cap_mb, first_bucket_mb, self.comm_dtype, device_ids, output_device)
             resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
         except (ValueError, RuntimeError, TypeError) as exc:
@@ -343,7 +385,7 @@ class DDP(PicklingSupport, nn.Module, CommHookRegistration, JoinSupport, GradHea
             self.reducer.prepare_for_forward()
         elif join:
             self.reducer.prepare_layout()  # joined ranks replay layout changes whatever the grad mode
-        if self.require_forward_param_sync and self.broadcast_buffers and self._buffers_to_sync:
+        if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
             # Under join, rank 0 may have joined with stale buffers: the highest active rank is the source.
             self._sync_buffers(self._join.common_rank(True) if join else 0)
         if self.verify_replicas_every and not join and torch.is_grad_enabled():
