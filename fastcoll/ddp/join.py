@@ -175,6 +175,12 @@ class JoinSupport(Joinable):
         Keyword Args:
             divide_by_initial_world_size (bool): see :meth:`join` (default True).
         """
+        if self.skip_all_reduce_unused_params and self.reducer.usage.searching:
+            raise ValueError(
+                "fastcoll.DDP: join() cannot be combined with skip_all_reduce_unused_params and a dynamic graph: a rank "
+                "that has run out of inputs cannot know which buckets the others skip. Use static_graph=True (the "
+                "unused parameters are then learned once) or drop skip_all_reduce_unused_params"
+            )
         return DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
 
     @property

@@ -265,6 +265,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
             record_timeline=self.record_timeline,
             autotune=self.bucket_caps == AUTO,
             stall_timeout=self.stall_timeout,
+            skip_unused_buckets=self.skip_all_reduce_unused_params,
         )
 
     def _sync_states(self, buffers: bool) -> List[torch.Tensor]:

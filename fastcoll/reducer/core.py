@@ -62,7 +62,7 @@ from .bucket import GradBucket, PackArgs
 from .comm import Communicator
 from .health import Divisor, GradHealth
 from .layout import BucketSet
-from .reduction import AllReduce, CommHook, InFlight, SparseSum, ZeroBuffers
+from .reduction import AllReduce, CommHook, InFlight, Skipped, SparseSum, ZeroBuffers
 from .settings import ReducerSettings
 from .timeline import Timeline
 from .tuning import LayoutTuning
@@ -147,6 +147,11 @@ class Reducer(ReducerSettings):
         stall_timeout: Seconds a wait for a collective may take before every
             rank diagnoses the stall (:mod:`fastcoll.stall`); None: the default
             rule; 0 (the default for a bare Reducer): no protection.
+        skip_unused_buckets: A bucket whose parameters are all unused in an
+            iteration (found unreachable, or learned unused by a static graph)
+            issues no collective and keeps its gradients (torch DDP's
+            ``skip_all_reduce_unused_params``). Every rank must find the same
+            parameters unused, or the ranks' collectives no longer match.
     """
 
     def __init__(
@@ -167,6 +172,7 @@ class Reducer(ReducerSettings):
         record_timeline: bool = True,
         autotune: bool = False,
         stall_timeout: Optional[float] = 0,
+        skip_unused_buckets: bool = False,
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -188,6 +194,7 @@ class Reducer(ReducerSettings):
         self.first_bucket_bytes = int(first_bucket_bytes)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.skip_unused_buckets = bool(skip_unused_buckets)
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
         self._sparse = [False] * n
         for i in sparse_params:
@@ -379,8 +386,11 @@ class Reducer(ReducerSettings):
         while i < nb and self._pending[i] == 0:
             self._next_bucket = i + 1
             b = buckets[i]
-            done = [self._packed[j] for j in b.param_indices] if self._n_packed[i] else None
-            self._inflight[i] = self._reductions[i].start(b, self._how.with_flag(self.health.flag(i)), done)
+            if self.skip_unused_buckets and self.usage.all_unused(b.param_indices):
+                self._inflight[i] = Skipped()
+            else:
+                done = [self._packed[j] for j in b.param_indices] if self._n_packed[i] else None
+                self._inflight[i] = self._reductions[i].start(b, self._how.with_flag(self.health.flag(i)), done)
             i += 1
         if i == nb and self.usage.track_used and not self.usage.used_map_started:
             self.usage.start_used_map()
@@ -480,10 +490,13 @@ class Reducer(ReducerSettings):
         iteration issues.
         """
         zeros = ZeroBuffers()
-        inflight = [r.start_zeros(b, zeros) for b, r in zip(self._set.buckets, self._reductions)]
         usage = self.usage
+        inflight = [
+            Skipped() if self.skip_unused_buckets and usage.all_unused(b.param_indices) else r.start_zeros(b, zeros)
+            for b, r in zip(self._set.buckets, self._reductions)
+        ]
         if usage.searching or usage.learning_static_graph:
-            usage.start_used_map(zeros=True)
+            usage.start_used_map(joined=True)
         usage.finish_used_map()
         for f in inflight:
             f.after_used_map()

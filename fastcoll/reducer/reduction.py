@@ -28,7 +28,7 @@ from .comm import DONE, Communicator
 from .hooks import call_hook, hook_result
 from .timeline import Timeline
 
-__all__ = ["AllReduce", "CommHook", "InFlight", "SparseSum", "ZeroBuffers"]
+__all__ = ["AllReduce", "CommHook", "InFlight", "Skipped", "SparseSum", "ZeroBuffers"]
 
 
 class InFlight:
@@ -52,6 +52,23 @@ class InFlight:
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         """Wait for the reduction (and write it back; not for a replay)."""
         self.wait()
+
+
+class Skipped(InFlight):
+    """A bucket whose parameters are all unused on every rank (``skip_all_reduce_unused_params``): no collective.
+
+    Its gradients are left as they are; they count towards the norm as the
+    gradients of globally unused parameters do (:meth:`GradHealth.add_outside`).
+    """
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(DONE)
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        if sumsq is not None:
+            sumsq.zero_()
 
 
 class ZeroBuffers:

@@ -120,12 +120,14 @@ class ParameterUsage:
         # Per iteration:
         self.remaining: List[int] = [1] * n
         self.unused: List[int] = []
+        self._unused_set: frozenset = frozenset()
         self.track_used = False
         self.local_used = bytearray(n)
         self.hook_counts: List[int] = [0] * n
         self.global_used: Optional[List[bool]] = None
         self._used_tensor: Optional[torch.Tensor] = None
         self._used_work: Any = None
+        self._last_reduced: Optional[torch.Tensor] = None  # the last used map reduced over ranks (counts)
         # CUDA: the local map goes up from pinned memory without blocking the host.
         self._pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True) if device.type == "cuda" and n else None
         #: Device-to-host reads (host synchronizations) of the used-parameter map so far.
@@ -163,6 +165,15 @@ class ParameterUsage:
             self.unused = unreachable_parameters(outputs, self.index_of_id, n)
         else:
             self.unused = []
+        self._unused_set = frozenset(self.unused)
+
+    def all_unused(self, indices: Sequence[int]) -> bool:
+        """Whether every parameter of ``indices`` is unused in this iteration (unreachable, or learned unused)."""
+        if self.searching:
+            unused = self._unused_set
+            return all(i in unused for i in indices)
+        used = self._static_used
+        return used is not None and not self.learning_static_graph and not any(used[i] for i in indices)
 
     def unfinished(self) -> List[int]:
         """Parameters whose gradients are still missing in the current iteration."""
@@ -172,10 +183,20 @@ class ParameterUsage:
 
     # -------------------------------------------------------- used-parameter map
 
-    def start_used_map(self, zeros: bool = False) -> None:
-        """Issue the used-parameter all-reduce of this rank's map (all zeros on a joined rank)."""
-        if zeros or not self.n:
-            self._used_tensor = torch.zeros(self.n, dtype=torch.int32, device=self.device)
+    def start_used_map(self, joined: bool = False) -> None:
+        """Issue the used-parameter all-reduce of this rank's map.
+
+        A rank that has joined (run out of inputs) sends what torch's joined
+        ranks send: the last map it saw reduced (torch all-reduces its
+        reducer's device copy of the map, which holds the previous reduced
+        counts), zeros if it saw none. So a parameter used in the last
+        iteration a joined rank took part in counts as used while it is
+        joined: unused on every training rank, its gradient is still written
+        (zeros) rather than left alone, as under torch DDP.
+        """
+        if joined or not self.n:
+            last = self._last_reduced
+            self._used_tensor = last.clone() if last is not None else torch.zeros(self.n, dtype=torch.int32, device=self.device)
         else:
             local = torch.frombuffer(self.local_used, dtype=torch.uint8)
             if self._pinned is not None:
@@ -199,6 +220,7 @@ class ParameterUsage:
         self.comm.wait(self._used_work, "used parameters")
         self._used_work = None
         self.host_reads += 1
+        self._last_reduced = self._used_tensor
         self.global_used = [c > 0 for c in self._used_tensor.tolist()]
 
     def used_here(self, indices: Sequence[int]) -> bool:
