@@ -158,8 +158,9 @@ def matrix_worker(rank: int, world_size: int, combos: list, tolerance: dict) -> 
             for name, pa, pb in zip(names, a, b):
                 diff = (pa - pb).abs().max().item()
                 most = max(most, diff)
-                if tol is None and not torch.equal(pa, pb) or tol is not None and diff > tol * (1 + pb.abs().max().item()):
-                    raise AssertionError(f"{combo}: rank {rank} step {step} parameter {name} differs from torch DDP by {diff:.3g}")
+                bad = not torch.equal(pa, pb) if tol is None else diff > tol * (1 + pb.abs().max().item())
+                if bad:
+                    raise AssertionError(f"{combo}: rank {rank} step {step} {name} differs from torch DDP by {diff:.3g}")
         worst.append(most)
     return worst
 
