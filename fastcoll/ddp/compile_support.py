@@ -134,18 +134,18 @@ def restore(token: Any) -> None:
             pass
 
 
-def call(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``: the eager counterpart of :func:`call_eagerly`."""
-    return fn(*args)
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``: the eager counterpart of :func:`call_eagerly`."""
+    return fn(*args, **kwargs)
 
 
-def _call_eagerly(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
+def _call_eagerly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 _disable = getattr(torch, "_disable_dynamo", None)  # lazy: imports torch._dynamo on first call only
 
-#: ``fn(*args)`` with dynamo off for it and everything it calls (used only while dynamo is in use).
+#: ``fn(*args, **kwargs)`` with dynamo off for it and everything it calls (used only while dynamo is in use).
 call_eagerly: Callable[..., Any] = _disable(_call_eagerly) if _disable is not None else _call_eagerly
 
 

@@ -38,6 +38,7 @@ from .arguments import (
 )
 from .broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
 from .comm_hooks import CommHookRegistration
+from .compat import TorchMembers, check_torch_features
 from .health import GradHealthMethods
 from .inspection import SyncInspection
 from .join import JoinState, JoinSupport
@@ -63,7 +64,7 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection, TorchDDP):
+class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection, TorchMembers, TorchDDP):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
 
     Wraps ``module`` so that every synchronized backward averages the
@@ -245,6 +246,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n in averaged]
         self.device = trainable[0][1].device
         self._module_parameters = [p for _, p in named]  # torch DDP's name for them
+        self.is_multi_device_module = len({p.device for p in self._module_parameters}) > 1
         self._params_to_sync = self._module_parameters
         self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
         self._buffer_broadcast = CoalescedBroadcast(self._buffers_to_sync, self.broadcast_bucket_size)
@@ -289,6 +291,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         error: Optional[BaseException] = None
         try:
             refuse_torch_only(*torch_only)
+            check_torch_features([p for _, p in named])
             cfg = check_arguments(named, bucket_cap_mb, first_bucket_mb, self.comm_dtype, device_ids, output_device)
             resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
         except (ValueError, RuntimeError, TypeError) as exc:
@@ -328,11 +331,6 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
             device=device,
         )
 
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
-        """Exclude parameters and buffers (by qualified name) from synchronization, as torch DDP does."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
-
     def _set_static_graph(self) -> None:
         """Enable static-graph mode (torch DDP's private switch, used by some frameworks)."""
         if self.static_graph:
@@ -362,19 +360,19 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
 
     def _forward(self, inputs: tuple, kwargs: dict, call: Callable[..., Any]) -> Any:
         # ``call`` runs the wrapper's own steps (eagerly when dynamo is active).
-        inputs, kwargs = call(self._pre_forward, inputs, kwargs)
+        inputs, kwargs = call(self._pre_forward, *inputs, **kwargs)
         token = call(compile_support.activate, self)  # dynamo's DDPOptimizer splits graphs compiled in here
         try:
             output = self.module(*inputs, **kwargs)
         finally:
             call(compile_support.restore, token)
-        call(self._post_forward, output)
-        return output
+        return call(self._post_forward, output)
 
     # The same steps in a frame dynamo does not trace (it still compiles the module's frames).
     _forward_outside_dynamo = compile_support.skip_frame(_forward)
 
-    def _pre_forward(self, inputs: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> Tuple[tuple, dict]:
+        """Before the module runs (torch DDP's signature): returns the inputs, moved to ``device_ids[0]`` if given."""
         # Collective order (a joined rank's DDPJoinHook.main_hook replays it, see fastcoll.ddp.join):
         # [join: "not joined" all-reduce (+ early-termination all-reduce)],
         # [bucket layout broadcast, once], [join: authoritative-rank all-reduce]
@@ -401,7 +399,8 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         return inputs, kwargs
 
-    def _post_forward(self, output: Any) -> None:
+    def _post_forward(self, output: Any) -> Any:
+        """After the module ran (torch DDP's signature): arms the reducer for a synchronized backward; returns ``output``."""
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             reducer = self.reducer
@@ -412,6 +411,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
             reducer.prepare_for_backward(output if self.find_unused_parameters and not self.static_graph else None)
         else:
             self.require_forward_param_sync = False
+        return output
 
     def _sync_buffers(self, group_src: int = 0) -> None:
         """Broadcast the module's buffers from group rank ``group_src``."""

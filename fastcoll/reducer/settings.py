@@ -111,6 +111,35 @@ class ReducerSettings:
         """Whether the one layout rebuild from the ready order has happened (or never will)."""
         return self._set.order.rebuilt
 
+    # ------------------------------------------- torch's C++ Reducer's names
+
+    def _rebuild_buckets(self) -> bool:
+        """torch Reducer's name of :meth:`rebuild_buckets` (Lightning's manual optimization calls it)."""
+        return self.rebuild_buckets()
+
+    def _delay_all_reduce(self) -> None:
+        """torch's delayed reduction of a static graph's first iteration: fastcoll's happens at the end of that backward.
+
+        Raises:
+            RuntimeError: the backward left buckets unreduced (parameters without gradients).
+        """
+        if self.reducing:
+            self._raise_unfinished()
+
+    def _get_local_used_map(self) -> torch.Tensor:
+        """The last used-parameter map reduced over ranks (int32 counts per parameter), as torch's reducer keeps it."""
+        last = self.usage._last_reduced
+        return last if last is not None else torch.zeros(len(self.params), dtype=torch.int32, device=self.usage.device)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the reducer does not have: torch's C++ Reducer methods get a message naming fastcoll.
+        if name in _TORCH_REDUCER_ONLY:
+            raise AttributeError(
+                f"fastcoll's Reducer has no torch Reducer method {name!r}: fastcoll.DDP's reducer is its own "
+                "(fastcoll.reducer); see fastcoll.DDP's members and bucket_info()"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ------------------------------------------------------- inspection seams
 
     def add_collective_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
@@ -162,3 +191,15 @@ class ReducerSettings:
     def closed(self) -> bool:
         """True once :meth:`close` has run."""
         return not self._finalizer.alive
+
+
+#: Methods of torch's C++ ``dist.Reducer`` that fastcoll's reducer does not offer.
+_TORCH_REDUCER_ONLY = frozenset(
+    {
+        "_autograd_hook", "_check_reducer_finalized", "_ddp_graph_static", "_get_zeros_like_grad_buckets",
+        "_install_post_backward_futures", "_push_all_rebuilt_params", "_remove_autograd_hooks", "_reset_state",
+        "_run_allreduce_hook", "_run_comm_hook", "_set_ddp_runtime_logging_sample_rate", "_set_forward_pass_work_handle",
+        "_set_mixed_precision_param_dtype", "_set_optimizer_in_backward", "_set_sparse_metadata", "_set_static_graph",
+        "_update_process_group", "get_backward_stats", "set_logger",
+    }
+)  # fmt: skip

@@ -136,7 +136,10 @@ class ParameterUsage:
     def enable_static_graph(self) -> None:
         """Switch to static-graph mode (before the first iteration only)."""
         if self.iterations > 0:
-            raise RuntimeError("fastcoll.DDP: static_graph can only be enabled before the first iteration")
+            raise RuntimeError(
+                "fastcoll.DDP: _set_static_graph() should be called before training loop starts (static_graph can "
+                "only be enabled before the first synchronized iteration; pass static_graph=True to the constructor)"
+            )
         self.static_graph = True
         self.learning_static_graph = True
 
