@@ -8,7 +8,9 @@ Every rank process is SIGKILLed and reaped before the call returns, whatever
 happens, so no rank outlives the test. The store is a FileStore (one that
 survives any rank, as torchrun's agent store does), or a TCPStore hosted by
 rank 0 (``store="tcp"``; ``store="tcp-init"`` makes it through
-``init_method="tcp://..."``) to test the store host's death. With
+``init_method="tcp://..."``) to test the store host's death, or a TCPStore
+hosted by the test process itself (``store="tcp-agent"``, as torchrun's
+agent hosts it: it survives every rank). With
 ``capture_stderr=True`` each rank's stderr (file descriptor 2: the C++
 runtime's messages too) is kept and returned in its outcome.
 """
@@ -64,8 +66,9 @@ def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeo
             url = f"tcp://127.0.0.1:{store_arg}"
             dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world_size, timeout=pg_t)
         else:
-            if store_kind == "tcp":
-                store = dist.TCPStore("127.0.0.1", store_arg, world_size, rank == 0, timeout=datetime.timedelta(seconds=30))
+            if store_kind in ("tcp", "tcp-agent"):
+                master = store_kind == "tcp" and rank == 0
+                store = dist.TCPStore("127.0.0.1", store_arg, world_size, master, timeout=datetime.timedelta(seconds=30))
             else:
                 store = dist.FileStore(store_arg, world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=pg_t)
@@ -99,14 +102,22 @@ def run_stall_ranks(
         need: Ranks whose outcome (a report or their death) ends the run (default: all).
         timeout: Seconds before the run is declared hung (TimeoutError, every rank killed).
         pg_timeout: The process group's own timeout.
-        store: "file" (FileStore), "tcp" (TCPStore hosted by rank 0) or "tcp-init"
-            (``init_method="tcp://..."``: the TCPStore that makes, hosted by rank 0).
+        store: "file" (FileStore), "tcp" (TCPStore hosted by rank 0), "tcp-init"
+            (``init_method="tcp://..."``: the TCPStore that makes, hosted by rank 0) or
+            "tcp-agent" (a TCPStore hosted by this process, as torchrun's agent does).
         env: Extra environment variables in every rank.
         capture_stderr: Keep each rank's stderr (in its outcome's ``stderr``) instead of letting it through.
     """
     ctx = forkserver_context()
     tmpdir = tempfile.mkdtemp(prefix="fastcoll_stall_")
-    store_arg: Any = _free_port() if store in ("tcp", "tcp-init") else os.path.join(tmpdir, "store")
+    server = None
+    if store == "tcp-agent":
+        import torch.distributed as dist
+
+        server = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+        store_arg: Any = server.port
+    else:
+        store_arg = _free_port() if store in ("tcp", "tcp-init") else os.path.join(tmpdir, "store")
     err_paths = [os.path.join(tmpdir, f"stderr-{r}") if capture_stderr else None for r in range(world_size)]
     results = ctx.Queue()
     need = set(range(world_size) if need is None else need)
@@ -169,6 +180,7 @@ def run_stall_ranks(
                     pass
         results.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+        del server
     alive = [p.pid for p in procs if p.pid is not None and p.is_alive()]
     assert not alive, f"rank processes {alive} outlived the run"
     return out

@@ -9,7 +9,8 @@ by the harness (tests/stall_harness.py) before the test returns.
 
 The extra collective is run with the store in rank 0's process
 (``init_method="tcp://..."``) and with a store that survives every rank (a
-FileStore, as torchrun's agent store does), and in two sizes: gloo aborts
+TCPStore hosted by the test process, as torchrun's agent hosts it), and in
+two sizes: gloo aborts
 the rank that receives more bytes than its own collective expects, rank 0
 (the store host) when rank 1's extra all-reduce is larger than the bucket it
 meets, rank 1 itself when it is smaller.
@@ -147,7 +148,7 @@ def _extra_collective(rank, world_size, numel):
 # Collective #8 is bucket 0 of iteration 3 (340 x float32) on ranks 0 and 2. In gloo's ring all-reduce rank r
 # receives from rank r + 1: rank 1's 1000 elements overflow what rank 0 expects (rank 0, the store host, is
 # aborted), rank 1's 8 elements are overflowed by rank 2's (rank 1 is aborted).
-@pytest.mark.parametrize("store", ["tcp-init", "file"])
+@pytest.mark.parametrize("store", ["tcp-init", "tcp-agent"])
 @pytest.mark.parametrize("numel, aborted", [(1000, 0), (8, 1)], ids=["rank0-aborted", "rank1-aborted"])
 def test_extra_collective_of_another_size_is_named_when_gloo_aborts_a_rank(store, numel, aborted):
     out = run_stall_ranks(_extra_collective, 3, numel, need={0, 1, 2}, store=store, capture_stderr=True)

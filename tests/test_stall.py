@@ -473,7 +473,10 @@ def test_an_announced_abort_reaches_the_other_boards_and_ends_their_waits_at_onc
         for b in boards:
             b.state.note("all_reduce", "bucket 0", 100, torch.float32)
         b0 = boards[0]
-        req = b0.announce_abort(_aborted_info(seq=1), b0.abort_store())
+        channel, lock = b0.abort_store()  # the foreground connection: its lock was free
+        assert lock is not None
+        req = b0.announce_abort(_aborted_info(seq=1), channel)
+        lock.release()
         deadline = time.time() + 5
         while time.time() < deadline and not (boards[1].peer_abort and boards[2].peer_abort):
             time.sleep(0.02)
@@ -841,6 +844,17 @@ def test_extra_collective_of_another_size_is_blamed_on_its_rank(shape, aborted, 
     assert (
         f"fastcoll: collective #2 of rank {aborted} (" in err and f"fastcoll: first line the other ranks agreed on: {line}" in err
     )
+
+
+def test_without_last_words_the_store_hosts_abort_leaves_the_survivors_blind():
+    """FASTCOLL_STALL_ABORT_HOOK=0 (or no libstdc++ hook): gloo's abort kills rank 0 and its store at once; the
+    survivors can only say that the store host is unreachable, and rank 0's stderr has gloo's message alone."""
+    env = {"FASTCOLL_STALL_ABORT_HOOK": "0"}
+    out = run_stall_ranks(_extra_collective_sized, 3, (1000,), need={0, 1, 2}, store="tcp", env=env, capture_stderr=True)
+    assert out[0].kind == "dead" and out[0].value == -signal.SIGABRT, out[0]
+    res, line = survivors_agree(out, (1, 2))
+    assert line.startswith("fastcoll stall: rank 0 (the store host) is unreachable"), line
+    assert "fastcoll: " not in out[0].stderr and "gloo::EnforceNotMet" in out[0].stderr
 
 
 def _uneven(rank, world_size):

@@ -297,18 +297,22 @@ def _last_words() -> None:
 
 
 def _in_flight(board: Any) -> Dict[str, Any]:
-    """This rank's collective in flight: the one its training thread waits for, else the last issued."""
+    """This rank's collective in flight: the oldest issued and not yet waited for (the one gloo was receiving)."""
     from .state import _dtype_name
+    from .wait import outstanding
 
     st = board.state
-    w = st.waiting
-    seq = w[0] if w is not None else st.seq
+    try:
+        pending = outstanding(st)
+    except Exception:  # noqa: BLE001
+        pending = []
+    seq, label = pending[0] if pending else (st.seq, None)
     info: Dict[str, Any] = {"seq": seq}
     for c in st.last_collectives():
         if c[0] == seq:
             info.update(kind=c[1], what=c[2], numel=int(c[3]), dtype=_dtype_name(c[4]))
-    if "what" not in info and w is not None:
-        info["what"] = w[1]
+    if "what" not in info and label is not None:
+        info["what"] = label
     return info
 
 
@@ -328,23 +332,39 @@ def _report(board: Any, name: str, what: Optional[str], deadline: float) -> None
         f"(pid {st.pid} on {st.host}; {name or 'a C++ exception'}); telling the other ranks and asking them "
         "which collective sent it (gloo's own message follows)"
     )
+    lock = None
     try:
-        store = board.abort_store()
+        store, lock = board.abort_store()
         req = board.announce_abort(info, store)
     except Exception as exc:  # noqa: BLE001
         _write(f"fastcoll: rank {st.rank} could not tell the other ranks: the store is unreachable ({_short(str(exc))})")
+        _release(lock)
         return
-    records = _await(lambda: _answers(board, store, req), min(deadline, time.monotonic() + 3.0 + 2.0 * float(board.poll)))
-    if records is not None:
-        _odd, sentence = mismatch_sources(records, board.group_rank, board.rank_map, info.get("received"), info.get("expected"))
-        _write(f"fastcoll: {sentence}")
-    others = board.world_size - 1
-    _await(lambda: _done(board, store, others), deadline)
-    verdict = _safe(lambda: board.verdict_through(store))
+    try:
+        answer_by = min(deadline, time.monotonic() + 3.0 + 2.0 * float(board.poll))
+        records = _await(lambda: _answers(board, store, req), answer_by)
+        if records is not None:
+            _odd, sentence = mismatch_sources(
+                records, board.group_rank, board.rank_map, info.get("received"), info.get("expected")
+            )
+            _write(f"fastcoll: {sentence}")
+        others = board.world_size - 1
+        _await(lambda: _done(board, store, others), deadline)
+        verdict = _safe(lambda: board.verdict_through(store))
+    finally:
+        _release(lock)
     if verdict and verdict.get("line"):
         _write(f"fastcoll: first line the other ranks agreed on: {verdict['line']}")
     else:
-        _write(f"fastcoll: no verdict from the other ranks within {max(0.0, deadline - time.monotonic()):.0f} s")
+        _write("fastcoll: the other ranks settled no verdict in time")
+
+
+def _release(lock: Any) -> None:
+    if lock is not None:
+        try:
+            lock.release()
+        except RuntimeError:
+            pass
 
 
 def _safe(fn: Callable[[], Any]) -> Any:

@@ -34,7 +34,7 @@ import datetime
 import json
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .state import SyncState
 
@@ -300,7 +300,8 @@ class StateBoard:
 
     def _read_records(self, store: Any) -> Dict[int, Optional[Dict[str, Any]]]:
         """:meth:`read_all` through ``store`` (another thread's connection), without the lock; store errors propagate."""
-        have = [k for k in (self._key(r) for r in range(self.world_size)) if store.check([k])]
+        keys = [self._key(r) for r in range(self.world_size)]
+        have = keys if store.check(keys) else [k for k in keys if store.check([k])]
         return self._decode(have, store.multi_get(have) if have else [])
 
     def _decode(self, keys: List[str], values: Sequence[Any]) -> Dict[int, Optional[Dict[str, Any]]]:
@@ -340,15 +341,22 @@ class StateBoard:
 
     # ------------------------------------------------- the backend aborts us
 
-    def abort_store(self) -> Any:
-        """A new connection to the store for the abort path (another thread may hold the others, stuck)."""
-        return _clone(self._store, self.op_timeout)
+    def abort_store(self) -> Tuple[Any, Optional[threading.Lock]]:
+        """A store connection for the abort path, and the lock to release after (None: a connection of its own).
+
+        The foreground connection (already connected, operations bounded by
+        ``op_timeout``) when its lock can be had within ``op_timeout``; else
+        a new connection (another thread holds the foreground one, stuck).
+        """
+        if self._lock.acquire(timeout=self.op_timeout + 1.0):
+            return self._fg, self._lock
+        return _clone(self._store, self.op_timeout), None
 
     def announce_abort(self, info: Dict[str, Any], store: Any) -> int:
         """The backend is aborting this process: publish the state with ``info``, announce it, ask every rank to answer.
 
         Called from :mod:`fastcoll.stall.abort` on the thread that is aborting
-        the process, with a connection of its own (:meth:`abort_store`).
+        the process, with the connection :meth:`abort_store` gave it.
         Returns the request number the answers carry. Store errors propagate.
         """
         self.aborted = info

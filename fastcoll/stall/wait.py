@@ -490,6 +490,37 @@ def protected_wait(
     return g.wait(work, what)
 
 
+def outstanding(state: SyncState) -> list:
+    """``(seq, what)`` of the collectives issued on ``state``'s group and not yet waited for, oldest first.
+
+    From the group's guards: started Works a blocking guard has not been
+    asked to wait for yet, the watchdog's outstanding ones; plus the one
+    the training thread waits for. Only the last :data:`~fastcoll.stall.state.RING`
+    sequence numbers count (a Work never waited for, after an error, is
+    not in flight). For the abort path: which collective received a message.
+    """
+    from .state import RING
+
+    low = state.seq - RING
+    found = {}
+    w = state.waiting
+    if w is not None:
+        found[w[0]] = w[1]
+    with _lock:
+        per_groups = [dict(per) for per in _guards.values()]
+    for per in per_groups:
+        for g in per.values():
+            if g.state is not state:
+                continue
+            if g.watchdog is not None:
+                items = [(e[1], e[2]) for e in list(g.watchdog._outstanding)]
+            else:
+                items = list(g._seq_of.values())
+            for seq, what in items:
+                found.setdefault(seq, what)
+    return sorted((s, w) for s, w in found.items() if s > low)
+
+
 def _after_fork_in_child() -> None:
     global _local_state, _lock
     _lock = threading.RLock()
