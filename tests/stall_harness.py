@@ -5,8 +5,14 @@ rank may SIGKILL itself (its outcome is ``dead``), sleep for minutes (it is
 killed once the ranks the test needs have reported: ``killed``), or finish
 and linger so its board thread can still answer the others' stall requests.
 Every rank process is SIGKILLed and reaped before the call returns, whatever
-happens, so no rank outlives the test. The store is a FileStore, or a
-TCPStore hosted by rank 0 (``store="tcp"``) to test the store host's death.
+happens, so no rank outlives the test. The store is a FileStore (one that
+survives any rank, as torchrun's agent store does), or a TCPStore hosted by
+rank 0 (``store="tcp"``; ``store="tcp-init"`` makes it through
+``init_method="tcp://..."``) to test the store host's death, or a TCPStore
+hosted by the test process itself (``store="tcp-agent"``, as torchrun's
+agent hosts it: it survives every rank). With
+``capture_stderr=True`` each rank's stderr (file descriptor 2: the C++
+runtime's messages too) is kept and returned in its outcome.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -28,6 +35,7 @@ class Outcome(NamedTuple):
     kind: str  #: "ok", "error", "dead" (exited without reporting) or "killed" (still running at the end)
     value: Any  #: the return value, the error text, or the exit code
     elapsed: float  #: seconds from the start of the run to the report (parent's clock)
+    stderr: str = ""  #: the rank's stderr, with capture_stderr=True
 
 
 def _free_port() -> int:
@@ -36,8 +44,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeout, env, linger_s):
+def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeout, env, linger_s, stderr_path=None):
     import faulthandler
+
+    if stderr_path is not None:
+        fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
     import torch
     import torch.distributed as dist
@@ -47,13 +61,17 @@ def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeo
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
-        if store_kind == "tcp":
-            store = dist.TCPStore("127.0.0.1", store_arg, world_size, rank == 0, timeout=datetime.timedelta(seconds=30))
+        pg_t = datetime.timedelta(seconds=pg_timeout)
+        if store_kind == "tcp-init":  # init_process_group's own TCPStore, hosted by rank 0's process
+            url = f"tcp://127.0.0.1:{store_arg}"
+            dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world_size, timeout=pg_t)
         else:
-            store = dist.FileStore(store_arg, world_size)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
-        )
+            if store_kind in ("tcp", "tcp-agent"):
+                master = store_kind == "tcp" and rank == 0
+                store = dist.TCPStore("127.0.0.1", store_arg, world_size, master, timeout=datetime.timedelta(seconds=30))
+            else:
+                store = dist.FileStore(store_arg, world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=pg_t)
         out = fn(rank, world_size, *args)
         results.put((rank, True, out))
     except BaseException as exc:  # noqa: BLE001 - report everything
@@ -76,6 +94,7 @@ def run_stall_ranks(
     pg_timeout: float = 120.0,
     store: str = "file",
     env: Optional[dict] = None,
+    capture_stderr: bool = False,
 ) -> Dict[int, Outcome]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns each rank's :class:`Outcome`.
 
@@ -83,18 +102,29 @@ def run_stall_ranks(
         need: Ranks whose outcome (a report or their death) ends the run (default: all).
         timeout: Seconds before the run is declared hung (TimeoutError, every rank killed).
         pg_timeout: The process group's own timeout.
-        store: "file" (FileStore) or "tcp" (TCPStore hosted by rank 0).
+        store: "file" (FileStore), "tcp" (TCPStore hosted by rank 0), "tcp-init"
+            (``init_method="tcp://..."``: the TCPStore that makes, hosted by rank 0) or
+            "tcp-agent" (a TCPStore hosted by this process, as torchrun's agent does).
         env: Extra environment variables in every rank.
+        capture_stderr: Keep each rank's stderr (in its outcome's ``stderr``) instead of letting it through.
     """
     ctx = forkserver_context()
     tmpdir = tempfile.mkdtemp(prefix="fastcoll_stall_")
-    store_arg: Any = _free_port() if store == "tcp" else os.path.join(tmpdir, "store")
+    server = None
+    if store == "tcp-agent":
+        import torch.distributed as dist
+
+        server = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+        store_arg: Any = server.port
+    else:
+        store_arg = _free_port() if store in ("tcp", "tcp-init") else os.path.join(tmpdir, "store")
+    err_paths = [os.path.join(tmpdir, f"stderr-{r}") if capture_stderr else None for r in range(world_size)]
     results = ctx.Queue()
     need = set(range(world_size) if need is None else need)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, store, store_arg, args, results, pg_timeout, dict(env or {}), timeout),
+            args=(fn, r, world_size, store, store_arg, args, results, pg_timeout, dict(env or {}), timeout, err_paths[r]),
             daemon=True,
         )
         for r in range(world_size)
@@ -141,8 +171,16 @@ def run_stall_ranks(
                 p.join(timeout=10)
             if r not in out:
                 out[r] = Outcome("killed", p.exitcode, time.monotonic() - t0)
+        if capture_stderr:
+            for r, path in enumerate(err_paths):
+                try:
+                    with open(path, encoding="utf-8", errors="replace") as f:
+                        out[r] = out[r]._replace(stderr=f.read())
+                except OSError:
+                    pass
         results.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+        del server
     alive = [p.pid for p in procs if p.pid is not None and p.is_alive()]
     assert not alive, f"rank processes {alive} outlived the run"
     return out

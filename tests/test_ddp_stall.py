@@ -6,12 +6,22 @@ an extra fastcoll.dist collective); the live ranks must raise
 ``fastcoll.StallError`` naming it, with the same first line everywhere and
 a JSON trace, within the deadline. Every rank process is killed and reaped
 by the harness (tests/stall_harness.py) before the test returns.
+
+The extra collective is run with the store in rank 0's process
+(``init_method="tcp://..."``) and with a store that survives every rank (a
+TCPStore hosted by the test process, as torchrun's agent hosts it), and in
+two sizes: gloo aborts
+the rank that receives more bytes than its own collective expects, rank 0
+(the store host) when rank 1's extra all-reduce is larger than the bucket it
+meets, rank 1 itself when it is smaller.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import signal
 import time
 
@@ -125,22 +135,47 @@ def test_rank_missing_a_gradient_is_named_with_the_parameter():
     assert "fc2" in text, text
 
 
-def _extra_collective(rank, world_size):
+def _extra_collective(rank, world_size, numel):
     import fastcoll
 
     def misbehave(r, step, stage, model):
         if r == 1 and step == 2 and stage == "forward":
-            fastcoll.reduce_mean(torch.ones(8))  # a collective of its own, on rank 1 only
+            fastcoll.reduce_mean(torch.ones(numel))  # a collective of its own, on rank 1 only: its #8
 
     return _train(rank, misbehave)
 
 
-def test_extra_collective_on_one_rank_is_named():
-    out = run_stall_ranks(_extra_collective, 3, need={0, 1, 2})
-    live = [r for r in range(3) if out[r].kind == "ok" and out[r].value]
-    assert live, out
-    for r in live:
-        assert 1 in out[r].value["culprits"], out[r].value
+# Collective #8 is bucket 0 of iteration 3 (340 x float32) on ranks 0 and 2. In gloo's ring all-reduce rank r
+# receives from rank r + 1: rank 1's 1000 elements overflow what rank 0 expects (rank 0, the store host, is
+# aborted), rank 1's 8 elements are overflowed by rank 2's (rank 1 is aborted).
+@pytest.mark.parametrize("store", ["tcp-init", "tcp-agent"])
+@pytest.mark.parametrize("numel, aborted", [(1000, 0), (8, 1)], ids=["rank0-aborted", "rank1-aborted"])
+def test_extra_collective_of_another_size_is_named_when_gloo_aborts_a_rank(store, numel, aborted):
+    out = run_stall_ranks(_extra_collective, 3, numel, need={0, 1, 2}, store=store, capture_stderr=True)
+    assert out[aborted].kind == "dead" and out[aborted].value == -signal.SIGABRT, out[aborted]
+    live = [r for r in range(3) if r != aborted]
+    line, report = _check(out, live, 1)
+    assert line.startswith(
+        "fastcoll stall: rank 1 is out of step (collective sequence numbers differ): collective #8 is all_reduce of "
+        f"fastcoll.dist ({numel} x float32) on rank 1 but all_reduce of bucket 0 (340 x float32) on ranks 0, 2: "
+        "a collective issued on some ranks only; "
+    ), line
+    mine = "all_reduce of bucket 0, 340 x float32" if aborted == 0 else f"all_reduce of fastcoll.dist, {numel} x float32"
+    assert f"rank {aborted} was aborted by gloo in collective #8 ({mine})" in line, line
+    assert "unreachable" not in report and "did not answer" not in line
+    # The aborted rank's last words: which collective received what from whom, then the survivors' verdict, then gloo's.
+    err = out[aborted].stderr
+    got = r"received (\d+) bytes where it expected at most (\d+)" if platform.machine() == "x86_64" else "received data"
+    if aborted == 0:
+        whom = f" from rank 1, whose collective #8 is all_reduce of fastcoll.dist ({numel} x float32)"
+    else:
+        whom = " from a rank whose collective #8 is all_reduce of bucket 0 (340 x float32), as on ranks 0, 2"
+    m = re.search(rf"^fastcoll: collective #8 of rank {aborted} {re.escape(f'({mine})')} {got}{re.escape(whom)}", err, re.M)
+    assert m, err
+    if platform.machine() == "x86_64":
+        assert int(m.group(1)) > int(m.group(2)), m.group(0)
+    agreed = err.index(f"fastcoll: first line the other ranks agreed on: {line}\n")
+    assert m.start() < agreed < err.index("terminate called after throwing an instance of 'gloo::EnforceNotMet'"), err
 
 
 def _healthy_slow(rank, world_size):

@@ -9,8 +9,10 @@ process is killed and reaped before the test returns) through the reducer's
 Communicator and fastcoll.stall.run_collective, as the reducer and the
 fastcoll.dist helpers will: a SIGKILLed rank, a rank sleeping before its
 backward, a rank missing a gradient, the store host's death, an extra
-collective on one rank, the watchdog path, and healthy training whose
-forward outlasts the stall timeout.
+collective on one rank (of the same size; of another size, when gloo aborts
+the rank that receives too much and its last words must reach the others:
+fastcoll.stall.abort), waits longer than a slice, the watchdog path, and
+healthy training whose forward outlasts the stall timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import platform
 import signal
 import sys
 import threading
@@ -161,6 +164,89 @@ def test_store_unreachable_line_is_rank_independent():
         [0],
     )
     assert V.store_unreachable_line(None)[1] == []
+
+
+def _aborted_info(seq=2, what="bucket 0", received=668, expected=228):
+    """What a rank's last words publish when gloo aborts it (fastcoll.stall.abort)."""
+    info = {"by": "gloo", "type": "gloo::EnforceNotMet", "seq": seq, "kind": "all_reduce", "what": what}
+    info.update(numel=100, dtype="float32", received=received, expected=expected)
+    info["error"] = "op.preamble.length <= op.nbytes. 668 vs 228. Received data size doesn't match expected size."
+    return info
+
+
+def test_rules_a_rank_gloo_aborted_answers_and_votes():
+    base = [(1, "bucket 0"), (2, "bucket 0")]
+    extra = [(1, "bucket 0"), (2, "reduce_mean")]
+    # Rank 0 (the store host) was aborted in #2; its last words hold its collectives: ranks 0, 2 outvote rank 1.
+    recs = {0: _rec(0, 2, ring=base, waiting=2), 1: _rec(1, 2, ring=extra, waiting=2), 2: _rec(2, 2, ring=base, waiting=2)}
+    recs[0]["aborted"] = _aborted_info()
+    recs[0]["answer"] = 0  # its board thread never answered: the mark is its answer
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [1]
+    assert line == (
+        "fastcoll stall: rank 1 is out of step (collective sequence numbers differ): collective #2 is all_reduce of "
+        "reduce_mean (100 x float32) on rank 1 but all_reduce of bucket 0 (100 x float32) on ranks 0, 2: a collective "
+        "issued on some ranks only; rank 0 was aborted by gloo in collective #2 (all_reduce of bucket 0, 100 x float32): "
+        "it received 668 bytes where it expected at most 228"
+    )
+    report = V.render_report(line, recs, {0, 1, 2}, me=1, now=time.time())
+    assert (
+        "      aborted by gloo in collective #2 (all_reduce of bucket 0, 100 x float32): it received 668 bytes where it "
+        "expected at most 228 (op.preamble.length <= op.nbytes. 668 vs 228." in report
+    )
+    # No history differs among those that answered: the aborted rank is named (sizes unknown: its exception type).
+    recs = {r: _rec(r, 2, ring=base, waiting=2) for r in range(3)}
+    recs[2]["aborted"] = _aborted_info(received=None, expected=None)
+    line, culprits = V.culprit_line(recs, answered={0, 1, 2})
+    assert culprits == [2]
+    assert line.startswith(
+        "fastcoll stall: rank 2 was aborted by gloo in collective #2 (all_reduce of bucket 0, 100 x float32) "
+        "(gloo::EnforceNotMet); no collective history differs"
+    ), line
+
+
+def test_mismatch_sources_says_which_collective_received_what_from_whom():
+    base = [(1, "bucket 0"), (2, "bucket 0")]
+    extra = [(1, "bucket 0"), (2, "reduce_mean")]
+    recs = {0: _rec(0, 2, ring=base), 1: _rec(1, 2, ring=extra), 2: _rec(2, 2, ring=base)}
+    odd, text = V.mismatch_sources(recs, 0, received=668, expected=228)
+    assert odd == [1]
+    assert text == (
+        "collective #2 of rank 0 (all_reduce of bucket 0, 100 x float32) received 668 bytes where it expected at most "
+        "228 from rank 1, whose collective #2 is all_reduce of reduce_mean (100 x float32), where ranks 0, 2 issued "
+        "all_reduce of bucket 0 (100 x float32): rank 1 issued a collective the others did not"
+    )
+    odd, text = V.mismatch_sources(recs, 1)  # the aborted rank is the one with the extra collective
+    assert odd == [1]
+    assert text == (
+        "collective #2 of rank 1 (all_reduce of reduce_mean, 100 x float32) received data from a rank whose "
+        "collective #2 is all_reduce of bucket 0 (100 x float32), as on ranks 0, 2: rank 1 issued a collective the "
+        "others did not"
+    )
+    assert V.mismatch_sources(recs, 0, rank_map=[4, 5, 6])[0] == [5]  # global ranks
+    odd, text = V.mismatch_sources({0: recs[0], 1: recs[1]}, 0)
+    assert odd == [0, 1] and "no majority tells which" in text
+    odd, text = V.mismatch_sources({0: recs[0], 1: None, 2: recs[2]}, 0)
+    assert odd == [] and "which rank sent it is unknown" in text
+    odd, text = V.mismatch_sources({0: recs[0], 1: None}, 0)
+    assert odd == [] and "no other rank's state could be read" in text
+
+
+def test_abort_hook_installs_once_and_stays_out_of_the_way(monkeypatch):
+    from fastcoll.stall import abort
+
+    assert abort._demangle("N4gloo13EnforceNotMetE") == "gloo::EnforceNotMet"
+    assert abort._demangle("St13runtime_error") == "St13runtime_error"
+    assert abort._exception_info() == ("", None)  # no C++ exception in flight
+    assert abort._SIZES.search("op.preamble.length <= op.nbytes. 668 vs 228. Received").groups() == ("668", "228")
+    if platform.system() == "Linux" and abort._stdlib() is not None:
+        assert abort.install() and abort.install() and abort.installed()
+    assert not abort.aborting()
+    t = time.time()
+    abort.hold()  # nothing is being aborted: returns at once
+    assert time.time() - t < 0.1
+    monkeypatch.setenv(abort.ENV, "0")
+    assert not abort.install() and not abort.register(object())
 
 
 # ------------------------------------------------------------------ state
@@ -378,6 +464,58 @@ def test_diagnose_store_unreachable_reports_own_state():
     assert any(line.startswith("  rank 2 (this rank; pid") and "waiting for bucket 0" in line for line in lines)
     assert "cause: RuntimeError: Connection closed by peer" in err.report
     assert not err.data["store_reachable"]
+
+
+def test_an_announced_abort_reaches_the_other_boards_and_ends_their_waits_at_once():
+    store = dist.HashStore()
+    boards = _boards(3, store)
+    try:
+        for b in boards:
+            b.state.note("all_reduce", "bucket 0", 100, torch.float32)
+        b0 = boards[0]
+        channel, lock = b0.abort_store()  # the foreground connection: its lock was free
+        assert lock is not None
+        req = b0.announce_abort(_aborted_info(seq=1), channel)
+        lock.release()
+        deadline = time.time() + 5
+        while time.time() < deadline and not (boards[1].peer_abort and boards[2].peer_abort):
+            time.sleep(0.02)
+        assert boards[1].peer_abort["rank"] == 0 and boards[1].peer_abort["received"] == 668
+        assert b0.peer_abort is None  # its own announcement
+        recs = b0.read_records(store)
+        assert recs[0]["aborted"]["seq"] == 1 and all(int(recs[r]["answer"]) >= req for r in (1, 2))
+        # Rank 1 waits (for a future that never completes, timeout 60 s): it diagnoses within a slice.
+        t = time.time()
+        with pytest.raises(stall.StallError) as ei:
+            stall.wait_or_diagnose(torch.futures.Future(), boards[1].state, 60.0, boards[1], "bucket 1", 2, grace=1.0)
+        assert time.time() - t < stall.WAIT_SLICE_S + 2.0
+        err = ei.value
+        assert err.data["cause"].startswith("PeerAborted: rank 0 was aborted by gloo in collective #1")
+        assert err.first_line.startswith("fastcoll stall: rank 0 was aborted by gloo in collective #1") and err.culprits == [0]
+        assert 0 in err.data["answered"]
+        # The diagnosing rank told the store it is done; the other boards keep the verdict and the records.
+        assert b0.done_count(store) == 1
+        while time.time() < deadline and boards[2].seen_verdict is None:
+            time.sleep(0.02)
+        assert boards[2].seen_verdict["line"] == err.first_line and boards[2].seen_records[0]["aborted"]
+    finally:
+        for b in boards:
+            b.close()
+
+
+def test_diagnose_falls_back_to_the_kept_verdict_when_the_store_died_after_it():
+    st = SyncState(rank=2, group_rank=2)
+    st.note("all_reduce", "bucket 0", 100, torch.float32)
+    st.waiting = (1, "bucket 0", time.time() - 1)
+    b = stall.StateBoard(st, _DeadStore(), 2, 3, store_host=0, start=False)
+    kept = "fastcoll stall: rank 1 is out of step (collective sequence numbers differ): collective #1 is ..."
+    b.seen_verdict = {"line": kept, "culprits": [1], "by": 1}
+    b.seen_records = {0: _rec(0, 1, waiting=1), 1: _rec(1, 1, waiting=1), 2: _rec(2, 1, waiting=1)}
+    b.seen_records[0]["aborted"] = _aborted_info(seq=1)
+    err = stall.diagnose(b, 5.0, waited=1.0, cause=RuntimeError("Connection reset by peer"))
+    assert err.first_line == kept and err.culprits == [1] and not err.data["store_reachable"]
+    assert "first line as agreed by rank 1" in err.report and "aborted by gloo in collective #1" in err.report
+    assert "rank 2 (this rank; pid" in err.report
 
 
 # ------------------------------------------------------------------ waiting
@@ -677,22 +815,60 @@ def test_extra_collective_on_one_rank_is_named_out_of_step():
     assert res["culprits"] == [1]
 
 
-def _extra_scalar_collective(rank, world_size):
-    res, _ = _extra_collective_of_shape(rank, world_size, ())  # a scalar: its size differs from bucket 0's
+def _extra_collective_sized(rank, world_size, shape):
+    res, _ = _extra_collective_of_shape(rank, world_size, shape)
     return res
 
 
-def test_extra_collective_of_another_size_is_blamed_on_its_rank():
-    """gloo aborts a process whose collective receives more bytes than it expects (SIGABRT from an EnforceNotMet
-    in its thread): here rank 1, whose scalar met the others' bucket. The survivors name it."""
-    out = run_stall_ranks(_extra_scalar_collective, 3, need={0, 1, 2})
-    survivors = [r for r in range(3) if out[r].kind == "ok"]
-    assert len(survivors) >= 1 and all(out[r].kind in ("ok", "dead") for r in range(3)), out
-    lines = {out[r].value["line"] for r in survivors if out[r].value}
-    assert len(lines) == 1, out
-    line = lines.pop()
-    assert "rank 1" in line or "ranks 1" in line, line
-    assert all(1 in out[r].value["culprits"] for r in survivors if out[r].value), out
+# gloo aborts a process whose collective receives more bytes than it expects (an EnforceNotMet in its transport
+# thread, then std::terminate): in its ring all-reduce rank r receives from rank r + 1, so rank 1's scalar is overflowed
+# by rank 2's bucket (rank 1 aborted), and rank 1's 1000 elements overflow rank 0's bucket (rank 0, the store host,
+# aborted). The aborted rank's last words reach the survivors, who name rank 1.
+@pytest.mark.parametrize(
+    "shape, aborted, store", [((), 1, "file"), ((1000,), 0, "tcp")], ids=["rank1-aborted", "store-host-aborted"]
+)
+def test_extra_collective_of_another_size_is_blamed_on_its_rank(shape, aborted, store):
+    out = run_stall_ranks(_extra_collective_sized, 3, shape, need={0, 1, 2}, store=store, capture_stderr=True)
+    assert out[aborted].kind == "dead" and out[aborted].value == -signal.SIGABRT, out[aborted]
+    live = [r for r in range(3) if r != aborted]
+    res, line = survivors_agree(out, live)
+    numel = 1 if shape == () else 1000
+    assert line.startswith(
+        f"fastcoll stall: rank 1 is out of step (collective sequence numbers differ): collective #2 is all_reduce of "
+        f"reduce_mean ({numel} x float32) on rank 1 but all_reduce of bucket 0 (256 x float32) on ranks 0, 2: "
+        f"a collective issued on some ranks only; rank {aborted} was aborted by gloo in collective #2"
+    ), line
+    assert all(x["culprits"] == [1] for x in res), res
+    assert max(x["elapsed"] for x in res) < TIMEOUT + 30
+    err = out[aborted].stderr
+    assert (
+        f"fastcoll: collective #2 of rank {aborted} (" in err and f"fastcoll: first line the other ranks agreed on: {line}" in err
+    )
+
+
+def test_without_last_words_the_store_hosts_abort_leaves_the_survivors_blind():
+    """FASTCOLL_STALL_ABORT_HOOK=0 (or no libstdc++ hook): gloo's abort kills rank 0 and its store at once; the
+    survivors can only say that the store host is unreachable, and rank 0's stderr has gloo's message alone."""
+    env = {"FASTCOLL_STALL_ABORT_HOOK": "0"}
+    out = run_stall_ranks(_extra_collective_sized, 3, (1000,), need={0, 1, 2}, store="tcp", env=env, capture_stderr=True)
+    assert out[0].kind == "dead" and out[0].value == -signal.SIGABRT, out[0]
+    res, line = survivors_agree(out, (1, 2))
+    assert line.startswith("fastcoll stall: rank 0 (the store host) is unreachable"), line
+    assert "fastcoll: " not in out[0].stderr and "gloo::EnforceNotMet" in out[0].stderr
+
+
+def _uneven(rank, world_size):
+    comm = _comm(world_size)
+    time.sleep(1.5 * rank)  # ranks 0 and 1 wait for rank 2 through several slices of WAIT_SLICE_S
+    t = torch.full((64,), float(rank + 1))
+    comm.wait(comm.all_reduce(t, "bucket 0"), "bucket 0")
+    return t[0].item(), t[-1].item(), comm.state.seq
+
+
+def test_waits_longer_than_a_slice_complete():
+    out = run_stall_ranks(_uneven, 3, need={0, 1, 2})
+    for r in range(3):
+        assert out[r].kind == "ok" and out[r].value == (6.0, 6.0, 1), out[r]
 
 
 def _watchdog(rank, world_size):

@@ -14,7 +14,15 @@ Pieces, from the hot path out:
 * :func:`wait_or_diagnose`, :class:`Watchdog`, :class:`StallGuard` and the
   per-group registry (``wait.py``): how a wait becomes a diagnosis;
 * the timeout rule (``timeout.py``): ``FASTCOLL_STALL_TIMEOUT``, else half
-  the process group's timeout capped at 300 s; 0 disables.
+  the process group's timeout capped at 300 s; 0 disables;
+* last words (``abort.py``): when gloo aborts the process from its own
+  thread (a collective received more bytes than it expects: a collective
+  issued on some ranks only), a C++ terminate handler says on stderr which
+  collective received what from whom, publishes the rank's state marked
+  ``aborted`` and announces it, so every other rank diagnoses at once and
+  names the rank with the extra collective, and keeps the process (and a
+  store it hosts) alive until they have read it. Installed once with the
+  first board; ``FASTCOLL_STALL_ABORT_HOOK=0`` disables it.
 
 Wiring, in short: the reducer builds its ``Communicator(group, world_size,
 force, stall_timeout=..., device=...)`` (None: the default rule; the
@@ -37,6 +45,8 @@ from .state import BACKWARD, FINISHED_BACKWARD, FORWARD, OUTSIDE, SyncState, des
 from .timeout import default_stall_timeout, env_stall_timeout, process_group_timeout, resolve_stall_timeout
 from .verdict import culprit_line, render_report
 from .wait import (
+    WAIT_SLICE_S,
+    PeerAborted,
     StallGuard,
     Watchdog,
     backend_of,
@@ -55,6 +65,8 @@ __all__ = [
     "KEY_PREFIX",
     "OUTSIDE",
     "TRACE_DIR_ENV",
+    "WAIT_SLICE_S",
+    "PeerAborted",
     "StallError",
     "StallGuard",
     "StateBoard",

@@ -9,14 +9,23 @@ collide):
   and ``stalled`` (set once the rank itself diagnoses);
 * ``req``: a counter every diagnosing rank increments: "answer now";
 * ``verdict``: the first line of the first diagnosis (compare-and-set: the
-  first writer wins, every later diagnosing rank adopts it).
+  first writer wins, every later diagnosing rank adopts it);
+* ``done``: a counter every diagnosing rank increments once it has read
+  what it needs from the store (a rank the backend is aborting, whose
+  process may host the store, waits for it before it dies);
+* ``abort``: set by a rank the backend is aborting (:mod:`fastcoll.stall.abort`):
+  who, in which collective, what the backend said.
 
 A daemon thread per board, with its own store connection, publishes the
 state when the iteration changed (at most once per ``min_interval``
 seconds: at most one small write per iteration), right away when a writer
 set ``state.urgent`` or called :meth:`StateBoard.poke`, and whenever ``req``
 grew (an answer). Between requests it reads ``req`` every ``poll`` seconds:
-one small read, nothing on the collectives' wire.
+one small read, nothing on the collectives' wire. Only when ``req`` grew
+does it also look for ``abort``: a peer being aborted sets
+:attr:`StateBoard.peer_abort`, which ends this rank's waits at once, and
+from then on the thread also keeps a copy of the verdict and of every
+rank's record (used if the store dies before this rank reads it).
 """
 
 from __future__ import annotations
@@ -25,13 +34,17 @@ import datetime
 import json
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .state import SyncState
 
 __all__ = ["KEY_PREFIX", "StateBoard", "StoreUnreachable", "store_host_of"]
 
 KEY_PREFIX = "fastcoll/stall/"
+ABORT_KEY = KEY_PREFIX + "abort"
+DONE_KEY = KEY_PREFIX + "done"
+REQ_KEY = KEY_PREFIX + "req"
+VERDICT_KEY = KEY_PREFIX + "verdict"
 
 
 class StoreUnreachable(RuntimeError):
@@ -104,6 +117,8 @@ class StateBoard:
         self.poll = float(poll) if poll is not None else min(2.0, 0.5 * max(1.0, world_size / 512))
         self.min_interval = float(min_interval)
         self.store_host = store_host_of(store) if store_host == "auto" else store_host
+        self.op_timeout = float(op_timeout)
+        self._store = store  # kept for the abort path's own connection (abort_store)
         self._fg = _clone(store, op_timeout)
         self._bg = _clone(store, op_timeout)
         self._lock = threading.Lock()
@@ -119,6 +134,13 @@ class StateBoard:
         self.polls = 0
         #: The store failure that stopped the thread, if any.
         self.failed: Optional[BaseException] = None
+        #: Set when the backend is aborting this process (see :mod:`fastcoll.stall.abort`): published with the state.
+        self.aborted: Optional[Dict[str, Any]] = None
+        #: Another rank's ``abort`` announcement, once this rank's thread has seen it (ends this rank's waits).
+        self.peer_abort: Optional[Dict[str, Any]] = None
+        #: After a peer's abort: the verdict and every rank's records as last read (the store may die next).
+        self.seen_verdict: Optional[Dict[str, Any]] = None
+        self.seen_records: Optional[Dict[int, Optional[Dict[str, Any]]]] = None
         self._thread: Optional[threading.Thread] = None
         if start:
             self.start()
@@ -164,6 +186,10 @@ class StateBoard:
                 if req > self._answered:
                     self._answered = req
                     self._write(store)
+                    if self.peer_abort is None:
+                        self._look_for_abort(store)
+                if self.peer_abort is not None and self.seen_verdict is None:
+                    self._keep_verdict(store)
             except Exception as exc:  # noqa: BLE001 - the store is gone: stop quietly, diagnose() will say so
                 self.failed = exc
                 return
@@ -179,7 +205,31 @@ class StateBoard:
         rec = self.state.snapshot()
         rec["answer"] = self._answered
         rec["stalled"] = self._stalled
+        if self.aborted is not None:
+            rec["aborted"] = self.aborted
         return rec
+
+    def _look_for_abort(self, store: Any) -> None:
+        """After a request: did a peer announce that the backend is aborting it? (one check; rare)"""
+        if not store.check([ABORT_KEY]):
+            return
+        try:
+            info = json.loads(bytes(store.get(ABORT_KEY)).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(info, dict) and info.get("group_rank") != self.group_rank:
+            self.peer_abort = info
+
+    def _keep_verdict(self, store: Any) -> None:
+        """After a peer's abort: copy the verdict and the records once settled (the store may be in the dying process)."""
+        if not store.check([VERDICT_KEY]):
+            return
+        try:
+            verdict = json.loads(bytes(store.get(VERDICT_KEY)).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return
+        self.seen_records = self._read_records(store)
+        self.seen_verdict = verdict
 
     def _write(self, store: Any) -> None:
         store.set(self._key(self.group_rank), json.dumps(self._record(), separators=(",", ":")))
@@ -187,7 +237,7 @@ class StateBoard:
 
     def _read_req(self, store: Any) -> int:
         self.polls += 1
-        key = KEY_PREFIX + "req"
+        key = REQ_KEY
         if not self._req_seen:
             if not store.check([key]):
                 return 0
@@ -218,7 +268,7 @@ class StateBoard:
         """
         try:
             with self._lock:
-                n = int(self._fg.add(KEY_PREFIX + "req", 1))
+                n = int(self._fg.add(REQ_KEY, 1))
         except Exception as exc:  # noqa: BLE001
             self.failed = exc
             raise StoreUnreachable(str(exc)) from exc
@@ -246,8 +296,17 @@ class StateBoard:
         except Exception as exc:  # noqa: BLE001
             self.failed = exc
             raise StoreUnreachable(str(exc)) from exc
+        return self._decode(have, values)
+
+    def _read_records(self, store: Any) -> Dict[int, Optional[Dict[str, Any]]]:
+        """:meth:`read_all` through ``store`` (another thread's connection), without the lock; store errors propagate."""
+        keys = [self._key(r) for r in range(self.world_size)]
+        have = keys if store.check(keys) else [k for k in keys if store.check([k])]
+        return self._decode(have, store.multi_get(have) if have else [])
+
+    def _decode(self, keys: List[str], values: Sequence[Any]) -> Dict[int, Optional[Dict[str, Any]]]:
         out: Dict[int, Optional[Dict[str, Any]]] = {r: None for r in range(self.world_size)}
-        for k, v in zip(have, values):
+        for k, v in zip(keys, values):
             try:
                 out[int(k.rsplit("/", 1)[1])] = json.loads(bytes(v).decode("utf-8"))
             except (ValueError, UnicodeDecodeError):
@@ -263,7 +322,7 @@ class StateBoard:
         mine = json.dumps(verdict, separators=(",", ":"))
         try:
             with self._lock:
-                got = self._fg.compare_set(KEY_PREFIX + "verdict", "", mine)
+                got = self._fg.compare_set(VERDICT_KEY, "", mine)
         except Exception as exc:  # noqa: BLE001
             self.failed = exc
             raise StoreUnreachable(str(exc)) from exc
@@ -271,3 +330,56 @@ class StateBoard:
             return json.loads(bytes(got).decode("utf-8"))
         except (ValueError, UnicodeDecodeError):
             return verdict
+
+    def done(self) -> None:
+        """Tell a rank being aborted (it may host the store) that this rank has read what it needs; best effort."""
+        try:
+            with self._lock:
+                self._fg.add(DONE_KEY, 1)
+        except Exception as exc:  # noqa: BLE001
+            self.failed = exc
+
+    # ------------------------------------------------- the backend aborts us
+
+    def abort_store(self) -> Tuple[Any, Optional[threading.Lock]]:
+        """A store connection for the abort path, and the lock to release after (None: a connection of its own).
+
+        The foreground connection (already connected, operations bounded by
+        ``op_timeout``) when its lock can be had within ``op_timeout``; else
+        a new connection (another thread holds the foreground one, stuck).
+        """
+        if self._lock.acquire(timeout=self.op_timeout + 1.0):
+            return self._fg, self._lock
+        return _clone(self._store, self.op_timeout), None
+
+    def announce_abort(self, info: Dict[str, Any], store: Any) -> int:
+        """The backend is aborting this process: publish the state with ``info``, announce it, ask every rank to answer.
+
+        Called from :mod:`fastcoll.stall.abort` on the thread that is aborting
+        the process, with the connection :meth:`abort_store` gave it.
+        Returns the request number the answers carry. Store errors propagate.
+        """
+        self.aborted = info
+        store.set(self._key(self.group_rank), json.dumps(self._record(), separators=(",", ":")))
+        who = {"rank": self.state.rank, "group_rank": self.group_rank}
+        store.set(ABORT_KEY, json.dumps({**info, **who}, separators=(",", ":")))
+        n = int(store.add(REQ_KEY, 1))
+        self.writes += 1
+        return n
+
+    def read_records(self, store: Any) -> Dict[int, Optional[Dict[str, Any]]]:
+        """Every rank's record through ``store`` (the abort path's connection); store errors propagate."""
+        return self._read_records(store)
+
+    def done_count(self, store: Any) -> int:
+        """How many ranks called :meth:`done` (through ``store``)."""
+        return int(store.add(DONE_KEY, 0))
+
+    def verdict_through(self, store: Any) -> Optional[Dict[str, Any]]:
+        """The settled verdict, if any (through ``store``)."""
+        if not store.check([VERDICT_KEY]):
+            return None
+        try:
+            return json.loads(bytes(store.get(VERDICT_KEY)).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return None

@@ -13,13 +13,20 @@ outstanding work too old):
    and offer it to the store with compare-and-set: the first diagnosing
    rank's line wins and every rank adopts it, so the first line is the same
    on every live rank even when ranks read the store at different moments;
-4. build the report, print it to stderr (once per process), write it as JSON
+4. tell the store it is done reading (a rank that gloo is aborting, which
+   may host the store, waits for every other rank's ``done`` before it
+   dies: :mod:`fastcoll.stall.abort`);
+5. build the report, print it to stderr (once per process), write it as JSON
    to ``$FASTCOLL_TRACE_DIR/stall-rank<r>.json`` when that is set, and return
    the :class:`StallError` for the caller to raise.
 
-When the store cannot be reached (its host, rank 0, is gone) every survivor
-reports its own state under the same first line, "rank 0 (the store host)
-is unreachable".
+A rank gloo aborted, whose last words were published, answered: its record
+(marked ``aborted``) counts, with its collectives. When the store cannot be
+reached (its host, rank 0, is gone) every survivor reports its own state
+under the same first line, "rank 0 (the store host) is unreachable"; unless
+its board thread had kept the verdict and the records after a peer's abort
+announcement (the store host died after the first survivors settled), then
+that verdict and those records.
 """
 
 from __future__ import annotations
@@ -82,7 +89,9 @@ def _gather_verdict(board: StateBoard, stalled: Dict[str, Any], grace: float, t0
             while True:
                 records = board.read_all()
                 answered = {me} | {
-                    r for r, rec in records.items() if rec and (rec.get("stalled") or int(rec.get("answer") or 0) >= req)
+                    r
+                    for r, rec in records.items()
+                    if rec and (rec.get("stalled") or rec.get("aborted") or int(rec.get("answer") or 0) >= req)
                 }
                 if len(answered) >= board.world_size or time.time() >= deadline:
                     break
@@ -92,13 +101,24 @@ def _gather_verdict(board: StateBoard, stalled: Dict[str, Any], grace: float, t0
             line = str(verdict.get("line", line))
             culprits = list(verdict.get("culprits", culprits))
             verdict_by = verdict.get("by")
+            board.done()
         except StoreUnreachable:
             reachable = False
     if not reachable:
-        line, culprits = store_unreachable_line(board.store_host)
         own = board._record()
         own["answer"] = None
-        records, answered = {me: own}, {me}
+        kept, seen = board.seen_verdict, board.seen_records
+        if kept and kept.get("line") and seen:
+            # The store died after the first survivors settled; this rank's board thread kept both.
+            line, culprits, verdict_by = str(kept["line"]), list(kept.get("culprits") or []), kept.get("by")
+            records = dict(seen)
+            records[me] = own
+            answered = {me} | {
+                r for r, rec in records.items() if rec and (rec.get("stalled") or rec.get("aborted") or rec.get("answer"))
+            }
+        else:
+            line, culprits = store_unreachable_line(board.store_host)
+            records, answered = {me: own}, {me}
     return records, answered, line, culprits, verdict_by, reachable
 
 

@@ -12,15 +12,19 @@ sorted, no ages, no "this rank"), by the first rule that applies:
    number both still keep: a collective issued on some ranks only. The
    ranks outside the largest group are named, with the first collective seen
    to differ; without a majority (two ranks, or the ones that could tell are
-   dead) every side is named. Ranks that did not answer are added;
-2. **no answer**: ranks that did not answer the stall request (dead, or stuck
+   dead) every side is named. Ranks that did not answer are added, and a
+   rank the backend aborted (gloo on a size mismatch: its last words, see
+   :mod:`fastcoll.stall.abort`) is said to be so, with what it received;
+   its record counts as an answer, and its collectives as a vote;
+2. **aborted**: a rank the backend aborted, when no history differs;
+3. **no answer**: ranks that did not answer the stall request (dead, or stuck
    holding the interpreter outside fastcoll), with their last recorded state;
-3. **behind**: ranks not waiting in fastcoll that have not issued the
+4. **behind**: ranks not waiting in fastcoll that have not issued the
    lowest collective some rank waits for (last seen where, with which
    parameters still missing);
-4. **different sequence number**: every rank waits, at different collectives
+5. **different sequence number**: every rank waits, at different collectives
    (ranks outside the largest group named);
-5. otherwise every rank issued the awaited collective: no rank can be
+6. otherwise every rank issued the awaited collective: no rank can be
    named (suspect the network or the backend).
 
 Ranks read the store at slightly different moments, so two diagnosing ranks
@@ -35,7 +39,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .state import describe_phase
 
-__all__ = ["NO_ANSWER", "PREFIX", "culprit_line", "render_report", "store_unreachable_line"]
+__all__ = ["NO_ANSWER", "PREFIX", "aborted_text", "culprit_line", "mismatch_sources", "render_report", "store_unreachable_line"]
 
 PREFIX = "fastcoll stall: "
 NO_ANSWER = "no answer: dead or stuck outside gradient synchronization"
@@ -57,6 +61,29 @@ def _verb(ranks: Sequence[int], one: str, many: str) -> str:
 def _sig_text(entry: Sequence[Any]) -> str:
     """``all_reduce of bucket 0 (1000 x float32)`` for a ring entry ``[seq, kind, what, numel, dtype, ...]``."""
     return f"{entry[1]} of {entry[2]} ({entry[3]} x {entry[4]})"
+
+
+def _entry_text(entry: Sequence[Any]) -> str:
+    """``all_reduce of bucket 0, 340 x float32`` (for text that already sits in parentheses)."""
+    return f"{entry[1]} of {entry[2]}, {entry[3]} x {entry[4]}"
+
+
+def aborted_text(rank: int, info: Dict[str, Any]) -> str:
+    """``rank 0 was aborted by gloo in collective #8 (all_reduce of bucket 0, 340 x float32): it received ...``."""
+    seq = info.get("seq")
+    where = f" in collective #{seq}" if seq is not None else ""
+    if info.get("kind"):
+        where += f" ({info['kind']} of {info.get('what')}, {info.get('numel')} x {info.get('dtype')})"
+    text = f"rank {rank} was aborted by {info.get('by') or 'the backend'}{where}"
+    if info.get("received") is not None and info.get("expected") is not None:
+        text += f": it received {info['received']} bytes where it expected at most {info['expected']}"
+    elif info.get("type"):
+        text += f" ({info['type']})"
+    return text
+
+
+def _aborted(records: "Records") -> List[int]:
+    return sorted(r for r, rec in records.items() if rec and rec.get("aborted"))
 
 
 def _sig(entry: Sequence[Any]) -> Tuple[Any, ...]:
@@ -173,6 +200,18 @@ def _out_of_step_tie(
     return culprits, text
 
 
+def _aborted_rule(records: Records, answered: Set[int]) -> Optional[Tuple[List[int], str]]:
+    gone = _aborted(records)
+    if not gone:
+        return None
+    parts = "; ".join(aborted_text(r, records[r]["aborted"]) for r in gone)
+    text = (
+        f"{parts}; no collective history differs among the ranks that answered "
+        "(what it received came from a collective no longer kept, or from outside fastcoll)"
+    )
+    return gone, text
+
+
 def _no_answer(records: Records, answered: Set[int]) -> Optional[Tuple[List[int], str]]:
     dead = sorted(r for r in records if r not in answered)
     if not dead:
@@ -267,16 +306,97 @@ def culprit_line(records: Records, answered: Iterable[int], rank_map: Optional[S
     if found is not None:
         culprits, text = found
         dead = sorted(r for r in records if r not in answered)
-        if dead:  # e.g. gloo aborts a process on a size mismatch: not always the culprit's
+        gone = [r for r in _aborted(records) if r not in dead]
+        if gone:  # gloo aborts a process on a size mismatch (the receiver's): its last words say so
+            text += "; " + "; ".join(aborted_text(r, records[r]["aborted"]) for r in gone)
+        if dead:  # e.g. gloo aborted a process that could not say so: not always the culprit's
             text += f"; also {_ranks_text(dead)} did not answer (dead or stuck outside gradient synchronization)"
         return PREFIX + text, sorted(set(culprits) | set(dead))
-    for rule in (_no_answer, _behind, _different_seq):
+    for rule in (_aborted_rule, _no_answer, _behind, _different_seq):
         found = rule(records, answered)
         if found is not None:
             culprits, text = found
             return PREFIX + text, sorted(culprits)
     culprits, text = _nobody(records, answered)
     return PREFIX + text, culprits
+
+
+def mismatch_sources(
+    records: Records,
+    me: int,
+    rank_map: Optional[Sequence[int]] = None,
+    received: Optional[int] = None,
+    expected: Optional[int] = None,
+) -> Tuple[List[int], str]:
+    """Which collective of ``me`` received what from whom: the sentence a rank the backend aborts prints.
+
+    Compares ``me``'s kept collectives with every other rank's at the first
+    sequence number where their signatures (kind, label, dtype, size)
+    differ. ``received``/``expected``: the sizes in bytes the backend
+    reported, if known. Returns the ranks whose collective there differs
+    from the majority's (global ranks; every side without a majority) and
+    the sentence, e.g. ``collective #8 of rank 0 (all_reduce of bucket 0, 340
+    x float32) received 668 bytes where it expected at most 228 from rank 1,
+    whose collective #8 is all_reduce of fastcoll.dist (1000 x float32) ...``.
+    """
+    n = max(records) + 1 if records else 0
+    rank_map = list(range(n)) if rank_map is None else list(rank_map)
+    mine = {int(e[0]): e for e in ((records.get(me) or {}).get("ring") or []) if len(e) >= 7}
+    others = {r: rec for r, rec in records.items() if r != me and rec}
+    g = _global(rank_map, me)
+    got = " data"
+    if received is not None and expected is not None:
+        got = f" {received} bytes where it expected at most {expected}"
+    if not others:
+        return [], f"rank {g} received{got}; no other rank's state could be read: which rank sent it is unknown"
+    ents: Dict[int, Sequence[Any]] = {}
+    split = None
+    for seq in sorted(mine):
+        ents = {r: e for r, rec in others.items() for e in (rec.get("ring") or []) if len(e) >= 7 and int(e[0]) == seq}
+        if any(_sig(e) != _sig(mine[seq]) for e in ents.values()):
+            split = seq
+            break
+    if split is None:
+        seen = sorted(_global(rank_map, r) for r in others)
+        return [], (
+            f"rank {g} received{got}, but {_ranks_text(seen)} issued the same collectives as rank {g} up to their "
+            "last kept ones: which rank sent it is unknown"
+        )
+    seq = split
+    by_sig: Dict[Any, List[int]] = {_sig(mine[seq]): [me]}
+    entry_of: Dict[Any, Sequence[Any]] = {_sig(mine[seq]): mine[seq]}
+    for r, e in sorted(ents.items()):
+        by_sig.setdefault(_sig(e), []).append(r)
+        entry_of.setdefault(_sig(e), e)
+    groups = sorted(by_sig.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+
+    def ranks(rs: Sequence[int]) -> List[int]:
+        return sorted(_global(rank_map, r) for r in rs)
+
+    head = f"collective #{seq} of rank {g} ({_entry_text(mine[seq])}) received{got}"
+    own = _sig(mine[seq])
+    if len(groups[0][1]) > len(groups[1][1]):
+        major_sig, major = groups[0]
+        odd = sorted(r for k, rs in groups if k != major_sig for r in ranks(rs))
+        if own == major_sig:
+            theirs = "; ".join(
+                f"{_ranks_text(ranks(rs))}, whose collective #{seq} is {_sig_text(entry_of[k])}"
+                for k, rs in groups
+                if k != major_sig
+            )
+            return odd, (
+                f"{head} from {theirs}, where {_ranks_text(ranks(major))} issued {_sig_text(mine[seq])}: "
+                f"{_ranks_text(odd)} issued a collective the others did not"
+            )
+        return odd, (
+            f"{head} from a rank whose collective #{seq} is {_sig_text(entry_of[major_sig])}, as on "
+            f"{_ranks_text(ranks(major))}: rank {g} issued a collective the others did not"
+        )
+    sides = "; ".join(f"{_sig_text(entry_of[k])} on {_ranks_text(ranks(rs))}" for k, rs in groups)
+    every = sorted(r for _k, rs in groups for r in ranks(rs))
+    return every, (
+        f"{head}; collective #{seq} is {sides}: one side issued a collective the other did not (no majority tells which)"
+    )
 
 
 def store_unreachable_line(store_host: Optional[int]) -> Tuple[str, List[int]]:
@@ -308,6 +428,8 @@ def _rank_lines(r: int, rec: Optional[Dict[str, Any]], answered: bool, now: floa
         head += f" for {_fmt_s(float(w.get('for', 0.0)) + lag)}"
     head += f"; {rec.get('seq', 0)} collectives issued"
     stalled = rec.get("stalled")
+    if rec.get("aborted"):
+        stalled = None  # its own line below says what happened
     if stalled:
         head += f"; stalled after waiting {_fmt_s(float(stalled.get('waited') or 0.0))}"
         if stalled.get("cause"):
@@ -325,6 +447,10 @@ def _rank_lines(r: int, rec: Optional[Dict[str, Any]], answered: bool, now: floa
         n = int(rec.get("n_missing") or len(names))
         more = f" (+{n - len(names)} more)" if n > len(names) else ""
         lines.append(f"      still without gradients ({n}): " + ", ".join(names) + more)
+    info = rec.get("aborted")
+    if info:
+        text = aborted_text(r, info).split(" was ", 1)[1]
+        lines.append(f"      {text}" + (f" ({info['error']})" if info.get("error") else ""))
     return lines
 
 

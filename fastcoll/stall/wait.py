@@ -4,11 +4,16 @@ Two ways to wait, chosen per group by :class:`StallGuard`:
 
 * **blocking** (gloo, any host-blocking backend): :func:`wait_or_diagnose`
   waits for the Work with the stall timeout (``Work.wait(timedelta)``; a
-  ``torch.futures.Future`` through a done-callback and an Event). A timeout,
-  or an error meaning a peer is gone, becomes a diagnosis and a
-  :class:`StallError`. In torch 2.13 a gloo wait that timed out leaves the
-  Work and the group intact (a later wait can still complete), but fastcoll
-  raises anyway: the job is stalled;
+  ``torch.futures.Future`` through a done-callback and an Event), in slices
+  of at most :data:`WAIT_SLICE_S` (a wait that completes in its first slice,
+  as every healthy one does, costs what one bounded wait costs). A timeout,
+  an error meaning a peer is gone, or, between two slices, a peer's
+  announcement that the backend is aborting it
+  (:attr:`StateBoard.peer_abort`, :mod:`fastcoll.stall.abort`) becomes a
+  diagnosis and a :class:`StallError`. In torch 2.13 a gloo wait that timed
+  out leaves the Work and the group intact (a later wait can still
+  complete: the slices rely on it), but fastcoll raises once the stall
+  timeout has passed anyway: the job is stalled;
 * **watchdog** (NCCL): the training thread never blocks on the host to
   watch. :class:`Watchdog`'s thread polls the outstanding Works'
   ``is_completed()``; when the oldest is older than the timeout (or failed
@@ -30,13 +35,17 @@ from typing import Any, Callable, Deque, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import abort as _abort
 from .board import StateBoard
 from .diagnosis import diagnose
 from .errors import StallError, is_peer_failure, is_timeout
 from .state import SyncState
 from .timeout import resolve_stall_timeout
+from .verdict import aborted_text
 
 __all__ = [
+    "WAIT_SLICE_S",
+    "PeerAborted",
     "StallGuard",
     "Watchdog",
     "board_for",
@@ -49,8 +58,23 @@ __all__ = [
 ]
 
 
+#: Longest one host wait lasts before this rank looks again at its peers' abort announcements (seconds).
+WAIT_SLICE_S = 1.0
+
+
 class _TimedOut(Exception):
     pass
+
+
+class PeerAborted(RuntimeError):
+    """A peer announced that the backend is aborting its process (the cause of a diagnosis)."""
+
+
+def _peer_aborted(board: Optional[StateBoard]) -> Optional[PeerAborted]:
+    info = None if board is None else board.peer_abort
+    if info is None:
+        return None
+    return PeerAborted(aborted_text(int(info.get("rank", info.get("group_rank", -1))), info))
 
 
 def _timed_wait(work: Any, timeout: float) -> Any:
@@ -109,22 +133,32 @@ def wait_or_diagnose(
     since = time.time()
     prev = state.waiting
     state.waiting = (state.seq if seq is None else seq, what or "a collective", since)
+    deadline = since + timeout
     try:
-        try:
-            return _timed_wait(work, timeout)
-        except _TimedOut:
-            cause = None
-        except StallError:
-            raise
-        except Exception as exc:
-            peer = is_peer_failure(exc)
-            if not (peer or is_timeout(exc)):
+        while True:
+            left = deadline - time.time()
+            try:
+                return _timed_wait(work, max(0.001, min(left, WAIT_SLICE_S)))
+            except _TimedOut:
+                pass
+            except StallError:
                 raise
-            # Our own bound ran out (the Work is still pending): a stall, no cause to show.
-            # A dead peer, or the backend's own timeout (the Work failed): shown as the cause.
-            cause = exc if peer or _completed(work) else None
-            raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace) from exc
-        raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace)
+            except Exception as exc:
+                peer = is_peer_failure(exc)
+                if not (peer or is_timeout(exc)):
+                    raise
+                if peer or _completed(work):
+                    # A dead peer, or the backend's own timeout (the Work failed): shown as the cause.
+                    _abort.hold()
+                    raise diagnose(board, timeout, cause=exc, waited=time.time() - since, grace=grace) from exc
+                # Our slice ran out (the Work is still pending).
+            _abort.hold()  # gloo is aborting this very process: its last words are being written
+            if time.time() >= deadline:
+                break
+            cause = _peer_aborted(board)
+            if cause is not None:
+                raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace)
+        raise diagnose(board, timeout, cause=None, waited=time.time() - since, grace=grace)
     finally:
         state.waiting = prev
 
@@ -221,12 +255,15 @@ class Watchdog:
             if self.state.waiting is not None and cause is None:
                 self.state.waiting = None
             return None
+        if cause is None:
+            cause = _peer_aborted(self.board)
         work, seq, what, t = dq[0]
         w = self.state.waiting
         if w is None or w[0] != seq:
             self.state.waiting = (seq, what, t)
         if cause is None and now - t <= self.timeout:
             return None
+        _abort.hold()
         err = self._diagnose(cause=cause, waited=now - t)
         self.error = err
         if self.abort is not None:
@@ -303,6 +340,7 @@ def board_for(group: Any = None, **kwargs: Any) -> StateBoard:
             b = StateBoard(state_for(pg), store, dist.get_rank(pg), dist.get_world_size(pg), ranks, **kwargs)
             _boards[pg] = b
             weakref.finalize(pg, b.close)
+            _abort.register(b)  # last words if gloo aborts this process (installed once; off the hot path)
         return b
 
 
@@ -450,6 +488,37 @@ def protected_wait(
     if g is None:
         return work.wait()
     return g.wait(work, what)
+
+
+def outstanding(state: SyncState) -> list:
+    """``(seq, what)`` of the collectives issued on ``state``'s group and not yet waited for, oldest first.
+
+    From the group's guards: started Works a blocking guard has not been
+    asked to wait for yet, the watchdog's outstanding ones; plus the one
+    the training thread waits for. Only the last :data:`~fastcoll.stall.state.RING`
+    sequence numbers count (a Work never waited for, after an error, is
+    not in flight). For the abort path: which collective received a message.
+    """
+    from .state import RING
+
+    low = state.seq - RING
+    found = {}
+    w = state.waiting
+    if w is not None:
+        found[w[0]] = w[1]
+    with _lock:
+        per_groups = [dict(per) for per in _guards.values()]
+    for per in per_groups:
+        for g in per.values():
+            if g.state is not state:
+                continue
+            if g.watchdog is not None:
+                items = [(e[1], e[2]) for e in list(g.watchdog._outstanding)]
+            else:
+                items = list(g._seq_of.values())
+            for seq, what in items:
+                found.setdefault(seq, what)
+    return sorted((s, w) for s, w in found.items() if s > low)
 
 
 def _after_fork_in_child() -> None:
