@@ -22,6 +22,7 @@ from .dist import (
 )
 from .errors import NonFiniteGradError, ReplicaMismatchError
 from .ops import loader
+from .optim import ShardedOptimizer
 from .reducer import GradBucket
 from .stall import StallError
 
@@ -60,6 +61,7 @@ __all__ = [
     "GradBucket",
     "NonFiniteGradError",
     "ReplicaMismatchError",
+    "ShardedOptimizer",
     "StallError",
     "__version__",
     "all_reduce_dict",

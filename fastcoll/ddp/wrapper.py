@@ -215,6 +215,8 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         self.stall_timeout = stall_timeout
         self.verify_replicas_every = check_verify_replicas_every(verify_replicas_every)
         self._verified_at = 0
+        #: The parameters' all-gathers of a fastcoll.ShardedOptimizer over this model (it sets this), or None.
+        self._param_sync: Any = None
         torch_only = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, bucket_cap_mb, bucket_cap_mb_list)
         self._check_and_agree(bucket_cap_mb, first_bucket_mb, device_ids, output_device, torch_only)  # a collective
 
@@ -377,6 +379,8 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         # [join: "not joined" all-reduce (+ early-termination all-reduce)],
         # [bucket layout broadcast, once], [join: authoritative-rank all-reduce]
         # + buffer broadcast, [join: requires-sync all-reduce].
+        if self._param_sync is not None:
+            self._param_sync.before_forward()
         join = self._join_config.enable
         if join:
             self._join.notify()
@@ -401,6 +405,8 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
 
     def _post_forward(self, output: Any) -> Any:
         """After the module ran (torch DDP's signature): arms the reducer for a synchronized backward; returns ``output``."""
+        if self._param_sync is not None and torch.is_grad_enabled():
+            self._param_sync.check_after_forward(output)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             reducer = self.reducer

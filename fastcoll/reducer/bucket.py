@@ -81,12 +81,14 @@ class GradBucket:
             as a sparse tensor (``flat`` and ``views`` are empty).
 
     ``buffer``, when given, becomes ``flat`` (``numel`` elements of the
-    parameters' dtype) instead of a new allocation.
+    parameters' dtype) instead of a new allocation. ``padded`` (at least
+    ``numel``) is the length of ``flat`` and ``comm`` when the bucket is
+    divided among ranks (:mod:`fastcoll.reducer.shards`); the padding is zeros.
     """
 
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
-        "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views",
+        "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views", "padded",
     )  # fmt: skip
 
     def __init__(
@@ -100,6 +102,7 @@ class GradBucket:
         as_view: bool = False,
         sparse: bool = False,
         buffer: Optional[torch.Tensor] = None,
+        padded: Optional[int] = None,
     ):
         self.pos = pos
         self.count = count
@@ -116,15 +119,19 @@ class GradBucket:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
+        self.padded = total if padded is None or sparse else max(int(padded), total)
         # Gradients as views need a buffer of their own dtype, so a narrower
         # wire dtype then gets a separate wire buffer; otherwise the flat buffer
         # itself is in the wire dtype (gradients are cast into it by the pack).
         separate_wire = wire_dtype is not None and as_view and not sparse
         flat_dtype = self.dtype if wire_dtype is None or separate_wire or sparse else wire_dtype
-        self.flat = buffer if buffer is not None else torch.empty(0 if sparse else total, dtype=flat_dtype, device=self.device)
+        if buffer is not None:
+            self.flat = buffer
+        else:
+            self.flat = _padded_empty(0 if sparse else total, self.padded, flat_dtype, self.device)
         self.views = [] if sparse else ops.bucket_views(self.flat, params)
         self.view_ptrs = [v.data_ptr() for v in self.views]
-        self.comm = torch.empty(total, dtype=wire_dtype, device=self.device) if separate_wire else self.flat
+        self.comm = _padded_empty(total, self.padded, wire_dtype, self.device) if separate_wire else self.flat
         self._hook_buffer: Optional[torch.Tensor] = None
         self._hook_views: Optional[List[torch.Tensor]] = None
 
@@ -308,6 +315,14 @@ class GradBucket:
                 sumsq.add_(part)
 
         for_each_run(keep, self.offsets, self.numel, run)
+
+
+def _padded_empty(numel: int, padded: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer of ``padded`` elements whose first ``numel`` are left uninitialized and the rest zeroed."""
+    buf = torch.empty(padded, dtype=dtype, device=device)
+    if padded > numel:
+        buf[numel:].zero_()
+    return buf
 
 
 def _unflatten(src: torch.Tensor, dests: List[torch.Tensor], scale: float, sumsq: Optional[torch.Tensor]) -> None:

@@ -45,12 +45,16 @@ class Done:
 
 DONE = Done()
 
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn).
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Collective(NamedTuple):
     """One collective as issued: what listeners receive."""
 
     seq: int  #: 1 for the first collective this communicator issued
-    kind: str  #: "all_reduce", "broadcast", "all_gather" or "comm_hook"
+    kind: str  #: "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "comm_hook"
     what: str  #: e.g. "bucket 3", "used parameters", "layout"
     numel: int
     dtype: torch.dtype
@@ -114,6 +118,37 @@ class Communicator:
             return DONE
         gseq = self._record("all_reduce", what, t)
         work = dist.all_reduce(t, group=self.group, async_op=True)
+        if self.guard is not None:
+            self.guard.issued(work, gseq, what)
+        return work
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Any:
+        """Start a SUM reduce-scatter of ``inp`` (``world_size`` equal ranges) into ``out`` (this rank's range).
+
+        Returns the handle to pass to :meth:`wait`.
+
+        At world size 1 (not forced) ``out`` is ``inp``'s copy and nothing is issued.
+        """
+        if not self.active:
+            out.copy_(inp)
+            return DONE
+        gseq = self._record("reduce_scatter", what, inp)
+        work = _REDUCE_SCATTER(out, inp, group=self.group, async_op=True)
+        if self.guard is not None:
+            self.guard.issued(work, gseq, what)
+        return work
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Any:
+        """Start an all-gather of every rank's ``inp`` into ``out`` (rank order); returns its handle.
+
+        At world size 1 (not forced) ``out`` receives ``inp`` unless ``inp`` is already its view, and nothing is issued.
+        """
+        if not self.active:
+            if inp.data_ptr() != out.data_ptr():
+                out.copy_(inp)
+            return DONE
+        gseq = self._record("all_gather", what, out)
+        work = _ALL_GATHER(out, inp, group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work

@@ -62,8 +62,9 @@ from .bucket import GradBucket, PackArgs
 from .comm import Communicator
 from .health import Divisor, GradHealth
 from .layout import BucketSet
-from .reduction import AllReduce, CommHook, InFlight, Skipped, SparseSum, ZeroBuffers
+from .reduction import AllReduce, CommHook, InFlight, ReduceScatter, ShardGrads, Skipped, SparseSum, ZeroBuffers
 from .settings import ReducerSettings
+from .shards import ShardLayout
 from .timeline import Timeline
 from .tuning import LayoutTuning
 from .usage import ParameterUsage
@@ -208,6 +209,16 @@ class Reducer(ReducerSettings):
             self.gradient_as_bucket_view, record_order=not self.usage.searching,
         )  # fmt: skip
         self._hook: Optional[CommHook] = None
+        #: The ranges of the buckets among ranks, once a sharded optimizer divided them (:meth:`shard`).
+        self.shards: Optional[ShardLayout] = None
+        #: This rank's range of the reduced gradients when they are reduce-scattered (``grads="sharded"``).
+        self.shard_grads: Optional[ShardGrads] = None
+        #: Called at the end of every synchronized backward, after the write-backs (the sharded optimizer's).
+        self.on_synchronized: List[Callable[[], None]] = []
+        #: Called before a backward's first bucket is packed (the sharded optimizer's parameter all-gathers finish).
+        self.on_backward: List[Callable[[], None]] = []
+        #: Called at the start of every forward with gradients enabled (the sharded optimizer drops its guards).
+        self.on_forward: List[Callable[[], None]] = []
         self._phase = _IDLE
         self.timeline = Timeline(enabled=bool(record_timeline))
         self._tuning = LayoutTuning() if autotune else None
@@ -242,14 +253,17 @@ class Reducer(ReducerSettings):
         return self._set.buckets
 
     def _install_layout(self, layout: List[List[int]]) -> None:
-        self._set.install(layout, self.comm_dtype)
+        self._set.install(layout, self.comm_dtype, self.shards.world_size if self.shards is not None else 0)
         self.health.resize(len(self._set.buckets))
         self._index_reductions()
         self._count_expected()
         self._reset_progress()
 
     def _index_reductions(self) -> None:
-        dense = self._hook if self._hook is not None else AllReduce(self.comm, self.timeline)
+        if self.shard_grads is not None:
+            dense = ReduceScatter(self.comm, self.timeline, self.shard_grads)
+        else:
+            dense = self._hook if self._hook is not None else AllReduce(self.comm, self.timeline)
         sparse = SparseSum(self.comm, self.timeline)
         self._reductions = [sparse if b.sparse else dense for b in self._set.buckets]
 
@@ -288,6 +302,52 @@ class Reducer(ReducerSettings):
             self._install_layout(layout)
         return True
 
+    # --------------------------------------------------------------- sharding
+
+    def shard(self, sharded_grads: bool, grad_dtype: Optional[torch.dtype] = None) -> ShardLayout:
+        """Divide every dense bucket among the ranks, for a sharded optimizer; returns the ranges.
+
+        The layout is fixed from here on: a ready-order rebuild still due
+        happens now (a collective, as at a forward), later ones and tuning
+        never. The buckets are reallocated padded (:mod:`.shards`). With
+        ``sharded_grads`` each bucket is reduce-scattered instead of
+        all-reduced: the reduced gradients exist only in this rank's range
+        (:attr:`shard_grads`, in ``grad_dtype``, default the parameters'),
+        never in ``.grad``. Between iterations only.
+
+        Raises:
+            RuntimeError: a comm hook is registered, the layout is being tuned, or a bucket is sparse.
+        """
+        self._check_idle("shard the buckets")
+        if self._hook is not None:
+            raise RuntimeError("fastcoll.ShardedOptimizer: the model has a comm hook; a sharded optimizer takes none")
+        if self._tuning is not None:
+            raise RuntimeError(
+                "fastcoll.ShardedOptimizer: the model's bucket_cap_mb is 'auto'; the optimizer state is divided along "
+                "the buckets, so their layout must be fixed: pass a fixed bucket_cap_mb (e.g. the one "
+                "model.tuning_report() chose)"
+            )
+        sparse = [self.names[i] for b in self._set.buckets if b.sparse for i in b.param_indices]
+        if sparse:
+            raise RuntimeError(f"fastcoll.ShardedOptimizer: parameters with sparse gradients cannot be sharded: {sparse}")
+        self.rebuild_buckets()
+        self._set.order.stop()
+        world, rank = self.world_size, self.rank
+        self.shards = ShardLayout(
+            [(b.pos, b.param_indices, [p.numel() for p in b.params], b.params[0].element_size()) for b in self._set.buckets],
+            world,
+            rank,
+        )
+        if sharded_grads:
+            grads = {
+                b.pos: torch.zeros(b.shard, dtype=grad_dtype or self._set.buckets[b.pos].dtype, device=self.usage.device)
+                for b in self.shards.buckets
+            }
+            self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite)
+            self.health.sharded = True
+        self._install_layout(self.layout())
+        return self.shards
+
     # ---------------------------------------------------------------- forward
 
     def prepare_for_forward(self) -> None:
@@ -299,6 +359,8 @@ class Reducer(ReducerSettings):
         """
         if self.reducing:
             self._raise_unfinished()
+        for fn in self.on_forward:
+            fn()
         self.prepare_layout()
         self.timeline.begin_iteration(len(self._set.buckets))
         self.comm.state.begin_forward(self.usage.iterations)
@@ -365,6 +427,8 @@ class Reducer(ReducerSettings):
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         self._phase = _BACKWARD
         if first:
+            for fn in self.on_backward:
+                fn()
             self._how = self._pack_args()
             self.health.begin_iteration()
             self.timeline.backward_start()
@@ -459,11 +523,23 @@ class Reducer(ReducerSettings):
             health.add_outside(
                 [p.grad for i, p in enumerate(self.params) if not used[i] and not self._sparse[i] and p.grad is not None]
             )
-        total = health.finish(self.params)
+        shards = self.shard_grads
+        if shards is not None:
+            shards.filled = True
+            if not shards.free_local:  # kept for the non-finite blame above; the reduced values are in the ranges
+                for p in self.params:
+                    p.grad = None
+        total = health.finish(self.params, self._sum_over_ranks if shards is not None else None)
+        for fn in self.on_synchronized:
+            fn()
         self.timeline.finalize_end()
         self._end_iteration(joined=False)
         if total is not None and not math.isfinite(total.item()):  # one read (a tensor isfinite + bool costs two ops)
             self.health.raise_nonfinite(self.comm, self.process_group, self._set.buckets, self.usage.iterations)
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> None:
+        """SUM-all-reduce ``t`` in place and wait (the sharded gradients' sum of squares: one small collective)."""
+        self.comm.wait(self.comm.all_reduce(t, "gradient norm"), "gradient norm")
 
     def _end_iteration(self, joined: bool) -> None:
         """Close a synchronized iteration: the one place shared by training ranks and join replays."""

@@ -21,7 +21,7 @@ extra collective when everything is finite).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -79,10 +79,16 @@ class GradHealth:
         self.norm: Optional[torch.Tensor] = None  # the last synchronized backward's norm (0-dim float32)
         self._snapshot: Optional[List[Tuple[int, int]]] = None  # (id, version) of each gradient when the norm was taken
         self.blame: List[Tuple[int, List[Tuple[str, int]]]] = []  # this rank's findings: (bucket, [(name, count)])
+        #: The gradients are reduce-scattered: each rank sums its own ranges, then the ranks' sums are added.
+        self.sharded = False
+        #: With ``sharded``: the last synchronized backward's total over every rank (float64), for the optimizer.
+        self.total: Optional[torch.Tensor] = None
+        #: The tensors whose versions the norm's snapshot records (the kept ranges when sharded; else the .grad).
+        self.watched: Optional[Sequence[torch.Tensor]] = None
 
     @property
     def active(self) -> bool:
-        return self.compute_norm or self.check_nonfinite
+        return self.compute_norm or self.check_nonfinite or self.sharded
 
     def resize(self, n_buckets: int) -> None:
         """Allocate the slots for a layout of ``n_buckets`` buckets."""
@@ -134,15 +140,26 @@ class GradHealth:
         if self.sums is not None and dense:
             ops.sum_of_squares(dense, out=self.sums[-1:])
 
-    def finish(self, params: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    def finish(
+        self, params: Sequence[torch.Tensor], over_ranks: Optional[Callable[[torch.Tensor], None]] = None
+    ) -> Optional[torch.Tensor]:
         """After every write-back: the norm (kept, with a snapshot of the gradients it describes).
+
+        Args:
+            params: The reducer's parameters.
+            over_ranks: Sums a 1-element tensor over the ranks in place (sharded gradients: each rank
+                summed its own ranges); None when every rank already holds every reduced value.
 
         Returns:
             The total sum of squares when non-finite values must be checked (the caller reads it), else None.
         """
         if self.sums is None:
             return None
-        total = self.sums.sum()
+        total = self.sums.sum().reshape(1)
+        if over_ranks is not None:
+            over_ranks(total)
+            self.total = total
+        total = total.reshape(())
         if self.compute_norm:  # the check alone needs only the total
             self.norm = total.sqrt().to(torch.float32)
             self._snapshot = self._versions(params)
@@ -150,10 +167,10 @@ class GradHealth:
 
     # ------------------------------------------------------------- the norm
 
-    @staticmethod
-    def _versions(params: Sequence[torch.Tensor]) -> List[Tuple[int, int]]:
-        # Once per backward over every parameter: each .grad read once (a None gradient gets id(None), -1).
-        grads = [p.grad for p in params]
+    def _versions(self, params: Sequence[torch.Tensor]) -> List[Tuple[int, int]]:
+        # Once per backward over every parameter: each .grad read once (a None gradient gets id(None), -1);
+        # with sharded gradients, the kept ranges instead (the .grad are not the reduced values).
+        grads = list(self.watched) if self.watched is not None else [p.grad for p in params]
         return [(id(g), -1 if g is None else g._version) for g in grads]
 
     def current_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:

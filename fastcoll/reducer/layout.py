@@ -18,6 +18,7 @@ from .._knobs import early_pack_min_numel
 from ..bucketing import Caps, ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
 from .bucket import GradBucket
 from .comm import Communicator
+from .shards import padded_numel
 
 __all__ = ["BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "wire_dtype"]
 
@@ -39,15 +40,21 @@ def build_buckets(
     sparse: Sequence[bool],
     comm_dtype: Optional[torch.dtype],
     as_view: bool,
+    shard_world: int = 0,
 ) -> List[GradBucket]:
-    """Allocate the buckets of ``layout``; with ``as_view``, existing gradients move into their views."""
+    """Allocate the buckets of ``layout``; with ``as_view``, existing gradients move into their views.
+
+    ``shard_world`` > 0: the dense buckets are padded to be divided among that many ranks (:mod:`.shards`).
+    """
     buckets = []
     for pos, idxs in enumerate(layout):
         ps = [params[i] for i in idxs]
+        padded = padded_numel(sum(p.numel() for p in ps), shard_world, ps[0].element_size()) if shard_world else None
         buckets.append(
             GradBucket(
                 pos, len(layout), list(idxs), ps, [names[i] for i in idxs],
                 wire_dtype=wire_dtype(comm_dtype, ps[0].dtype), as_view=as_view, sparse=bool(sparse[idxs[0]]),
+                padded=padded,
             )
         )  # fmt: skip
     if as_view:
@@ -179,10 +186,13 @@ class BucketSet:
             self.specs, reverse_registration_order(len(self.params)), self.first_bucket_bytes, self.bucket_cap_bytes
         )
 
-    def install(self, layout: List[List[int]], comm_dtype: Optional[torch.dtype]) -> None:
-        """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them."""
+    def install(self, layout: List[List[int]], comm_dtype: Optional[torch.dtype], shard_world: int = 0) -> None:
+        """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them.
+
+        ``shard_world`` > 0 pads the dense buckets to be divided among that many ranks.
+        """
         self.buckets = []  # release the old buffers before allocating the new ones
-        self.buckets = build_buckets(layout, self.params, self.names, self.sparse, comm_dtype, self.as_view)
+        self.buckets = build_buckets(layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world)
         self.bucket_of = [0] * len(self.params)
         for b in self.buckets:
             for i in b.param_indices:

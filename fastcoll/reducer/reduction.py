@@ -28,7 +28,7 @@ from .comm import DONE, Communicator
 from .hooks import call_hook, hook_result
 from .timeline import Timeline
 
-__all__ = ["AllReduce", "CommHook", "InFlight", "Skipped", "SparseSum", "ZeroBuffers"]
+__all__ = ["AllReduce", "CommHook", "InFlight", "ReduceScatter", "ShardGrads", "Skipped", "SparseSum", "ZeroBuffers"]
 
 
 class InFlight:
@@ -139,7 +139,88 @@ class AllReduce:
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
         if b.numel:
-            self.comm.wait(self.comm.all_reduce(zeros.get(b.device, b.comm.dtype, b.numel), f"bucket {b.pos}"), f"bucket {b.pos}")
+            zeros_in = zeros.get(b.device, b.comm.dtype, b.padded)
+            self.comm.wait(self.comm.all_reduce(zeros_in, f"bucket {b.pos}"), f"bucket {b.pos}")
+        return InFlight(DONE)
+
+
+# ------------------------------------------------------------- reduce-scatter
+
+
+class ShardGrads:
+    """This rank's range of every sharded bucket's reduced gradients, kept between backwards until zeroed.
+
+    ``grads[pos]`` holds bucket ``pos``'s range (``shard`` elements, the
+    gradients' dtype); a synchronized backward writes it, or adds to it when
+    it was not zeroed since the last one (gradients accumulate until
+    ``zero_grad``, as ``.grad`` does). ``free_local`` drops each parameter's
+    local ``.grad`` once its bucket is packed.
+    """
+
+    def __init__(self, grads: Dict[int, torch.Tensor], free_local: bool):
+        self.grads = grads
+        self.free_local = free_local
+        #: The ranges hold gradients a later synchronized backward must add to.
+        self.filled = False
+
+    def zero(self) -> None:
+        """Forget the kept gradients (the next synchronized backward writes them afresh)."""
+        self.filled = False
+
+
+class _Scattered(InFlight):
+    __slots__ = ("bucket", "out", "target", "add")
+
+    def __init__(self, bucket: GradBucket, handle: Any, timeline: Timeline, comm: Communicator, out, target, add: bool):
+        super().__init__(handle, timeline, comm, f"bucket {bucket.pos}")
+        self.bucket = bucket
+        self.out = out
+        self.target = target
+        self.add = add
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        self.wait()
+        self.timeline.completed(self.bucket.pos)
+        with torch.no_grad():
+            if self.add:
+                self.target.add_(self.out)
+            elif self.out is not self.target:
+                self.target.copy_(self.out)
+        if sumsq is not None:
+            ops.sum_of_squares([self.target], out=sumsq)
+
+
+class ReduceScatter:
+    """Pack scaled by 1/divisor (cast to the wire dtype), one SUM reduce-scatter into this rank's range; no write-back.
+
+    The reduced values exist only in this rank's range (:class:`ShardGrads`),
+    which the sharded optimizer steps; the local ``.grad`` of the bucket's
+    parameters is released once packed (unless ``free_local`` is off).
+    """
+
+    def __init__(self, comm: Communicator, timeline: Timeline, shards: ShardGrads):
+        self.comm = comm
+        self.timeline = timeline
+        self.shards = shards
+
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        _packed(self.timeline, b, how, done)
+        target = self.shards.grads[b.pos]
+        add = self.shards.filled
+        out = target if target.dtype == b.comm.dtype and not add else torch.empty_like(target, dtype=b.comm.dtype)
+        if self.shards.free_local:
+            for p in b.params:
+                p.grad = None
+        self.timeline.issued(b.pos)
+        handle = self.comm.reduce_scatter(out, b.comm, f"bucket {b.pos}") if b.numel else DONE
+        self.timeline.watch(handle, b.pos)
+        return _Scattered(b, handle, self.timeline, self.comm, out, target, add)
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+        if b.numel:
+            out = torch.empty(b.padded // self.comm.world_size, dtype=b.comm.dtype, device=b.device)
+            inp = zeros.get(b.device, b.comm.dtype, b.padded)
+            self.comm.wait(self.comm.reduce_scatter(out, inp, f"bucket {b.pos}"), f"bucket {b.pos}")
         return InFlight(DONE)
 
 

@@ -1,0 +1,164 @@
+"""The parameters' all-gather after a sharded step, overlapped with the next forward, never read stale.
+
+After the inner optimizer stepped this rank's pieces, each bucket's range is
+packed (one fused call) into the rank's slot of a staging buffer and
+all-gathered (``all_gather_into_tensor``, in place); the gathered bucket is
+then written into the parameters the optimizer steps (one fused call).
+
+With overlap, :meth:`ParamSync.start` only issues the all-gathers; a forward
+pre-hook on every module that registers parameters waits for the buckets
+holding exactly those parameters, so a module never runs on stale weights,
+whatever order modules are registered, called or bucketed in (waiting for
+"the next bucket in order" instead was Megatron's stale-weight bug). Three
+nets catch what module hooks cannot see:
+
+* a forward with gradients disabled (evaluation) waits for everything first;
+* at the end of a forward with gradients, a parameter whose all-gather is
+  still pending but that the outputs depend on (read in the forward of a
+  module that does not register it) raises an error: its value was stale;
+* the first gradient of a backward, the next ``step()``, ``state_dict()``
+  and ``verify_replicas()`` wait for everything (:meth:`finish`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..reducer.bucket import for_each_run
+from ..reducer.shards import flat_view
+from ..reducer.usage import unreachable_parameters
+
+__all__ = ["ParamSync"]
+
+
+class ParamSync:
+    """The all-gathers of one sharded optimizer's buckets.
+
+    Args:
+        reducer: The model's reducer (its buckets, shard ranges and communicator).
+        stepped: Per reducer parameter index, whether the optimizer steps it (only those are written back).
+        stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype).
+        overlap: Leave the all-gathers running after :meth:`start`; modules wait for their own.
+    """
+
+    def __init__(self, reducer: Any, stepped: Sequence[bool], stages: Dict[int, torch.Tensor], overlap: bool):
+        self.reducer = reducer
+        self.stepped = list(stepped)
+        self.stages = stages
+        self.overlap = overlap
+        self._pending: Dict[int, Any] = {}  # bucket position -> all-gather handle
+        self._sources: Optional[Callable[[int], List[torch.Tensor]]] = None
+        self._hooks: List[Any] = []
+
+    @property
+    def pending(self) -> bool:
+        """Some all-gathers were issued and not yet written into the parameters."""
+        return bool(self._pending)
+
+    # ------------------------------------------------------------------ issue
+
+    def start(self, sources: Callable[[int], List[torch.Tensor]]) -> None:
+        """Pack every bucket's range (``sources(pos)``: the 1-D values of this rank's pieces, in order) and all-gather it.
+
+        Every rank issues one all-gather per sharded bucket, in bucket order.
+        """
+        self.finish()
+        layout = self.reducer.shards
+        comm = self.reducer.comm
+        for bs in layout.buckets:
+            if not bs.padded:
+                continue
+            stage = self.stages[bs.pos]
+            own = stage[bs.start : bs.start + bs.shard]
+            values = sources(bs.pos)
+            if values:
+                ops.flatten_scale(values, own)
+            self._pending[bs.pos] = comm.all_gather(stage, own, f"parameters of bucket {bs.pos}")
+        if not self.overlap:
+            self.finish()
+
+    # ------------------------------------------------------------------- wait
+
+    def wait(self, positions: Sequence[int]) -> None:
+        """Wait for the all-gathers of buckets ``positions`` (those pending) and write them into the parameters."""
+        for pos in positions:
+            handle = self._pending.pop(pos, None)
+            if handle is not None:
+                self.reducer.comm.wait(handle, f"parameters of bucket {pos}")
+                self._write(pos)
+
+    def finish(self) -> None:
+        """Wait for every pending all-gather (in bucket order) and write them all into the parameters."""
+        if self._pending:
+            self.wait(sorted(self._pending))
+
+    def _write(self, pos: int) -> None:
+        b = self.reducer.buckets[pos]
+        stage = self.stages[pos]
+        stepped = [self.stepped[i] for i in b.param_indices]
+        params = [p.detach() for p in b.params]
+        for_each_run(stepped, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
+
+    # ------------------------------------------------------------------ hooks
+
+    def install_hooks(self, module: nn.Module) -> None:
+        """A forward pre-hook on every module registering stepped parameters: it waits for their buckets."""
+        bucket_of = self.reducer._set.bucket_of
+        index = {id(p): i for i, p in enumerate(self.reducer.params)}
+        for m in module.modules():
+            positions: Set[int] = set()
+            for p in m.parameters(recurse=False):
+                i = index.get(id(p))
+                if i is not None and self.stepped[i]:
+                    positions.add(bucket_of[i])
+            if positions:
+                self._hooks.append(m.register_forward_pre_hook(self._hook_for(sorted(positions))))
+
+    def _hook_for(self, positions: List[int]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any) -> None:
+            if self._pending:
+                self.wait(positions)
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def before_forward(self) -> None:
+        """At the wrapper's forward: with gradients disabled (evaluation, no stale check possible), wait for everything."""
+        if self._pending and not torch.is_grad_enabled():
+            self.finish()
+
+    def check_after_forward(self, outputs: Any) -> None:
+        """Raise if the outputs depend on a parameter whose all-gather was still pending (it was read stale).
+
+        Raises:
+            RuntimeError: naming the parameters.
+        """
+        if not self._pending:
+            return
+        r = self.reducer
+        waiting = [i for pos in self._pending for i in r.buckets[pos].param_indices if self.stepped[i]]
+        index = {id(r.params[i]): k for k, i in enumerate(waiting)}
+        unreached = set(unreachable_parameters(outputs, index, len(waiting)))
+        stale = [r.names[waiting[k]] for k in range(len(waiting)) if k not in unreached]
+        if stale:
+            self.finish()
+            shown = ", ".join(stale[:10]) + (f", ... ({len(stale)} in all)" if len(stale) > 10 else "")
+            raise RuntimeError(
+                f"fastcoll.ShardedOptimizer: this forward read {shown} before their all-gather after the last step "
+                "had completed (they are read by a module that does not register them, whose forward pre-hook "
+                "therefore did not wait). The outputs are computed from stale weights. Call opt.finish_param_sync() "
+                "before such a forward, or construct the optimizer with overlap_param_gather=False."
+            )
+
+
+def piece_views(params: Sequence[torch.Tensor], pieces: Sequence[Any]) -> List[torch.Tensor]:
+    """1-D views of ``pieces`` (:class:`~fastcoll.reducer.shards.Piece`) of the reducer's ``params``, in memory order."""
+    return [flat_view(params[pc.param].detach())[pc.lo : pc.hi] for pc in pieces]
