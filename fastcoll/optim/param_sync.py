@@ -76,7 +76,7 @@ class ParamSync:
             own = stage[bs.start : bs.start + bs.shard]
             values = sources(bs.pos)
             if values:
-                ops.flatten_scale(values, own)
+                ops.flatten_scale(values, own[: sum(v.numel() for v in values)])  # the rest of the range is padding
             self._pending[bs.pos] = comm.all_gather(stage, own, f"parameters of bucket {bs.pos}")
         if not self.overlap:
             self.finish()

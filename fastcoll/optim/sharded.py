@@ -161,7 +161,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for bs in self._layout.buckets:
             b = r.buckets[bs.pos]
             free = b.flat.dtype == b.dtype and (self.grads == "sharded" or not b.as_view)
-            stages[bs.pos] = b.flat if free else torch.empty(b.padded, dtype=b.dtype, device=b.device)
+            stages[bs.pos] = b.flat_padded if free else torch.empty(b.padded, dtype=b.dtype, device=b.device)
         return stages
 
     # ----------------------------------------------------------------- step

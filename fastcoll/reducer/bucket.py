@@ -82,13 +82,16 @@ class GradBucket:
 
     ``buffer``, when given, becomes ``flat`` (``numel`` elements of the
     parameters' dtype) instead of a new allocation. ``padded`` (at least
-    ``numel``) is the length of ``flat`` and ``comm`` when the bucket is
-    divided among ranks (:mod:`fastcoll.reducer.shards`); the padding is zeros.
+    ``numel``): when the bucket is divided among ranks
+    (:mod:`fastcoll.reducer.shards`), ``flat_padded`` and ``comm_padded`` are
+    that long (the padding zeros) and ``flat``/``comm`` their first ``numel``
+    elements; otherwise they are the same tensors.
     """
 
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
         "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views", "padded",
+        "flat_padded", "comm_padded",
     )  # fmt: skip
 
     def __init__(
@@ -126,12 +129,14 @@ class GradBucket:
         separate_wire = wire_dtype is not None and as_view and not sparse
         flat_dtype = self.dtype if wire_dtype is None or separate_wire or sparse else wire_dtype
         if buffer is not None:
-            self.flat = buffer
+            self.flat_padded = buffer
         else:
-            self.flat = _padded_empty(0 if sparse else total, self.padded, flat_dtype, self.device)
+            self.flat_padded = _padded_empty(0 if sparse else total, 0 if sparse else self.padded, flat_dtype, self.device)
+        self.flat = self.flat_padded[:total] if self.padded > total else self.flat_padded
         self.views = [] if sparse else ops.bucket_views(self.flat, params)
         self.view_ptrs = [v.data_ptr() for v in self.views]
-        self.comm = _padded_empty(total, self.padded, wire_dtype, self.device) if separate_wire else self.flat
+        self.comm_padded = _padded_empty(total, self.padded, wire_dtype, self.device) if separate_wire else self.flat_padded
+        self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
         self._hook_buffer: Optional[torch.Tensor] = None
         self._hook_views: Optional[List[torch.Tensor]] = None
 

@@ -139,7 +139,7 @@ class AllReduce:
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
         if b.numel:
-            zeros_in = zeros.get(b.device, b.comm.dtype, b.padded)
+            zeros_in = zeros.get(b.device, b.comm.dtype, b.numel)
             self.comm.wait(self.comm.all_reduce(zeros_in, f"bucket {b.pos}"), f"bucket {b.pos}")
         return InFlight(DONE)
 
@@ -212,7 +212,7 @@ class ReduceScatter:
             for p in b.params:
                 p.grad = None
         self.timeline.issued(b.pos)
-        handle = self.comm.reduce_scatter(out, b.comm, f"bucket {b.pos}") if b.numel else DONE
+        handle = self.comm.reduce_scatter(out, b.comm_padded, f"bucket {b.pos}") if b.numel else DONE
         self.timeline.watch(handle, b.pos)
         return _Scattered(b, handle, self.timeline, self.comm, out, target, add)
 
