@@ -56,6 +56,8 @@ UNSUPPORTED: Dict[str, str] = {
     "_set_sparse_metadata": "sparse gradients are summed from all-gathers of the rows each rank touched (no metadata needed)",
     "_update_process_group": "build a new fastcoll.DDP on the new process group",
     "_inside_ddp_forward": "fastcoll activates dynamo's graph splitting itself (fastcoll.ddp.compile_support)",
+    "_build_params_for_reducer": "fastcoll's reducer takes the parameters at construction (see bucket_info())",
+    "_assign_modules_buffers": "see modules_buffers and named_module_buffers",
 }
 
 #: Attributes torch DDP's constructor sets that fastcoll has no counterpart for.

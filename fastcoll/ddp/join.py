@@ -87,6 +87,7 @@ class JoinState:
         ddp = self.ddp
         src = self.common_rank(is_last_joiner)
         with torch.no_grad():
+            ddp._authoritative_rank = src  # torch DDP's name for the source of the final model
             states = ddp._sync_states(ddp.forward_sync_buffers)
             broadcast_coalesced(states, ddp.process_group, src, ddp.broadcast_bucket_size, ddp.stall_timeout)
 
@@ -175,6 +176,12 @@ class JoinSupport(Joinable):
         Keyword Args:
             divide_by_initial_world_size (bool): see :meth:`join` (default True).
         """
+        if self._param_sync is not None:
+            raise ValueError(
+                "fastcoll.DDP: join() cannot be combined with fastcoll.ShardedOptimizer: a rank that has run out of "
+                "inputs would not step its range of the optimizer state. Give every rank the same number of batches "
+                "(e.g. DistributedSampler(drop_last=True))"
+            )
         if self.skip_all_reduce_unused_params and self.reducer.usage.searching:
             raise ValueError(
                 "fastcoll.DDP: join() cannot be combined with skip_all_reduce_unused_params and a dynamic graph: a rank "

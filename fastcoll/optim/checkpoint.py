@@ -122,7 +122,9 @@ def full_state_dict(opt: Any) -> Dict[str, Any]:
                     out = torch.empty_like(p, dtype=all_keys[key])
                     flat_view(out).copy_(buf[off : off + p.numel()])
                     full[i][key] = out
-    return {"state": {index_of_param[i]: st for i, st in sorted(full.items())}, "param_groups": _groups(opt)}
+    state = {index_of_param[i]: st for i, st in full.items()}
+    state.update({k: dict(st) for k, st in opt._outside_state.items()})
+    return {"state": dict(sorted(state.items())), "param_groups": _groups(opt)}
 
 
 def load_full_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:

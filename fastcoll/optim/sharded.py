@@ -78,7 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if grads not in _GRADS:
             raise ValueError(f"fastcoll.ShardedOptimizer: grads must be one of {_GRADS}, got {grads!r}")
         check_optimizer_class(type(optimizer), elementwise)
-        if any(optimizer.state.values()):
+        if _has_stepped(optimizer):
             raise ValueError(
                 "fastcoll.ShardedOptimizer: the optimizer has already stepped (it holds state); wrap it before its first step"
             )
@@ -111,6 +111,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"(their full gradients exist nowhere); not in it: {', '.join(missing[:10])}"
                 )
         self._stepped = stepped
+        # State some classes create at construction for parameters that are not sharded (frozen ones): kept as is.
+        self._outside_state = {k: st for k, p in enumerate(self._order) if index_of.get(id(p)) is None
+                               for st in [optimizer.state.get(p)] if st}  # fmt: skip
         self._layout = reducer.shard(grads == "sharded")  # collective when a bucket rebuild is due
         self._pieces: List[Tuple[int, Piece]] = [  # (bucket position, piece) of the stepped parameters, bucket order
             (bs.pos, pc) for bs, pcs in zip(self._layout.buckets, self._layout.pieces) for pc in pcs if stepped[pc.param]
@@ -376,6 +379,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from .checkpoint import load_sharded_state_dicts
 
         load_sharded_state_dicts(self, state_dicts)
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has stepped (state some classes create in ``__init__``, e.g. Adagrad's at step 0, is not)."""
+    for st in optimizer.state.values():
+        if not st:
+            continue
+        step = st.get("step")
+        if step is None or float(step) > 0:
+            return True
+    return False
 
 
 def _memory_order_grad(p: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,0 +1,376 @@
+"""fastcoll.ShardedOptimizer against torch DDP + the plain torch optimizer, on 1, 2 and 3 gloo ranks.
+
+The model has odd-sized parameters, several small buckets (so parameters
+straddle the ranks' ranges) and a forward that calls its modules in another
+order than they are registered. Every row trains 5 steps under both
+wrappers in both ``grads`` modes; the parameters must be bitwise equal at 1
+and 2 ranks, within float32 rounding at 3 (gloo adds three ranks'
+contributions in an order that depends on the buffer layout), and every
+forward's loss must match (no stale weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import RankError, run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastcoll
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 5
+GLOBAL_BATCH = 6  # each rank trains on its chunk: the same mathematics at 1, 2 and 3 ranks
+
+
+class Reordered(nn.Module):
+    """Odd-sized parameters; ``side`` is registered last and called first; ``frozen`` takes no gradient."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Linear(7, 13)
+        self.mid = nn.Linear(13, 11)
+        self.out = nn.Linear(11, 5)
+        self.frozen = nn.Linear(7, 11)
+        self.frozen.requires_grad_(False)
+        self.side = nn.Linear(7, 11)
+
+    def forward(self, x):
+        s = self.side(x) + self.frozen(x)
+        h = torch.tanh(self.emb(x))
+        return self.out(torch.tanh(self.mid(h) + s))
+
+
+def _batch(step: int, rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 7, generator=g)
+    n = GLOBAL_BATCH // world
+    return x[rank * n : (rank + 1) * n]
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters()]
+    two_groups = [
+        {"params": [p for n, p in model.named_parameters() if n.startswith(("emb", "side"))], "lr": 0.02},
+        {"params": [p for n, p in model.named_parameters() if not n.startswith(("emb", "side"))], "lr": 0.005},
+    ]
+    return {
+        "sgd_momentum": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+        "adam": lambda: torch.optim.Adam(params, lr=0.01, weight_decay=0.01),
+        "adamw_foreach": lambda: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True),
+        "adamw_loop": lambda: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=False),
+        "adagrad": lambda: torch.optim.Adagrad(params, lr=0.05, weight_decay=0.01),
+        "rmsprop": lambda: torch.optim.RMSprop(params, lr=0.01, momentum=0.5, weight_decay=0.01),
+        "adamw_two_groups": lambda: torch.optim.AdamW(two_groups, lr=0.01, weight_decay=0.1),
+    }[name]()
+
+
+# (optimizer, options): "sched" an LR scheduler, "clip" gradient clipping, "accumulate" a no_sync micro-batch,
+# "bf16" comm_dtype=torch.bfloat16 (the reference is then fastcoll.DDP with the same wire and the plain optimizer).
+ROWS = [
+    ("sgd_momentum", {}),
+    ("adam", {}),
+    ("adamw_foreach", {}),
+    ("adamw_loop", {}),
+    ("adagrad", {}),
+    ("rmsprop", {}),
+    ("adamw_two_groups", {"sched": True}),
+    ("adamw_foreach", {"clip": True}),
+    ("sgd_momentum", {"accumulate": True}),
+    ("adamw_foreach", {"bf16": True}),
+    ("adamw_foreach", {"accumulate": True, "clip": True, "sched": True}),
+]
+
+
+def _run(rank: int, world: int, opt_name: str, opts: dict, grads) -> dict:
+    """Train; ``grads`` None: the reference (torch DDP, or fastcoll.DDP with the bf16 wire), else ShardedOptimizer."""
+    model = Reordered()
+    caps = dict(bucket_cap_mb=0.0004, first_bucket_mb=0.0002)  # buckets of ~100 elements: pieces straddle ranges
+    bf16 = torch.bfloat16 if opts.get("bf16") else None
+    if grads is None and not bf16:
+        ddp = TorchDDP(model)
+    else:
+        ddp = fastcoll.DDP(model, comm_dtype=bf16, **caps)
+    opt = _optimizer(opt_name, model)
+    if grads is not None:
+        opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if opts.get("sched") else None
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x = _batch(step, rank, world)
+        if opts.get("accumulate"):
+            with ddp.no_sync():
+                loss = ddp(x[: len(x) // 2 or 1]).pow(2).mean() * 0.5
+                loss.backward()
+                losses.append(loss.detach())
+            x = x[len(x) // 2 :] if len(x) > 1 else x
+        loss = ddp(x).pow(2).mean() * (0.5 if opts.get("accumulate") else 1.0)
+        losses.append(loss.detach())
+        loss.backward()
+        if opts.get("clip"):
+            if grads is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            else:
+                opt.clip_grad_norm_(0.05)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    if grads is not None:
+        opt.finish_param_sync()
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": torch.stack(losses)}
+    if grads is not None:
+        out["state_bytes"] = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0)  # fmt: skip
+        out["full_state"] = opt.state_dict()
+        if isinstance(ddp, fastcoll.DDP):
+            ddp.close()
+    else:
+        out["state_bytes"] = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0)  # fmt: skip
+        out["full_state"] = opt.state_dict()
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool, rtol: float = 1e-5) -> bool:
+    return torch.equal(a, b) if bitwise else torch.allclose(a, b, rtol=rtol, atol=rtol / 10 * float(b.abs().max()))
+
+
+def rows_worker(rank: int, world: int, rows: list) -> list:
+    report = []
+    for opt_name, opts in rows:
+        # Clipping: the norm is summed in float64 from every rank's range, torch's in float32 per tensor: the
+        # coefficient differs in its last bits. At 3 ranks the gradients do too (the summation order).
+        bitwise = world <= 2 and not opts.get("clip")
+        rtol = 2e-3 if opts.get("bf16") else 1e-5  # bfloat16 sums in another order differ at bfloat16's resolution
+        ref = _run(rank, world, opt_name, opts, None)
+        for grads in ("full", "sharded"):
+            got = _run(rank, world, opt_name, opts, grads)
+            what = f"{opt_name} {opts} grads={grads} rank {rank}/{world}"
+            assert _same(got["losses"], ref["losses"], bitwise, rtol), f"{what}: losses {got['losses']} vs {ref['losses']}"
+            for n, p in ref["params"].items():
+                diff = (got["params"][n] - p).abs().max()
+                assert _same(got["params"][n], p, bitwise, rtol), f"{what}: {n} differs by {diff}"
+            # The standard state dict: the same entries, whole, as the plain optimizer's.
+            gs, rs = got["full_state"], ref["full_state"]
+            assert sorted(gs["state"]) == sorted(rs["state"]), what
+            for k, st in rs["state"].items():
+                for key, v in st.items():
+                    w = gs["state"][k][key]
+                    if not torch.is_tensor(v):
+                        ok = w == v
+                    elif bitwise:
+                        ok = torch.equal(w, v)
+                    else:  # RMSprop's grad / sqrt(average) amplifies last-bit differences where the gradient is ~0
+                        r = max(rtol, 1e-4)
+                        ok = torch.allclose(w.float(), v.float(), rtol=r, atol=r / 10 * (1 + float(v.abs().max())))
+                    assert ok, f"{what}: state {k}.{key}"
+            assert [{k: v for k, v in g.items() if k != "params"} for g in gs["param_groups"]] == [
+                {k: v for k, v in g.items() if k != "params"} for g in rs["param_groups"]
+            ], what
+            # Each rank keeps 1/N of the elementwise state, within the padding of the ranges.
+            full = ref["state_bytes"]
+            pad = 4 * 2 * world * 64  # two state tensors, at most 4 * world elements of padding per bucket, float32
+            assert abs(got["state_bytes"] - full / world) <= pad or world == 1 and got["state_bytes"] == full, (
+                what, got["state_bytes"], full
+            )  # fmt: skip
+            report.append((what, got["state_bytes"], full))
+    return report
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_matches_torch_ddp_and_the_plain_optimizer(world):
+    run_ranks(rows_worker, world, ROWS, timeout=280)
+
+
+# --------------------------------------------------------------------------- gradients in p.grad (grads="sharded")
+
+
+def guard_worker(rank: int, world: int) -> None:
+    model = Reordered()
+    ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+    opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ddp, grads="sharded")
+    ddp(_batch(0, rank, world)).pow(2).mean().backward()
+    attempts = {
+        "torch.nn.utils.clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        "a loop reading p.grad.norm()": lambda: [p.grad.norm() for p in model.parameters() if p.grad is not None],
+        "p.grad.clone()": lambda: model.emb.weight.grad.clone(),
+    }
+    for what, fn in attempts.items():
+        with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_") as info:
+            fn()
+        assert "grads='sharded'" in str(info.value), what
+    assert model.frozen.weight.grad is None
+    repr(model.emb.weight.grad)  # printing works
+    model.zero_grad(set_to_none=False)  # zeroing a guard is allowed; the next forward drops it
+    norm = opt.clip_grad_norm_(1e9)
+    # The norm over every rank's range equals the norm of the full gradients (computed by torch DDP here).
+    ref_model = Reordered()
+    ref = TorchDDP(ref_model)
+    ref(_batch(0, rank, world)).pow(2).mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e9)
+    assert torch.allclose(norm, expected, rtol=1e-6), (norm, expected)
+    norms = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(norms, norm.reshape(()))
+    assert all(torch.equal(n, norms[0]) for n in norms), norms  # bitwise the same on every rank
+    # GradScaler.unscale_ reads this rank's range through the optimizer's param groups, and gets the right values.
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    opt.zero_grad()
+    scaler.scale(ddp(_batch(1, rank, world)).pow(2).mean()).backward()
+    scaler.unscale_(opt)
+    ref_model.zero_grad()
+    ref(_batch(1, rank, world)).pow(2).mean().backward()
+    flat = {n: fastcoll.optim.sharded._memory_order_grad(p) for n, p in ref_model.named_parameters()}
+    names = ddp.reducer.names
+    for (_, pc), t in zip(opt._pieces, opt._shard_params):
+        want = flat[names[pc.param]][pc.lo : pc.hi]
+        assert torch.allclose(t.grad, want, rtol=1e-6, atol=1e-8), names[pc.param]
+    scaler.step(opt)
+    scaler.update()
+    ddp.close()
+
+
+def test_sharded_grads_refuse_to_be_read_and_name_the_way():
+    run_ranks(guard_worker, 2, timeout=120)
+
+
+def scaler_worker(rank: int, world: int, grads: str) -> list:
+    """An fp16-style overflow on rank 1 only, in step 2: every rank must skip that step and halve the scale alike."""
+    out = []
+    for impl in ("fastcoll", "torch"):
+        model = Reordered()
+        if impl == "torch":
+            ddp, opt = TorchDDP(model), torch.optim.AdamW(model.parameters(), lr=0.01)
+        else:
+            ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+            opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ddp, grads=grads)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+        scales = []
+        for step in range(5):
+            opt.zero_grad()
+            loss = ddp(_batch(step, rank, world)).pow(2).mean()
+            if step == 2 and rank == 1:
+                loss = loss * 1e36  # the scaled gradients overflow to inf on this rank only
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        if impl == "fastcoll":
+            opt.finish_param_sync()
+        out.append((scales, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (s_ours, p_ours), (s_ref, p_ref) = out
+    assert s_ours == s_ref, (s_ours, s_ref)
+    for n in p_ref:
+        assert torch.equal(p_ours[n], p_ref[n]), n
+    return s_ours
+
+
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+def test_grad_scaler_skips_the_same_steps_on_every_rank(grads):
+    scales = run_ranks(scaler_worker, 2, grads, timeout=120)
+    assert scales[0] == scales[1] and scales[0][2] < scales[0][1], scales
+
+
+# --------------------------------------------------------------------------- stale weights
+
+
+class ReadsAnotherModulesWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(7, 13)
+        self.head = nn.Linear(13, 40)  # 560 elements: a bucket of its own
+
+    def forward(self, x):
+        return nn.functional.linear(torch.tanh(self.emb(x)), self.head.weight)  # head's forward never runs
+
+
+def stale_worker(rank: int, world: int, finish_first: bool) -> None:
+    model = ReadsAnotherModulesWeight()
+    ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, find_unused_parameters=True)
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ddp)
+    for step in range(2):
+        opt.zero_grad()
+        if finish_first:
+            opt.finish_param_sync()
+        ddp(_batch(step, rank, world)).pow(2).mean().backward()
+        opt.step()
+
+
+def test_a_stale_read_is_an_error_and_finish_param_sync_avoids_it():
+    with pytest.raises(RankError, match=r"head\.weight before their all-gather.*finish_param_sync"):
+        run_ranks(stale_worker, 2, False, timeout=60)
+    run_ranks(stale_worker, 2, True, timeout=60)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def refusal_worker(rank: int, world: int) -> None:
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            return None
+
+    def wrapped(**kw):
+        return fastcoll.DDP(Reordered(), bucket_cap_mb=0.0004, **kw)
+
+    m = wrapped()
+    with pytest.raises(ValueError, match="Custom is not known to update parameters elementwise.*elementwise=True"):
+        fastcoll.ShardedOptimizer(Custom(m.parameters()), m)
+    fastcoll.ShardedOptimizer(Custom(m.parameters()), m, elementwise=True)  # the user asserts it
+    m = wrapped()
+    with pytest.raises(ValueError, match="LBFGS cannot be sharded"):
+        fastcoll.ShardedOptimizer(torch.optim.LBFGS(m.parameters()), m, elementwise=True)
+    m = wrapped()
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    m.register_comm_hook(None, default_hooks.allreduce_hook)
+    with pytest.raises(RuntimeError, match="comm hook"):
+        fastcoll.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    emb = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    m = fastcoll.DDP(emb)
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        fastcoll.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    m = fastcoll.DDP(Reordered(), bucket_cap_mb="auto")
+    with pytest.raises(RuntimeError, match="'auto'"):
+        fastcoll.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    m = wrapped()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already stepped"):
+        fastcoll.ShardedOptimizer(opt, m)
+    m = wrapped()
+    with pytest.raises(ValueError, match="grads must be one of"):
+        fastcoll.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, grads="half")
+    with pytest.raises(TypeError, match="fastcoll.DDP"):
+        fastcoll.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), TorchDDP(Reordered()))
+    m = wrapped()
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    with pytest.raises(ValueError, match="join"):
+        m.join()
+    with pytest.raises(RuntimeError, match="param groups cannot be added"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    m = wrapped()
+    partial = [m.module.emb.weight]
+    with pytest.raises(ValueError, match="every synchronized parameter must be in the optimizer"):
+        fastcoll.ShardedOptimizer(torch.optim.SGD(partial, lr=0.1), m, grads="sharded")
+    fastcoll.ShardedOptimizer(torch.optim.SGD(partial, lr=0.1), m, grads="full")  # a subset is fine with full gradients
+
+
+def test_refusals_name_the_culprit():
+    run_ranks(refusal_worker, 2, timeout=120)
+
+
+def test_elementwise_list_covers_the_issue():
+    from fastcoll.optim.elementwise import ELEMENTWISE
+
+    names = {c.__name__ for c in ELEMENTWISE}
+    assert {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "Rprop"} <= names
