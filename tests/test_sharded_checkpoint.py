@@ -1,0 +1,146 @@
+"""ShardedOptimizer checkpoints: the standard format and per-rank shards, reloaded at other world sizes.
+
+Training is the same mathematics at every world size (each rank takes its
+chunk of one global batch, losses are means), so a run interrupted at 3
+ranks and continued at 2 or 1 (or with a plain torch optimizer in one
+process) must end where an uninterrupted run ends, up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from multiproc import run_ranks
+from test_sharded_optimizer import Reordered, _batch
+from torch import nn
+
+import fastcoll
+from fastcoll.optim import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, CUT = 6, 3
+
+
+def _setup(grads: str):
+    model = Reordered()
+    ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+    opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), ddp, grads=grads)
+    return model, ddp, opt
+
+
+def _train(ddp, opt, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        ddp(_batch(step, rank, world)).pow(2).mean().backward()
+        opt.step()
+    opt.finish_param_sync()
+
+
+def _params(model: nn.Module) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def uninterrupted(rank: int, world: int, grads: str) -> dict:
+    model, ddp, opt = _setup(grads)
+    _train(ddp, opt, rank, world, range(STEPS))
+    return _params(model)
+
+
+def first_half(rank: int, world: int, grads: str, directory: str, kind: str) -> None:
+    model, ddp, opt = _setup(grads)
+    _train(ddp, opt, rank, world, range(CUT))
+    os.makedirs(directory, exist_ok=True)
+    if kind == "sharded":
+        ckpt.save_sharded(opt, directory)
+        assert os.path.exists(os.path.join(directory, f"optim-rank{rank:05d}-of-{world:05d}.pt"))
+    else:
+        full = opt.state_dict()  # a collective: every rank calls it, every rank gets the whole state
+        if rank == 0:
+            torch.save(full, os.path.join(directory, "optim-full.pt"))
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(directory, "model.pt"))
+
+
+def second_half(rank: int, world: int, grads: str, directory: str, kind: str) -> dict:
+    model, ddp, opt = _setup(grads)
+    model.load_state_dict(torch.load(os.path.join(directory, "model.pt"), weights_only=True))
+    if kind == "sharded":
+        ckpt.load_sharded(opt, directory)
+    else:
+        opt.load_state_dict(torch.load(os.path.join(directory, "optim-full.pt"), weights_only=True))
+    _train(ddp, opt, rank, world, range(CUT, STEPS))
+    return _params(model)
+
+
+def _close(a: dict, b: dict, what: str) -> None:
+    for n in b:
+        assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6), f"{what}: {n} differs by {(a[n] - b[n]).abs().max()}"
+
+
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_resume_at_other_world_sizes(tmp_path, grads, kind):
+    reference = run_ranks(uninterrupted, 3, grads, timeout=120)[0]
+    saved3 = str(tmp_path / "at3")
+    run_ranks(first_half, 3, grads, saved3, kind, timeout=120)
+    for world in (2, 1):
+        ends = run_ranks(second_half, world, grads, saved3, kind, timeout=120)
+        for rank, end in enumerate(ends):
+            _close(end, reference, f"{kind} saved at 3, resumed at {world} (rank {rank}, grads={grads})")
+    saved2 = str(tmp_path / "at2")
+    run_ranks(first_half, 2, grads, saved2, kind, timeout=120)
+    for rank, end in enumerate(run_ranks(second_half, 3, grads, saved2, kind, timeout=120)):
+        _close(end, reference, f"{kind} saved at 2, resumed at 3 (rank {rank}, grads={grads})")
+
+
+def plain_resume(directory: str, kind: str) -> dict:
+    """One process, no DDP, a plain torch AdamW on the global batch, from the checkpoint."""
+    model = Reordered()
+    model.load_state_dict(torch.load(os.path.join(directory, "model.pt"), weights_only=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if kind == "sharded":
+        sd = ckpt.full_from_directory(directory)
+    else:
+        sd = torch.load(os.path.join(directory, "optim-full.pt"), weights_only=True)
+    opt.load_state_dict(sd)
+    for step in range(CUT, STEPS):
+        opt.zero_grad()
+        model(_batch(step, 0, 1)).pow(2).mean().backward()
+        opt.step()
+    return _params(model)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_resume_with_a_plain_torch_optimizer(tmp_path, kind):
+    reference = run_ranks(uninterrupted, 3, "sharded", timeout=120)[0]
+    run_ranks(first_half, 3, "sharded", str(tmp_path), kind, timeout=120)
+    _close(plain_resume(str(tmp_path), kind), reference, f"{kind} checkpoint into torch.optim.AdamW")
+
+
+def layout_worker(rank: int, world: int) -> dict:
+    model, ddp, opt = _setup("sharded")
+    _train(ddp, opt, rank, world, range(2))
+    sd = opt.sharded_state_dict()
+    # Nothing of another rank in this rank's dict: its pieces are exactly this rank's ranges.
+    mine = {(p.param, p.lo, p.hi) for _, p in opt._pieces}
+    number = {i: k for k, i in enumerate(opt._order_index) if i is not None}
+    assert {(number[i], lo, hi) for i, lo, hi in mine} == {(pc["param"], pc["lo"], pc["hi"]) for pc in sd["pieces"]}
+    assert sd["rank"] == rank and sd["world_size"] == world
+    return sd
+
+
+def test_sharded_state_dicts_hold_only_their_rank_and_cover_every_element():
+    sds = run_ranks(layout_worker, 3, timeout=120)
+    params = sds[0]["params"]
+    for k, spec in enumerate(params):
+        numel = int(torch.tensor(spec["shape"]).prod()) if spec["shape"] else 1
+        covered = sorted((pc["lo"], pc["hi"]) for sd in sds for pc in sd["pieces"] if pc["param"] == k)
+        if not covered:  # the frozen parameter: no state
+            continue
+        assert covered[0][0] == 0 and covered[-1][1] == numel, (k, covered)
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), (k, covered)  # no gap, no overlap
+    with pytest.raises(ValueError, match="all 3 ranks are needed"):
+        ckpt.full_from_sharded(sds[:2])
