@@ -123,6 +123,9 @@ def _hf_worker(rank: int, world_size: int, dirs: dict) -> dict:
         ("transformers unwrap_model(recursive=True)", unwrap_model(fast, recursive=True)),
     ):
         assert got is bare, f"{how} returned {type(got).__name__}, not the wrapped GPT2LMHeadModel"
+    compiled = torch.compile(fast)  # not run: unwrapping only looks through _orig_mod
+    assert extract_model_from_parallel(compiled, keep_torch_compile=False) is bare
+    assert acc.unwrap_model(compiled, keep_torch_compile=False) is bare
     assert list(acc.get_state_dict(fast)) == list(bare.state_dict())
 
     # --- prepare: accelerate wraps a wrapped model again (in torch DDP), unless it is marked prepared
