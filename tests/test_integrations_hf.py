@@ -178,6 +178,31 @@ def _hf_worker(rank: int, world_size: int, dirs: dict) -> dict:
     assert _same_across_ranks([p.detach() for p in trained.parameters()])
     _assert_same_state(trained.state_dict(), models["torch"].module.state_dict(), "trained weights, fastcoll vs torch")
 
+    # trigger_sync_in_backward arms the reducer with no outputs (reducer.prepare_for_backward([])). With
+    # find_unused_parameters=True every parameter is then "unused" and its real gradient arrives again: torch
+    # DDP and fastcoll.DDP both raise. With static_graph=True fastcoll.DDP synchronizes (torch 2.13 fails an
+    # internal assert there).
+    for kind in ("torch", "fastcoll"):
+        model = (TorchDDP if kind == "torch" else fastcoll.DDP)(torch.nn.Linear(4, 2), find_unused_parameters=True)
+        with acc.no_sync(model):
+            loss = model(x).sum()
+        try:
+            with acc.trigger_sync_in_backward(model):
+                acc.backward(loss)
+        except RuntimeError as exc:
+            assert "ready" in str(exc), exc
+        else:
+            raise AssertionError(f"{kind}: find_unused_parameters with trigger_sync_in_backward did not raise")
+    model = fastcoll.DDP(torch.nn.Linear(4, 2), static_graph=True)
+    for step in range(3):  # the first iteration learns the graph
+        model.zero_grad()
+        with acc.no_sync(model):
+            loss_a, loss_b = model(x).sum(), model(2 * x).square().sum()
+        acc.backward(loss_a)
+        with acc.trigger_sync_in_backward(model):
+            acc.backward(loss_b)
+        assert _same_across_ranks(_grads(model.module)), f"static_graph: step {step} did not synchronize"
+
     # --- Accelerator.save_model, and transformers' save_pretrained on the unwrapped model
     for kind, model in models.items():
         acc.save_model(model, dirs[f"save_model_{kind}"])
