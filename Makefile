@@ -6,6 +6,9 @@ TORCH_CPU  := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
 DEPS   := numpy pybind11 ninja "setuptools>=77" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib ruff==0.17.6
 EXTRAS := mmengine==0.10.7 pytorch-lightning==2.6.6 lightning==2.6.6
+# Hugging Face, for tests/test_integrations_hf.py: installed beside the pinned CPU torch, on a line of their own
+# so that a failure skips only those tests.
+HF_EXTRAS := accelerate==1.15.0 transformers==5.24.0 huggingface_hub==2.4.0
 CSRC   := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
 # The CUDA build check: a second environment with a CUDA build of torch.
 CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
@@ -21,6 +24,7 @@ $(VENV)/.deps-stamp: Makefile
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH_CPU) $(DEPS)
 	$(VPY) -m pip install -q $(TORCH_CPU) $(EXTRAS) || echo "fastcoll: optional framework packages did not install; their tests will skip"
+	$(VPY) -m pip install -q $(TORCH_CPU) $(HF_EXTRAS) || echo "fastcoll: accelerate/transformers did not install; their tests will skip"
 	touch $@
 
 setup: $(VENV)/.deps-stamp
@@ -93,6 +97,22 @@ cuda-build-check:
 	  $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib
 	tar -cf - --exclude='*.so' --exclude=__pycache__ fastcoll | tar -xf - -C build/cuda-check/lib  # the Python package, beside the CUDA build of _C
 	cd build/cuda-check/lib && $(CUDA_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i, indent=1)); assert i['cuda_kernels'], i"
+
+# tests/test_integrations_timm.py, which skips under `make test`: timm imports torchvision, and PyPI's torchvision
+# for torch 2.13.0 is a CUDA build that does not load with the CPU torch. Here it runs in the CUDA build check's
+# environment (torch 2.14.1+cu130; its CPU ops need no GPU) with torchvision 0.29.1 and timm 1.0.31, installed
+# --no-deps so pip cannot replace torch, and the tree's fastcoll on its pure-PyTorch path. Not part of `make test`.
+TIMM_PKGS := torchvision==0.29.1 timm==1.0.31
+.PHONY: test-timm
+test-timm:
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.14.1')" 2>/dev/null || \
+	  $(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) numpy ninja "setuptools>=77" wheel
+	$(CUDA_VENV)/bin/python -c "import timm, pytest_timeout" 2>/dev/null || \
+	  { $(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) pytest pytest-timeout pillow pyyaml safetensors && \
+	    $(CUDA_VENV)/bin/python -m pip install -q --no-deps $(TIMM_PKGS); } || \
+	  echo "fastcoll: torchvision/timm did not install in $(CUDA_VENV); the timm tests will skip"
+	FASTCOLL_NO_EXT=1 OMP_NUM_THREADS=1 $(CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations_timm.py $(PYTEST_ARGS)
 
 # Wheels of the test and table tools for the GPU machine (Python 3.12, no package
 # index there): `make gpu-wheels` here, then carry .gpu-wheels to the GPU machine.
