@@ -26,13 +26,14 @@ Nothing here imports ``torch._dynamo`` unless dynamo is already in use.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
 
 from ..bucketing import MIB
 
-__all__ = ["DynamoView", "activate", "call", "call_eagerly", "is_compiling", "restore", "skip_frame"]
+__all__ = ["DynamoView", "activate", "call", "call_eagerly", "is_compiled", "is_compiling", "restore", "skip_frame"]
 
 _NOTHING = object()  # token of an activation that did not take place
 
@@ -132,6 +133,13 @@ def restore(token: Any) -> None:
             cls._active_ddp_module = token
         except Exception:  # pragma: no cover
             pass
+
+
+def is_compiled(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (dynamo's OptimizedModule)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    cls = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
+    return cls is not None and isinstance(module, cls)
 
 
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -363,6 +363,9 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
     def _forward(self, inputs: tuple, kwargs: dict, call: Callable[..., Any]) -> Any:
         # ``call`` runs the wrapper's own steps (eagerly when dynamo is active).
         inputs, kwargs = call(self._pre_forward, *inputs, **kwargs)
+        if self._param_sync is not None and (call is not compile_support.call or compile_support.is_compiled(self.module)):
+            # A compiled module's graph cannot wait in module hooks: a sharded optimizer's all-gathers finish first.
+            call(self._param_sync.finish)
         token = call(compile_support.activate, self)  # dynamo's DDPOptimizer splits graphs compiled in here
         try:
             output = self.module(*inputs, **kwargs)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ddp.compile_support import is_compiling
 from ..reducer.bucket import for_each_run
 from ..reducer.shards import flat_view
 from ..reducer.usage import unreachable_parameters
@@ -120,7 +121,8 @@ class ParamSync:
 
     def _hook_for(self, positions: List[int]) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any) -> None:
-            if self._pending:
+            # Inside a compiled graph nothing waits (the wrapper finished every all-gather before it ran).
+            if self._pending and not is_compiling():
                 self.wait(positions)
 
         return hook

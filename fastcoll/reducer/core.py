@@ -530,8 +530,10 @@ class Reducer(ReducerSettings):
                 for p in self.params:
                     p.grad = None
         total = health.finish(self.params, self._sum_over_ranks if shards is not None else None)
-        for fn in self.on_synchronized:
-            fn()
+        if self.on_synchronized:
+            for fn in self.on_synchronized:
+                fn()
+            health.refresh_snapshot(self.params)  # what the callbacks wrote is part of the gradients the norm describes
         self.timeline.finalize_end()
         self._end_iteration(joined=False)
         if total is not None and not math.isfinite(total.item()):  # one read (a tensor isfinite + bool costs two ops)

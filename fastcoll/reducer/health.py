@@ -173,6 +173,11 @@ class GradHealth:
         grads = list(self.watched) if self.watched is not None else [p.grad for p in params]
         return [(id(g), -1 if g is None else g._version) for g in grads]
 
+    def refresh_snapshot(self, params: Sequence[torch.Tensor]) -> None:
+        """Record the gradients' versions again (after writes that keep the norm valid)."""
+        if self._snapshot is not None:
+            self._snapshot = self._versions(params)
+
     def current_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The norm of the last synchronized backward, if the gradients have not changed since.
 

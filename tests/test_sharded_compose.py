@@ -1,0 +1,194 @@
+"""ShardedOptimizer with fastcoll.DDP's other features, against the same training without sharding (2 gloo ranks).
+
+Each case trains under fastcoll.DDP + the plain optimizer (or torch DDP where
+it has the feature) and under fastcoll.DDP + ShardedOptimizer in both
+``grads`` modes; the parameters must match bitwise (2 ranks), and the
+feature must behave as it does unsharded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import run_ranks
+from test_sharded_optimizer import Reordered, _batch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastcoll
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Branchy(Reordered):
+    """``side`` takes part in some steps only (find_unused_parameters)."""
+
+    def forward(self, x, use_side: bool = True):
+        h = torch.tanh(self.emb(x))
+        h = torch.tanh(self.mid(h) + (self.side(x) if use_side else 0))
+        return self.out(h)
+
+
+def _train(impl: str, grads, ddp_kwargs: dict, steps: int = 4, model_cls=Reordered, step_fn=None):
+    model = model_cls()
+    if impl == "torch":
+        ddp = TorchDDP(model, **{k: v for k, v in ddp_kwargs.items() if k in ("find_unused_parameters", "static_graph",
+                                                                              "gradient_as_bucket_view")})  # fmt: skip
+    else:
+        ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, **ddp_kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if grads is not None:
+        opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    extra = []
+    for step in range(steps):
+        opt.zero_grad()
+        if step_fn is None:
+            ddp(_batch(step, rank, world)).pow(2).mean().backward()
+        else:
+            extra.append(step_fn(ddp, opt, step, rank, world))
+        opt.step()
+    if grads is not None:
+        opt.finish_param_sync()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if isinstance(ddp, fastcoll.DDP):
+        ddp.close()
+    return params, extra
+
+
+def _compare(ref: dict, got: dict, what: str, bitwise: bool = True) -> None:
+    for n, p in ref.items():
+        ok = torch.equal(got[n], p) if bitwise else torch.allclose(got[n], p, rtol=1e-5, atol=1e-7)
+        assert ok, f"{what}: {n} differs by {(got[n] - p).abs().max()}"
+
+
+def _branchy_step(ddp, opt, step, rank, world):
+    ddp(_batch(step, rank, world), use_side=(step + rank) % 2 == 0).pow(2).mean().backward()
+
+
+def ddp_options_worker(rank: int, world: int) -> None:
+    cases = [
+        ("find_unused_parameters", "torch", {"find_unused_parameters": True}, Branchy, _branchy_step),
+        ("static_graph", "torch", {"static_graph": True}, Reordered, None),
+        ("gradient_as_bucket_view", "torch", {"gradient_as_bucket_view": True}, Reordered, None),
+        ("stall_timeout", "torch", {"stall_timeout": 20}, Reordered, None),
+        ("record_timeline off", "torch", {"record_timeline": False}, Reordered, None),
+    ]
+    for name, ref_impl, kwargs, cls, fn in cases:
+        ref, _ = _train(ref_impl, None, kwargs, model_cls=cls, step_fn=fn)
+        for grads in ("full", "sharded"):
+            got, _ = _train("fastcoll", grads, kwargs, model_cls=cls, step_fn=fn)
+            _compare(ref, got, f"{name} grads={grads} rank {rank}")
+
+
+def test_with_ddp_options():
+    run_ranks(ddp_options_worker, 2, timeout=280)
+
+
+def _divisor_step(ddp, opt, step, rank, world):
+    ddp.set_gradient_divisor(torch.tensor(3.0 + step))
+    ddp(_batch(step, rank, world)).pow(2).sum().backward()
+
+
+def _norm_step(ddp, opt, step, rank, world):
+    ddp(_batch(step, rank, world)).pow(2).mean().backward()
+    return ddp.grad_norm().clone()
+
+
+def health_worker(rank: int, world: int) -> None:
+    # set_gradient_divisor: a tensor divisor folded into the pack, as unsharded.
+    ref, _ = _train("fastcoll", None, {}, step_fn=_divisor_step)
+    for grads in ("full", "sharded"):
+        got, _ = _train("fastcoll", grads, {}, step_fn=_divisor_step)
+        _compare(ref, got, f"set_gradient_divisor grads={grads}")
+    # compute_grad_norm: model.grad_norm() is the norm of the full synchronized gradients, on every rank.
+    ref, ref_norms = _train("fastcoll", None, {"compute_grad_norm": True}, step_fn=_norm_step)
+    for grads in ("full", "sharded"):
+        got, norms = _train("fastcoll", grads, {"compute_grad_norm": True}, step_fn=_norm_step)
+        _compare(ref, got, f"compute_grad_norm grads={grads}")
+        for a, b in zip(norms, ref_norms):
+            assert torch.allclose(a, b, rtol=1e-6), (grads, a, b)
+    # check_nonfinite: a NaN in one rank's gradients raises on every rank, naming it (sharded gradients too).
+    for grads in ("full", "sharded"):
+        model = Reordered()
+        ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, check_nonfinite=True)
+        opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ddp, grads=grads)
+        x = _batch(0, rank, world)
+        if rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        with pytest.raises(fastcoll.NonFiniteGradError, match="rank 1"):
+            ddp(x).pow(2).mean().backward()
+        opt.zero_grad()
+        ddp(_batch(1, rank, world)).pow(2).mean().backward()  # trains on afterwards
+        opt.step()
+        opt.finish_param_sync()
+        ddp.verify_replicas()
+        ddp.close()
+
+
+def test_with_gradient_health():
+    run_ranks(health_worker, 2, timeout=280)
+
+
+def replicas_worker(rank: int, world: int) -> None:
+    """verify_replicas right after step (it finishes the all-gathers itself) and every N iterations."""
+    for grads in ("full", "sharded"):
+        model = Reordered()
+        ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, verify_replicas_every=2)
+        opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ddp, grads=grads)
+        for step in range(4):
+            opt.zero_grad()
+            ddp(_batch(step, rank, world)).pow(2).mean().backward()
+            opt.step()
+            ddp.verify_replicas()
+        sd = ddp.state_dict()  # waits for the all-gathers too
+        assert all(torch.equal(sd[f"module.{n}"], p) for n, p in model.named_parameters())
+        ddp.close()
+
+
+def test_replicas_stay_equal():
+    run_ranks(replicas_worker, 2, timeout=120)
+
+
+def compile_worker(rank: int, world: int, order: str) -> None:
+    torch._dynamo.reset()
+    out = []
+    for grads in (None, "full", "sharded"):
+        model = Reordered()
+        if order == "ddp(compile)":
+            ddp = fastcoll.DDP(torch.compile(model, backend="aot_eager"), bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+            call = ddp
+        else:
+            ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+            call = torch.compile(ddp, backend="aot_eager")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if grads is not None:
+            opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads)
+        for step in range(4):
+            opt.zero_grad()
+            call(_batch(step, rank, world)).pow(2).mean().backward()
+            opt.step()
+        if grads is not None:
+            opt.finish_param_sync()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        ddp.close()
+    for got in out[1:]:
+        _compare(out[0], got, f"torch.compile {order}", bitwise=False)
+
+
+@pytest.mark.parametrize("order", ["ddp(compile)", "compile(ddp)"])
+def test_under_torch_compile(order):
+    run_ranks(compile_worker, 2, order, timeout=280)
+
+
+def test_padding_rule():
+    """Ranges are equal and the padding stays within max(1 % of the bucket, 256 elements)."""
+    from fastcoll.reducer.shards import padded_numel
+
+    numel = 1_000_003
+    for world in (2, 8, 64):
+        padded = padded_numel(numel, world, 4)
+        assert padded % world == 0 and padded - numel <= max(numel // 100, 256)
+        assert (padded // world) * world == padded
+    assert padded_numel(0, 4, 4) == 0
+    assert padded_numel(10, 3, 2) % 3 == 0
