@@ -224,7 +224,7 @@ def guard_worker(rank: int, world: int) -> None:
     scaler.unscale_(opt)
     ref_model.zero_grad()
     ref(_batch(1, rank, world)).pow(2).mean().backward()
-    flat = {n: fastcoll.optim.sharded._memory_order_grad(p) for n, p in ref_model.named_parameters()}
+    flat = {n: fastcoll.optim.gradients.memory_order_grad(p) for n, p in ref_model.named_parameters()}
     names = ddp.reducer.names
     for (_, pc), t in zip(opt._pieces, opt._shard_params):
         want = flat[names[pc.param]][pc.lo : pc.hi]

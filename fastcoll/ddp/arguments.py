@@ -279,3 +279,21 @@ def warn_deprecated(broadcast_buffers: Optional[bool], forward_sync_buffers: Opt
         warnings.warn(f"fastcoll.DDP: {msg}", FutureWarning, stacklevel=3)
     if check_reduction:
         warnings.warn("fastcoll.DDP: check_reduction is deprecated and ignored", FutureWarning, stacklevel=3)
+
+
+def check_main_grad_dtype(main_grad_dtype: Any, gradient_as_bucket_view: bool) -> None:
+    """Validate ``main_grad_dtype`` (None or torch.float32).
+
+    Raises:
+        ValueError: another dtype, or combined with ``gradient_as_bucket_view`` (the float32 buckets cannot be
+            the 16-bit parameters' ``.grad``).
+    """
+    if main_grad_dtype is None:
+        return
+    if main_grad_dtype is not torch.float32:
+        raise ValueError(f"fastcoll.DDP: main_grad_dtype must be None or torch.float32, got {main_grad_dtype!r}")
+    if gradient_as_bucket_view:
+        raise ValueError(
+            "fastcoll.DDP: gradient_as_bucket_view cannot be combined with main_grad_dtype: the 16-bit gradients are "
+            "added into float32 buckets, which a 16-bit .grad cannot view (the buckets already spare the copies)"
+        )

@@ -27,6 +27,7 @@ from . import compile_support
 from .arguments import (
     buffer_sync_flags,
     check_arguments,
+    check_main_grad_dtype,
     check_verify_replicas_every,
     group_from_mesh,
     mismatch_message,
@@ -182,6 +183,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         record_timeline: bool = True,
         stall_timeout: Optional[float] = None,
         verify_replicas_every: int = 0,
+        main_grad_dtype: Optional[torch.dtype] = None,
     ):
         nn.Module.__init__(self)  # not torch DDP's __init__: no torch reducer, hooks or broadcasts
         JoinSupport.__init__(self)
@@ -214,6 +216,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         self.record_timeline = bool(record_timeline)
         self.stall_timeout = stall_timeout
         self.verify_replicas_every = check_verify_replicas_every(verify_replicas_every)
+        self.main_grad_dtype = main_grad_dtype
         self._verified_at = 0
         #: The parameters' all-gathers of a fastcoll.ShardedOptimizer over this model (it sets this), or None.
         self._param_sync: Any = None
@@ -270,6 +273,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
             autotune=self.bucket_caps == AUTO,
             stall_timeout=self.stall_timeout,
             skip_unused_buckets=self.skip_all_reduce_unused_params,
+            main_grad_dtype=self.main_grad_dtype,
         )
 
     def _sync_states(self, buffers: bool) -> List[torch.Tensor]:
@@ -294,6 +298,7 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         try:
             refuse_torch_only(*torch_only)
             check_torch_features([p for _, p in named])
+            check_main_grad_dtype(self.main_grad_dtype, self.gradient_as_bucket_view)
             cfg = check_arguments(named, bucket_cap_mb, first_bucket_mb, self.comm_dtype, device_ids, output_device)
             resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
         except (ValueError, RuntimeError, TypeError) as exc:
@@ -384,6 +389,12 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
         # + buffer broadcast, [join: requires-sync all-reduce].
         if self._param_sync is not None:
             self._param_sync.before_forward()
+        elif self.reducer.main_buckets:
+            raise RuntimeError(
+                "fastcoll.DDP(main_grad_dtype=torch.float32): wrap the optimizer in fastcoll.ShardedOptimizer(opt, model) "
+                "before the first forward. The float32 main gradients live in the buckets, not in p.grad (a 16-bit "
+                "tensor cannot hold them), so a plain torch optimizer would read 16-bit or no gradients"
+            )
         join = self._join_config.enable
         if join:
             self._join.notify()
@@ -443,6 +454,21 @@ class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods,
             yield
         finally:
             self.require_backward_grad_sync = old
+
+    def main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The float32 main gradient of a 16-bit parameter (``main_grad_dtype``): a view of its bucket.
+
+        After a synchronized backward it holds the reduced gradient (sum over
+        ranks of every micro-batch's gradients, divided once by the divisor).
+
+        Raises:
+            KeyError: ``param`` is not one of the synchronized parameters.
+            RuntimeError: ``param`` has no main gradient, or the main gradients are reduce-scattered.
+        """
+        for i, p in enumerate(self.reducer.params):
+            if p is param:
+                return self.reducer.main_grad(i)
+        raise KeyError("fastcoll.DDP.main_grad: not a parameter this wrapper synchronizes")
 
     def _remove_hooks(self) -> None:
         """Remove the autograd hooks and release the bucket buffers; the wrapper stops synchronizing."""

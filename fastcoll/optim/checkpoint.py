@@ -27,6 +27,7 @@ in every piece.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,6 +37,7 @@ from ..reducer.shards import flat_view
 
 __all__ = [
     "FORMAT",
+    "MASTER",
     "full_from_directory",
     "full_from_sharded",
     "full_state_dict",
@@ -62,10 +64,21 @@ def _groups(opt: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def _piece_states(opt: Any) -> List[Tuple[Any, Dict[str, Any]]]:
-    """(piece, its state) for this rank's pieces that have state."""
+#: The key of a piece's float32 master weights in the state dicts (``ShardedOptimizer(master_dtype=torch.float32)``).
+MASTER = "fastcoll_master"
+
+
+def _piece_states(opt: Any) -> List[Tuple[int, Any, Dict[str, Any]]]:
+    """(bucket position, piece, its state) for this rank's pieces that have state; master weights included."""
     state = opt.inner.state
-    return [(pc, state[t]) for (_, pc), t in zip(opt._pieces, opt._shard_params) if t in state and state[t]]
+    out = []
+    for k, ((pos, pc), t) in enumerate(zip(opt._pieces, opt._shard_params)):
+        st = dict(state[t]) if t in state and state[t] else {}
+        if opt._has_master(k):
+            st[MASTER] = t
+        if st:
+            out.append((pos, pc, st))
+    return out
 
 
 # --------------------------------------------------------------- standard format
@@ -81,29 +94,32 @@ def full_state_dict(opt: Any) -> Dict[str, Any]:
     # Small metadata first: which parameters have state, each elementwise key's dtype, the per-parameter values.
     mine: Dict[int, Dict[str, Any]] = {}
     keys: Dict[str, torch.dtype] = {}
-    for pc, st in _piece_states(opt):
+    has: Dict[str, List[int]] = {}  # key -> parameters with that elementwise entry
+    pieces_by_bucket: Dict[int, List[Tuple[Any, Dict[str, Any]]]] = {}
+    for pos, pc, st in _piece_states(opt):
+        pieces_by_bucket.setdefault(pos, []).append((pc, st))
         entry = mine.setdefault(pc.param, {})
         for k, v in st.items():
             if _is_elementwise(v, pc.numel):
                 keys[k] = v.dtype
+                has.setdefault(k, []).append(pc.param)
             else:
                 entry[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-    gathered = [(mine, keys)]
+    gathered = [(mine, keys, has)]
     if r.comm.active:
         gathered = [None] * r.world_size
-        dist.all_gather_object(gathered, (mine, keys), group=group)
+        dist.all_gather_object(gathered, (mine, keys, has), group=group)
     scalars: Dict[int, Dict[str, Any]] = {}
     all_keys: Dict[str, torch.dtype] = {}
-    for m, ks in gathered:
+    with_key: Dict[str, set] = {}
+    for m, ks, hs in gathered:
         for i, entry in m.items():
             scalars.setdefault(i, {}).update(entry)
         all_keys.update(ks)
+        for k, ps in hs.items():
+            with_key.setdefault(k, set()).update(ps)
     # Elementwise entries: one all-gather per bucket and key of every rank's range.
     full: Dict[int, Dict[str, torch.Tensor]] = {i: dict(v) for i, v in scalars.items()}
-    pieces_by_bucket: Dict[int, List[Tuple[Any, Dict[str, Any]]]] = {}
-    for (pos, pc), t in zip(opt._pieces, opt._shard_params):
-        if t in opt.inner.state and opt.inner.state[t]:
-            pieces_by_bucket.setdefault(pos, []).append((pc, opt.inner.state[t]))
     for bs in opt._layout.buckets:
         b = r.buckets[bs.pos]
         with_state = [i for i in b.param_indices if i in scalars]
@@ -113,11 +129,12 @@ def full_state_dict(opt: Any) -> Dict[str, Any]:
             buf = torch.zeros(bs.padded, dtype=all_keys[key], device=b.device)
             own = buf[bs.start : bs.start + bs.shard]
             for pc, st in pieces_by_bucket.get(bs.pos, []):
-                own[pc.at : pc.at + pc.numel].copy_(st[key])
+                if key in st:
+                    own[pc.at : pc.at + pc.numel].copy_(st[key])
             if r.comm.active:
                 r.comm.wait(r.comm.all_gather(buf, own, f"optimizer state {key} of bucket {bs.pos}"), "optimizer state")
             for i, off in zip(b.param_indices, b.offsets):
-                if i in scalars:
+                if i in scalars and i in with_key.get(key, ()):
                     p = r.params[i]
                     out = torch.empty_like(p, dtype=all_keys[key])
                     flat_view(out).copy_(buf[off : off + p.numel()])
@@ -151,7 +168,32 @@ def load_full_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
 
 
 def _load_inner(opt: Any, groups: List[Dict[str, Any]], piece_state: List[Optional[Dict[str, Any]]]) -> None:
-    """Hand the pieces' state to the inner optimizer through its own ``load_state_dict`` (its casting rules)."""
+    """Hand the pieces' state to the inner optimizer through its own ``load_state_dict`` (its casting rules).
+
+    Master weights go into the pieces' float32 copies; without them (a checkpoint of a run that had none) the
+    copies start from the 16-bit parameters, with a warning.
+    """
+    missing = []
+    params = opt.reducer.params
+    for k, ((_, pc), t) in enumerate(zip(opt._pieces, opt._shard_params)):
+        st = piece_state[k]
+        master = st.pop(MASTER, None) if st else None
+        if not opt._has_master(k):
+            continue
+        with torch.no_grad():
+            if master is not None:
+                t.copy_(master)
+            else:
+                t.copy_(flat_view(params[pc.param].detach())[pc.lo : pc.hi])
+                missing.append(opt.reducer.names[pc.param])
+    if missing:
+        warnings.warn(
+            f"fastcoll.ShardedOptimizer: the checkpoint has no float32 master weights ({MASTER!r}) for "
+            f"{', '.join(sorted(set(missing))[:5])}{' ...' if len(set(missing)) > 5 else ''}: they start from the "
+            "16-bit parameters (the rounding of the last step is lost)",
+            stacklevel=3,
+        )
+    opt._versions = [p._version for p in params]
     number = {id(t): k for k, t in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
     inner_state = {number[id(t)]: st for t, st in zip(opt._shard_params, piece_state) if st}
     inner_groups, start = [], 0
@@ -173,7 +215,7 @@ def sharded_state_dict(opt: Any) -> Dict[str, Any]:
     r = opt.reducer
     number = {i: k for k, i in enumerate(opt._order_index) if i is not None}
     pieces = []
-    for pc, st in _piece_states(opt):
+    for _, pc, st in _piece_states(opt):
         pieces.append(
             {
                 "param": number[pc.param],

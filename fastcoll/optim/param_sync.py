@@ -44,10 +44,19 @@ class ParamSync:
         stepped: Per reducer parameter index, whether the optimizer steps it (only those are written back).
         stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype).
         overlap: Leave the all-gathers running after :meth:`start`; modules wait for their own.
+        written: Called with a bucket's position once its parameters are written.
     """
 
-    def __init__(self, reducer: Any, stepped: Sequence[bool], stages: Dict[int, torch.Tensor], overlap: bool):
+    def __init__(
+        self,
+        reducer: Any,
+        stepped: Sequence[bool],
+        stages: Dict[int, torch.Tensor],
+        overlap: bool,
+        written: Optional[Callable[[int], None]] = None,
+    ):
         self.reducer = reducer
+        self._written = written
         self.stepped = list(stepped)
         self.stages = stages
         self.overlap = overlap
@@ -103,6 +112,8 @@ class ParamSync:
         stepped = [self.stepped[i] for i in b.param_indices]
         params = [p.detach() for p in b.params]
         for_each_run(stepped, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
+        if self._written is not None:
+            self._written(pos)
 
     # ------------------------------------------------------------------ hooks
 

@@ -20,21 +20,21 @@ Two ways to get the gradients:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .. import ops
 from ..reducer.shards import Piece, flat_view
+from .clip import clip_grad_norm
 from .elementwise import check_optimizer_class
-from .grad_guard import ShardedGradient, is_guard
+from .gradients import PieceGradients
 from .param_sync import ParamSync, piece_views
 
 __all__ = ["ShardedOptimizer"]
 
 _GRADS = ("full", "sharded")
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -51,12 +51,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             forward; False: wait in :meth:`step`.
         elementwise: Assert that ``optimizer``'s class updates elementwise
             (needed for classes fastcoll does not know).
+        master_dtype: None or ``torch.float32``: each rank keeps float32
+            copies of its pieces of the 16-bit parameters (master weights),
+            steps them (with the float32 main gradients of
+            ``fastcoll.DDP(main_grad_dtype=torch.float32)``, or the 16-bit
+            gradients upcast) and writes them back rounded to the parameters'
+            dtype before the all-gather. They are in :meth:`state_dict` as
+            ``"fastcoll_master"`` per parameter.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer or ``model`` not a fastcoll.DDP.
         ValueError: a class that does not update elementwise, an optimizer
             that already stepped, a parameter that is not synchronized by
-            ``model``, ``grads`` not one of "full"/"sharded".
+            ``model``, ``grads`` not one of "full"/"sharded", ``master_dtype`` not float32.
         RuntimeError: ``model`` has a comm hook, ``bucket_cap_mb="auto"`` or sparse gradients.
     """
 
@@ -68,6 +75,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads: str = "full",
         overlap_param_gather: bool = True,
         elementwise: bool = False,
+        master_dtype: Optional[torch.dtype] = None,
     ):
         from ..ddp import DDP
 
@@ -77,6 +85,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"fastcoll.ShardedOptimizer: model must be a fastcoll.DDP, got {type(model).__name__}")
         if grads not in _GRADS:
             raise ValueError(f"fastcoll.ShardedOptimizer: grads must be one of {_GRADS}, got {grads!r}")
+        if master_dtype not in (None, torch.float32):
+            raise ValueError(f"fastcoll.ShardedOptimizer: master_dtype must be None or torch.float32, got {master_dtype!r}")
         check_optimizer_class(type(optimizer), elementwise)
         if _has_stepped(optimizer):
             raise ValueError(
@@ -86,66 +96,63 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.reducer = reducer
         self.grads = grads
+        self.master_dtype = master_dtype
         self.overlap_param_gather = bool(overlap_param_gather)
         index_of = {id(p): i for i, p in enumerate(reducer.params)}
         self._groups_params = [list(g["params"]) for g in optimizer.param_groups]
         self._order = [p for ps in self._groups_params for p in ps]  # the standard state dict's parameter numbering
         self._order_index = [index_of.get(id(p)) for p in self._order]  # their reducer indices (None: not synchronized)
-        stepped = [False] * len(reducer.params)
-        for gi, ps in enumerate(self._groups_params):
-            for p in ps:
-                i = index_of.get(id(p))
-                if i is not None:
-                    stepped[i] = True
-                elif p.requires_grad:
-                    raise ValueError(
-                        f"fastcoll.ShardedOptimizer: a parameter of param group {gi} (shape {tuple(p.shape)}) is not "
-                        "synchronized by the model (not one of its parameters, or excluded with "
-                        "_set_params_and_buffers_to_ignore_for_model); only synchronized parameters can be sharded"
-                    )
-        if grads == "sharded":
-            missing = [reducer.names[i] for i, s in enumerate(stepped) if not s]
-            if missing:
-                raise ValueError(
-                    "fastcoll.ShardedOptimizer(grads='sharded'): every synchronized parameter must be in the optimizer "
-                    f"(their full gradients exist nowhere); not in it: {', '.join(missing[:10])}"
-                )
-        self._stepped = stepped
+        self._stepped = _stepped(reducer, self._groups_params, index_of, sharded=grads == "sharded")
         # State some classes create at construction for parameters that are not sharded (frozen ones): kept as is.
         self._outside_state = {k: st for k, p in enumerate(self._order) if index_of.get(id(p)) is None
                                for st in [optimizer.state.get(p)] if st}  # fmt: skip
         self._layout = reducer.shard(grads == "sharded")  # collective when a bucket rebuild is due
         self._pieces: List[Tuple[int, Piece]] = [  # (bucket position, piece) of the stepped parameters, bucket order
-            (bs.pos, pc) for bs, pcs in zip(self._layout.buckets, self._layout.pieces) for pc in pcs if stepped[pc.param]
+            (bs.pos, pc) for bs, pcs in zip(self._layout.buckets, self._layout.pieces) for pc in pcs if self._stepped[pc.param]
         ]
         self._shard_params = self._make_shard_params()
-        self._piece_of_shard = {id(t): k for k, t in enumerate(self._shard_params)}
+        self._grads = PieceGradients(reducer, self._pieces, self._shard_params, sharded=grads == "sharded")
         inner_groups = self._inner_groups(optimizer, index_of)
         self.inner = _same_class(optimizer, inner_groups)
-        outer = [dict(g, params=list(ig["params"]) if grads == "sharded" else list(g["params"])) for g, ig in
+        # param_groups hold what the optimizer's gradients are: the model's parameters when they are p.grad,
+        # else the pieces (so that GradScaler unscales and checks exactly what is stepped).
+        pieces_visible = self._grads.from_reduction
+        outer = [dict(g, params=list(ig["params"]) if pieces_visible else list(g["params"])) for g, ig in
                  zip(optimizer.param_groups, inner_groups)]  # fmt: skip
         self._built = False
         super().__init__(outer, dict(optimizer.defaults))
         self._built = True
         self.state = self.inner.state  # this rank's pieces' state
-        self._sync = ParamSync(reducer, stepped, self._stages(), self.overlap_param_gather)
+        self._sync = ParamSync(reducer, self._stepped, self._stages(), self.overlap_param_gather, self._written)
         if self.overlap_param_gather:
             self._sync.install_hooks(model.module)
         model._param_sync = self._sync
         reducer.on_backward.append(self._sync.finish)
         for m in (model, model.module):
             m.register_state_dict_pre_hook(lambda *args, **kwargs: self._sync.finish())
-        if grads == "sharded":
-            reducer.health.watched = [reducer.shard_grads.grads[bs.pos] for bs in self._layout.buckets]
-            reducer.on_synchronized.append(self._after_sharded_backward)
-            reducer.on_forward.append(self._drop_guards)
-        self._used = [False] * len(reducer.params)  # since the last zero_grad (grads="sharded")
+        if pieces_visible:
+            if reducer.shard_grads is not None:
+                reducer.health.watched = [reducer.shard_grads.grads[bs.pos] for bs in self._layout.buckets]
+            reducer.on_synchronized.append(self._grads.after_backward)
+            reducer.on_forward.append(self._grads.drop_guards)
+        self._versions = [p._version for p in reducer.params]  # the parameters as the masters last saw them
 
     # ------------------------------------------------------------- building
 
     def _make_shard_params(self) -> List[torch.Tensor]:
-        """One 1-D tensor per piece: a view of this rank's part of the parameter (stepped in place)."""
-        return piece_views(self.reducer.params, [pc for _, pc in self._pieces])
+        """One 1-D tensor per piece: a view of this rank's part of the parameter, or its float32 master copy."""
+        views = piece_views(self.reducer.params, [pc for _, pc in self._pieces])
+        if self.master_dtype is None:
+            return views
+        return [v.to(self.master_dtype, copy=True) if v.dtype in _SIXTEEN_BIT else v for v in views]
+
+    def _has_master(self, k: int) -> bool:
+        t = self._shard_params[k]
+        return (
+            self.master_dtype is not None
+            and t.dtype == self.master_dtype
+            and self.reducer.params[self._pieces[k][1].param].dtype in _SIXTEEN_BIT
+        )
 
     def _inner_groups(self, optimizer: torch.optim.Optimizer, index_of: Dict[int, int]) -> List[Dict[str, Any]]:
         by_param: Dict[int, List[torch.Tensor]] = {}
@@ -180,8 +187,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync.finish()
+        self._refresh_masters()
         self._push_hyperparameters()
-        self._attach_grads()
+        if not self._grads.from_reduction:
+            self._grads.attach()  # views of p.grad as they are now (attached at backward's end otherwise)
         self.inner.step()
         self._sync.start(self._gather_sources)
         return loss
@@ -192,26 +201,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     ig[k] = v
 
-    def _attach_grads(self) -> None:
-        """Give each piece its gradient: a view of ``p.grad`` (full) or of this rank's reduced range (sharded)."""
-        params = self.reducer.params
-        if self.grads == "sharded":
-            ranges = self.reducer.shard_grads.grads
-            filled = self.reducer.shard_grads.filled
-            for (pos, pc), t in zip(self._pieces, self._shard_params):
-                t.grad = ranges[pos][pc.at : pc.at + pc.numel] if filled and self._used[pc.param] else None
-            return
-        full: Dict[int, Optional[torch.Tensor]] = {}
-        for (_, pc), t in zip(self._pieces, self._shard_params):
-            if pc.param not in full:
-                full[pc.param] = _memory_order_grad(params[pc.param])
-            g = full[pc.param]
-            t.grad = None if g is None else g[pc.lo : pc.hi]
-
     def _gather_sources(self, pos: int) -> List[torch.Tensor]:
-        """The values this rank contributes to bucket ``pos``'s all-gather: every parameter's piece in its range."""
-        bs_index = next(k for k, bs in enumerate(self._layout.buckets) if bs.pos == pos)
-        return piece_views(self.reducer.params, self._layout.pieces[bs_index])
+        """The values this rank contributes to bucket ``pos``'s all-gather: every parameter's piece of its range.
+
+        A master copy stands in for its piece (cast to the parameters' dtype by the pack).
+        """
+        k = next(k for k, bs in enumerate(self._layout.buckets) if bs.pos == pos)
+        pieces = self._layout.pieces[k]
+        out = piece_views(self.reducer.params, pieces)
+        if self.master_dtype is not None:
+            masters = {(pc.param, pc.lo): t for j, ((_, pc), t) in enumerate(zip(self._pieces, self._shard_params))
+                       if self._has_master(j)}  # fmt: skip
+            out = [masters.get((pc.param, pc.lo), v) for pc, v in zip(pieces, out)]
+        return out
+
+    def _written(self, pos: int) -> None:
+        """Bucket ``pos``'s gathered parameters were written: remember their versions (see :meth:`_refresh_masters`)."""
+        params = self.reducer.params
+        for i in self.reducer.buckets[pos].param_indices:
+            self._versions[i] = params[i]._version
+
+    def _refresh_masters(self) -> None:
+        """A parameter changed outside the optimizer (a checkpoint loaded into the model): its masters follow it."""
+        if self.master_dtype is None:
+            return
+        params = self.reducer.params
+        for k, (_, pc) in enumerate(self._pieces):
+            i = pc.param
+            if self._has_master(k) and params[i]._version != self._versions[i]:
+                self._shard_params[k].copy_(flat_view(params[i].detach())[pc.lo : pc.hi])
+        self._versions = [p._version for p in params]
 
     def finish_param_sync(self) -> None:
         """Wait for the parameters' all-gathers of the last step and write them into the parameters."""
@@ -220,51 +239,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients: the model's ``.grad`` (as ``Optimizer.zero_grad``) and this rank's reduced ranges."""
-        if self.grads == "full":
+        """Reset the gradients: the model's ``.grad`` (as ``Optimizer.zero_grad``), the reduced ranges, the main gradients."""
+        if not self._grads.from_reduction:
             super().zero_grad(set_to_none)
-        else:
-            self._drop_guards()
-            for p in self.reducer.params:
-                if p.grad is not None and set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.detach_().zero_()
-            self.reducer.shard_grads.zero()
-            self._used = [False] * len(self._used)
-        for t in self._shard_params:
-            t.grad = None
-
-    def _after_sharded_backward(self) -> None:
-        """End of a synchronized backward with reduce-scattered gradients: guards in ``.grad``; agree on non-finite."""
-        r = self.reducer
-        used = r.usage.global_used
-        for i, p in enumerate(r.params):
-            if used is None or used[i]:
-                self._used[i] = True
-            if self._used[i]:
-                p.grad = ShardedGradient(p)
-        self._attach_grads()  # GradScaler.unscale_ and clipping read the pieces' gradients before step()
-        total = r.health.total
-        if total is not None and self._pieces:
-            # A non-finite value anywhere makes every rank's own range non-finite too, so that a GradScaler
-            # on each rank (which sees its range only) finds it and every rank skips the same steps.
-            bad = ~torch.isfinite(total)
-            ranges = r.shard_grads.grads
-            seen = set()
-            for pos, pc in self._pieces:
-                if pos not in seen:
-                    seen.add(pos)
-                    first = ranges[pos][pc.at : pc.at + 1]
-                    first.copy_(torch.where(bad, torch.full_like(first, math.inf), first))
-
-    def _drop_guards(self) -> None:
-        """Before a forward (or zero_grad): backward must accumulate into fresh gradients, not into a guard."""
-        for p in self.reducer.params:
-            if is_guard(p.grad):
+        self._grads.zero(set_to_none)
+        for p in self.reducer.params:  # parameters outside the reduction's buckets (full mode: already done)
+            if p.grad is not None and set_to_none and not self._grads.from_reduction:
                 p.grad = None
-
-    # ------------------------------------------------------------- clipping
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
@@ -273,67 +254,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         The norm comes from every rank's range (one small all-reduce), so it
         is the same on every rank, bitwise; the gradients this rank holds
-        (``p.grad`` with ``grads="full"``, its ranges with ``"sharded"``) are
-        multiplied by ``min(1, max_norm / (norm + 1e-6))``.
+        (``p.grad``, its ranges, the main gradients) are multiplied by
+        ``min(1, max_norm / (norm + 1e-6))``.
 
         Returns:
             The total norm (a 0-dim float32 tensor).
         """
-        norm_type = float(norm_type)
-        ranges = self._own_ranges()
-        device = self.reducer.usage.device
-        if norm_type == math.inf:
-            local = torch.stack([g.abs().max().to(torch.float64) for g in ranges]).max() if ranges else None
-            total = (local if local is not None else torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
-            self._all_reduce(total, torch.distributed.ReduceOp.MAX)
-        else:
-            if norm_type == 2.0:
-                total = torch.zeros(1, dtype=torch.float64, device=device)
-                if ranges:
-                    ops.sum_of_squares(ranges, out=total)
-            else:
-                total = sum((g.to(torch.float64).abs().pow(norm_type).sum() for g in ranges),
-                            torch.zeros((), dtype=torch.float64, device=device)).reshape(1)  # fmt: skip
-            self._all_reduce(total, torch.distributed.ReduceOp.SUM)
-            total = total.pow(1.0 / norm_type)
-        norm = total.reshape(()).to(torch.float32)
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = self._held_grads()
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        if self.grads == "sharded":
-            self.reducer.health.scaled(self.reducer.params, coef)
+        r = self.reducer
+        norm = clip_grad_norm(
+            self._grads.own_ranges(), self._grads.held(), r.comm, r.usage.device, max_norm, norm_type, error_if_nonfinite
+        )
+        if self._grads.from_reduction:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            r.health.scaled(r.params, coef)
         return norm
-
-    def _own_ranges(self) -> List[torch.Tensor]:
-        """The reduced gradient values of this rank's range of every bucket (every parameter's, stepped or not)."""
-        if self.grads == "sharded":
-            return [g for g in self.reducer.shard_grads.grads.values() if g.numel()] if self.reducer.shard_grads.filled else []
-        out = []
-        params = self.reducer.params
-        for pcs in self._layout.pieces:
-            for pc in pcs:
-                g = _memory_order_grad(params[pc.param])
-                if g is not None:
-                    out.append(g[pc.lo : pc.hi])
-        return out
-
-    def _held_grads(self) -> List[torch.Tensor]:
-        if self.grads == "sharded":
-            return self._own_ranges()
-        return [p.grad for p in self.reducer.params if p.grad is not None]
-
-    def _all_reduce(self, t: torch.Tensor, op: Any) -> None:
-        comm = self.reducer.comm
-        if comm.active:
-            work = torch.distributed.all_reduce(t, op=op, group=comm.group, async_op=True)
-            comm.wait(work, "gradient norm")
 
     # ------------------------------------------------------------ misc API
 
@@ -392,14 +326,33 @@ def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     return False
 
 
-def _memory_order_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
-    """``p.grad`` as a 1-D tensor in ``p``'s memory order (a view when the gradient has ``p``'s strides)."""
-    g = p.grad
-    if g is None:
-        return None
-    if g.stride() != p.stride() and g.numel() > 1:
-        g = torch.empty_like(p).copy_(g)
-    return flat_view(g)
+def _stepped(reducer: Any, groups: List[List[torch.Tensor]], index_of: Dict[int, int], sharded: bool) -> List[bool]:
+    """Per reducer parameter, whether the optimizer steps it.
+
+    Raises:
+        ValueError: an optimizer parameter with a gradient that the model does not synchronize, or (sharded
+            gradients) a synchronized parameter the optimizer does not step (its full gradient exists nowhere).
+    """
+    stepped = [False] * len(reducer.params)
+    for gi, ps in enumerate(groups):
+        for p in ps:
+            i = index_of.get(id(p))
+            if i is not None:
+                stepped[i] = True
+            elif p.requires_grad:
+                raise ValueError(
+                    f"fastcoll.ShardedOptimizer: a parameter of param group {gi} (shape {tuple(p.shape)}) is not "
+                    "synchronized by the model (not one of its parameters, or excluded with "
+                    "_set_params_and_buffers_to_ignore_for_model); only synchronized parameters can be sharded"
+                )
+    if sharded:
+        missing = [reducer.names[i] for i, s in enumerate(stepped) if not s]
+        if missing:
+            raise ValueError(
+                "fastcoll.ShardedOptimizer(grads='sharded'): every synchronized parameter must be in the optimizer "
+                f"(their full gradients exist nowhere); not in it: {', '.join(missing[:10])}"
+            )
+    return stepped
 
 
 def _same_class(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:

@@ -123,22 +123,27 @@ class GradBucket:
             total += p.numel()
         self.numel = total
         self.padded = total if padded is None or sparse else max(int(padded), total)
+        self._allocate(wire_dtype, buffer)
+        self._hook_buffer: Optional[torch.Tensor] = None
+        self._hook_views: Optional[List[torch.Tensor]] = None
+
+    def _allocate(self, wire_dtype: Optional[torch.dtype], buffer: Optional[torch.Tensor]) -> None:
+        """The buffers: ``flat`` (and ``views`` of it), ``comm`` (what the collective carries), padded versions."""
+        total, sparse = self.numel, self.sparse
         # Gradients as views need a buffer of their own dtype, so a narrower
         # wire dtype then gets a separate wire buffer; otherwise the flat buffer
         # itself is in the wire dtype (gradients are cast into it by the pack).
-        separate_wire = wire_dtype is not None and as_view and not sparse
+        separate_wire = wire_dtype is not None and self.as_view and not sparse
         flat_dtype = self.dtype if wire_dtype is None or separate_wire or sparse else wire_dtype
         if buffer is not None:
             self.flat_padded = buffer
         else:
             self.flat_padded = _padded_empty(0 if sparse else total, 0 if sparse else self.padded, flat_dtype, self.device)
         self.flat = self.flat_padded[:total] if self.padded > total else self.flat_padded
-        self.views = [] if sparse else ops.bucket_views(self.flat, params)
+        self.views = [] if sparse else ops.bucket_views(self.flat, self.params)
         self.view_ptrs = [v.data_ptr() for v in self.views]
         self.comm_padded = _padded_empty(total, self.padded, wire_dtype, self.device) if separate_wire else self.flat_padded
         self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
-        self._hook_buffer: Optional[torch.Tensor] = None
-        self._hook_views: Optional[List[torch.Tensor]] = None
 
     # ------------------------------------------------ torch's GradBucket API
 
@@ -360,3 +365,84 @@ class PackArgs(NamedTuple):
 
     def with_flag(self, flag: Optional[torch.Tensor]) -> "PackArgs":
         return self if flag is None else self._replace(nonfinite=flag)
+
+
+class MainGradBucket(GradBucket):
+    """A bucket of 16-bit parameters whose gradients are accumulated in float32: the "main gradients".
+
+    ``flat`` is float32 and keeps every backward's gradients, micro-batch
+    after micro-batch (``no_sync`` ones too), added in float32 by one fused
+    call (:func:`fastcoll.ops.flatten_accumulate`) that also releases each
+    16-bit ``.grad``; the synchronized backward scales the sum once by
+    1/divisor and reduces it (in float32, or through a narrower wire buffer
+    ``comm``), and the reduced values stay in ``flat`` (``views`` are float32
+    and shaped like the parameters). Nothing is written into ``.grad``.
+    ``zero()`` starts a new accumulation.
+    """
+
+    __slots__ = ("main_dtype",)
+
+    def __init__(self, *args: Any, main_dtype: torch.dtype = torch.float32, **kwargs: Any):
+        self.main_dtype = main_dtype
+        super().__init__(*args, **kwargs)
+
+    def _allocate(self, wire_dtype: Optional[torch.dtype], buffer: Optional[torch.Tensor]) -> None:
+        total, dev = self.numel, self.device
+        self.flat_padded = torch.zeros(self.padded, dtype=self.main_dtype, device=dev)  # the accumulation starts at 0
+        self.flat = self.flat_padded[:total] if self.padded > total else self.flat_padded
+        self.views = ops.bucket_views(self.flat, self.params)
+        self.view_ptrs = [v.data_ptr() for v in self.views]
+        narrower = wire_dtype is not None and wire_dtype.itemsize < self.main_dtype.itemsize
+        self.comm_padded = _padded_empty(total, self.padded, wire_dtype, dev) if narrower else self.flat_padded
+        self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
+
+    def zero(self) -> None:
+        """Forget the accumulated gradients."""
+        self.flat_padded.zero_()
+
+    def accumulate(self, nonfinite: Optional[torch.Tensor] = None) -> None:
+        """Add the present 16-bit gradients into their float32 slots (one fused call per run) and release them."""
+        grads = [p.grad for p in self.params]
+        present = [g is not None for g in grads]
+        if not any(present):
+            return
+        with torch.no_grad():
+            for_each_run(
+                present, self.offsets, self.numel,
+                lambda a, b, lo, hi: ops.flatten_accumulate(grads[a:b], self.flat[lo:hi], nonfinite=nonfinite),
+            )  # fmt: skip
+        for p, has in zip(self.params, present):
+            if has:
+                p.grad = None
+
+    def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
+        return False  # accumulated with the rest of the bucket (the scale applies to the whole sum)
+
+    def pack(self, how: "PackArgs", done: Optional[Sequence[int]] = None) -> None:
+        """Accumulate this backward's gradients, then scale the sum by 1/divisor into the wire buffer (in place in float32)."""
+        self.accumulate(how.nonfinite)
+        if not self.numel:
+            return
+        with torch.no_grad():
+            if self.comm is not self.flat:
+                how.flatten([self.flat], self.comm)
+            elif how.scale_by is not None:
+                self.flat.mul_(how.scale_by.reshape(()).to(torch.float64) * how.scale)
+            elif how.scale != 1.0:
+                self.flat.mul_(how.scale)
+
+    def write_back(
+        self, src: torch.Tensor, used: Optional[Sequence[bool]] = None, scale: float = 1.0, sumsq: Optional[torch.Tensor] = None
+    ) -> None:
+        """The reduced sum lands in the float32 slots (from the wire buffer when it is another one); ``.grad`` stays."""
+        if self.numel == 0:
+            if sumsq is not None:
+                sumsq.zero_()
+            return
+        if src is not self.flat:
+            _unflatten(src, [self.flat], scale, sumsq)
+            return
+        if scale != 1.0:
+            self.flat.mul_(scale)
+        if sumsq is not None:
+            ops.sum_of_squares([self.flat], out=sumsq)

@@ -112,12 +112,12 @@ class Communicator:
                 fn(c)
         return gseq
 
-    def all_reduce(self, t: torch.Tensor, what: str) -> Any:
-        """Start a SUM all-reduce of ``t`` in place; returns its handle (pass it to :meth:`wait`)."""
+    def all_reduce(self, t: torch.Tensor, what: str, op: Any = None) -> Any:
+        """Start an all-reduce of ``t`` in place (``op``: SUM by default); returns its handle (pass it to :meth:`wait`)."""
         if not self.active:
             return DONE
         gseq = self._record("all_reduce", what, t)
-        work = dist.all_reduce(t, group=self.group, async_op=True)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from .._knobs import force_collectives
 from ..bucketing import Caps
 from ..ops.dtypes import check_comm_dtype
-from .bucket import GradBucket, PackArgs
+from .bucket import GradBucket, MainGradBucket, PackArgs
 from .comm import Communicator
 from .health import Divisor, GradHealth
 from .layout import BucketSet
@@ -103,8 +103,8 @@ def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[t
             if r is not None:
                 if r._phase is not _IDLE:
                     r._on_grad(idx)
-                elif r.usage.tracking_use:
-                    r.usage.local_used[idx] = 1
+                else:
+                    r._on_idle_grad(idx)
 
     else:
 
@@ -114,8 +114,8 @@ def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[t
                 with lock:
                     if r._phase is not _IDLE:
                         r._on_grad(idx)
-                    elif r.usage.tracking_use:
-                        r.usage.local_used[idx] = 1
+                    else:
+                        r._on_idle_grad(idx)
 
     return hook
 
@@ -153,6 +153,11 @@ class Reducer(ReducerSettings):
             issues no collective and keeps its gradients (torch DDP's
             ``skip_all_reduce_unused_params``). Every rank must find the same
             parameters unused, or the ranks' collectives no longer match.
+        main_grad_dtype: None or ``torch.float32``: the buckets of 16-bit
+            parameters accumulate every backward's gradients in float32
+            (:class:`~fastcoll.reducer.bucket.MainGradBucket`), ``no_sync``
+            ones included; the reduced values stay there (:meth:`main_grad`),
+            not in ``.grad``.
     """
 
     def __init__(
@@ -174,6 +179,7 @@ class Reducer(ReducerSettings):
         autotune: bool = False,
         stall_timeout: Optional[float] = 0,
         skip_unused_buckets: bool = False,
+        main_grad_dtype: Optional[torch.dtype] = None,
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -196,6 +202,9 @@ class Reducer(ReducerSettings):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.skip_unused_buckets = bool(skip_unused_buckets)
+        self.main_grad_dtype: Optional[torch.dtype] = main_grad_dtype
+        self._idle_queued = False  # a no_sync backward's accumulation into the main gradients is queued
+        self._shard_world = 0  # > 0 once a sharded optimizer divides the buckets among that many ranks
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
         self._sparse = [False] * n
         for i in sparse_params:
@@ -253,7 +262,8 @@ class Reducer(ReducerSettings):
         return self._set.buckets
 
     def _install_layout(self, layout: List[List[int]]) -> None:
-        self._set.install(layout, self.comm_dtype, self.shards.world_size if self.shards is not None else 0)
+        self._set.install(layout, self.comm_dtype, self._shard_world, self.main_grad_dtype)
+        self.main_buckets = [b for b in self._set.buckets if isinstance(b, MainGradBucket)]
         self.health.resize(len(self._set.buckets))
         self._index_reductions()
         self._count_expected()
@@ -304,7 +314,7 @@ class Reducer(ReducerSettings):
 
     # --------------------------------------------------------------- sharding
 
-    def shard(self, sharded_grads: bool, grad_dtype: Optional[torch.dtype] = None) -> ShardLayout:
+    def shard(self, sharded_grads: bool) -> ShardLayout:
         """Divide every dense bucket among the ranks, for a sharded optimizer; returns the ranges.
 
         The layout is fixed from here on: a ready-order rebuild still due
@@ -312,8 +322,8 @@ class Reducer(ReducerSettings):
         never. The buckets are reallocated padded (:mod:`.shards`). With
         ``sharded_grads`` each bucket is reduce-scattered instead of
         all-reduced: the reduced gradients exist only in this rank's range
-        (:attr:`shard_grads`, in ``grad_dtype``, default the parameters'),
-        never in ``.grad``. Between iterations only.
+        (:attr:`shard_grads`, in the gradients' dtype: float32 for main
+        gradients), never in ``.grad``. Between iterations only.
 
         Raises:
             RuntimeError: a comm hook is registered, the layout is being tuned, or a bucket is sparse.
@@ -332,20 +342,21 @@ class Reducer(ReducerSettings):
             raise RuntimeError(f"fastcoll.ShardedOptimizer: parameters with sparse gradients cannot be sharded: {sparse}")
         self.rebuild_buckets()
         self._set.order.stop()
-        world, rank = self.world_size, self.rank
+        self._shard_world = self.world_size
+        # The optimizer agrees on non-finite gradients from the total when it steps ranges of them (GradScaler).
+        self.health.keep_total = bool(sharded_grads or self.main_buckets)
+        self._install_layout(self.layout())  # the buckets again, padded to be divided
+        buckets = self._set.buckets
         self.shards = ShardLayout(
-            [(b.pos, b.param_indices, [p.numel() for p in b.params], b.params[0].element_size()) for b in self._set.buckets],
-            world,
-            rank,
+            [(b.pos, b.param_indices, [p.numel() for p in b.params], b.padded) for b in buckets], self.world_size, self.rank
         )
         if sharded_grads:
             grads = {
-                b.pos: torch.zeros(b.shard, dtype=grad_dtype or self._set.buckets[b.pos].dtype, device=self.usage.device)
-                for b in self.shards.buckets
+                bs.pos: torch.zeros(bs.shard, dtype=_grad_dtype(buckets[bs.pos]), device=self.usage.device)
+                for bs in self.shards.buckets
             }
             self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite)
-            self.health.sharded = True
-        self._install_layout(self.layout())
+            self._install_layout(self.layout())  # the reductions become reduce-scatters (same buffers' sizes)
         return self.shards
 
     # ---------------------------------------------------------------- forward
@@ -389,6 +400,46 @@ class Reducer(ReducerSettings):
         self._set.order.restart()
 
     # --------------------------------------------------------------- backward
+
+    def _on_idle_grad(self, idx: int) -> None:
+        """Hook body between synchronized backwards (``no_sync``): count the use; queue the main gradients' accumulation."""
+        if self.usage.tracking_use:
+            self.usage.local_used[idx] = 1
+        if self.main_buckets and not self._idle_queued:
+            self._idle_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._accumulate_idle)
+
+    def _accumulate_idle(self) -> None:
+        """End of a ``no_sync`` backward: its 16-bit gradients go into the float32 main gradients."""
+        self._idle_queued = False
+        for fn in self.on_backward:  # (a sharded optimizer's all-gathers may still use the buckets)
+            fn()
+        for b in self.main_buckets:
+            b.accumulate()
+
+    def main_grad(self, idx: int) -> torch.Tensor:
+        """Parameter ``idx``'s float32 main gradient: a view of its bucket (the reduced value after a synchronized backward).
+
+        Raises:
+            RuntimeError: there are no main gradients, or they are reduce-scattered (each rank holds a range).
+        """
+        b = self._set.buckets[self._set.bucket_of[idx]]
+        if not isinstance(b, MainGradBucket):
+            raise RuntimeError(
+                f"fastcoll.DDP.main_grad: '{self.names[idx]}' has no float32 main gradient (construct the wrapper with "
+                "main_grad_dtype=torch.float32; parameters already float32 keep theirs in .grad)"
+            )
+        if self.shard_grads is not None:
+            raise RuntimeError(
+                "fastcoll.DDP.main_grad: the main gradients are reduce-scattered (ShardedOptimizer(grads='sharded')): "
+                "each rank holds its range only; use opt.clip_grad_norm_ / model.grad_norm() for the norm"
+            )
+        return b.views[self._set.slot_pos[idx]]
+
+    def zero_main_grads(self) -> None:
+        """Start a new accumulation of the main gradients."""
+        for b in self.main_buckets:
+            b.zero()
 
     def _on_grad(self, idx: int) -> None:
         """Hook body: parameter ``idx``'s gradient has been accumulated."""
@@ -526,6 +577,8 @@ class Reducer(ReducerSettings):
         shards = self.shard_grads
         if shards is not None:
             shards.filled = True
+            for b in self.main_buckets:  # their sum is in the ranges now: the next backward accumulates afresh
+                b.zero()
             if not shards.free_local:  # kept for the non-finite blame above; the reduced values are in the ranges
                 for p in self.params:
                     p.grad = None
@@ -581,3 +634,8 @@ class Reducer(ReducerSettings):
         for f in inflight:
             f.finish(None)
         self._end_iteration(joined=True)
+
+
+def _grad_dtype(b: GradBucket) -> torch.dtype:
+    """The dtype of a bucket's reduced gradients: float32 for main gradients, else the parameters'."""
+    return b.flat.dtype if isinstance(b, MainGradBucket) else b.dtype

@@ -16,7 +16,7 @@ import torch
 
 from .._knobs import early_pack_min_numel
 from ..bucketing import Caps, ParamSpec, assign_buckets, order_from_ready, reverse_registration_order
-from .bucket import GradBucket
+from .bucket import GradBucket, MainGradBucket
 from .comm import Communicator
 from .shards import padded_numel
 
@@ -41,22 +41,23 @@ def build_buckets(
     comm_dtype: Optional[torch.dtype],
     as_view: bool,
     shard_world: int = 0,
+    main_dtype: Optional[torch.dtype] = None,
 ) -> List[GradBucket]:
     """Allocate the buckets of ``layout``; with ``as_view``, existing gradients move into their views.
 
     ``shard_world`` > 0: the dense buckets are padded to be divided among that many ranks (:mod:`.shards`).
+    ``main_dtype``: buckets of 16-bit parameters accumulate their gradients in it (:class:`MainGradBucket`).
     """
     buckets = []
     for pos, idxs in enumerate(layout):
         ps = [params[i] for i in idxs]
-        padded = padded_numel(sum(p.numel() for p in ps), shard_world, ps[0].element_size()) if shard_world else None
-        buckets.append(
-            GradBucket(
-                pos, len(layout), list(idxs), ps, [names[i] for i in idxs],
-                wire_dtype=wire_dtype(comm_dtype, ps[0].dtype), as_view=as_view, sparse=bool(sparse[idxs[0]]),
-                padded=padded,
-            )
-        )  # fmt: skip
+        is_sparse = bool(sparse[idxs[0]])
+        main = main_dtype is not None and not is_sparse and ps[0].dtype in (torch.float16, torch.bfloat16)
+        grad_dtype = main_dtype if main else ps[0].dtype
+        padded = padded_numel(sum(p.numel() for p in ps), shard_world, grad_dtype.itemsize) if shard_world else None
+        args = (pos, len(layout), list(idxs), ps, [names[i] for i in idxs])
+        kwargs = dict(wire_dtype=wire_dtype(comm_dtype, grad_dtype), as_view=as_view, sparse=is_sparse, padded=padded)
+        buckets.append(MainGradBucket(*args, main_dtype=main_dtype, **kwargs) if main else GradBucket(*args, **kwargs))
     if as_view:
         with torch.no_grad():
             for b in buckets:
@@ -84,7 +85,7 @@ def early_pack_slots(buckets: Sequence[GradBucket], n: int) -> Tuple[List[Option
     slots: List[Optional[torch.Tensor]] = [None] * n
     slot_pos = [0] * n
     for b in buckets:
-        eligible = b.device.type == "cpu" and not b.sparse
+        eligible = b.device.type == "cpu" and not b.sparse and not isinstance(b, MainGradBucket)
         for k, i in enumerate(b.param_indices):
             slot_pos[i] = k
             numel = b.params[k].numel()
@@ -186,13 +187,22 @@ class BucketSet:
             self.specs, reverse_registration_order(len(self.params)), self.first_bucket_bytes, self.bucket_cap_bytes
         )
 
-    def install(self, layout: List[List[int]], comm_dtype: Optional[torch.dtype], shard_world: int = 0) -> None:
+    def install(
+        self,
+        layout: List[List[int]],
+        comm_dtype: Optional[torch.dtype],
+        shard_world: int = 0,
+        main_dtype: Optional[torch.dtype] = None,
+    ) -> None:
         """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them.
 
-        ``shard_world`` > 0 pads the dense buckets to be divided among that many ranks.
+        ``shard_world`` > 0 pads the dense buckets to be divided among that many ranks; ``main_dtype``: see
+        :func:`build_buckets`.
         """
         self.buckets = []  # release the old buffers before allocating the new ones
-        self.buckets = build_buckets(layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world)
+        self.buckets = build_buckets(
+            layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world, main_dtype
+        )
         self.bucket_of = [0] * len(self.params)
         for b in self.buckets:
             for i in b.param_indices:

@@ -100,7 +100,8 @@ class ShardLayout:
     """Every dense bucket's ranges and this rank's pieces, for one bucket layout and world size.
 
     Args:
-        buckets: ``(pos, param_indices, sizes, element_size)`` per dense bucket, in reduction order.
+        buckets: ``(pos, param_indices, sizes, padded)`` per dense bucket, in reduction order; ``padded``
+            as the buckets were allocated (:func:`padded_numel` of their gradients' element size).
         world_size, rank: The group's.
     """
 
@@ -109,9 +110,10 @@ class ShardLayout:
         self.rank = rank
         self.buckets: List[BucketShards] = []
         self.pieces: List[List[Piece]] = []  # per entry of ``buckets``
-        for pos, idxs, sizes, esize in buckets:
+        for pos, idxs, sizes, padded in buckets:
             numel = sum(sizes)
-            padded = padded_numel(numel, world_size, esize)
+            if padded % world_size or padded < numel:
+                raise ValueError(f"bucket {pos}: {padded} padded elements cannot be divided among {world_size} ranks")
             shard = padded // world_size
             self.buckets.append(BucketShards(pos, numel, padded, shard, rank * shard))
             self.pieces.append(pieces_of(sizes, idxs, padded, world_size, rank) if padded else [])
