@@ -109,7 +109,8 @@ def main(argv: list) -> int:
     runner = unittest.TextTestRunner(verbosity=2, resultclass=_Recorder, stream=sys.stderr)
     result = runner.run(suite)
     with open(out, "w") as f:
-        json.dump({"implementation": IMPLEMENTATION, "torch": torch.__version__, "tests": result.outcomes}, f, indent=1)
+        where = sys.modules["fastcoll"].__file__ if IMPLEMENTATION == "fastcoll" else torch.__file__
+        json.dump({"implementation": IMPLEMENTATION, "from": where, "tests": result.outcomes}, f, indent=1)
     return 0
 
 

@@ -7,8 +7,8 @@ every other DDP test there needs GPUs, NCCL or torchvision, or is skipped
 upstream). Each implementation runs them in one ``ddp_suite.py`` process
 (which spawns two rank processes per test). A fastcoll failure listed in
 :data:`EXPLAINED` is expected, with the reason printed; any other failure
-(or a test that passes with torch DDP and fails with fastcoll.DDP without an
-entry) makes the run exit 1.
+(one without an entry, unless torch DDP fails or skips it the same way)
+makes the run exit 1.
 
 Usage::
 
@@ -110,7 +110,7 @@ def main() -> int:
         results[impl] = r = run_one(impl, tests, args.timeout)
         if args.verbose or not r["tests"]:
             print(r["log"])
-        print(f"[torch-ddp-suite] {impl}: {r['seconds']:.0f} s", flush=True)
+        print(f"[torch-ddp-suite] {impl}: {r['seconds']:.0f} s ({r.get('from', '?')})", flush=True)
     if "fastcoll" in results:
         marks = results["fastcoll"]["marks"]
         if any(m != "fastcoll.ddp.wrapper.DDP" for m in marks) or not marks:
@@ -126,9 +126,12 @@ def main() -> int:
             cells.append(results[impl]["tests"].get(name, {}).get("outcome", "not run"))
         reason = ""
         fc = results.get("fastcoll", {}).get("tests", {}).get(name)
+        td = results.get("torch", {}).get("tests", {}).get(name)
         if fc is not None and fc["outcome"] != "passed":
             reason = EXPLAINED.get(name, "")
-            if not reason:
+            if not reason and td is not None and td["outcome"] == fc["outcome"]:
+                reason = f"{fc['outcome']} with torch DDP too: " + first_error_line(fc["detail"])
+            elif not reason:
                 unexplained.append(name)
                 reason = "UNEXPLAINED: " + first_error_line(fc["detail"])
         cells.append(reason)
