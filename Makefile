@@ -39,7 +39,7 @@ test: build
 # PyTorch's own DDP tests (torch.testing._internal.distributed.distributed_test, _DistTestBase: the 11 that
 # build a DDP and run on CPU with gloo and 2 ranks) run twice, with torch DDP and with fastcoll.DDP substituted
 # for it, then a table of both results (tests/torch_suite/run.py; README, "PyTorch's own DDP tests"). About
-# 15 minutes on 2 cores (each test spawns two ranks that import torch), so not part of `make test`.
+# 11 minutes on a busy 2-core machine (each test spawns two ranks that import torch), so not part of `make test`.
 # SUITE_ARGS: e.g. `--only fastcoll test_ddp_logging_data_cpu`.
 SUITE_ARGS ?=
 test-torch-ddp-suite: build
