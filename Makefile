@@ -15,7 +15,8 @@ CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
 CUDA_HOME ?= /usr/local/cuda
 PYTEST_ARGS ?=
 
-.PHONY: all setup build test lint test-oldest-torch bench bench-quick gpu-wheels gpu-check cmake-test cuda-build-check clean
+.PHONY: all setup build test lint test-oldest-torch test-torch-ddp-suite bench bench-quick gpu-wheels gpu-check cmake-test \
+  cuda-build-check clean
 
 all: test
 
@@ -38,6 +39,15 @@ build: $(VENV)/.build-stamp
 
 test: build
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# PyTorch's own DDP tests (torch.testing._internal.distributed.distributed_test, _DistTestBase: the 11 that
+# build a DDP and run on CPU with gloo and 2 ranks) run twice, with torch DDP and with fastcoll.DDP substituted
+# for it, then a table of both results (tests/torch_suite/run.py; README, "PyTorch's own DDP tests"). About
+# 11 minutes on a busy 2-core machine (each test spawns two ranks that import torch), so not part of `make test`.
+# SUITE_ARGS: e.g. `--only fastcoll test_ddp_logging_data_cpu`.
+SUITE_ARGS ?=
+test-torch-ddp-suite: build
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} OMP_NUM_THREADS=1 $(VPY) tests/torch_suite/run.py $(SUITE_ARGS)
 
 # ruff's checks and its formatter in check mode, configured in pyproject.toml [tool.ruff], one
 # line per finding. `.venv/bin/ruff check FILE` and `.venv/bin/ruff format --diff FILE` show them

@@ -6,10 +6,12 @@ accelerate, transformers, Lightning, mmengine) treats it as one; torch's
 constructor never runs, so none of torch's reducer, logger, hooks or
 broadcasts exist. Every torch member is therefore one of:
 
-* fastcoll's own, with torch's meaning (the wrapper and its mixins, and
+* fastcoll's own, with torch's meaning (the wrapper and its mixins, such as
+  :class:`fastcoll.ddp.logging_data.LoggingData` (``_get_ddp_logging_data``,
+  ``_set_ddp_runtime_logging_sample_rate``, ``_log_and_throw``), and
   :class:`TorchMembers` below: ``will_sync_module_buffers``,
-  ``_get_ddp_logging_data``, ``_remove_autograd_hooks``,
-  ``_check_reducer_finalized``, ``_has_rebuilt_buckets``, ...);
+  ``_remove_autograd_hooks``, ``_check_reducer_finalized``,
+  ``_has_rebuilt_buckets``, ...);
 * torch's, inherited, where it only reads attributes fastcoll sets
   (``train``, ``scatter``/``gather``, ``_get_data_parallel_params``,
   ``_set_params_and_buffers_to_ignore_for_model``, ``_register_fused_optim``

@@ -43,6 +43,7 @@ from .compat import TorchMembers, check_torch_features
 from .health import GradHealthMethods
 from .inspection import SyncInspection
 from .join import JoinState, JoinSupport
+from .logging_data import LoggingData
 from .pickling import PicklingSupport
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -65,7 +66,9 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DDP(PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection, TorchMembers, TorchDDP):
+class DDP(
+    PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection, LoggingData, TorchMembers, TorchDDP
+):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
 
     Wraps ``module`` so that every synchronized backward averages the

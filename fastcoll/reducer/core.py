@@ -63,6 +63,7 @@ from .comm import Communicator
 from .health import Divisor, GradHealth
 from .layout import BucketSet
 from .reduction import AllReduce, CommHook, InFlight, ReduceScatter, ShardGrads, Skipped, SparseSum, ZeroBuffers
+from .runtime_log import RuntimeLog
 from .settings import ReducerSettings
 from .shards import ShardLayout
 from .timeline import Timeline
@@ -230,6 +231,8 @@ class Reducer(ReducerSettings):
         self.on_forward: List[Callable[[], None]] = []
         self._phase = _IDLE
         self.timeline = Timeline(enabled=bool(record_timeline))
+        #: torch DDP's logging data recorded while training (sampled times, the last error).
+        self.runtime_log = RuntimeLog()
         self._tuning = LayoutTuning() if autotune else None
         self.health = GradHealth(bool(compute_grad_norm), bool(check_nonfinite), self.params[0].device)
         self._user_divisor: Divisor = None
@@ -394,10 +397,12 @@ class Reducer(ReducerSettings):
         """
         if self.closed:
             return
+        self.timeline.forward_end()
         self._phase = _ARMED
         self._reset_progress()
         self.usage.begin_iteration(outputs)
         self._set.order.restart()
+        self.runtime_log.forward_end(self.timeline, self.usage.graph_static)
 
     # --------------------------------------------------------------- backward
 
@@ -459,7 +464,7 @@ class Reducer(ReducerSettings):
         if usage.track_used:
             usage.local_used[idx] = 1
         pos = self._bucket_of[idx]
-        self.timeline.ready(pos)
+        self.timeline.ready(pos, idx)
         if rem == 1:
             if observed is not None:
                 observed.append(idx)
@@ -604,6 +609,8 @@ class Reducer(ReducerSettings):
             self._count_expected()
         self._set.order.end_iteration(joined)
         self.timeline.end_iteration()
+        if not joined:
+            self.runtime_log.end_iteration(self)
         self.comm.state.end_iteration()
         self._inflight = [None] * len(self._set.buckets)
         self._phase = _IDLE

@@ -14,11 +14,12 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..bucketing import assign_buckets
 from ..ops.dtypes import check_comm_dtype
 from .bucket import PackArgs
 from .comm import Collective
 from .health import check_divisor, inverse_divisor
-from .reduction import CommHook
+from .reduction import CommHook, Skipped
 from .usage import marked_twice_error, unfinished_error
 
 __all__ = ["ReducerSettings"]
@@ -55,8 +56,16 @@ class ReducerSettings:
             raise RuntimeError(f"fastcoll.DDP: cannot {what} while a backward pass is being reduced; do it between iterations")
 
     def set_static_graph(self) -> None:
-        """Switch to static-graph mode; only before the first synchronized iteration."""
-        self.usage.enable_static_graph()
+        """Switch to static-graph mode; only before the first synchronized iteration.
+
+        Raises:
+            RuntimeError: a synchronized iteration has completed (recorded in :attr:`runtime_log`).
+        """
+        try:
+            self.usage.enable_static_graph()
+        except RuntimeError as exc:
+            self.runtime_log.record_error(str(exc))
+            raise
         self._set.order.enable()
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
@@ -96,6 +105,17 @@ class ReducerSettings:
         """The current buckets as lists of parameter indices, in reduction order."""
         return self._set.layout()
 
+    def initial_layout(self) -> List[List[int]]:
+        """The layout built at construction (reverse registration order), whatever the layout is now."""
+        return self._set.initial_layout()
+
+    def rebuilt_layout(self) -> Optional[List[List[int]]]:
+        """The layout the one rebuild from the gradient-ready order installed; None when no rebuild has happened."""
+        s = self._set
+        if s.rebuild_order is None:
+            return None
+        return assign_buckets(s.specs, s.rebuild_order, s.first_bucket_bytes, s.bucket_cap_bytes)
+
     def bucket_info(self) -> List[Dict[str, Any]]:
         """Each bucket's index, parameter names, dtype, device, numel, bytes and wire dtype, in reduction order."""
         return self._set.info()
@@ -125,6 +145,14 @@ class ReducerSettings:
         """
         if self.reducing:
             self._raise_unfinished()
+
+    def _ddp_graph_static(self) -> bool:
+        """torch's: whether the graph looks static so far (static_graph, or the same unused parameters every iteration)."""
+        return self.usage.static_graph or self.usage.graph_static
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """torch's: sample every ``sample_rate``-th iteration's runtime statistics after the first 10."""
+        self.runtime_log.set_sample_rate(sample_rate)
 
     def _get_local_used_map(self) -> torch.Tensor:
         """The last used-parameter map reduced over ranks (int32 counts per parameter), as torch's reducer keeps it."""
@@ -157,6 +185,10 @@ class ReducerSettings:
             "host_reads": u.host_reads,
         }
 
+    def buckets_reduced(self) -> int:
+        """Buckets of the iteration under way (or just completed) that issued a reduction (not skipped as unused)."""
+        return sum(1 for f in self._inflight if f is not None and not isinstance(f, Skipped))
+
     def tuning_report(self) -> List[Dict[str, Any]]:
         """``bucket_cap_mb="auto"``: each candidate layout with its measured medians and which was chosen."""
         return [] if self._tuning is None else self._tuning.report()
@@ -164,14 +196,19 @@ class ReducerSettings:
     # ----------------------------------------------------------------- errors
 
     def _raise_marked_twice(self, idx: int) -> None:
-        raise marked_twice_error(self.names[idx], idx in self.usage.unused)
+        raise self._logged(marked_twice_error(self.names[idx], idx in self.usage.unused))
 
     def unfinished_names(self) -> List[str]:
         """Names of parameters whose gradients are still missing in the current iteration."""
         return [self.names[i] for i in self.usage.unfinished()]
 
     def _raise_unfinished(self) -> None:
-        raise unfinished_error(self.unfinished_names())
+        raise self._logged(unfinished_error(self.unfinished_names()))
+
+    def _logged(self, exc: BaseException) -> BaseException:
+        """``exc``, recorded as the last error (torch's reducer logs its checks' failures the same way)."""
+        self.runtime_log.record_error(str(exc))
+        return exc
 
     # ---------------------------------------------------------------- teardown
 
@@ -196,9 +233,9 @@ class ReducerSettings:
 #: Methods of torch's C++ ``dist.Reducer`` that fastcoll's reducer does not offer.
 _TORCH_REDUCER_ONLY = frozenset(
     {
-        "_autograd_hook", "_check_reducer_finalized", "_ddp_graph_static", "_get_zeros_like_grad_buckets",
+        "_autograd_hook", "_check_reducer_finalized", "_get_zeros_like_grad_buckets",
         "_install_post_backward_futures", "_push_all_rebuilt_params", "_remove_autograd_hooks", "_reset_state",
-        "_run_allreduce_hook", "_run_comm_hook", "_set_ddp_runtime_logging_sample_rate", "_set_forward_pass_work_handle",
+        "_run_allreduce_hook", "_run_comm_hook", "_set_forward_pass_work_handle",
         "_set_mixed_precision_param_dtype", "_set_optimizer_in_backward", "_set_sparse_metadata", "_set_static_graph",
         "_update_process_group", "get_backward_stats", "set_logger",
     }

@@ -5,7 +5,10 @@ synchronized iterations. Per bucket it records the gradient-ready times of the
 bucket's first and last parameter, pack start/end, collective issued /
 completed and write-back start/end; per iteration the forward start, the
 backward start (first gradient hook), the end of backward compute (the
-autograd engine's end-of-backward callback) and the end of the iteration.
+autograd engine's end-of-backward callback) and the end of the iteration;
+also the end of the forward (the reducer armed for backward) and the start of
+the first bucket's reduction, which torch DDP's runtime logging statistics
+need (:mod:`.runtime_log`).
 From those:
 
 * exposed synchronization time = last write-back end - backward compute end
@@ -21,8 +24,9 @@ the autotuner measures (:meth:`Timeline.last_times`).
 Integration (calls the reducer makes; ``b`` is the bucket's position)::
 
     prepare_for_forward, after any layout change   tl.begin_iteration(len(buckets))
+    prepare_for_backward, first thing              tl.forward_end()
     _start_backward (first hook)                   tl.backward_start()
-    _on_grad, once the bucket position is known    tl.ready(b)          (every gradient)
+    _on_grad, once the bucket position is known    tl.ready(b, idx)     (every gradient; idx: the parameter)
     reduction start                                tl.pack_start(b); b.pack(...); tl.pack_end(b)
                                                    handle = all_reduce(...); tl.issued(b)
                                                    tl.watch(handle, b)  (optional: true completion time)
@@ -41,7 +45,7 @@ recording is off or no iteration is open (a no-op then). Iterations are committe
 ends (a forward without backward, an unfinished backward) is overwritten by
 the next :meth:`begin_iteration` and never reported.
 
-Cost: iteration-level times (4 per iteration) are always recorded; with
+Cost: iteration-level times (8 per iteration) are always recorded; with
 ``enabled=False`` nothing per bucket or per gradient is, so those calls cost an
 attribute test. When enabled, an event is one ``time.perf_counter_ns()`` and one
 store into a list preallocated per ring slot (``ready`` stores twice), no
@@ -95,8 +99,9 @@ BUCKET_EVENTS = (
     "writeback_end",
 )
 _READY_FIRST, _READY_LAST, _PACK_START, _PACK_END, _ISSUED, _COMPLETED, _WB_START, _WB_END = range(8)
-# Iteration-level times.
-_FORWARD, _BACKWARD_START, _BACKWARD_END, _FINALIZE_START, _FINALIZE_END, _END = range(6)
+# Iteration-level times (the last two: the forward's end, the first bucket's reduction start).
+_FORWARD, _BACKWARD_START, _BACKWARD_END, _FINALIZE_START, _FINALIZE_END, _END, _FORWARD_END, _COMM_START = range(8)
+_N_TIMES = 8
 
 
 class _NullRange:
@@ -127,14 +132,14 @@ def bucket_range_name(k: int, what: str) -> str:
 
 
 class _Slot:
-    """One iteration of the ring: 6 iteration-level times and 8 per-bucket lists."""
+    """One iteration of the ring: 8 iteration-level times and 8 per-bucket lists."""
 
     __slots__ = ("ev", "n", "seq", "t")
 
     def __init__(self) -> None:
         self.seq = -1
         self.n = 0
-        self.t = [0] * 6
+        self.t = [0] * _N_TIMES
         self.ev: list[list[int]] = [[] for _ in BUCKET_EVENTS]
 
     def reserve(self, n: int) -> None:
@@ -155,6 +160,10 @@ class Timeline:
         enabled: See above. Changing it takes effect at the next :meth:`begin_iteration`.
         comm_names: Optional per-bucket name of the communication ("all-reduce",
             "comm hook", "all-gather"); used by :meth:`to_chrome_trace` (default "all-reduce").
+        ready_order: None, or a list :meth:`ready` appends each gradient's
+            parameter index to (whether or not recording is enabled); the
+            reducer's :class:`~fastcoll.reducer.runtime_log.RuntimeLog` sets
+            it for the iterations it samples.
     """
 
     def __init__(self, capacity: int = 8, enabled: bool = True):
@@ -163,6 +172,7 @@ class Timeline:
         self.capacity = int(capacity)
         self.enabled = bool(enabled)
         self.comm_names: Sequence[str] | None = None
+        self.ready_order: list[int] | None = None
         self._slots = [_Slot() for _ in range(self.capacity)]
         self._head = 0  # the slot the open (or next) iteration writes
         self._committed = 0  # iterations committed so far
@@ -188,13 +198,18 @@ class Timeline:
         t = slot.t
         t0 = _ns()
         t[_FORWARD] = t0
-        for i in range(1, 6):
+        for i in range(1, _N_TIMES):
             t[i] = 0
         slot.seq = self._committed
         self._bind(slot)
         self._open = True
         self._rec = self.enabled
         self._ranges.clear()
+
+    def forward_end(self) -> None:
+        """The forward ended: the reducer is armed for a synchronized backward (torch DDP's backward compute start)."""
+        if self._open:
+            self._t[_FORWARD_END] = _ns()
 
     def backward_start(self) -> None:
         """The first gradient hook of the iteration fired."""
@@ -234,15 +249,29 @@ class Timeline:
 
     # -------------------------------------------------------------- per bucket
 
-    def ready(self, b: int) -> None:
-        """A gradient of bucket ``b`` became ready (call for every gradient; the first and the last are kept)."""
+    def ready(self, b: int, idx: int = -1) -> None:
+        """A gradient of bucket ``b`` (of parameter ``idx``) became ready; call for every gradient.
+
+        The first and the last time per bucket are kept; ``idx`` is appended
+        to :attr:`ready_order` when that is a list.
+        """
         if self._rec:
             t = _ns()
             if self._first[b] < self._t0:
                 self._first[b] = t
             self._last[b] = t
+        order = self.ready_order
+        if order is not None:
+            order.append(idx)
+
+    def _comm_start(self) -> None:
+        # The first bucket reduction of the iteration starts (an iteration-level time, always recorded).
+        if self._open and not self._t[_COMM_START]:
+            self._t[_COMM_START] = _ns()
 
     def pack_start(self, b: int) -> None:
+        """Bucket ``b``'s reduction starts with its pack (the first one of an iteration is its communication start)."""
+        self._comm_start()
         if self._rec:
             self._ev[_PACK_START][b] = _ns()
         if profiler_active():
@@ -256,6 +285,7 @@ class Timeline:
 
     def issued(self, b: int) -> None:
         """Bucket ``b``'s collective was issued (the call returned its handle)."""
+        self._comm_start()
         if self._rec:
             self._ev[_ISSUED][b] = _ns()
 
@@ -337,6 +367,25 @@ class Timeline:
         k = min(self._committed, self.capacity)
         start = (self._head - k) % self.capacity
         return [self._slots[(start + i) % self.capacity] for i in range(k)]
+
+    def last_iteration_ns(self) -> tuple[int, dict[str, int]] | None:
+        """``(seq, times)`` of the last committed iteration (None: none yet), recorded even when disabled.
+
+        ``seq`` is its :meth:`iterations` number; ``times`` maps ``forward_start``,
+        ``forward_end``, ``backward_start``, ``backward_end``, ``comm_start``
+        (the first bucket's reduction), ``finalize_start``, ``finalize_end``
+        and ``end`` to ``perf_counter_ns`` times, each only when it was recorded.
+        """
+        if not self._committed:
+            return None
+        slot = self._slots[(self._head - 1) % self.capacity]
+        t = slot.t
+        named = (
+            ("forward_start", _FORWARD), ("forward_end", _FORWARD_END), ("backward_start", _BACKWARD_START),
+            ("backward_end", _BACKWARD_END), ("comm_start", _COMM_START), ("finalize_start", _FINALIZE_START),
+            ("finalize_end", _FINALIZE_END), ("end", _END),
+        )  # fmt: skip
+        return slot.seq, {name: t[i] for name, i in named if t[i] and t[i] >= t[_FORWARD]}
 
     def last_times(self) -> tuple[float, float] | None:
         """``(exposed_sync_s, step_s)`` of the last committed iteration (None: none yet); recorded even when disabled."""

@@ -116,6 +116,8 @@ class ParameterUsage:
         self.iterations = 0
         #: Unused-parameter searches run (one per iteration when the graph is dynamic).
         self.searches = 0
+        #: Every search so far found the same unused parameters (torch's ``ddp_graph_static_``).
+        self.graph_static = True
         self._static_used: Optional[List[bool]] = None
         # Per iteration:
         self.remaining: List[int] = [1] * n
@@ -165,7 +167,10 @@ class ParameterUsage:
             self.hook_counts = [0] * n
         if self.searching:
             self.searches += 1
-            self.unused = unreachable_parameters(outputs, self.index_of_id, n)
+            unused = unreachable_parameters(outputs, self.index_of_id, n)
+            if self.searches > 1 and unused != self.unused:
+                self.graph_static = False
+            self.unused = unused
         else:
             self.unused = []
         self._unused_set = frozenset(self.unused)
