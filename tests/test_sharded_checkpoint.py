@@ -49,18 +49,16 @@ def uninterrupted(rank: int, world: int, grads: str) -> dict:
     return _params(model)
 
 
-def first_half(rank: int, world: int, grads: str, directory: str, kind: str) -> None:
+def first_half(rank: int, world: int, grads: str, directory: str) -> None:
+    """Train the first steps, then write both formats: the per-rank shards and the standard state dict."""
     model, ddp, opt = _setup(grads)
     _train(ddp, opt, rank, world, range(CUT))
     os.makedirs(directory, exist_ok=True)
-    if kind == "sharded":
-        ckpt.save_sharded(opt, directory)
-        assert os.path.exists(os.path.join(directory, f"optim-rank{rank:05d}-of-{world:05d}.pt"))
-    else:
-        full = opt.state_dict()  # a collective: every rank calls it, every rank gets the whole state
-        if rank == 0:
-            torch.save(full, os.path.join(directory, "optim-full.pt"))
+    ckpt.save_sharded(opt, directory)
+    assert os.path.exists(os.path.join(directory, f"optim-rank{rank:05d}-of-{world:05d}.pt"))
+    full = opt.state_dict()  # a collective: every rank calls it, every rank gets the whole state
     if rank == 0:
+        torch.save(full, os.path.join(directory, "optim-full.pt"))
         torch.save(model.state_dict(), os.path.join(directory, "model.pt"))
 
 
@@ -73,27 +71,6 @@ def second_half(rank: int, world: int, grads: str, directory: str, kind: str) ->
         opt.load_state_dict(torch.load(os.path.join(directory, "optim-full.pt"), weights_only=True))
     _train(ddp, opt, rank, world, range(CUT, STEPS))
     return _params(model)
-
-
-def _close(a: dict, b: dict, what: str) -> None:
-    for n in b:
-        assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6), f"{what}: {n} differs by {(a[n] - b[n]).abs().max()}"
-
-
-@pytest.mark.parametrize("grads", ["full", "sharded"])
-@pytest.mark.parametrize("kind", ["sharded", "full"])
-def test_resume_at_other_world_sizes(tmp_path, grads, kind):
-    reference = run_ranks(uninterrupted, 3, grads, timeout=120)[0]
-    saved3 = str(tmp_path / "at3")
-    run_ranks(first_half, 3, grads, saved3, kind, timeout=120)
-    for world in (2, 1):
-        ends = run_ranks(second_half, world, grads, saved3, kind, timeout=120)
-        for rank, end in enumerate(ends):
-            _close(end, reference, f"{kind} saved at 3, resumed at {world} (rank {rank}, grads={grads})")
-    saved2 = str(tmp_path / "at2")
-    run_ranks(first_half, 2, grads, saved2, kind, timeout=120)
-    for rank, end in enumerate(run_ranks(second_half, 3, grads, saved2, kind, timeout=120)):
-        _close(end, reference, f"{kind} saved at 2, resumed at 3 (rank {rank}, grads={grads})")
 
 
 def plain_resume(directory: str, kind: str) -> dict:
@@ -113,11 +90,26 @@ def plain_resume(directory: str, kind: str) -> dict:
     return _params(model)
 
 
-@pytest.mark.parametrize("kind", ["sharded", "full"])
-def test_resume_with_a_plain_torch_optimizer(tmp_path, kind):
-    reference = run_ranks(uninterrupted, 3, "sharded", timeout=120)[0]
-    run_ranks(first_half, 3, "sharded", str(tmp_path), kind, timeout=120)
-    _close(plain_resume(str(tmp_path), kind), reference, f"{kind} checkpoint into torch.optim.AdamW")
+def _close(a: dict, b: dict, what: str) -> None:
+    for n in b:
+        assert torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6), f"{what}: {n} differs by {(a[n] - b[n]).abs().max()}"
+
+
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+def test_resume_at_other_world_sizes(tmp_path, grads):
+    """Saved at 3 ranks: resumed at 2 and 1 (both formats), and with a plain torch AdamW; saved at 2: resumed at 3."""
+    reference = run_ranks(uninterrupted, 3, grads, timeout=120)[0]
+    at3 = str(tmp_path / "at3")
+    run_ranks(first_half, 3, grads, at3, timeout=120)
+    for world, kind in ((2, "sharded"), (1, "sharded"), (2, "full")):
+        for rank, end in enumerate(run_ranks(second_half, world, grads, at3, kind, timeout=120)):
+            _close(end, reference, f"{kind} saved at 3, resumed at {world} (rank {rank}, grads={grads})")
+    for kind in ("sharded", "full"):
+        _close(plain_resume(at3, kind), reference, f"{kind} checkpoint into torch.optim.AdamW")
+    at2 = str(tmp_path / "at2")
+    run_ranks(first_half, 2, grads, at2, timeout=120)
+    for rank, end in enumerate(run_ranks(second_half, 3, grads, at2, "sharded", timeout=120)):
+        _close(end, reference, f"saved at 2, resumed at 3 (rank {rank}, grads={grads})")
 
 
 def layout_worker(rank: int, world: int) -> dict:
