@@ -4,7 +4,7 @@
 
 For each bucket (16-bit or float32 gradients added into a float32 main-gradient
 buffer by 1/8, as in 8 micro-batches), round-robin and interleaved
-(fastcoll.bench.common.measure_interleaved), median of R samples:
+(fastcoll.bench.common.measure_interleaved), median (and minimum) of R samples:
 
 * fused:          ops.flatten_accumulate(grads, main, 1/8), one call;
 * add_ mixed:     view.add_(grad, alpha=1/8) per tensor (views of main; torch promotes in the kernel);
@@ -18,7 +18,7 @@ buffer by 1/8, as in 8 micro-batches), round-robin and interleaved
 GB/s counts the bytes each method moves to and from memory per element: the gradient read, and
 main read and written (the accumulations and the cached copy: src + 2 * dst bytes), or main
 only written (the non-temporal copy: src + dst). "per byte vs fused" is the fused op's time per
-byte over the method's (above 1: the method moves its bytes faster).
+byte over the method's (above 1: the method moves its bytes faster); GB/s and the ratios use medians.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def run(threads: int, reps: int, quick: bool) -> None:
     scale = 1 / 8
     print(f"torch {torch.__version__}, {threads} thread(s), {ops.implementation()}, median of {reps} samples")
     print(
-        f"{'bucket':26s} {'tensors':>7s} {'MiB main':>8s}  {'method':14s} {'ms':>8s} {'GB/s':>6s} "
+        f"{'bucket':26s} {'tensors':>7s} {'MiB main':>8s}  {'method':14s} {'ms':>8s} {'min ms':>8s} {'GB/s':>6s} "
         f"{'time/fused':>9s} {'per byte vs fused':>8s}"
     )
     for name, shapes, gdtype in buckets(quick):
@@ -107,7 +107,7 @@ def run(threads: int, reps: int, quick: bool) -> None:
             t = summarize(s)["median_s"]
             per_byte = (fused / moved["fused"]) / (t / moved[method])
             print(
-                f"{name:26s} {len(grads):7d} {n * 4 / MiB:8.1f}  {method:14s} {t * 1e3:8.3f} "
+                f"{name:26s} {len(grads):7d} {n * 4 / MiB:8.1f}  {method:14s} {t * 1e3:8.3f} {min(s) * 1e3:8.3f} "
                 f"{moved[method] / t / 1e9:6.2f} {t / fused:8.2f}x {per_byte:8.2f}"
             )
 
