@@ -178,6 +178,17 @@ bool flatten_scale_ex(py::handle tensors, py::handle out, double scale, py::hand
   });
 }
 
+bool flatten_accumulate(py::handle tensors, py::handle out, double scale, py::handle nonfinite) {
+  static const auto handle = op<void(at::TensorList, const at::Tensor&, double, const std::optional<at::Tensor>&)>(
+      "fastcoll::flatten_accumulate");
+  BorrowedCall call;
+  std::optional<at::Tensor> flag;
+  const bool ok = call.add_single(out) && call.add_list(tensors) && call.add_optional(nonfinite, flag);
+  return run_direct(call, ok, [&](c10::DispatchKeySet ks) {
+    handle.redispatch(ks, call.list(), call.single(0), scale, flag);
+  });
+}
+
 bool unflatten_scale(py::handle flat, py::handle tensors, double scale) {
   static const auto handle = op<void(const at::Tensor&, at::TensorList, double)>("fastcoll::unflatten_scale");
   BorrowedCall call;
@@ -220,6 +231,9 @@ void bind_eager(py::module_& m) {
   m.def(
       "_flatten_scale_ex", &flatten_scale_ex, doc, py::arg("tensors"), py::arg("out"), py::arg("scale"),
       py::arg("scale_by"), py::arg("nonfinite"));
+  m.def(
+      "_flatten_accumulate", &flatten_accumulate, doc, py::arg("tensors"), py::arg("out"), py::arg("scale"),
+      py::arg("nonfinite"));
   m.def("_unflatten_scale", &unflatten_scale, doc, py::arg("flat"), py::arg("tensors"), py::arg("scale"));
   m.def(
       "_unflatten_scale_ex", &unflatten_scale_ex, doc, py::arg("flat"), py::arg("tensors"), py::arg("scale"),

@@ -27,6 +27,12 @@ struct Segment {
   at::ScalarType dst_dtype;
 };
 
+// How the tensors fill the flat buffer: all of it (flatten_scale and the
+// others: a non-empty list whose numels add up to the buffer's), or a prefix
+// of it (flatten_accumulate: the buffer may be longer, its tail is left alone;
+// an empty list is a prefix of length 0).
+enum class FlatFit { kExact, kPrefix };
+
 // Checks the arguments of flatten_scale (pack=true: tensors -> flat) or
 // unflatten_scale (pack=false: flat -> tensors) and returns the segments in
 // flat order. Throws (ValueError/TypeError/RuntimeError, naming the culprit,
@@ -36,7 +42,8 @@ std::vector<Segment> plan_segments(
     at::TensorList tensors,
     const at::Tensor& flat,
     bool pack,
-    const char* op = nullptr);
+    const char* op = nullptr,
+    FlatFit fit = FlatFit::kExact);
 
 // The gradient-health ops (flatten_scale_ex, unflatten_scale_ex,
 // sum_of_squares): a segment plan plus the small tensors they read or write,
@@ -52,7 +59,7 @@ struct HealthPlan {
   // when scale_by_f64) when given, read where it lives (on the device).
   const void* scale_by = nullptr;
   bool scale_by_f64 = false;
-  // flatten_scale_ex: set to 1 when a written value is NaN or +-Inf; never 0.
+  // flatten_scale_ex, flatten_accumulate: set to 1 when a written value is NaN or +-Inf; never 0.
   int32_t* nonfinite = nullptr;
   // unflatten_scale_ex / sum_of_squares: overwritten with the float64 sum of
   // the squares of the values written (read), in a thread-independent order.
@@ -69,6 +76,12 @@ HealthPlan plan_unflatten_scale_ex(
     at::TensorList tensors,
     const std::optional<at::Tensor>& sumsq);
 HealthPlan plan_sum_of_squares(at::TensorList tensors, const at::Tensor& out);
+// flatten_accumulate: plan_segments' pack into a prefix of out (FlatFit::kPrefix)
+// and the optional flag (segments and nonfinite set; the rest unused).
+HealthPlan plan_flatten_accumulate(
+    at::TensorList tensors,
+    const at::Tensor& out,
+    const std::optional<at::Tensor>& nonfinite);
 
 // CPU inner loop: copies n elements from src to dst, multiplied by scale and cast.
 using CopyFn = void (*)(const void* src, void* dst, int64_t n, double scale);
@@ -85,6 +98,19 @@ struct HealthFns {
   CopyFn copy;
   CopySumSqFn copy_sumsq;
   CopyCheckFn copy_check;
+};
+
+// CPU accumulation (cpu/copy_scale.h, flatten_accumulate): for i < n,
+// dst[i] = D(fma(M(src[i]), M(scale), M(dst[i]))), one fused multiply-add in
+// M = float (double when either side is double), the exact value rounded once
+// to M, then cast to the destination dtype D. The checked variant also returns
+// whether any value it stored is NaN or +-Inf. No non-temporal stores: the
+// destination's lines are read anyway.
+using AccumulateFn = void (*)(const void* src, void* dst, int64_t n, double scale);
+using AccumulateCheckFn = bool (*)(const void* src, void* dst, int64_t n, double scale);
+struct AccumulateFns {
+  AccumulateFn accumulate;
+  AccumulateCheckFn accumulate_check;
 };
 
 // The build of the CPU inner loops in use (cpu/cpu_isa.cpp): the best this CPU

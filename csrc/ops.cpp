@@ -138,10 +138,12 @@ int dtype_code(at::ScalarType t) {
   }
 }
 
-std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& flat, bool pack, const char* op_name) {
+std::vector<Segment> plan_segments(
+    at::TensorList tensors, const at::Tensor& flat, bool pack, const char* op_name, FlatFit fit) {
   const char* op = op_name != nullptr ? op_name : pack ? "fastcoll.flatten_scale" : "fastcoll.unflatten_scale";
   const std::string flat_name = pack ? "out" : "flat";
-  TORCH_CHECK_VALUE(!tensors.empty(), op, ": tensors is empty; pass at least one tensor");
+  const bool exact = fit == FlatFit::kExact;
+  TORCH_CHECK_VALUE(!exact || !tensors.empty(), op, ": tensors is empty; pass at least one tensor");
   check_strided(op, flat, flat_name);
   check_dtype(op, flat, flat_name);
   TORCH_CHECK_VALUE(
@@ -159,8 +161,9 @@ std::vector<Segment> plan_segments(at::TensorList tensors, const at::Tensor& fla
     total += t.numel();
   }
   TORCH_CHECK_VALUE(
-      total == flat.numel(), op, ": the tensors hold ", total, " elements in total but ", flat_name,
-      " has ", flat.numel(), "; ", flat_name, " must have exactly as many");
+      exact ? total == flat.numel() : total <= flat.numel(), op, ": the tensors hold ", total,
+      " elements in total but ", flat_name, " has ", flat.numel(), "; ", flat_name, " must have ",
+      exact ? "exactly" : "at least", " as many");
 
   // Aliasing. A tensor sitting exactly in its own slot of the flat buffer is an
   // in-place scale and is allowed; any other overlap would read overwritten data.
@@ -258,6 +261,23 @@ HealthPlan plan_unflatten_scale_ex(
   return plan;
 }
 
+// Checks in the order of fastcoll/ops/reference.py: the list and out
+// (plan_segments, out at least as long as the tensors), nonfinite, then its overlaps.
+HealthPlan plan_flatten_accumulate(
+    at::TensorList tensors, const at::Tensor& out, const std::optional<at::Tensor>& nonfinite) {
+  const char* op = "fastcoll.flatten_accumulate";
+  HealthPlan plan;
+  plan.segments = plan_segments(tensors, out, /*pack=*/true, op, FlatFit::kPrefix);
+  if (nonfinite.has_value()) {
+    check_small(op, *nonfinite, "nonfinite", {at::kInt}, kNeedFlag, out.device(), true);
+    auto others = listed(tensors);
+    others.insert(others.begin(), {"out", &out});
+    check_apart(op, *nonfinite, "nonfinite", others);
+    plan.nonfinite = nonfinite->data_ptr<int32_t>();
+  }
+  return plan;
+}
+
 HealthPlan plan_sum_of_squares(at::TensorList tensors, const at::Tensor& out) {
   const char* op = "fastcoll.sum_of_squares";
   TORCH_CHECK_VALUE(!tensors.empty(), op, ": tensors is empty; pass at least one tensor");
@@ -293,6 +313,9 @@ TORCH_LIBRARY(fastcoll, m) {
       "Tensor(b!)? nonfinite=None) -> ()");
   m.def("unflatten_scale_ex(Tensor flat, Tensor(a!)[] tensors, float scale=1.0, Tensor(b!)? sumsq=None) -> ()");
   m.def("sum_of_squares(Tensor[] tensors, Tensor(a!) out) -> ()");
+  // fp32 main gradients: out[slot] = out[slot] + scale * tensor, one fused multiply-add
+  // (definition in fastcoll/ops/__init__.py; CPU: csrc/cpu/accumulate_cpu.cpp).
+  m.def("flatten_accumulate(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor(b!)? nonfinite=None) -> ()");
   // Replica verification: one int64 hash per tensor (definition in csrc/cpu/checksum_cpu.cpp).
   m.def("checksum(Tensor[] tensors) -> Tensor");
 }

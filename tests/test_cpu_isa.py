@@ -1,5 +1,8 @@
 """The builds of the CPU inner loops (default, AVX2, AVX2 + AVX-512 BF16) store the same bits (NaN payloads aside).
 
+flatten_accumulate is in the probe too: its fused multiply-add (VFMADD in the vector builds, std::fma
+in the baseline build and the scalar tails) rounds once in every build.
+
 ``FASTCOLL_CPU_ISA`` picks a build for a process (``fastcoll.build_info()["cpu_isa"]``
 says which runs). Each build this CPU can run computes the same ops on the
 same inputs, among them the values where the builds' conversions differ
@@ -82,6 +85,13 @@ _PROBE = textwrap.dedent(
                 finite = [torch.nan_to_num(v.to(torch.float64), 0.0, 0.0, 0.0).clamp(-1e3, 1e3).to(src) for v in grads]
                 ops.unflatten_scale(torch.cat([f.to(dst) for f in finite]), back, scale, sumsq=s)
                 out.append(digest(torch.cat([b.view(-1) for b in back])) + struct.pack("<d", float(s)).hex())
+                main = values(sum(sizes) + 3, dst)  # prefilled, specials included; 3 elements of tail
+                ops.flatten_accumulate(grads, main, scale)
+                out.append(digest(main))
+                main = torch.nan_to_num(values(sum(sizes), dst), 0.0, 0.0, 0.0)  # the flag: overflow only
+                flag = torch.zeros(1, dtype=torch.int32)
+                ops.flatten_accumulate([torch.nan_to_num(v, 0.0, 0.0, 0.0) for v in grads], main, scale, nonfinite=flag)
+                out.append(digest(main) + str(int(flag)))
     print("\\n".join(out))
     """
 )
@@ -109,7 +119,7 @@ def test_every_build_stores_the_same_bits():
         pytest.skip(f"this CPU runs only the {isas[0]} build")
     results = {isa: _run_probe(isa) for isa in isas}
     reference = results[isas[0]]
-    assert len(reference) == 4 * 4 * 3 * 4
+    assert len(reference) == 4 * 4 * 3 * 6
     for isa in isas[1:]:
         diff = [i for i, (a, b) in enumerate(zip(reference, results[isa])) if a != b]
         assert not diff, f"{isa} differs from {isas[0]} in results {diff[:10]} (of {len(reference)})"

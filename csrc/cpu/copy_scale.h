@@ -14,8 +14,8 @@
 // The baseline build's "streaming" variants are its regular loops.
 //
 // The copies of the gradient-health ops, which observe the values they store
-// (sum of squares, non-finite check), are here too, compiled with each build;
-// see the bottom of the file.
+// (sum of squares, non-finite check), and flatten_accumulate's loops are here
+// too, compiled with each build; see the bottom of the file.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -770,6 +770,153 @@ HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bo
       break;
   }
   TORCH_CHECK(fns.copy != nullptr, "fastcoll internal error: no CPU health kernel for ", src, " -> ", dst, ". Please report this");
+  return fns;
+}
+
+
+// ---------------------------------------------------------------------------
+// flatten_accumulate: dst[i] = D(fma(M(src[i]), M(scale), M(dst[i]))).
+//
+// M is float unless either side is float64 (kDoubleMath). One fused
+// multiply-add: the exact src * scale + dst rounded once to M (VFMADD in the
+// AVX2 builds' vector loop, std::fma in their scalar tails and in the baseline
+// build: the same bits), then cast to D as copy_scale stores it (a no-op for
+// D == M). The vector loop reads a step of source and destination in the same
+// element order (StepIO's), so a source that is its own slot of the
+// destination (an in-place (1 + scale) * x) is read before it is written.
+// An observer (NonFiniteObserver, or NoObserver for the plain loop) sees each
+// step's results before the cast and each scalar as stored. There is no
+// streaming variant: the destination is read first, so its lines are in the
+// cache already and non-temporal stores would save no memory traffic.
+// ---------------------------------------------------------------------------
+
+// Observes nothing (the plain accumulation; compiled away).
+struct NoObserver {
+  static constexpr bool kNeedsStored = false;
+  struct Acc {};
+  void lane(int64_t, double) {}
+  void scalar(int64_t, double) {}
+  C10_ALWAYS_INLINE Acc begin(int64_t) {
+    return {};
+  }
+  C10_ALWAYS_INLINE static Acc vector(Acc acc, const FVec*) {
+    return acc;
+  }
+  C10_ALWAYS_INLINE void end(const Acc) {}
+};
+
+// How a step of the accumulation reads the destination: in the order StepIO<S, D>
+// reads the source and stores (StepIO<D, D>'s own when S == D).
+template <typename S, typename D>
+inline void load_destination(const D* p, FVec& a, FVec& b) {
+  if constexpr (std::is_same_v<S, D>) {
+    StepIO<D, D>::load(p, a, b);
+  } else {
+    FloatPair<D>::load(p, a, b);
+  }
+}
+
+// Float math (neither side float64).
+template <typename S, typename D, typename Obs>
+void accumulate_float(const S* src, D* dst, int64_t n, float fscale, Obs& obs) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  const FVec vscale(fscale);
+  constexpr int64_t kHalf = 2 * FVec::size();
+  auto acc = obs.begin(i);
+  for (; i + kObsStep <= n; i += kObsStep) {
+    FVec x[4], v[4];
+    StepIO<S, D>::load(src + i, x[0], x[1]);
+    StepIO<S, D>::load(src + i + kHalf, x[2], x[3]);
+    load_destination<S, D>(dst + i, v[0], v[1]);
+    load_destination<S, D>(dst + i + kHalf, v[2], v[3]);
+    for (int q = 0; q < 4; ++q) v[q] = _mm256_fmadd_ps(x[q], vscale, v[q]);
+    StepIO<S, D>::store(dst + i, v[0], v[1]);
+    StepIO<S, D>::store(dst + i + kHalf, v[2], v[3]);
+    acc = Obs::vector(acc, v);
+  }
+  obs.end(acc);
+#endif
+  for (; i < n; ++i) {
+    const D d = static_cast<D>(std::fma(static_cast<float>(src[i]), fscale, static_cast<float>(dst[i])));
+    dst[i] = d;
+    obs.scalar(i, static_cast<double>(static_cast<float>(d)));
+  }
+}
+
+// float64 math, written in rounds of kSqLanes so that the compiler can vectorize it.
+template <typename S, typename D, typename Obs>
+void accumulate_double(const S* src, D* dst, int64_t n, double scale, Obs& obs) {
+  auto value = [&](int64_t i) -> D {
+    return static_cast<D>(std::fma(static_cast<double>(src[i]), scale, static_cast<double>(dst[i])));
+  };
+  int64_t i = 0;
+  for (; i + kSqLanes <= n; i += kSqLanes) {
+    for (int k = 0; k < kSqLanes; ++k) {
+      const D d = value(i + k);
+      dst[i + k] = d;
+      obs.lane(k, static_cast<double>(d));
+    }
+  }
+  for (; i < n; ++i) {
+    const D d = value(i);
+    dst[i] = d;
+    obs.scalar(i, static_cast<double>(d));
+  }
+}
+
+template <typename S, typename D, typename Obs>
+void accumulate_observed(const S* src, D* dst, int64_t n, double scale, Obs& obs) {
+  if constexpr (kDoubleMath<S, D, false>) {
+    accumulate_double<S, D>(src, dst, n, scale, obs);
+  } else {
+    accumulate_float<S, D>(src, dst, n, static_cast<float>(scale), obs);
+  }
+}
+
+template <typename S, typename D>
+void accumulate_erased(const void* src, void* dst, int64_t n, double scale) {
+  NoObserver obs;
+  accumulate_observed<S, D>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale, obs);
+}
+
+template <typename S, typename D>
+bool accumulate_check_erased(const void* src, void* dst, int64_t n, double scale) {
+  NonFiniteObserver obs(finite_bound<D>());
+  accumulate_observed<S, D>(static_cast<const S*>(src), static_cast<D*>(dst), n, scale, obs);
+  return obs.result();
+}
+
+template <typename S>
+AccumulateFns pick_accumulate_from(at::ScalarType dst) {
+  switch (dst) {
+#define FASTCOLL_PICK_ACCUMULATE_TO(code, T, st, name) \
+  case at::ScalarType::st:                             \
+    return {&accumulate_erased<S, T>, &accumulate_check_erased<S, T>};
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_PICK_ACCUMULATE_TO)
+#undef FASTCOLL_PICK_ACCUMULATE_TO
+    default:
+      return {nullptr, nullptr};
+  }
+}
+
+// The plain and non-finite-checking accumulations for one (source,
+// destination) dtype pair of the table in dtypes.h.
+AccumulateFns pick_accumulate(at::ScalarType src, at::ScalarType dst) {
+  AccumulateFns fns{nullptr, nullptr};
+  switch (src) {
+#define FASTCOLL_PICK_ACCUMULATE_FROM(code, T, st, name) \
+  case at::ScalarType::st:                               \
+    fns = pick_accumulate_from<T>(dst);                  \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_PICK_ACCUMULATE_FROM)
+#undef FASTCOLL_PICK_ACCUMULATE_FROM
+    default:
+      break;
+  }
+  TORCH_CHECK(
+      fns.accumulate != nullptr, "fastcoll internal error: no CPU accumulate kernel for ", src, " -> ", dst,
+      ". Please report this");
   return fns;
 }
 

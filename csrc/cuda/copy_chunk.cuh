@@ -1,8 +1,9 @@
 // The per-chunk work of the CUDA kernel and its host-side chunk table.
 //
 // Written so that it also compiles as plain C++: nvcc builds it into the
-// kernels (flatten_scale_cuda.cu, and health_cuda.cu for the gradient-health
-// ops, which run the same chunk loop with an observer of the stored values),
+// kernels (flatten_scale_cuda.cu, health_cuda.cu for the gradient-health
+// ops, which run the same chunk loop with an observer of the stored values,
+// and accumulate_cuda.cu, whose loop also reads the destination),
 // and the C++ test (tests/cpp) runs the very same code on the CPU, calling run_chunk once per (chunk, thread) the way a
 // launch would, to check the chunk table and the head / 16-byte vector / tail
 // split against a float64 reference without a GPU.
@@ -12,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -423,6 +425,140 @@ FASTCOLL_HOST_DEVICE void read_chunk_seen(const ChunkDesc& d, H* health, int tid
     break;
     FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_READ_SEEN)
 #undef FASTCOLL_READ_SEEN
+  }
+}
+
+// ---- flatten_accumulate (csrc/cuda/accumulate_cuda.cu) ----
+
+// a * b + c with one rounding (the CPU kernels' VFMADD / std::fma).
+template <typename M>
+FASTCOLL_HOST_DEVICE M fused_multiply_add(M a, M b, M c) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<M, float>) {
+    return __fmaf_rn(a, b, c);
+  } else {
+    return __fma_rn(a, b, c);
+  }
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// Thread `tid` of `nthreads` updates elements tid, tid + nthreads, ... of
+// [0, n): dst[i] = f(src[i], dst[i]), kUnroll loads of each in flight before
+// the first store. In and Out are single elements or 16-byte Packs of them.
+// An element is read and written by the same thread, so src may be dst.
+template <typename In, typename Out, typename F>
+FASTCOLL_HOST_DEVICE void strided_update(const In* src, Out* dst, int n, F f, int tid, int nthreads) {
+  for (int base = tid; base < n; base += kUnroll * nthreads) {
+    In in[kUnroll];
+    Out old[kUnroll];
+FASTCOLL_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * nthreads;
+      if (i < n) {
+        in[u] = src[i];
+        old[u] = dst[i];
+      }
+    }
+FASTCOLL_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * nthreads;
+      if (i < n) dst[i] = f(in[u], old[u]);
+    }
+  }
+}
+
+// D(fma(M(x), scale, M(old))), one element or every lane of a Pack; an
+// observer H (not NoHealth) sees each value as stored.
+template <typename S, typename D, typename M, typename H = NoHealth>
+struct AccumulateElement {
+  M scale;
+  H* health = nullptr;
+  FASTCOLL_HOST_DEVICE D operator()(S x, D old) const {
+    const D out = static_cast<D>(fused_multiply_add<M>(static_cast<M>(x), scale, static_cast<M>(old)));
+    if constexpr (kObserves<H>) health->see(out);
+    return out;
+  }
+};
+
+template <typename S, typename D, typename M, int N, typename H = NoHealth>
+struct AccumulatePack {
+  M scale;
+  H* health = nullptr;
+  FASTCOLL_HOST_DEVICE Pack<D, N> operator()(const Pack<S, N>& x, const Pack<D, N>& old) const {
+    Pack<D, N> out;
+FASTCOLL_UNROLL
+    for (int k = 0; k < N; ++k) {
+      out.v[k] = static_cast<D>(fused_multiply_add<M>(static_cast<M>(x.v[k]), scale, static_cast<M>(old.v[k])));
+      if constexpr (kObserves<H>) health->see(out.v[k]);
+    }
+    return out;
+  }
+};
+
+// One thread's share of an accumulated chunk, split as copy_chunk splits a
+// copy: a scalar head up to the source's 16-byte boundary, 16-byte vectors
+// when the destination is then aligned too, a scalar tail; a scalar loop over
+// everything when source and destination are not co-aligned.
+template <typename S, typename D, typename M, typename H = NoHealth>
+FASTCOLL_HOST_DEVICE void accumulate_chunk(
+    const S* src, D* dst, int n, M scale, int tid, int nthreads, H* health = nullptr) {
+  constexpr int kWidest = sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D);
+  constexpr int kVec = kVecBytes / kWidest;
+  constexpr uintptr_t kSrcAlign = kVec * sizeof(S);
+  constexpr uintptr_t kDstAlign = kVec * sizeof(D);
+  const AccumulateElement<S, D, M, H> element{scale, health};
+  const auto src_addr = reinterpret_cast<uintptr_t>(src);
+  const auto dst_addr = reinterpret_cast<uintptr_t>(dst);
+  int head = static_cast<int>(((kSrcAlign - src_addr % kSrcAlign) % kSrcAlign) / sizeof(S));
+  if (head > n) head = n;
+  if ((dst_addr + head * sizeof(D)) % kDstAlign != 0) {
+    strided_update(src, dst, n, element, tid, nthreads);
+    return;
+  }
+  strided_update(src, dst, head, element, tid, nthreads);
+  const int nvec = (n - head) / kVec;
+  const auto* vsrc = reinterpret_cast<const Pack<S, kVec>*>(src + head);
+  auto* vdst = reinterpret_cast<Pack<D, kVec>*>(dst + head);
+  strided_update(vsrc, vdst, nvec, AccumulatePack<S, D, M, kVec, H>{scale, health}, tid, nthreads);
+  const int done = head + nvec * kVec;
+  strided_update(src + done, dst + done, n - done, element, tid, nthreads);
+}
+
+template <typename S, typename D, typename H>
+FASTCOLL_HOST_DEVICE void accumulate_typed(const ChunkDesc& d, double scale, H* health, int tid, int nthreads) {
+  using M = opmath_t<S, D>;
+  accumulate_chunk<S, D, M, H>(
+      reinterpret_cast<const S*>(d.src), reinterpret_cast<D*>(d.dst), static_cast<int>(d.numel), static_cast<M>(scale),
+      tid, nthreads, health);
+}
+
+template <typename S, typename H>
+FASTCOLL_HOST_DEVICE void accumulate_from(const ChunkDesc& d, int dst_code, double scale, H* health, int tid, int nthreads) {
+  switch (dst_code) {
+#define FASTCOLL_ACCUMULATE_TO(code, T, st, name)                  \
+  case code:                                                       \
+    accumulate_typed<S, T, H>(d, scale, health, tid, nthreads);    \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_ACCUMULATE_TO)
+#undef FASTCOLL_ACCUMULATE_TO
+  }
+}
+
+// Thread `tid` of `nthreads`' part of chunk `d`, added by `scale` into its
+// destination; the values stored shown to `health` (NoHealth: nullptr).
+template <typename H>
+FASTCOLL_HOST_DEVICE void run_chunk_accumulate(const ChunkDesc& d, double scale, H* health, int tid, int nthreads) {
+  const int src_code = static_cast<int>(d.kinds >> kDtypeCodeBits);
+  const int dst_code = static_cast<int>(d.kinds & ((1 << kDtypeCodeBits) - 1));
+  switch (src_code) {
+#define FASTCOLL_ACCUMULATE_FROM(code, T, st, name)                      \
+  case code:                                                            \
+    accumulate_from<T, H>(d, dst_code, scale, health, tid, nthreads);   \
+    break;
+    FASTCOLL_FOR_EACH_DTYPE(FASTCOLL_ACCUMULATE_FROM)
+#undef FASTCOLL_ACCUMULATE_FROM
   }
 }
 

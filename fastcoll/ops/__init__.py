@@ -15,6 +15,10 @@ of squares of what it wrote (``sumsq``, for a gradient norm); and
 deterministic: the same inputs give the same bits whatever the number of
 threads.
 
+``flatten_accumulate`` is the accumulating variant for fp32 "main
+gradients" (Megatron's grad_reduce_in_fp32): it adds ``scale * tensor`` into
+each tensor's slot of a wider flat buffer, one fused multiply-add per element.
+
 In eager mode, calls on plain CPU or CUDA tensors skip torch.ops' boxed call
 (about 130 ns per listed tensor) and go straight to the same backend kernel
 (csrc/eager.cpp); anything else (tensor subclasses, fake tensors, dispatch or
@@ -34,6 +38,7 @@ from . import loader, reference
 
 __all__ = [
     "flatten_scale",
+    "flatten_accumulate",
     "unflatten_scale",
     "sum_of_squares",
     "checksum",
@@ -54,7 +59,8 @@ def _listed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
 
 def _run(op: str, *args) -> None:
     """``torch.ops.fastcoll.<op>(*args)``, through its direct eager entry point when that takes the call."""
-    if _direct is not None and not torch.compiler.is_compiling() and getattr(_direct, "_" + op)(*args):
+    direct = getattr(_direct, "_" + op, None)  # None: no direct path, or an older build without this op's
+    if direct is not None and not torch.compiler.is_compiling() and direct(*args):
         return
     getattr(torch.ops.fastcoll, op)(*args)
 
@@ -109,6 +115,56 @@ def flatten_scale(
         _run("flatten_scale", tensors, out, float(scale))
     else:
         _run("flatten_scale_ex", tensors, out, float(scale), scale_by, nonfinite)
+    return out
+
+
+def flatten_accumulate(
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    scale: float = 1.0,
+    *,
+    nonfinite: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Add ``scale * tensors[i]`` into tensor ``i``'s slot of ``out``, for every tensor, in one call.
+
+    The layout is :func:`flatten_scale`'s: each tensor's elements in its own
+    memory order, tensor ``i`` at element offset ``sum(numel of tensors[:i])``
+    of ``out``. ``out`` may be longer than that total (a padded buffer); its
+    elements past the total are not touched. Each element of a slot becomes
+    ``out + scale * x`` computed as one fused multiply-add in float32 (float64
+    when ``x`` or ``out`` is float64): the exact value rounded once to that
+    precision, then cast to ``out.dtype`` (for a float32 or float64 ``out``
+    that is the only rounding). ``scale`` is first rounded to float32 when the
+    math is float32, as in :func:`flatten_scale`. The typical use is fp32
+    "main gradients": 16-bit gradients accumulated, micro-batch after
+    micro-batch, into a float32 bucket that is then all-reduced, without the
+    error of adding in 16 bits.
+
+    Args:
+        tensors: Dense tensors of float32/float16/bfloat16/float64, on ``out``'s
+            device; zero-element tensors are skipped and the list may be empty.
+            A tensor may be exactly its own slot of ``out`` (same dtype; the
+            slot becomes ``(1 + scale) * x``); any other overlap with ``out``
+            is an error.
+        out: 1-D contiguous tensor of a supported dtype with at least
+            ``total_numel(tensors)`` elements, read and written in place.
+        scale: Factor applied to every input element (e.g. ``1 / num_micro_batches``).
+        nonfinite: Optional int32 tensor with at least 1 element on ``out``'s
+            device, with :func:`flatten_scale`'s convention: its first element
+            is set to 1 when any value written to ``out`` is NaN or +-Inf (a
+            non-finite input, which a scale of 0 does not hide, a non-finite
+            value already in ``out``, or a sum that overflows ``out.dtype``);
+            it is never set to 0.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError, TypeError, RuntimeError: on bad input, naming the offending
+            tensor index (or ``out`` / ``nonfinite``), before anything is written.
+    """
+    tensors = _listed(tensors)
+    _run("flatten_accumulate", tensors, out, float(scale), nonfinite)
     return out
 
 

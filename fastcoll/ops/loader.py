@@ -30,6 +30,9 @@ SCHEMAS = {
         "unflatten_scale_ex(Tensor flat, Tensor(a!)[] tensors, float scale=1.0, Tensor(b!)? sumsq=None) -> ()"
     ),
     "sum_of_squares": "sum_of_squares(Tensor[] tensors, Tensor(a!) out) -> ()",
+    "flatten_accumulate": (
+        "flatten_accumulate(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor(b!)? nonfinite=None) -> ()"
+    ),
     "checksum": "checksum(Tensor[] tensors) -> Tensor",
 }
 
@@ -136,6 +139,12 @@ def _register_fakes() -> None:
     def _sum_of_squares_fake(tensors, out):
         _check_devices("fastcoll.sum_of_squares", tensors, out, "out")
         check_health_args("fastcoll.sum_of_squares", out.device, sumsq=out, sumsq_name="out")
+        return None
+
+    @torch.library.register_fake("fastcoll::flatten_accumulate")
+    def _flatten_accumulate_fake(tensors, out, scale=1.0, nonfinite=None):
+        _check_devices("fastcoll.flatten_accumulate", tensors, out, "out")
+        check_health_args("fastcoll.flatten_accumulate", out.device, nonfinite=nonfinite)
         return None
 
     # checksum returns a new int64 tensor, one value per tensor, on the tensors' device.

@@ -16,6 +16,12 @@ Messages start with the public op's name, ``fastcoll.flatten_scale: `` or
 ``fastcoll.unflatten_scale: ``, then say what is wrong and how to fix it, in
 the same words as csrc/ops.cpp.
 
+``flatten_accumulate`` (fp32 "main gradients") is here too: out's slots are
+a prefix of ``out`` (it may be longer; an empty list is allowed) and each
+element becomes ``out + scale * x`` as one correctly rounded fused
+multiply-add in float32 (float64 when either side is float64), cast to
+``out.dtype`` (:func:`_fma`).
+
 The gradient-health ops (``flatten_scale_ex``, ``unflatten_scale_ex``,
 ``sum_of_squares``) are here too, with the same semantics as the kernels:
 
@@ -46,6 +52,7 @@ __all__ = [
     "flatten_scale_ex",
     "unflatten_scale_ex",
     "sum_of_squares",
+    "flatten_accumulate",
     "check_health_args",
     "checksum",
     "is_dense",
@@ -78,16 +85,24 @@ def _check_flat(op: str, flat: torch.Tensor, name: str) -> None:
 
 
 def _validate(
-    op: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, flat_name: str, list_name: str, writes_list: bool
+    op: str,
+    tensors: Sequence[torch.Tensor],
+    flat: torch.Tensor,
+    flat_name: str,
+    list_name: str,
+    writes_list: bool,
+    prefix: bool = False,
 ) -> list[int]:
     """Check arguments of either op; return each tensor's element offset in ``flat``.
 
     Raises before anything is written; ``op`` ("fastcoll.flatten_scale" or
     "fastcoll.unflatten_scale") starts every message. ``writes_list`` is True
     for the unflatten direction, where the listed tensors are destinations and
-    must not overlap one another.
+    must not overlap one another. ``prefix`` (flatten_accumulate): the tensors
+    fill a prefix of ``flat``, which may be longer, and the list may be empty
+    (csrc/fastcoll.h FlatFit::kPrefix).
     """
-    if len(tensors) == 0:
+    if len(tensors) == 0 and not prefix:
         raise ValueError(f"{op}: {list_name} is empty; pass at least one tensor")
     _check_flat(op, flat, flat_name)
     offsets: list[int] = []
@@ -107,10 +122,10 @@ def _validate(
             )
         offsets.append(total)
         total += t.numel()
-    if total != flat.numel():
+    if total > flat.numel() if prefix else total != flat.numel():
         raise ValueError(
             f"{op}: the {list_name} hold {total} elements in total but {flat_name} has {flat.numel()}; "
-            f"{flat_name} must have exactly as many"
+            f"{flat_name} must have {'at least' if prefix else 'exactly'} as many"
         )
     # Aliasing: a tensor may sit exactly in its own slot of the flat buffer (an
     # in-place scale, as with gradient_as_bucket_view); any other overlap with the
@@ -357,6 +372,89 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     with torch.no_grad():
         squares = [_memory_order(t).to(torch.float64).square() for t in tensors if t.numel() > 0]
         _first(out).copy_(_ordered_sum(squares, out.device))
+
+
+# ---------------------------------------------------------------------------
+# fp32 main gradients: flatten_accumulate
+# ---------------------------------------------------------------------------
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(s, e)``: ``s`` = a + b rounded, ``e`` its error (s + e == a + b exactly, for finite float64 sums)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _add_round_to_odd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 ``a + b`` rounded to odd: the exact sum when it is a float64, else whichever of the two
+    float64 values around it has an odd last bit. Rounding that to a format at least 2 bits narrower
+    (float32 has 29 fewer) gives the sum correctly rounded to that format, with no double rounding."""
+    s, e = _two_sum(a, b)
+    inexact = (e != 0) & torch.isfinite(s) & ((s.view(torch.int64) & 1) == 0)
+    toward = torch.where(e > 0, float("inf"), float("-inf")).to(s.dtype)
+    return torch.where(inexact, torch.nextafter(s, toward), s)
+
+
+def _two_product(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(p, e)``: float64 ``a * b`` rounded and its exact error (Dekker, Veltkamp's splitting), barring
+    overflow and products below about 2**-969."""
+
+    def split(x):
+        c = x * 134217729.0  # 2**27 + 1
+        hi = c - (c - x)
+        return hi, x - hi
+
+    p = a * b
+    ah, al = split(a)
+    bh, bl = split(b)
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _fma(x: torch.Tensor, scale: float, old: torch.Tensor, opmath: torch.dtype) -> torch.Tensor:
+    """``x * scale + old`` as one fused multiply-add in ``opmath`` (float32 or float64): the exact value
+    rounded once, as the kernels' FMA instructions (and std::fma) compute it. A new tensor of ``opmath``.
+
+    float32: the product of two float32 values is exact in float64, and their sum rounded to odd in
+    float64 then to float32 is the correctly rounded sum. float64: Boldo and Melquiond's emulation
+    (the exact product, then the sum of its three parts with one rounding to odd). Non-finite values
+    (and overflowing intermediates) take plain ``x * scale + old``, which gives the same infinities and NaNs.
+    """
+    if opmath == torch.float32:
+        s = torch.tensor(scale, dtype=torch.float32, device=x.device).to(torch.float64)  # scale rounded to float32 first
+        product = x.to(torch.float32).to(torch.float64) * s  # exact: 24 + 24 bits
+        return _add_round_to_odd(product, old.to(torch.float32).to(torch.float64)).to(torch.float32)
+    a, c = x.to(torch.float64), old.to(torch.float64)
+    b = torch.tensor(scale, dtype=torch.float64, device=a.device)
+    uh, ul = _two_product(a, b)
+    th, tl = _two_sum(c, uh)
+    z = th + _add_round_to_odd(tl, ul)
+    return torch.where(torch.isfinite(z), z, a * b + c)
+
+
+def flatten_accumulate(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0, nonfinite: Optional[torch.Tensor] = None
+) -> None:
+    """Reference ``fastcoll::flatten_accumulate``: ``out[slot] = out[slot] + scale * tensor``, one FMA per element."""
+    op = "fastcoll.flatten_accumulate"
+    offsets = _validate(op, tensors, out, "out", "tensors", writes_list=False, prefix=True)
+    check_health_args(op, out.device, nonfinite=nonfinite)
+    if nonfinite is not None:
+        _check_apart(op, nonfinite, "nonfinite", [("out", out)] + _listed("tensors", tensors))
+    with torch.no_grad():
+        bad = None
+        for t, off in zip(tensors, offsets):
+            n = t.numel()
+            if n == 0:
+                continue
+            slot = out[off : off + n]
+            value = _fma(_memory_order(t), scale, slot, _opmath(t.dtype, out.dtype)).to(out.dtype)
+            if nonfinite is not None:
+                b = ~torch.isfinite(value).all()
+                bad = b if bad is None else bad | b
+            slot.copy_(value)
+        if bad is not None:
+            _first(nonfinite).masked_fill_(bad, 1)
 
 
 # ---------------------------------------------------------------------------

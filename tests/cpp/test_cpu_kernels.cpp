@@ -7,7 +7,10 @@
 // choice of table for a number of chunks. The gradient-health ops too: values,
 // flag and sums through the dispatcher (sums the same bits for 1, 2 and 4
 // threads), and the CUDA kernel's observed chunk loop emulated the same way.
-// Exit code 0 = all passed.
+// flatten_accumulate too: the CPU kernel (one fused multiply-add per element,
+// into a prefilled out whose tail past the tensors stays untouched) against
+// float64, and bit for bit against the CUDA kernel's accumulate loop run on
+// the CPU. Exit code 0 = all passed.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -552,6 +555,150 @@ void cuda_health_emulated(at::ScalarType src, at::ScalarType dst, int64_t chunk_
   expect(close_rel(rsum, squares_of(back), 1e-12), "emulated read-only sum of squares: " + tag);
 }
 
+
+// ---- flatten_accumulate ----
+
+auto accumulate_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("fastcoll::flatten_accumulate", "")
+      .typed<void(at::TensorList, const at::Tensor&, double, const std::optional<at::Tensor>&)>();
+}
+
+// Adds `tensors` * scale into `out` (a prefix of it); returns whether the flag was set.
+using AccumulateRun = std::function<bool(const std::vector<at::Tensor>& tensors, const at::Tensor& out, double scale)>;
+
+bool cpu_accumulate(const std::vector<at::Tensor>& tensors, const at::Tensor& out, double scale) {
+  auto flag = at::zeros({1}, at::kInt);
+  accumulate_op().call(tensors, out, scale, flag);
+  return flag.item<int>() != 0;
+}
+
+// The CUDA kernel's accumulate loop, every (block, thread) of the launch in
+// turn, over the chunk table of plan_flatten_accumulate's segments, each
+// thread's stored values checked for NaN/Inf (the kernel's flag).
+AccumulateRun cuda_accumulate_emulated(int64_t chunk_bytes, int nthreads) {
+  return [=](const std::vector<at::Tensor>& tensors, const at::Tensor& out, double scale) {
+    auto plan = fastcoll::plan_flatten_accumulate(tensors, out, std::nullopt);
+    std::vector<cc::ChunkDesc> table(cc::count_chunks(plan.segments, chunk_bytes));
+    cc::write_chunks(plan.segments, table.data(), chunk_bytes);
+    expect_tiles(plan.segments, table, chunk_bytes, "emulated accumulate launch");
+    bool bad = false;
+    for (const auto& d : table) {
+      for (int tid = 0; tid < nthreads; ++tid) {
+        cc::NonFiniteSeen seen;
+        cc::run_chunk_accumulate(d, scale, &seen, tid, nthreads);
+        bad = bad || seen.bad;
+      }
+    }
+    return bad;
+  };
+}
+
+// Misaligned inputs (odd offsets in their storage) added into a prefilled,
+// misaligned out with 5 elements of tail and a guard on each side: the values
+// against float64 (one rounding in the op math, the cast, the rounding of the
+// scale), the tail and guards untouched, no flag; then an inf that must be
+// flagged. Returns out's storage after the finite call, for bitwise comparisons.
+at::Tensor accumulate_case(
+    at::ScalarType src, at::ScalarType dst, double scale, const std::string& how, const AccumulateRun& run,
+    const std::vector<int64_t>& sizes = kSmallSizes) {
+  const std::string tag = pair_tag(src, dst) + " " + how;
+  int64_t room = 2;
+  for (auto n : sizes) room += n + 1 + (n % 3);
+  at::manual_seed(17);
+  auto storage = at::randn({room}, at::kDouble).to(src);
+  std::vector<at::Tensor> tensors;
+  int64_t pos = 1, total = 0;
+  for (auto n : sizes) {
+    tensors.push_back(storage.narrow(0, pos, n));
+    pos += n + 1 + (n % 3);
+    total += n;
+  }
+  constexpr int64_t kTail = 5;
+  auto out_storage = (at::randn({total + kTail + 2}, at::kDouble) * 3).to(dst);
+  out_storage.narrow(0, 1 + total, kTail).fill_(NAN);
+  auto out = out_storage.narrow(0, 1, total + kTail);
+  const auto before = out_storage.clone();
+
+  const bool flagged = run(tensors, out, scale);
+  expect(!flagged, "accumulate flags nothing for finite values: " + tag);
+  const bool wide = src == at::kDouble || dst == at::kDouble;
+  const double u_math = wide ? 0x1p-53 : 0x1p-24;
+  const double tol = tolerance(dst) + 2 * u_math + (src == at::kDouble ? tolerance(dst) : 0.0);
+  int64_t off = 0;
+  bool ok = true;
+  for (const auto& t : tensors) {
+    const int64_t n = t.numel();
+    if (n == 0) continue;
+    auto product = t.to(at::kDouble) * scale;
+    auto expected = before.narrow(0, 1 + off, n).to(at::kDouble) + product;
+    auto err = (out.narrow(0, off, n).to(at::kDouble) - expected).abs();
+    ok = ok && (err <= expected.abs() * tol + product.abs() * (2 * u_math) + 1e-30).all().item<bool>();
+    off += n;
+  }
+  expect(ok, "accumulated values against float64: " + tag);
+  const auto bytes = [](const at::Tensor& t) { return t.contiguous().view(at::kByte); };
+  expect(at::equal(bytes(out_storage.narrow(0, 1 + total, kTail + 1)), bytes(before.narrow(0, 1 + total, kTail + 1))),
+         "accumulate left out's tail and the guard after it alone: " + tag);
+  expect(at::equal(bytes(out_storage.narrow(0, 0, 1)), bytes(before.narrow(0, 0, 1))), "nothing written before out: " + tag);
+  const auto result = out_storage.clone();
+
+  tensors.back().index_put_({tensors.back().numel() - 1}, std::numeric_limits<double>::infinity());
+  expect(run(tensors, out, scale), "accumulate flags an inf in the last element: " + tag);
+  return result;
+}
+
+void accumulate_bad_inputs() {
+  auto out = at::full({5}, 7.0);
+  std::vector<at::Tensor> ts = {at::ones({2}), at::ones({3}, at::kBFloat16)};
+  expect_throws(
+      [&] { accumulate_op().call(ts, at::full({4}, 7.0), 1.0, std::nullopt); },
+      "fastcoll.flatten_accumulate: the tensors hold 5 elements in total but out has 4; out must have at least as many",
+      "accumulate into a short out");
+  expect_throws(
+      [&] { accumulate_op().call({at::ones({2}), at::ones({2}, at::kInt)}, out, 1.0, std::nullopt); },
+      "fastcoll.flatten_accumulate: tensors[1] has dtype int32", "accumulate int dtype");
+  expect_throws(
+      [&] { accumulate_op().call(ts, out, 1.0, out.view(at::kInt).narrow(0, 4, 1)); },
+      "fastcoll.flatten_accumulate: nonfinite overlaps out", "accumulate flag inside out");
+  expect_throws(
+      [&] {
+        auto buf = at::zeros({10});
+        accumulate_op().call({buf.narrow(0, 1, 5)}, buf.narrow(0, 0, 8), 1.0, std::nullopt);
+      },
+      "overlaps out", "accumulate alias");
+  expect(at::all(out == 7.0).item<bool>(), "nothing written on error (accumulate)");
+  accumulate_op().call({}, out, 1.0, std::nullopt);  // an empty list: nothing to do
+  accumulate_op().call(ts, out, 2.0, std::nullopt);
+  expect(at::equal(out, at::full({5}, 9.0)), "accumulate into out's prefix");
+  auto buf = at::arange(6, at::kFloat);  // in place: each tensor exactly its own slot
+  accumulate_op().call({buf.narrow(0, 0, 2), buf.narrow(0, 2, 3)}, buf, 1.0, std::nullopt);
+  expect(at::equal(buf, at::tensor({0.f, 2.f, 4.f, 6.f, 8.f, 5.f})), "in-place accumulation, tail untouched");
+}
+
+void accumulate_ops(at::ScalarType s, at::ScalarType d, int64_t default_stream_min) {
+  const std::string tag = pair_tag(s, d);
+  std::vector<at::Tensor> results;
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    results.push_back(accumulate_case(s, d, 1.0 / 3.0, "cpu", cpu_accumulate, kLargeSizes));
+  }
+  at::set_num_threads(1);
+  fastcoll::set_cpu_stream_min_bytes(0);  // no streaming variant: the threshold changes nothing
+  results.push_back(accumulate_case(s, d, 1.0 / 3.0, "cpu, stream threshold 0", cpu_accumulate, kLargeSizes));
+  fastcoll::set_cpu_stream_min_bytes(default_stream_min);
+  results.push_back(accumulate_case(
+      s, d, 1.0 / 3.0, "cuda emulated, full chunks", cuda_accumulate_emulated(cc::kChunkBytes, cc::kThreads), kLargeSizes));
+  const auto bytes = [](const at::Tensor& t) { return t.contiguous().view(at::kByte); };
+  for (size_t k = 1; k < results.size(); ++k) {
+    expect(at::equal(bytes(results[k]), bytes(results[0])), "accumulate: the same bits (threads, cuda loop): " + tag);
+  }
+  accumulate_case(s, d, -0.5, "cpu", cpu_accumulate);
+  const auto a = accumulate_case(s, d, 3.0, "cpu", cpu_accumulate);
+  const auto b = accumulate_case(s, d, 3.0, "cuda emulated, 148-byte chunks, 5 threads", cuda_accumulate_emulated(148, 5));
+  expect(at::equal(bytes(a), bytes(b)), "accumulate: cpu and emulated cuda, the same bits: " + tag);
+}
+
 }  // namespace
 
 int main() {
@@ -601,6 +748,10 @@ int main() {
       cuda_health_emulated(s, d, cc::kChunkBytes, cc::kThreads);
       cuda_health_emulated(s, d, 148, 5);
     }
+  }
+  accumulate_bad_inputs();
+  for (auto s : dtypes) {
+    for (auto d : dtypes) accumulate_ops(s, d, default_stream_min);
   }
   std::printf("%d checks, %d failures\n", checks, failures);
   return failures == 0 ? 0 : 1;
