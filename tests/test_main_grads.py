@@ -130,18 +130,18 @@ def _reference(world: int, opt_name: str, opts: dict, steps: int) -> dict:
     model = Mixed()
     masters = {n: p.detach().float().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     opt = _opt(opt_name, _groups_of(masters))
+    wire = BF16 if opts.get("bf16") else torch.float32  # the sum is taken in the wire dtype, as gloo does
     for step in range(steps):
-        grads = {n: torch.zeros_like(m) for n, m in masters.items()}
+        grads = {n: torch.zeros_like(m, dtype=wire) for n, m in masters.items()}
         for r in range(world):
             model.zero_grad()
             chunk = _x(step)[r * GLOBAL // world : (r + 1) * GLOBAL // world]
             model(chunk).pow(2).mean().backward()
             for n, p in model.named_parameters():
                 if p.grad is not None:
-                    g = (p.grad.float() * (1.0 / world)).to(BF16 if opts.get("bf16") else torch.float32).float()
-                    grads[n] += g
+                    grads[n] += (p.grad.float() * (1.0 / world)).to(wire)
         for n, m in masters.items():
-            m.grad = grads[n] if m.requires_grad else None
+            m.grad = grads[n].float() if m.requires_grad else None
         if opts.get("clip"):
             torch.nn.utils.clip_grad_norm_([m for m in masters.values() if m.requires_grad], 0.05)
         opt.step()
@@ -192,7 +192,8 @@ def training_worker(rank: int, world: int) -> None:
                 want = ref["masters"][n]
                 if model.get_parameter(n).dtype == BF16 and model.get_parameter(n).requires_grad:
                     got = masters[k][ckpt.MASTER]
-                    assert torch.allclose(got, want, rtol=tol, atol=tol * 1e-2), f"{what}: master {n}"
+                    atol = tol * (1e-2 if tol == 1e-6 else float(want.abs().max()))
+                    assert torch.allclose(got, want, rtol=tol, atol=atol), f"{what}: master {n} by {(got - want).abs().max()}"
                 p = model.get_parameter(n).detach()
                 exact = p.dtype == BF16 and tol == 1e-6 and not opts.get("clip")
                 close = (
@@ -244,8 +245,29 @@ def test_refusals_and_guards():
 # --------------------------------------------------------------------------- checkpoints
 
 
+def _row_steps(ddp, opt, rank: int, world: int, steps: range) -> None:
+    """Each rank's rows one at a time, accumulated in the float32 main gradients (no_sync): the 16-bit
+    per-row gradients do not depend on the world size, so runs at 2 and 3 ranks agree up to float32 sums."""
+    for step in steps:
+        opt.zero_grad()
+        rows = _x(step)[rank * GLOBAL // world : (rank + 1) * GLOBAL // world]
+        for k in range(len(rows)):
+            with ddp.no_sync() if k < len(rows) - 1 else _nullcontext():
+                (ddp(rows[k : k + 1]).pow(2).sum() * (world / GLOBAL)).backward()
+        opt.step()
+    opt.finish_param_sync()
+
+
+def _ckpt_setup():
+    model = Mixed()
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+    opt = fastcoll.ShardedOptimizer(_opt("adamw", _groups(model)), ddp, grads="sharded", master_dtype=torch.float32)
+    return model, ddp, opt
+
+
 def ckpt_first(rank: int, world: int, directory: str, masters: bool) -> None:
-    model, opt, ddp = _ours(rank, world, "adamw", {}, "sharded", 3)
+    model, ddp, opt = _ckpt_setup()
+    _row_steps(ddp, opt, rank, world, range(3))
     os.makedirs(directory, exist_ok=True)
     if masters:
         ckpt.save_sharded(opt, directory)
@@ -259,9 +281,7 @@ def ckpt_first(rank: int, world: int, directory: str, masters: bool) -> None:
 
 
 def ckpt_second(rank: int, world: int, directory: str, start: int, steps: int) -> dict:
-    model = Mixed()
-    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
-    opt = fastcoll.ShardedOptimizer(_opt("adamw", _groups(model)), ddp, grads="sharded", master_dtype=torch.float32)
+    model, ddp, opt = _ckpt_setup()
     if directory:
         model.load_state_dict(torch.load(os.path.join(directory, "model.pt"), weights_only=True))
         with warnings.catch_warnings(record=True) as caught:
@@ -270,23 +290,32 @@ def ckpt_second(rank: int, world: int, directory: str, start: int, steps: int) -
         warned = any("no float32 master weights" in str(w.message) for w in caught)
     else:
         warned = False
-    for step in range(start, start + steps):
-        opt.zero_grad()
-        ddp(_x(step)[rank * GLOBAL // world : (rank + 1) * GLOBAL // world]).pow(2).mean().backward()
-        opt.step()
-    opt.finish_param_sync()
-    return {"warned": warned, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    _row_steps(ddp, opt, rank, world, range(start, start + steps))
+    masters = opt.state_dict()["state"]
+    return {"warned": warned, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "masters": {k: st[ckpt.MASTER] for k, st in masters.items() if ckpt.MASTER in st}}  # fmt: skip
 
 
 def test_checkpoint_resumes_at_another_world_size(tmp_path):
-    full = run_ranks(ckpt_second, 3, "", 0, 6, timeout=120)[0]["params"]
+    """Saved at 3 ranks: resumed at 3 it is the uninterrupted run, bit for bit (master weights included); resumed at 2,
+    within the noise of 16-bit forwards (a rounding of a master that flips one bfloat16 weight changes what follows)."""
+    full = run_ranks(ckpt_second, 3, "", 0, 6, timeout=120)[0]
     run_ranks(ckpt_first, 3, str(tmp_path / "with"), True, timeout=120)
-    for res in run_ranks(ckpt_second, 2, str(tmp_path / "with"), 3, 3, timeout=120):
-        assert not res["warned"]
-        for n, p in full.items():
-            assert torch.allclose(res["params"][n].float(), p.float(), rtol=1e-2, atol=1e-2), n
-            if p.dtype == BF16:  # resumed from the masters: the same 16-bit weights as the uninterrupted run
-                assert (res["params"][n] != p).float().mean() < 0.05, n
+    for world in (3, 2):
+        for res in run_ranks(ckpt_second, world, str(tmp_path / "with"), 3, 3, timeout=120):
+            assert not res["warned"]
+            assert sorted(res["masters"]) == sorted(full["masters"]) and res["masters"]
+            for k, m in full["masters"].items():
+                if world == 3:
+                    assert torch.equal(res["masters"][k], m), k
+                else:
+                    assert torch.allclose(res["masters"][k], m, atol=2e-3 * float(m.abs().max()), rtol=0), k
+            for n, p in full["params"].items():
+                assert (
+                    torch.equal(res["params"][n], p)
+                    if world == 3
+                    else torch.allclose(res["params"][n].float(), p.float(), atol=1e-2)
+                ), n
     run_ranks(ckpt_first, 3, str(tmp_path / "without"), False, timeout=120)
     assert all(r["warned"] for r in run_ranks(ckpt_second, 2, str(tmp_path / "without"), 3, 1, timeout=120))
 

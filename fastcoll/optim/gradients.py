@@ -62,6 +62,7 @@ class PieceGradients:
         self.main: Set[int] = {b.pos for b in buckets if isinstance(b, MainGradBucket)}
         #: Parameters whose ``.grad`` is not what the optimizer steps (guarded after each synchronized backward).
         self.guarded: List[int] = [i for b in buckets for i in b.param_indices if sharded or b.pos in self.main]
+        self.guarded_set = set(self.guarded)
         #: The pieces' gradients come from the reduction, not from ``p.grad`` (they are attached at backward's end).
         self.from_reduction = bool(self.guarded)
         self.used = [False] * len(reducer.params)  # since the last zero_grad, on any rank
@@ -70,7 +71,7 @@ class PieceGradients:
 
     def _source(self, pos: int, pc: Piece) -> Optional[torch.Tensor]:
         r = self.reducer
-        if self.from_reduction and not self.used[pc.param]:
+        if pc.param in self.guarded_set and not self.used[pc.param]:
             return None
         if self.sharded:
             shards = r.shard_grads

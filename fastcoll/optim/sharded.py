@@ -240,12 +240,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: the model's ``.grad`` (as ``Optimizer.zero_grad``), the reduced ranges, the main gradients."""
-        if not self._grads.from_reduction:
-            super().zero_grad(set_to_none)
-        self._grads.zero(set_to_none)
-        for p in self.reducer.params:  # parameters outside the reduction's buckets (full mode: already done)
-            if p.grad is not None and set_to_none and not self._grads.from_reduction:
+        guarded = self._grads.guarded_set
+        for i, p in enumerate(self.reducer.params):
+            g = p.grad
+            if g is None or i in guarded:
+                continue
+            if set_to_none:
                 p.grad = None
+            else:
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+                g.zero_()
+        self._grads.zero(set_to_none)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
