@@ -83,6 +83,32 @@ def test_micro_batches_accumulate_in_float32(world):
     assert abs(float(theirs[0][0]) - expected) > 1.0, (theirs[0], expected)  # bfloat16 accumulation is measurably off
 
 
+def two_syncs_worker(rank: int, world: int, grads: str) -> list:
+    """Two synchronized backwards without zero_grad between: the reduced gradients add up, as .grad does."""
+    model = Scale()
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), ddp, grads=grads,
+                                    master_dtype=torch.float32)  # fmt: skip
+    for micro in (0, 1):
+        ddp(_contribution(rank, micro)).backward()
+    got = torch.cat([t.grad for t in opt._shard_params]) if opt._shard_params else torch.zeros(0)
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"call opt\.zero_grad\(\) between step\(\) and the next backward"):
+        ddp(_contribution(rank, 0)).backward()
+    opt.zero_grad()
+    ddp(_contribution(rank, 0)).backward()  # fine after zero_grad
+    return got.tolist()
+
+
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+def test_synchronized_backwards_accumulate_until_zero_grad(grads):
+    world = 2
+    expected = sum(float(_contribution(r, m)[0]) for r in range(world) for m in (0, 1)) / world
+    pieces = run_ranks(two_syncs_worker, world, grads, timeout=60)
+    values = [v for p in pieces for v in p]
+    assert values and all(abs(v - expected) < 1e-6 * expected for v in values), (values, expected)
+
+
 # --------------------------------------------------------------------------- training against a float32 reference
 
 GLOBAL = 6

@@ -22,7 +22,7 @@ A parameter that no rank used since the last ``zero_grad`` gets no gradient
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Collection, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -122,8 +122,11 @@ class PieceGradients:
             if is_guard(p.grad):
                 p.grad = None
 
-    def zero(self, set_to_none: bool) -> None:
-        """The reduction's side of ``zero_grad``: guards, the kept ranges, the main gradients, the use record."""
+    def zero(self, set_to_none: bool, busy: Collection[int] = ()) -> None:
+        """The reduction's side of ``zero_grad``: guards, the kept ranges, the main gradients, the use record.
+
+        ``busy``: buckets whose gradient memory holds a pending all-gather of the parameters (zeroed once written).
+        """
         r = self.reducer
         self.drop_guards()
         for i in self.guarded:
@@ -134,8 +137,8 @@ class PieceGradients:
                 else:
                     g.detach_().zero_()
         if r.shard_grads is not None:
-            r.shard_grads.zero()
-        r.zero_main_grads()
+            r.shard_grads.zero(busy)
+        r.zero_main_grads(busy)
         self.used = [False] * len(self.used)
         self.detach_all()
 

@@ -45,6 +45,8 @@ class ParamSync:
         stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype).
         overlap: Leave the all-gathers running after :meth:`start`; modules wait for their own.
         written: Called with a bucket's position once its parameters are written.
+        borrowed: Per bucket position, a gradient buffer whose memory the stage reuses (float32 main
+            gradients, consumed by the step): zeroed once the parameters are written, ready to accumulate.
     """
 
     def __init__(
@@ -54,15 +56,21 @@ class ParamSync:
         stages: Dict[int, torch.Tensor],
         overlap: bool,
         written: Optional[Callable[[int], None]] = None,
+        borrowed: Optional[Dict[int, torch.Tensor]] = None,
     ):
         self.reducer = reducer
         self._written = written
+        self.borrowed = borrowed or {}
         self.stepped = list(stepped)
         self.stages = stages
         self.overlap = overlap
         self._pending: Dict[int, Any] = {}  # bucket position -> all-gather handle
         self._sources: Optional[Callable[[int], List[torch.Tensor]]] = None
         self._hooks: List[Any] = []
+
+    def borrowing(self) -> Set[int]:
+        """Buckets whose gradient memory holds an all-gather not yet written into the parameters."""
+        return {pos for pos in self._pending if pos in self.borrowed}
 
     @property
     def pending(self) -> bool:
@@ -112,6 +120,9 @@ class ParamSync:
         stepped = [self.stepped[i] for i in b.param_indices]
         params = [p.detach() for p in b.params]
         for_each_run(stepped, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
+        owner = self.borrowed.get(pos)
+        if owner is not None:
+            owner.zero_()
         if self._written is not None:
             self._written(pos)
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..reducer.bucket import MainGradBucket
 from ..reducer.shards import Piece, flat_view
 from .clip import clip_grad_norm
 from .elementwise import check_optimizer_class
@@ -123,11 +124,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(outer, dict(optimizer.defaults))
         self._built = True
         self.state = self.inner.state  # this rank's pieces' state
-        self._sync = ParamSync(reducer, self._stepped, self._stages(), self.overlap_param_gather, self._written)
+        stages, borrowed = self._stages()
+        self._sync = ParamSync(reducer, self._stepped, stages, self.overlap_param_gather, self._written, borrowed)
+        #: The step consumed the main gradients (their memory holds the parameters' all-gather): a backward
+        #: before zero_grad() would accumulate onto nothing.
+        self._consumed = False
         if self.overlap_param_gather:
             self._sync.install_hooks(model.module)
         model._param_sync = self._sync
-        reducer.on_backward.append(self._sync.finish)
+        reducer.on_backward.append(self._before_backward)
         for m in (model, model.module):
             m.register_state_dict_pre_hook(lambda *args, **kwargs: self._sync.finish())
         if pieces_visible:
@@ -164,15 +169,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
             groups.append(dict(g, params=params))
         return groups
 
-    def _stages(self) -> Dict[int, torch.Tensor]:
-        """Per sharded bucket, where its parameters are all-gathered: the bucket's own buffer when it is free then."""
+    def _stages(self) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
+        """Per sharded bucket, where its parameters are all-gathered, and which gradient buffers that borrows.
+
+        The bucket's own buffer when it is free after the step: the gradient bucket itself (or its float32
+        main-gradient bucket, whose bytes hold the 16-bit parameters: consumed by the step, zeroed after
+        the all-gather); else a buffer of its own (gradients as bucket views, kept by ``grads="full"``).
+        """
         r = self.reducer
-        stages = {}
+        stages, borrowed = {}, {}
         for bs in self._layout.buckets:
             b = r.buckets[bs.pos]
+            if isinstance(b, MainGradBucket):
+                stages[bs.pos] = b.flat_padded.view(b.dtype)[: b.padded]
+                borrowed[bs.pos] = b.flat_padded
+                continue
             free = b.flat.dtype == b.dtype and (self.grads == "sharded" or not b.as_view)
             stages[bs.pos] = b.flat_padded if free else torch.empty(b.padded, dtype=b.dtype, device=b.device)
-        return stages
+        return stages, borrowed
 
     # ----------------------------------------------------------------- step
 
@@ -192,8 +206,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._grads.from_reduction:
             self._grads.attach()  # views of p.grad as they are now (attached at backward's end otherwise)
         self.inner.step()
+        self._consumed = bool(self._sync.borrowed)
+        for b in self.reducer.main_buckets:
+            b.consumed = True
         self._sync.start(self._gather_sources)
         return loss
+
+    def _before_backward(self) -> None:
+        """Before a backward accumulates into the buckets: the all-gathers done; the main gradients zeroed."""
+        self._sync.finish()
+        if self._consumed:
+            raise RuntimeError(
+                "fastcoll.ShardedOptimizer: call opt.zero_grad() between step() and the next backward. With float32 "
+                "main gradients, step() consumes them: their memory holds the parameters' all-gather, so they cannot "
+                "accumulate across steps as .grad would"
+            )
 
     def _push_hyperparameters(self) -> None:
         for g, ig in zip(self.param_groups, self.inner.param_groups):
@@ -253,7 +280,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else:
                     g.requires_grad_(False)
                 g.zero_()
-        self._grads.zero(set_to_none)
+        self._grads.zero(set_to_none, busy=self._sync.borrowing())
+        self._consumed = False
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None

@@ -380,10 +380,12 @@ class MainGradBucket(GradBucket):
     ``zero()`` starts a new accumulation.
     """
 
-    __slots__ = ("main_dtype",)
+    __slots__ = ("main_dtype", "consumed")
 
     def __init__(self, *args: Any, main_dtype: torch.dtype = torch.float32, **kwargs: Any):
         self.main_dtype = main_dtype
+        #: A sharded optimizer stepped with them and reused their memory (zeroed by ``zero()``).
+        self.consumed = False
         super().__init__(*args, **kwargs)
 
     def _allocate(self, wire_dtype: Optional[torch.dtype], buffer: Optional[torch.Tensor]) -> None:
@@ -399,6 +401,7 @@ class MainGradBucket(GradBucket):
     def zero(self) -> None:
         """Forget the accumulated gradients."""
         self.flat_padded.zero_()
+        self.consumed = False
 
     def accumulate(self, nonfinite: Optional[torch.Tensor] = None) -> None:
         """Add the present 16-bit gradients into their float32 slots (one fused call per run) and release them."""

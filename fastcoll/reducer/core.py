@@ -50,7 +50,7 @@ import enum
 import math
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Collection, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -354,12 +354,16 @@ class Reducer(ReducerSettings):
             [(b.pos, b.param_indices, [p.numel() for p in b.params], b.padded) for b in buckets], self.world_size, self.rank
         )
         if sharded_grads:
-            grads = {
-                bs.pos: torch.zeros(bs.shard, dtype=_grad_dtype(buckets[bs.pos]), device=self.usage.device)
-                for bs in self.shards.buckets
-            }
-            self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite)
-            self._install_layout(self.layout())  # the reductions become reduce-scatters (same buffers' sizes)
+            grads, in_place = {}, []
+            for bs in self.shards.buckets:
+                b = buckets[bs.pos]
+                if isinstance(b, MainGradBucket):  # the range of the float32 bucket itself (Megatron's layout)
+                    grads[bs.pos] = b.flat_padded[bs.start : bs.start + bs.shard]
+                    in_place.append(bs.pos)
+                else:
+                    grads[bs.pos] = torch.zeros(bs.shard, dtype=b.dtype, device=self.usage.device)
+            self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite, in_place=in_place)
+            self._index_reductions()  # the dense buckets are reduce-scattered from now on
         return self.shards
 
     # ---------------------------------------------------------------- forward
@@ -419,6 +423,8 @@ class Reducer(ReducerSettings):
         self._idle_queued = False
         for fn in self.on_backward:  # (a sharded optimizer's all-gathers may still use the buckets)
             fn()
+        if self.shard_grads is not None:
+            self.shard_grads.set_aside()
         for b in self.main_buckets:
             b.accumulate()
 
@@ -439,12 +445,18 @@ class Reducer(ReducerSettings):
                 "fastcoll.DDP.main_grad: the main gradients are reduce-scattered (ShardedOptimizer(grads='sharded')): "
                 "each rank holds its range only; use opt.clip_grad_norm_ / model.grad_norm() for the norm"
             )
+        if b.consumed:
+            raise RuntimeError(
+                "fastcoll.DDP.main_grad: the optimizer's step() consumed the main gradients (their memory holds the "
+                "parameters' all-gather); read them between backward and step()"
+            )
         return b.views[self._set.slot_pos[idx]]
 
-    def zero_main_grads(self) -> None:
-        """Start a new accumulation of the main gradients."""
+    def zero_main_grads(self, busy: Collection[int] = ()) -> None:
+        """Start a new accumulation of the main gradients (``busy``: buckets whose memory is in use now, zeroed later)."""
         for b in self.main_buckets:
-            b.zero()
+            if b.pos not in busy:
+                b.zero()
 
     def _on_grad(self, idx: int) -> None:
         """Hook body: parameter ``idx``'s gradient has been accumulated."""
@@ -481,10 +493,17 @@ class Reducer(ReducerSettings):
 
     def _start_backward(self) -> None:
         first = self._phase is _ARMED  # not a second backward after an unfinished one
+        if first:
+            try:
+                for fn in self.on_backward:
+                    fn()
+            except BaseException:
+                self._phase = _IDLE  # refused before anything was reduced: the next forward starts afresh
+                raise
         self._phase = _BACKWARD
         if first:
-            for fn in self.on_backward:
-                fn()
+            if self.shard_grads is not None:
+                self.shard_grads.set_aside()
             self._how = self._pack_args()
             self.health.begin_iteration()
             self.timeline.backward_start()
@@ -582,8 +601,6 @@ class Reducer(ReducerSettings):
         shards = self.shard_grads
         if shards is not None:
             shards.filled = True
-            for b in self.main_buckets:  # their sum is in the ranges now: the next backward accumulates afresh
-                b.zero()
             if not shards.free_local:  # kept for the non-finite blame above; the reduced values are in the ranges
                 for p in self.params:
                     p.grad = None
@@ -641,8 +658,3 @@ class Reducer(ReducerSettings):
         for f in inflight:
             f.finish(None)
         self._end_iteration(joined=True)
-
-
-def _grad_dtype(b: GradBucket) -> torch.dtype:
-    """The dtype of a bucket's reduced gradients: float32 for main gradients, else the parameters'."""
-    return b.flat.dtype if isinstance(b, MainGradBucket) else b.dtype

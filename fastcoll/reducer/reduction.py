@@ -17,13 +17,13 @@ replayed one only waits). The reducer never asks which way a bucket goes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .. import ops
 from ..dist.sparse import SparseExchange, empty_sparse_grad
-from .bucket import GradBucket, PackArgs
+from .bucket import GradBucket, MainGradBucket, PackArgs
 from .comm import DONE, Communicator
 from .hooks import call_hook, hook_result
 from .timeline import Timeline
@@ -157,35 +157,70 @@ class ShardGrads:
     local ``.grad`` once its bucket is packed.
     """
 
-    def __init__(self, grads: Dict[int, torch.Tensor], free_local: bool):
+    def __init__(self, grads: Dict[int, torch.Tensor], free_local: bool, in_place: Sequence[int] = ()):
         self.grads = grads
         self.free_local = free_local
+        #: Buckets whose range is this rank's range of the bucket itself (float32 main gradients, reduce-scattered
+        #: in place): the rest of the bucket is zeroed after the reduction, and the range is set aside while
+        #: the next backwards accumulate into the bucket (:meth:`set_aside`).
+        self.in_place = set(in_place)
+        self._aside: Dict[int, torch.Tensor] = {}
         #: The ranges hold gradients a later synchronized backward must add to.
         self.filled = False
 
-    def zero(self) -> None:
-        """Forget the kept gradients (the next synchronized backward writes them afresh)."""
+    def zero(self, busy: Collection[int] = ()) -> None:
+        """Forget the kept gradients (the next synchronized backward writes them afresh).
+
+        ``busy``: in-place buckets whose memory is in use now (it is zeroed when released).
+        """
         self.filled = False
+        self._aside = {}
+        for pos in self.in_place:
+            if pos not in busy:
+                self.grads[pos].zero_()
+
+    def set_aside(self) -> None:
+        """Before backwards accumulate into in-place buckets whose range still holds reduced gradients: move them out."""
+        if self.filled and not self._aside:
+            for pos in self.in_place:
+                g = self.grads[pos]
+                self._aside[pos] = g.clone()
+                g.zero_()
+
+    def take_aside(self, pos: int) -> Optional[torch.Tensor]:
+        return self._aside.pop(pos, None)
 
 
 class _Scattered(InFlight):
-    __slots__ = ("bucket", "out", "target", "add")
+    __slots__ = ("bucket", "out", "target", "add", "shards")
 
-    def __init__(self, bucket: GradBucket, handle: Any, timeline: Timeline, comm: Communicator, out, target, add: bool):
+    def __init__(self, bucket: GradBucket, handle: Any, timeline: Timeline, comm: Communicator, out, target, add, shards):
         super().__init__(handle, timeline, comm, f"bucket {bucket.pos}")
         self.bucket = bucket
         self.out = out
         self.target = target
         self.add = add
+        self.shards = shards
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         self.wait()
-        self.timeline.completed(self.bucket.pos)
+        b = self.bucket
+        self.timeline.completed(b.pos)
         with torch.no_grad():
             if self.add:
                 self.target.add_(self.out)
             elif self.out is not self.target:
                 self.target.copy_(self.out)
+            if b.pos in self.shards.in_place:
+                # The rest of the bucket held this rank's share of the others' ranges: the next backward starts at 0.
+                start = self.target.storage_offset() - b.flat_padded.storage_offset()
+                b.flat_padded[:start].zero_()
+                b.flat_padded[start + self.target.numel() :].zero_()
+                aside = self.shards.take_aside(b.pos)
+                if aside is not None:
+                    self.target.add_(aside)
+            elif isinstance(b, MainGradBucket):
+                b.zero()  # its sum is in the range now
         if sumsq is not None:
             ops.sum_of_squares([self.target], out=sumsq)
 
@@ -206,15 +241,19 @@ class ReduceScatter:
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         _packed(self.timeline, b, how, done)
         target = self.shards.grads[b.pos]
-        add = self.shards.filled
-        out = target if target.dtype == b.comm.dtype and not add else torch.empty_like(target, dtype=b.comm.dtype)
+        in_place = b.pos in self.shards.in_place
+        add = self.shards.filled and not in_place  # (an in-place range was set aside, and is added back at the end)
+        if in_place and b.comm_padded is b.flat_padded:
+            out = target  # reduce-scattered in place: the range is a view of the bucket
+        else:
+            out = target if target.dtype == b.comm.dtype and not add else torch.empty_like(target, dtype=b.comm.dtype)
         if self.shards.free_local:
             for p in b.params:
                 p.grad = None
         self.timeline.issued(b.pos)
         handle = self.comm.reduce_scatter(out, b.comm_padded, f"bucket {b.pos}") if b.numel else DONE
         self.timeline.watch(handle, b.pos)
-        return _Scattered(b, handle, self.timeline, self.comm, out, target, add)
+        return _Scattered(b, handle, self.timeline, self.comm, out, target, add, self.shards)
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
         if b.numel:
