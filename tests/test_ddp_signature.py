@@ -17,6 +17,7 @@ FASTCOLL_ONLY = {
     "record_timeline": True,
     "stall_timeout": None,
     "verify_replicas_every": 0,
+    "main_grad_dtype": None,
 }
 
 # torch 2.13's DistributedDataParallel.__init__, in order, with defaults (the version fastcoll tracks).
@@ -57,12 +58,10 @@ def test_every_parameter_of_the_running_torch_ddp_is_accepted_in_its_place():
         assert ours[p.name][1] == p.default, (p.name, ours[p.name][1], p.default)
 
 
-def test_isinstance_of_torch_ddp_without_its_constructor():
+def test_a_torch_ddp_subclass():
+    """(That torch's constructor, reducer and logger never run: tests/test_ddp_members.py, on a live wrapper.)"""
     assert issubclass(fastcoll.DDP, torch.nn.parallel.DistributedDataParallel)
     assert fastcoll.DistributedDataParallel is fastcoll.DDP
-    # torch DDP's constructor never runs: fastcoll.DDP.__init__ does not call it.
-    src = inspect.getsource(fastcoll.DDP.__init__)
-    assert "super().__init__(" not in src and "nn.Module.__init__(self)" in src
 
 
 @pytest.mark.parametrize("mb_list", [[1, 4, 16]])
