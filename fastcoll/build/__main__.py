@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import jit
+from . import compile, jit
 from .errors import ExtensionUnavailable
 
 _LOG_LINES = 60
@@ -34,8 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ExtensionUnavailable as exc:
         if exc.log:
             with open(exc.log, errors="replace") as f:
-                tail = f.read().splitlines()[-_LOG_LINES:]
-            print("\n".join(tail), file=sys.stderr)
+                print(compile.error_excerpt(f.read(), _LOG_LINES), file=sys.stderr)
         print(f"fastcoll.build: {exc}", file=sys.stderr)
         return 1
     from ..ops import loader

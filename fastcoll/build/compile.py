@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -44,13 +45,41 @@ def job(plan: Plan, build_dir: str, compiler: str) -> dict:
     }
 
 
+_DIAGNOSTIC = re.compile(r"(\berror\b|undefined reference|undefined symbol|No such file)", re.IGNORECASE)
+_PY_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b: ")
+
+
 def first_error(output: str) -> str:
-    """The first line of ``output`` that reports an error (the compiler's), else its last line."""
+    """The build's error, in one line.
+
+    The first diagnostic of the compiler or linker (ninja's own progress and
+    ``FAILED:`` lines and Python tracebacks aside), else the exception that
+    ended the build process (its last line of the form ``SomeError: ...``),
+    else the last line of ``output``.
+    """
     lines = [line.strip() for line in output.splitlines() if line.strip()]
+    in_traceback = False
     for line in lines:
-        if "error" in line.lower() and not line.startswith(("[", "FAILED:")):
+        in_traceback = (in_traceback or line.startswith("Traceback")) and not _PY_EXCEPTION.match(line)
+        if in_traceback or line.startswith(("[", "FAILED:", "ninja:", "RuntimeError:", "subprocess.")):
+            continue
+        if _DIAGNOSTIC.search(line) and not _PY_EXCEPTION.match(line):
             return line[:300]
-    return lines[-1][:300] if lines else "no output"
+    exceptions = [line for line in lines if _PY_EXCEPTION.match(line)]
+    return (exceptions or lines or ["no output"])[-1][:300]
+
+
+def error_excerpt(output: str, limit: int = 60) -> str:
+    """The part of a failed build's output worth reading: from the first failed step on, Python tracebacks
+    left out (the exception's own line stays), at most ``limit`` lines."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("FAILED:")), 0)
+    kept, in_traceback = [], False
+    for line in lines[start:]:
+        in_traceback = (in_traceback or line.startswith("Traceback")) and not _PY_EXCEPTION.match(line)
+        if not in_traceback and not line.startswith("The above exception") and not line.startswith("During handling"):
+            kept.append(line)
+    return "\n".join(kept[:limit] if start else kept[-limit:])
 
 
 def run(plan: Plan, build_dir: str) -> str:

@@ -28,10 +28,12 @@ compiles nor reads the cache: the behaviour before the cache existed).
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import os
 import sys
+import time
 import warnings
 from types import ModuleType
 from typing import Optional, Tuple
@@ -72,6 +74,8 @@ CACHE_KEY: Optional[str] = None
 CUDA_MISSING: Optional[str] = None
 #: setup.py writes this beside the library it builds: the torch it was built for.
 AOT_RECORD = "_C.build.json"
+#: Seconds spent finding (or compiling) the cached build, the library's loading aside.
+LOOKUP_SECONDS: Optional[float] = None
 
 
 def _register_reference(names, kind: str = "DEF") -> None:
@@ -112,18 +116,22 @@ def _aot_mismatch(path: str) -> Optional[str]:
 
 
 def _load_ahead_of_time() -> Tuple[Optional[ModuleType], Optional[str]]:
-    """fastcoll._C built by setup.py, or None and why it is not usable (None: there is none)."""
-    found = importlib.util.find_spec(f"{__package__.rpartition('.')[0]}._C")
+    """fastcoll._C built by setup.py, or None and why it is not usable (None: there is none).
+
+    Looked for in this package's own folder only: an import hook of another installation (an
+    editable install of another checkout) must not lend its build to this one.
+    """
+    package = sys.modules[__package__.rpartition(".")[0]]
+    found = importlib.machinery.PathFinder.find_spec(f"{package.__name__}._C", list(package.__path__))
     if found is None or not found.origin:
         return None, None
     mismatch = _aot_mismatch(found.origin)
     if mismatch:
         return None, mismatch
     try:
-        from .. import _C as compiled  # loading the library runs its TORCH_LIBRARY registrations
+        return _import_library(found.origin), None  # loading the library runs its TORCH_LIBRARY registrations
     except ImportError as exc:  # built against another torch
-        return None, f"the ahead-of-time build fastcoll._C could not be imported ({exc})"
-    return compiled, None
+        return None, f"the ahead-of-time build {found.origin} could not be imported ({exc})"
 
 
 def _import_library(path: str) -> ModuleType:
@@ -144,7 +152,10 @@ def _load_from_cache() -> ModuleType:
     global ORIGIN, EXT_PATH, CACHE_KEY, CUDA_MISSING
     from ..build import jit
 
+    global LOOKUP_SECONDS
+    start = time.perf_counter()
     got = jit.ensure()
+    LOOKUP_SECONDS = time.perf_counter() - start  # on a cache hit: what the cache adds to the import
     try:
         module = _import_library(got.path)
     except ImportError:  # a damaged entry that passed the size check: build it again, once
