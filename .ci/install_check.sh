@@ -9,45 +9,52 @@
 #    fastcoll at once (one compiles: its time is printed), a later import is a cache hit (its
 #    cost is printed), a 2-rank gloo fastcoll.DDP step and an op round trip on the cached
 #    build, and `python -m fastcoll.build`.
-# 4. The sdist (`python -m build --sdist`), installed into another fresh venv with nothing in
-#    it: torch comes in as fastcoll's dependency (held to the CI's CPU build by a constraint).
-#    Its import finds the build of step 3 in the shared cache (same sources, torch, Python).
+# 4. The sdist (`python -m build --sdist`) in another fresh venv: pip resolves it in the empty
+#    venv (--dry-run: torch, numpy and ninja come in as dependencies, torch held to the CI's
+#    CPU build by a constraint), then installs it with .venv's torch shared as in 2. Its import
+#    finds the build of step 3 in the shared cache (same sources, torch, Python): a cache hit.
+#    INSTALL_CHECK_FULL=1 installs torch into that venv for real instead (about 40 s more).
 # Every step prints its time. Work folder: INSTALL_CHECK_DIR (default build/install-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-VPY=${VPY:-.venv/bin/python}
+VPY=$(realpath -ms "${VPY:-.venv/bin/python}")  # absolute, the venv's own link (not what it points to)
+REPO=$PWD
 TORCH_CPU=${TORCH_CPU:-torch==2.13.0}
 OUT=$(realpath -m "${INSTALL_CHECK_DIR:-build/install-check}")
 export FASTCOLL_CACHE_DIR="$OUT/cache"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 unset FASTCOLL_NO_EXT FASTCOLL_JIT FASTCOLL_REQUIRE_EXT PYTHONPATH
 
-t_step=$(date +%s%N)
-step() {
-    local now
-    now=$(date +%s%N)
-    echo "install-check: $* (previous step $(((now - t_step) / 1000000)) ms)"
-    t_step=$now
-}
 seconds_since() { awk -v s="$1" -v e="$(date +%s%N)" 'BEGIN { printf "%.1f", (e - s) / 1e9 }'; }
+step_name="" step_start=$(date +%s%N)
+step() {  # step NAME: ends the previous step (printing its time) and starts NAME
+    [ -n "$step_name" ] && echo "install-check: $(seconds_since "$step_start") s: $step_name"
+    step_name="$*" step_start=$(date +%s%N)
+    [ -n "$step_name" ] && echo "install-check: $step_name ..."
+    return 0
+}
+# share_torch VENV_PYTHON: .venv's site-packages (its torch, numpy, ninja) visible in that venv.
+share_torch() {
+    "$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+        >"$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_ci_shared_torch.pth"
+}
 
 rm -rf "$OUT" && mkdir -p "$OUT/tree"
 step "copying the tree"
 git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -cf - -T - 2>/dev/null | tar -xf - -C "$OUT/tree"
 
-step "a fresh venv sharing the CI's CPU torch ($("$VPY" -c 'import torch; print(torch.__version__)'))"
+step "a fresh venv sharing the CI's CPU torch (.venv's)"
 "$PYTHON" -m venv "$OUT/venv-a"
 VA="$OUT/venv-a/bin/python"
-"$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
-    >"$("$VA" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_ci_shared_torch.pth"
+share_torch "$VA"
 
 step "pip install TREE (isolated build)"
-t=$(date +%s%N)
 "$VA" -m pip install -q "$OUT/tree"
-echo "install-check: pip install . took $(seconds_since "$t") s"
 # Without importing fastcoll (that would compile): the installed package has the sources, not a library.
+# (Python snippets run from $OUT: from the checkout, `import fastcoll` would find ./fastcoll.)
+cd "$OUT"
 "$VA" - "$OUT/venv-a" <<'PY'
 import glob, importlib.util, os, sys
 pkg = os.path.dirname(importlib.util.find_spec("fastcoll").origin)
@@ -58,21 +65,34 @@ print(f"install-check: installed {pkg}: sources, no compiled library")
 PY
 
 step "first import (4 processes, empty cache), cache hit, DDP step, ops, python -m fastcoll.build"
-FASTCOLL_TEST_JIT=1 FASTCOLL_TEST_JIT_PYTHON="$VA" FASTCOLL_TEST_JIT_CACHE="$FASTCOLL_CACHE_DIR" \
-    "$VPY" -m pytest -q -s -p no:cacheprovider tests/test_build_jit.py
+(cd "$REPO" && FASTCOLL_TEST_JIT=1 FASTCOLL_TEST_JIT_PYTHON="$VA" FASTCOLL_TEST_JIT_CACHE="$FASTCOLL_CACHE_DIR" \
+    "$VPY" -m pytest -q -s -p no:cacheprovider tests/test_build_jit.py)
 
 step "sdist (python -m build --sdist)"
 "$VA" -m pip install -q build
 "$VA" -m build -q --sdist --outdir "$OUT/dist" "$OUT/tree" >/dev/null
 ls "$OUT"/dist/fastcoll-*.tar.gz
 
-step "pip install SDIST into an empty venv (torch comes in as a dependency)"
+step "pip install SDIST into an empty venv"
 "$PYTHON" -m venv "$OUT/venv-b"
 VB="$OUT/venv-b/bin/python"
 echo "$TORCH_CPU" >"$OUT/constraints.txt"  # the CI's CPU build, not the index's default (CUDA) one
-t=$(date +%s%N)
-"$VB" -m pip install -q -c "$OUT/constraints.txt" "$OUT"/dist/fastcoll-*.tar.gz
-echo "install-check: pip install SDIST (with torch) took $(seconds_since "$t") s"
+SDIST=$(ls "$OUT"/dist/fastcoll-*.tar.gz)
+if [ "${INSTALL_CHECK_FULL:-0}" = 1 ]; then
+    "$VB" -m pip install -q -c "$OUT/constraints.txt" "$SDIST"
+else
+    "$VB" -m pip install -q --dry-run --report "$OUT/sdist-resolution.json" -c "$OUT/constraints.txt" "$SDIST"
+    "$VB" - "$OUT/sdist-resolution.json" "$TORCH_CPU" <<'PY'
+import json, sys
+with open(sys.argv[1]) as f:
+    found = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.load(f)["install"]}
+assert {"fastcoll", "torch", "numpy", "ninja"} <= set(found), found
+assert found["torch"].split("+")[0] == sys.argv[2].split("==")[1], found
+print(f"install-check: in an empty venv, the sdist brings torch {found['torch']}, numpy {found['numpy']}, ninja {found['ninja']}")
+PY
+    share_torch "$VB"
+    "$VB" -m pip install -q "$SDIST"
+fi
 "$VB" - "$OUT/cache" <<'PY'
 import sys, time
 start = time.perf_counter()
@@ -84,4 +104,4 @@ assert info["extension"] and info["extension_origin"] == "cache hit", info
 assert info["extension_path"].startswith(sys.argv[1]), info
 print(f"install-check: the sdist's import (torch {info['torch']}) is a cache hit: {took:.2f} s with torch's import")
 PY
-step "done"
+step ""

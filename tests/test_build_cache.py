@@ -445,11 +445,6 @@ def test_import_without_a_compiler_falls_back(tmp_path):
     assert proc.returncode != 0 and "FASTCOLL_REQUIRE_EXT=1, but no C++ compiler" in proc.stderr
 
 
-def test_import_without_sources_falls_back(tmp_path):
-    got = import_info(tree_copy(tmp_path, with_sources=False), tmp_path / "cache")
-    assert not got["info"]["extension"] and "carries no C++ sources" in got["info"]["fallback_reason"]
-
-
 def test_jit_off_and_no_ext(tmp_path):
     tree = tree_copy(tmp_path)
     info = import_info(tree, tmp_path / "cache", FASTCOLL_JIT="0")["info"]
@@ -460,15 +455,17 @@ def test_jit_off_and_no_ext(tmp_path):
 
 
 def test_ahead_of_time_build_for_another_torch_is_skipped(tmp_path):
-    """setup.py's record says the library is for another torch: it is not even loaded (that could crash)."""
-    tree = tree_copy(tmp_path)
+    """setup.py's record says the library is for another torch: it is not even loaded (that could crash);
+    and without sources (an installation from an old wheel) there is nothing to compile either."""
+    tree = tree_copy(tmp_path, with_sources=False)
     lib = os.path.join(tree, "fastcoll", "_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
     with open(lib, "wb") as f:
         f.write(b"not a library")
     with open(os.path.join(tree, "fastcoll", "_C.build.json"), "w") as f:
         json.dump({"torch": "2.0.0", "torch_git": "x", "size": os.path.getsize(lib)}, f)
-    info = import_info(tree, tmp_path / "cache", CXX="/nonexistent/c++")["info"]
-    assert "is for torch 2.0.0, not" in info["fallback_reason"] and "no C++ compiler" in info["fallback_reason"]
+    info = import_info(tree, tmp_path / "cache")["info"]
+    assert not info["extension"] and "is for torch 2.0.0, not" in info["fallback_reason"]
+    assert "carries no C++ sources" in info["fallback_reason"]
 
 
 FAKE_CXX = """#!/bin/sh
@@ -503,3 +500,18 @@ def test_compile_error_warns_once_then_reports(tmp_path):
     cli = run_python("", tree, tmp_path / "cache", args=["-m", "fastcoll.build"], CXX=str(cxx))
     assert cli.returncode == 1 and "this compiler compiles nothing" in cli.stderr, cli.stderr
     assert (tmp_path / "bin" / "calls").read_text().count("\n") > calls
+
+
+def test_import_rebuilds_a_damaged_entry(tmp_path, monkeypatch):
+    """An entry whose size is right but whose library does not load: the import compiles it again."""
+    tree = tree_copy(tmp_path)
+    monkeypatch.setenv("FASTCOLL_CACHE_DIR", str(tmp_path / "cache"))
+    entry = cache.Entry(cache.root(), key.plan().key)  # the copy's sources are these: the same key
+    entry.make_dirs()
+    junk = os.path.join(entry.new_build_dir(), "_C.so")
+    with open(junk, "wb") as f:
+        f.write(b"not a library")
+    entry.publish(junk, {})
+    assert entry.valid()
+    info = import_info(tree, tmp_path / "cache", CXX="/nonexistent/c++")["info"]
+    assert not info["extension"] and "no C++ compiler" in info["fallback_reason"]  # it tried to compile

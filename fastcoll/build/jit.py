@@ -11,6 +11,7 @@ in a folder of its own (compile.py) and publishes the result by rename
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import socket
 import sys
@@ -87,7 +88,7 @@ def _build(plan: key.Plan, entry: cache.Entry, report: Callable[[str], None]) ->
         f"into {entry.dir}; this happens once per torch, Python and fastcoll version (about 2 min on 2 cores). "
         "To do it ahead of time: python -m fastcoll.build"
     )
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), _children_cpu_seconds()
     build_dir = entry.new_build_dir()
     try:
         lib = compile.run(plan, build_dir)
@@ -97,6 +98,7 @@ def _build(plan: key.Plan, entry: cache.Entry, report: Callable[[str], None]) ->
             dict(
                 plan.inputs,
                 seconds=round(seconds, 1),
+                cpu_seconds=round(_children_cpu_seconds() - cpu_start, 1),  # the compilers' CPU time, all jobs
                 built_by=f"pid {os.getpid()} on host {socket.gethostname()}",
                 built_at=time.strftime("%Y-%m-%d %H:%M:%S"),
             ),
@@ -109,6 +111,11 @@ def _build(plan: key.Plan, entry: cache.Entry, report: Callable[[str], None]) ->
         shutil.rmtree(build_dir, ignore_errors=True)
     report(f"compiled the extension in {seconds:.0f} s: {entry.lib}")
     return Obtained(entry.lib, COMPILED, plan, entry, seconds)
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # every finished descendant: the worker, ninja, compilers
+    return usage.ru_utime + usage.ru_stime
 
 
 def _earlier_failure(entry: cache.Entry) -> BuildFailed:

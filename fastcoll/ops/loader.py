@@ -158,9 +158,13 @@ def _load_from_cache() -> ModuleType:
     LOOKUP_SECONDS = time.perf_counter() - start  # on a cache hit: what the cache adds to the import
     try:
         module = _import_library(got.path)
-    except ImportError:  # a damaged entry that passed the size check: build it again, once
-        got = jit.ensure(force=True)
-        module = _import_library(got.path)
+    except ImportError:  # replaced while this process looked (`python -m fastcoll.build --force`): load what is there now
+        got = jit.ensure()
+        try:
+            module = _import_library(got.path)
+        except ImportError:  # damaged, though its size is right: build it again, once
+            got = jit.ensure(force=True)
+            module = _import_library(got.path)
     ORIGIN, EXT_PATH, CACHE_KEY, CUDA_MISSING = got.how, got.path, got.plan.key, got.plan.cuda_missing
     return module
 
