@@ -131,18 +131,23 @@ def _extension_and_command(torch):
     class BuildExtensionWithRecord(BuildExtension):
         """Also writes, beside the library, the torch it was built for (fastcoll/ops/loader.py reads it)."""
 
-        def build_extension(self, ext):
-            super().build_extension(ext)
-            path = self.get_ext_fullpath(ext.name)
+        def run(self):
+            super().run()  # builds into build_lib, then copies into the tree if --inplace (or editable)
+            inplace, self.inplace = self.inplace, False
+            outputs = [self.get_ext_fullpath(e.name) for e in self.extensions]
+            self.inplace = inplace
+            if inplace:
+                outputs += [self.get_ext_fullpath(e.name) for e in self.extensions]
             record = {
                 "torch": torch.__version__,
                 "torch_git": torch.version.git_version,
                 "torch_cuda": torch.version.cuda,
                 "cuda_kernels": use_cuda,
-                "size": os.path.getsize(path),
             }
-            with open(os.path.join(os.path.dirname(path), "_C.build.json"), "w") as f:
-                json.dump(record, f, indent=1)
+            for path in outputs:
+                if os.path.exists(path):
+                    with open(os.path.join(os.path.dirname(path), "_C.build.json"), "w") as f:
+                        json.dump(dict(record, size=os.path.getsize(path)), f, indent=1)
 
     return ext, BuildExtensionWithRecord.with_options(use_ninja=True)
 

@@ -515,3 +515,25 @@ def test_import_rebuilds_a_damaged_entry(tmp_path, monkeypatch):
     assert entry.valid()
     info = import_info(tree, tmp_path / "cache", CXX="/nonexistent/c++")["info"]
     assert not info["extension"] and "no C++ compiler" in info["fallback_reason"]  # it tried to compile
+
+
+def test_cuda_torch_without_cuda_kernels(tmp_path):
+    """A CUDA torch whose extension has no CUDA kernels (nvcc was missing): CUDA tensors get the reference ops."""
+    built = [n for n in os.listdir(os.path.join(REPO, "fastcoll")) if n.startswith("_C") and n.endswith((".so", ".json"))]
+    if not any(n.endswith(".so") for n in built):
+        pytest.skip("needs the ahead-of-time build (make build)")
+    tree = tree_copy(tmp_path)
+    for name in built:  # the library and setup.py's record of it
+        shutil.copy(os.path.join(REPO, "fastcoll", name), os.path.join(tree, "fastcoll", name))
+    code = """
+        import json, torch
+        torch.version.cuda = "13.0"  # as a CUDA build of torch would say
+        import fastcoll
+        info = fastcoll.build_info()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        print(json.dumps([info["extension_origin"], info["cuda_kernels_missing"], has("fastcoll::flatten_scale", "CUDA")]))
+    """
+    proc = run_python(code, tree, tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
+    origin, missing, has_cuda_kernel = json.loads(proc.stdout.splitlines()[-1])
+    assert origin == "ahead of time" and "without CUDA kernels" in missing and has_cuda_kernel

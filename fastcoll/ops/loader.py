@@ -220,7 +220,10 @@ def _load() -> None:
 
 
 def _cover_missing_cuda_kernels() -> None:
-    """A CUDA torch with a CPU-only build (no nvcc): CUDA tensors take the reference ops, with a warning on a GPU machine."""
+    """A CUDA torch with a CPU-only build (no nvcc): CUDA tensors take the reference ops.
+
+    The warning comes with the compile, and at every import on a machine with a GPU.
+    """
     global _cuda_fallback_lib, CUDA_MISSING
     if torch.version.cuda is None or _C is None or _C.build_info().get("cuda_kernels"):
         return
@@ -232,7 +235,7 @@ def _cover_missing_cuda_kernels() -> None:
         if name not in REFERENCE_OPS:
             lib.impl(name, getattr(reference, name), "CUDA")
     _cuda_fallback_lib = lib
-    if torch.cuda.is_available():
+    if ORIGIN == "compiled at import" or torch.cuda.is_available():  # said once when built; then where it matters
         warnings.warn(
             f"fastcoll: CUDA kernels missing: {CUDA_MISSING}; CUDA tensors use the pure-PyTorch reference ops",
             RuntimeWarning,
