@@ -89,6 +89,7 @@ class Entry:
             meta: What to record in build.json (the key and the size are added).
         """
         staging = tempfile.mkdtemp(prefix=f"{self.key}-publish-", dir=self.tmp)
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the entry from others sharing the cache
         os.replace(built_lib, os.path.join(staging, os.path.basename(self.lib)))
         record = dict(meta, key=self.key, size=os.stat(os.path.join(staging, os.path.basename(self.lib))).st_size)
         with open(os.path.join(staging, "build.json"), "w") as f:

@@ -36,7 +36,7 @@ def job(plan: Plan, build_dir: str, compiler: str) -> dict:
     return {
         "name": spec.NAME,
         "sources": [os.path.join(plan.csrc, s) for s in spec.compiled_sources(plan.csrc, plan.with_cuda)],
-        "extra_cflags": list(spec.CXX_FLAGS) + _define_flags(defines),
+        "extra_cflags": list(spec.CXX_FLAGS + spec.JIT_CXX_FLAGS) + _define_flags(defines),
         "extra_cuda_cflags": (list(spec.NVCC_FLAGS) + _define_flags(defines)) if plan.with_cuda else None,
         "extra_ldflags": list(spec.LD_FLAGS),
         "extra_include_paths": [plan.csrc],

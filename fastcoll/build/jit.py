@@ -63,7 +63,6 @@ def ensure(report: Callable[[str], None] = say, force: bool = False, retry_faile
         return Obtained(entry.lib, CACHE_HIT, plan, entry, None)
     if entry.failed() and not retry_failed:
         raise _earlier_failure(entry)
-    toolchain.find_cxx()
     try:
         entry.make_dirs()
     except OSError as exc:
@@ -76,6 +75,7 @@ def ensure(report: Callable[[str], None] = say, force: bool = False, retry_faile
             return Obtained(entry.lib, CACHE_HIT, plan, entry, None)
         if waited and entry.failed() and not retry_failed:
             raise _earlier_failure(entry)
+        toolchain.find_cxx()  # only here: a process without one may still load what another built
         return _build(plan, entry, report)
 
 
@@ -83,9 +83,10 @@ def _build(plan: key.Plan, entry: cache.Entry, report: Callable[[str], None]) ->
     kernels = f"CPU and CUDA ({plan.cuda_archs}) kernels" if plan.with_cuda else "CPU kernels"
     if plan.cuda_missing:
         kernels += ", no CUDA kernels: nvcc not found"
+    takes = "several minutes: nvcc" if plan.with_cuda else "about 2 min on 2 cores"
     report(
         f"compiling the C++ extension ({kernels}) for torch {torch.__version__} with {toolchain.max_jobs()} jobs "
-        f"into {entry.dir}; this happens once per torch, Python and fastcoll version (about 2 min on 2 cores). "
+        f"into {entry.dir}; this happens once per torch, Python and fastcoll version ({takes}). "
         "To do it ahead of time: python -m fastcoll.build"
     )
     start, cpu_start = time.monotonic(), _children_cpu_seconds()

@@ -19,6 +19,10 @@ from typing import Dict, List, Optional, Tuple
 #: The module's name inside the package: fastcoll._C (PYBIND11_MODULE(TORCH_EXTENSION_NAME)).
 NAME = "_C"
 CXX_FLAGS: Tuple[str, ...] = ("-O3", "-fopenmp")  # OpenMP: at::parallel_for is serial without it
+#: What the ahead-of-time build also gets from Python's own compile flags (setuptools adds sysconfig's
+#: CFLAGS, e.g. "-DNDEBUG -g -fwrapv -O3 -Wall"): the build at import adds them so both compile the same
+#: code (NDEBUG turns off torch's debug-only checks). Not -g: a 30 MB library instead of 1.3 MB.
+JIT_CXX_FLAGS: Tuple[str, ...] = ("-DNDEBUG", "-fwrapv")
 NVCC_FLAGS: Tuple[str, ...] = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")
 LD_FLAGS: Tuple[str, ...] = ("-fopenmp",)
 #: sm_80 and sm_90 machine code, plus sm_90 PTX that the driver compiles for newer GPUs.
@@ -90,7 +94,7 @@ def cpu_isa_builds(machine: str) -> Tuple[str, ...]:
 def flags(with_cuda: bool, cuda_archs: Optional[str]) -> Dict[str, object]:
     """Everything about the build's flags that the cache key must cover."""
     return {
-        "cxx": list(CXX_FLAGS),
+        "cxx": list(CXX_FLAGS + JIT_CXX_FLAGS),
         "nvcc": list(NVCC_FLAGS) if with_cuda else None,
         "ld": list(LD_FLAGS),
         "defines": defines(with_cuda, cuda_archs),
