@@ -149,10 +149,9 @@ def _import_library(path: str) -> ModuleType:
 
 def _load_from_cache() -> ModuleType:
     """The extension from the build cache, compiled into it first if needed (fastcoll.build.jit)."""
-    global ORIGIN, EXT_PATH, CACHE_KEY, CUDA_MISSING
+    global ORIGIN, EXT_PATH, CACHE_KEY, CUDA_MISSING, LOOKUP_SECONDS
     from ..build import jit
 
-    global LOOKUP_SECONDS
     start = time.perf_counter()
     got = jit.ensure()
     LOOKUP_SECONDS = time.perf_counter() - start  # on a cache hit: what the cache adds to the import
