@@ -105,7 +105,7 @@ cuda-build-check:
 	  CUDA_HOME=$(CUDA_HOME) FASTCOLL_CUDA=1 TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX" MAX_JOBS=2 \
 	  CPATH=$$NV/include:$$CPATH LIBRARY_PATH=$$NV/lib:$$LIBRARY_PATH \
 	  $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib
-	tar -cf - --exclude='*.so' --exclude=__pycache__ fastcoll | tar -xf - -C build/cuda-check/lib  # the Python package, beside the CUDA build of _C
+	tar -cf - --exclude='*.so' --exclude=_C.build.json --exclude=__pycache__ fastcoll | tar -xf - -C build/cuda-check/lib  # the Python package, beside the CUDA build of _C
 	cd build/cuda-check/lib && $(CUDA_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i, indent=1)); assert i['cuda_kernels'], i"
 
 # tests/test_integrations_timm.py, which skips under `make test`: timm imports torchvision, and PyPI's torchvision
@@ -123,6 +123,14 @@ test-timm:
 	    $(CUDA_VENV)/bin/python -m pip install -q --no-deps $(TIMM_PKGS); } || \
 	  echo "fastcoll: torchvision/timm did not install in $(CUDA_VENV); the timm tests will skip"
 	FASTCOLL_NO_EXT=1 OMP_NUM_THREADS=1 $(CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations_timm.py $(PYTEST_ARGS)
+
+# Installing as users do (issue 21): plain `pip install .` of a clean copy of the tree (isolated:
+# compiles nothing) in a fresh venv sharing .venv's CPU torch, the compile at first import with an
+# empty cache (tests/test_build_jit.py: 4 processes at once, cache hit, DDP step, ops), then the
+# sdist in an empty venv (torch comes in as a dependency). Work folder: build/install-check.
+.PHONY: install-check
+install-check: setup
+	PYTHON="$(PYTHON)" VPY="$(VPY)" TORCH_CPU="$(TORCH_CPU)" bash .ci/install_check.sh
 
 # Wheels of the test and table tools for the GPU machine (Python 3.12, no package
 # index there): `make gpu-wheels` here, then carry .gpu-wheels to the GPU machine.
@@ -161,4 +169,4 @@ gpu-check:
 	rc=0; for s in build test bench-ops bench-ddp; do $(GPU_STEP) $$s || rc=1; done; exit $$rc
 
 clean:
-	rm -rf build *.egg-info fastcoll/*.so $(VENV)/.build-stamp
+	rm -rf build *.egg-info fastcoll/*.so fastcoll/_C.build.json $(VENV)/.build-stamp

@@ -37,8 +37,15 @@ def build_info() -> dict:
         kernels are compiled in, the compiler, the CUDA version and arch list
         the kernels were built for, the build of the CPU inner loops in use
         (``cpu_isa``: default, avx2 or avx512bf16; ``FASTCOLL_CPU_ISA``
-        picks a lower one), and why the fallback is in use (if it is).
+        picks a lower one), and why the fallback is in use (if it is). Also
+        how the extension was obtained (``extension_origin``: "ahead of time",
+        "compiled at import", "cache hit", or None for the reference), the
+        loaded library (``extension_path``), the build cache (``cache_dir``,
+        and ``cache_key`` when the library came from it), and why a CUDA torch
+        has no CUDA kernels (``cuda_kernels_missing``, e.g. nvcc was not found).
     """
+    from .build import cache
+
     info = {
         "fastcoll": __version__,
         "torch": torch.__version__,
@@ -49,6 +56,11 @@ def build_info() -> dict:
         "cuda_version": None,
         "cuda_arch_list": [],
         "fallback_reason": loader.FALLBACK_REASON,
+        "extension_origin": loader.ORIGIN,
+        "extension_path": loader.EXT_PATH,
+        "cache_dir": cache.root(),
+        "cache_key": loader.CACHE_KEY,
+        "cuda_kernels_missing": loader.CUDA_MISSING,
     }
     if loader._C is not None:
         info.update(loader._C.build_info())

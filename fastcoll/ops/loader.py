@@ -6,11 +6,34 @@ Either way, after import every op of SCHEMAS (``torch.ops.fastcoll.flatten_scale
 never needs to know which implementation is active. An extension built from
 older sources that lacks some of them gets the reference for those (listed in
 REFERENCE_OPS, with a warning) rather than failing to import.
+
+Where the extension comes from, in order (``ORIGIN`` records which):
+
+1. ``fastcoll/_C*.so`` built ahead of time (``pip install --no-build-isolation``,
+   ``setup.py build_ext``), unless its record (``_C.build.json``, written by
+   setup.py) says it was built for another torch;
+2. the build cache (fastcoll/build/): a build for this torch, Python and these
+   sources, compiled at first import if there is none. The compile happens at
+   import rather than at an op's first call because the ops are registered
+   once, by whichever implementation loads (the compiled library's
+   TORCH_LIBRARY block or the reference's): the choice cannot wait. It also
+   keeps a minutes-long compile out of a training step, where collectives
+   would time out on the ranks that did not compile;
+3. the pure-PyTorch reference ops, with one warning naming the cause and its fix
+   (``FASTCOLL_REQUIRE_EXT=1`` makes that an ImportError).
+
+``FASTCOLL_NO_EXT=1`` goes straight to 3; ``FASTCOLL_JIT=0`` skips 2 (neither
+compiles nor reads the cache: the behaviour before the cache existed).
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
+import json
 import os
+import sys
+import time
 import warnings
 from types import ModuleType
 from typing import Optional, Tuple
@@ -42,6 +65,20 @@ FALLBACK_REASON: Optional[str] = None
 #: from sources that predate them); empty after a fresh build.
 REFERENCE_OPS: Tuple[str, ...] = ()
 _fallback_lib = None
+_cuda_fallback_lib = None
+
+AHEAD_OF_TIME = "ahead of time"
+#: How the extension was had: AHEAD_OF_TIME, "compiled at import", "cache hit"; None: the reference.
+ORIGIN: Optional[str] = None
+#: The loaded library's path, and its cache key when it came from the cache.
+EXT_PATH: Optional[str] = None
+CACHE_KEY: Optional[str] = None
+#: Why a CUDA torch has no CUDA kernels (nvcc was missing); CUDA tensors then take the reference.
+CUDA_MISSING: Optional[str] = None
+#: setup.py writes this beside the library it builds: the torch it was built for.
+AOT_RECORD = "_C.build.json"
+#: Seconds spent finding (or compiling) the cached build, the library's loading aside.
+LOOKUP_SECONDS: Optional[float] = None
 
 
 def _register_reference(names, kind: str = "DEF") -> None:
@@ -63,24 +100,113 @@ def _defined(name: str) -> bool:
     return True
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip() not in ("", "0")
+
+
+def _aot_mismatch(path: str) -> Optional[str]:
+    """Why the ahead-of-time library at ``path`` was built for another torch (its record says so), else None."""
+    try:
+        with open(os.path.join(os.path.dirname(path), AOT_RECORD)) as f:
+            record = json.load(f)
+        if record.get("size") != os.path.getsize(path):
+            return None  # the record describes another file (the library was replaced): no verdict
+    except (OSError, ValueError, AttributeError):
+        return None
+    if (record.get("torch"), record.get("torch_git")) != (torch.__version__, torch.version.git_version):
+        return f"the ahead-of-time build {path} is for torch {record.get('torch')}, not {torch.__version__}"
+    return None
+
+
+def _load_ahead_of_time() -> Tuple[Optional[ModuleType], Optional[str]]:
+    """fastcoll._C built by setup.py, or None and why it is not usable (None: there is none).
+
+    Looked for in this package's own folder only: an import hook of another installation (an
+    editable install of another checkout) must not lend its build to this one.
+    """
+    package = sys.modules[__package__.rpartition(".")[0]]
+    found = importlib.machinery.PathFinder.find_spec(f"{package.__name__}._C", list(package.__path__))
+    if found is None or not found.origin:
+        return None, None
+    mismatch = _aot_mismatch(found.origin)
+    if mismatch:
+        return None, mismatch
+    try:
+        return _import_library(found.origin), None  # loading the library runs its TORCH_LIBRARY registrations
+    except ImportError as exc:  # built against another torch
+        return None, f"the ahead-of-time build {found.origin} could not be imported ({exc})"
+
+
+def _import_library(path: str) -> ModuleType:
+    """Import the library at ``path`` as fastcoll._C."""
+    name = f"{__package__.rpartition('.')[0]}._C"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)  # the dlopen: runs the TORCH_LIBRARY registrations
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    sys.modules[name.rpartition(".")[0]]._C = module
+    return module
+
+
+def _load_from_cache() -> ModuleType:
+    """The extension from the build cache, compiled into it first if needed (fastcoll.build.jit)."""
+    global ORIGIN, EXT_PATH, CACHE_KEY, CUDA_MISSING, LOOKUP_SECONDS
+    from ..build import jit
+
+    start = time.perf_counter()
+    got = jit.ensure()
+    LOOKUP_SECONDS = time.perf_counter() - start  # on a cache hit: what the cache adds to the import
+    try:
+        module = _import_library(got.path)
+    except ImportError:  # replaced while this process looked (`python -m fastcoll.build --force`): load what is there now
+        got = jit.ensure()
+        try:
+            module = _import_library(got.path)
+        except ImportError:  # damaged, though its size is right: build it again, once
+            got = jit.ensure(force=True)
+            module = _import_library(got.path)
+    ORIGIN, EXT_PATH, CACHE_KEY, CUDA_MISSING = got.how, got.path, got.plan.key, got.plan.cuda_missing
+    return module
+
+
+def _running_build_cli() -> bool:
+    """Whether this process is ``python -m fastcoll.build``, which compiles itself (and reports how it went)."""
+    argv = list(getattr(sys, "orig_argv", []))
+    return any(a == "-m" and b == "fastcoll.build" for a, b in zip(argv, argv[1:])) or "-mfastcoll.build" in argv
+
+
 def _load() -> None:
-    global _C, FALLBACK_REASON, REFERENCE_OPS
-    if os.environ.get("FASTCOLL_NO_EXT", "0") not in ("", "0"):
+    global _C, FALLBACK_REASON, REFERENCE_OPS, ORIGIN, EXT_PATH
+    quiet = False
+    if _flag("FASTCOLL_NO_EXT"):
         FALLBACK_REASON = "FASTCOLL_NO_EXT is set"
     else:
-        try:
-            from .. import _C as compiled  # loading the library runs its TORCH_LIBRARY registrations
-
-            _C = compiled
-        except ImportError as exc:  # not built, or built against another torch
-            FALLBACK_REASON = f"the compiled extension fastcoll._C could not be imported ({exc})"
+        _C, why_not = _load_ahead_of_time()
+        if _C is not None:
+            ORIGIN, EXT_PATH = AHEAD_OF_TIME, getattr(_C, "__file__", None)
+        elif os.environ.get("FASTCOLL_JIT", "1").strip() == "0":
+            FALLBACK_REASON = (why_not or "there is no ahead-of-time build (fastcoll._C)") + " and FASTCOLL_JIT=0"
+        elif _running_build_cli():
+            FALLBACK_REASON, quiet = "this process is python -m fastcoll.build", True
+        else:
+            try:
+                _C = _load_from_cache()
+            except Exception as exc:  # ExtensionUnavailable: no compiler, a compile error...; or anything else
+                if _flag("FASTCOLL_REQUIRE_EXT"):
+                    raise ImportError(f"fastcoll: FASTCOLL_REQUIRE_EXT=1, but {exc}") from exc
+                FALLBACK_REASON = str(exc) if why_not is None else f"{why_not}; and {exc}"
     if _C is None:
-        warnings.warn(
-            f"fastcoll: using the pure-PyTorch reference ops because {FALLBACK_REASON}; "
-            "they are correct but not fused. Build with `pip install --no-build-isolation -e .`.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        if _flag("FASTCOLL_REQUIRE_EXT") and not quiet and not _flag("FASTCOLL_NO_EXT"):
+            raise ImportError(f"fastcoll: FASTCOLL_REQUIRE_EXT=1, but {FALLBACK_REASON}")
+        if not quiet:
+            warnings.warn(
+                f"fastcoll: using the pure-PyTorch reference ops (correct, not fused) because {FALLBACK_REASON}. "
+                "FASTCOLL_REQUIRE_EXT=1 makes this an error.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         _register_reference(SCHEMAS)
         return
     REFERENCE_OPS = tuple(name for name in SCHEMAS if not _defined(name))
@@ -92,6 +218,31 @@ def _load() -> None:
             stacklevel=3,
         )
         _register_reference(REFERENCE_OPS, "FRAGMENT")
+    _cover_missing_cuda_kernels()
+
+
+def _cover_missing_cuda_kernels() -> None:
+    """A CUDA torch with a CPU-only build (no nvcc): CUDA tensors take the reference ops.
+
+    The warning comes with the compile, and at every import on a machine with a GPU.
+    """
+    global _cuda_fallback_lib, CUDA_MISSING
+    if torch.version.cuda is None or _C is None or _C.build_info().get("cuda_kernels"):
+        return
+    from . import reference
+
+    CUDA_MISSING = CUDA_MISSING or f"the extension was built without CUDA kernels for torch {torch.__version__}"
+    lib = torch.library.Library("fastcoll", "IMPL")
+    for name in SCHEMAS:
+        if name not in REFERENCE_OPS:
+            lib.impl(name, getattr(reference, name), "CUDA")
+    _cuda_fallback_lib = lib
+    if ORIGIN == "compiled at import" or torch.cuda.is_available():  # said once when built; then where it matters
+        warnings.warn(
+            f"fastcoll: CUDA kernels missing: {CUDA_MISSING}; CUDA tensors use the pure-PyTorch reference ops",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _check_devices(op: str, tensors, flat, flat_name: str) -> None:
