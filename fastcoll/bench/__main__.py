@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health")
+SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health", "zero")
 
 
 def _threads(value: str):
