@@ -130,6 +130,10 @@ GROUP_LIMIT_BYTES = 3 << 30
 SPLIT_GROUPS: Tuple[Tuple[str, ...], ...] = (("torch", "zero", "sharded"), ("zero", "fastcoll", "full"))
 
 MET, MISSED, UNRESOLVED = "MET", "MISSED", "not resolved"
+#: The buffer of :func:`collective_costs` (a default DDP bucket).
+COLLECTIVE_PROBE_BYTES = 25 * MiB
+#: Seconds the rank processes may take to exit after rank 0 wrote its results (then they are killed).
+EXIT_GRACE_S = 60.0
 #: Imported once by the forkserver the rank processes are forked from.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "fastcoll", "fastcoll.bench.zero")
 
@@ -349,43 +353,100 @@ def _warm_up(method: str, device: str, rank: int) -> None:
 # ---------------------------------------------------------------------------
 
 
+def measure_memory(spec: Any, method: str, rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's peak growth, optimizer-state bytes, bytes sent per iteration and parameter digest for ``method``.
+
+    Everything it builds is released when it returns (a torch DDP reducer
+    released after its process group is destroyed can deadlock in gloo's
+    destructor).
+    """
+    device = cfg["device"]
+    probe = bench_ddp.MemoryProbe(device)
+    probe.start()
+    module = build_model(spec, device)
+    x = bench_ddp.make_input(spec, rank, device)
+    wrapper, opt = make_method(method, module, device)
+    step = make_step(spec, wrapper, opt, x)
+    for _ in range(cfg["setup_steps"]):
+        step()
+    settle(opt)
+    common.synchronize(device)
+    w0 = bench_ddp.bytes_written()
+    step()
+    settle(opt)
+    common.synchronize(device)
+    w1 = bench_ddp.bytes_written()
+    return {
+        "rank": rank,
+        "peak_bytes": probe.peak(),
+        "state_bytes": state_bytes(method, opt),
+        "sent_bytes": (w1 - w0) if device == "cpu" and w0 is not None and w1 is not None else None,
+        "digest": param_digest(module),
+        "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
+        "iterations": cfg["setup_steps"] + 1,
+    }
+
+
+def collective_costs(nbytes: int, device: str) -> Dict[str, Dict[str, Optional[int]]]:
+    """Peak memory growth and bytes sent by one all-reduce, reduce-scatter and all-gather of an ``nbytes`` buffer.
+
+    gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` work on
+    temporaries as large as their buffer (its all-reduce works in place), and
+    its reduce-scatter sends what an all-reduce sends: this measures both on
+    the machine at hand (CPU: VmHWM growth and ``/proc/self/io`` wchar).
+    """
+    import torch.distributed as dist
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    n = nbytes // 4 // ws * ws
+    buf = torch.ones(n, device=device)
+    part = torch.ones(n // ws, device=device)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(buf),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, buf),
+        "all_gather": lambda: dist.all_gather_into_tensor(buf, buf[rank * (n // ws) : (rank + 1) * (n // ws)]),
+    }
+    out: Dict[str, Dict[str, Optional[int]]] = {}
+    for name, call in calls.items():
+        call()
+        dist.barrier()
+        probe = bench_ddp.MemoryProbe(device)
+        probe.start()
+        w0 = bench_ddp.bytes_written()
+        call()
+        common.synchronize(device)
+        w1 = bench_ddp.bytes_written()
+        dist.barrier()
+        sent = (w1 - w0) if device == "cpu" and w0 is not None and w1 is not None else None
+        out[name] = {"buffer_bytes": 4 * n, "peak_growth_bytes": probe.peak(), "sent_bytes": sent}
+    return out
+
+
 def _memory_worker(
-    rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any], spec: Any, method: str
+    rank: int,
+    ws: int,
+    store_path: str,
+    out_path: str,
+    progress_q: Any,
+    cfg: Dict[str, Any],
+    spec: Any,
+    method: str,
+    probe_collectives: bool = False,
 ) -> None:
     device = cfg["device"]
     _set_device(device, rank)
     with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
         _warm_up(method, device, rank)
-        probe = bench_ddp.MemoryProbe(device)
-        probe.start()
-        module = build_model(spec, device)
-        x = bench_ddp.make_input(spec, rank, device)
-        wrapper, opt = make_method(method, module, device)
-        step = make_step(spec, wrapper, opt, x)
-        for _ in range(cfg["setup_steps"]):
-            step()
-        settle(opt)
-        common.synchronize(device)
-        w0 = bench_ddp.bytes_written()
-        step()
-        settle(opt)
-        common.synchronize(device)
-        w1 = bench_ddp.bytes_written()
-        info = {
-            "rank": rank,
-            "peak_bytes": probe.peak(),
-            "state_bytes": state_bytes(method, opt),
-            "sent_bytes": (w1 - w0) if device == "cpu" and w0 is not None and w1 is not None else None,
-            "digest": param_digest(module),
-            "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
-            "iterations": cfg["setup_steps"] + 1,
-        }
+        info = measure_memory(spec, method, rank, cfg)
+        gc.collect()  # the wrappers go while their process group is alive
+        if probe_collectives:
+            info["collectives"] = collective_costs(COLLECTIVE_PROBE_BYTES // (64 if cfg["smoke"] else 1), device)
         infos = _gather(info)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"ranks": infos}, f)
-        if rank == 0 and progress_q is not None:
-            progress_q.put(("advance", 1))
+            if progress_q is not None:
+                progress_q.put(("advance", 1))
 
 
 # ---------------------------------------------------------------------------
@@ -420,10 +481,38 @@ def gather_metrics(times: Dict[int, Dict[str, int]]) -> Optional[Dict[str, float
     }
 
 
+def bucket_metrics(times: Dict[int, Dict[str, int]]) -> Dict[int, Dict[str, float]]:
+    """Per bucket position of one step's all-gathers: ``comm_s`` (issued to completed), ``exposed_s`` and ``wait_rank``.
+
+    ``wait_rank`` is the order in which the next forward waited for the buckets
+    (0: first); the all-gathers are issued in bucket order.
+    """
+    waited = sorted((e["wait"], pos) for pos, e in times.items() if "wait" in e)
+    order = {pos: k for k, (_, pos) in enumerate(waited)}
+    return {
+        pos: {
+            "comm_s": (e.get("completed", e.get("waited", e["issued"])) - e["issued"]) / 1e9,
+            "exposed_s": (e["waited"] - e["wait"]) / 1e9 if "waited" in e else 0.0,
+            "wait_rank": float(order.get(pos, -1)),
+        }
+        for pos, e in times.items()
+        if "issued" in e
+    }
+
+
 def _median_metrics(rows: Sequence[Dict[str, float]]) -> Optional[Dict[str, float]]:
     if not rows:
         return None
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"steps": float(len(rows))}
+
+
+def _median_buckets(rows: Sequence[Dict[int, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
+    """Per bucket position (a string: JSON keys), the median of each of :func:`bucket_metrics`' values."""
+    out: Dict[str, Dict[str, float]] = {}
+    for pos in sorted({p for r in rows for p in r}):
+        per = [r[pos] for r in rows if pos in r]
+        out[str(pos)] = {k: statistics.median(x[k] for x in per) for k in per[0]}
+    return out
 
 
 def forward_seconds(iterations: Sequence[Dict[str, Any]]) -> Optional[float]:
@@ -465,6 +554,7 @@ def time_group(spec: Any, methods: Sequence[str], rank: int, cfg: Dict[str, Any]
     reps = sample_count(cfg, _large(spec), len(methods) * (inner + 1) * per_step)
     samples: Dict[str, List[float]] = {m: [] for m in methods}
     gathers: Dict[str, List[Dict[str, float]]] = {m: [] for m in methods if m in SHARDED}
+    buckets: Dict[str, List[Dict[int, Dict[str, float]]]] = {m: [] for m in gathers}
     for k in range(reps):
         for m in common.rotated(methods, k):
             _wrapper, opt, step = runs[m]
@@ -483,12 +573,19 @@ def time_group(spec: Any, methods: Sequence[str], rank: int, cfg: Dict[str, Any]
             opt.zero_grad(set_to_none=True)
             if sync is not None:  # the all-gathers the timed forwards waited for (not the last, drained above)
                 gathers[m] += [g for g in map(gather_metrics, traced[:-1]) if g is not None]
+                buckets[m] += [bucket_metrics(t) for t in traced[:-1]]
             tick(1)
     max_reps = cfg["max_reps_large"] if _large(spec) else cfg["max_reps"]
     tick((max_reps - reps) * len(methods))
     samples = {m: bench_ddp._all_max(s, device) for m, s in samples.items()}
     forward = {m: forward_seconds(runs[m][0].sync_timeline()) for m in methods if hasattr(runs[m][0], "sync_timeline")}
-    per_rank = _gather({"gather": {m: _median_metrics(g) for m, g in gathers.items()}, "forward": forward})
+    per_rank = _gather(
+        {
+            "gather": {m: _median_metrics(g) for m, g in gathers.items()},
+            "buckets": {m: _median_buckets(b) for m, b in buckets.items()},
+            "forward": forward,
+        }
+    )
     runs.clear()
     storage = None  # noqa: F841
     gc.collect()
@@ -499,6 +596,7 @@ def time_group(spec: Any, methods: Sequence[str], rank: int, cfg: Dict[str, Any]
         "setup_step_s": per_step,
         "samples": samples,
         "gather_per_rank": [r["gather"] for r in per_rank],
+        "buckets_per_rank": [r["buckets"] for r in per_rank],
         "forward_per_rank": [r["forward"] for r in per_rank],
     }
 
@@ -514,6 +612,7 @@ def _timing_worker(
         gc.collect()
         gc.freeze()
         result = time_group(spec, methods, rank, cfg, tick)
+        gc.collect()  # the wrappers go while their process group is alive
         if rank == 0:
             from .. import ops
 
@@ -554,9 +653,40 @@ def _run_ranks(fn: Callable[..., None], args: Tuple[Any, ...], ws: int, progress
             join=False,
             start_method="forkserver",
         )
-        common.follow_ranks(ctx, progress_q, bar)
+        _follow(ctx, progress_q, bar, out_path)
         with open(out_path) as f:
             return json.load(f)
+
+
+def _follow(ctx: Any, progress_q: Any, bar: Any, out_path: str, grace_s: float = EXIT_GRACE_S) -> None:
+    """:func:`common.follow_ranks`, but ranks still alive ``grace_s`` after rank 0 wrote its results are terminated.
+
+    Their work is done by then; a process stuck in its exit (a gloo process
+    group's destructor once deadlocked there) must not hang the benchmark.
+    """
+    import queue
+
+    written_at: Optional[float] = None
+    while not ctx.join(timeout=0.2):
+        while True:
+            try:
+                what, value = progress_q.get_nowait()
+            except queue.Empty:
+                break
+            if what == "advance":
+                bar.advance(value)
+            else:
+                bar.describe(value)
+        if written_at is None and os.path.exists(out_path):
+            written_at = time.perf_counter()
+        if written_at is not None and time.perf_counter() - written_at > grace_s:
+            stuck = [p.pid for p in ctx.processes if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            common.say(f"[yellow]fastcoll.bench zero: rank processes {stuck} had not exited {grace_s:.0f} s after "
+                       "their results were written; killed them[/yellow]")  # fmt: skip
+            return
 
 
 # ---------------------------------------------------------------------------
@@ -605,6 +735,21 @@ def step_ratio(groups: Sequence[Dict[str, Any]], a: str, b: str) -> Tuple[Option
     return None, None
 
 
+def gather_buckets(group: Dict[str, Any], method: str) -> Optional[Dict[str, Dict[str, float]]]:
+    """Rank 0's per-bucket medians of ``method``'s all-gathers in a timing group (None if not traced)."""
+    per_rank = group.get("buckets_per_rank") or []
+    return per_rank[0].get(method) if per_rank else None
+
+
+def first_waited(buckets: Optional[Dict[str, Dict[str, float]]]) -> Optional[Dict[str, Any]]:
+    """The bucket the next forward waits for first: its position, how many buckets there are, its share of the waits."""
+    if not buckets:
+        return None
+    pos, first = min(buckets.items(), key=lambda kv: kv[1]["wait_rank"] if kv[1]["wait_rank"] >= 0 else math.inf)
+    total = sum(b["exposed_s"] for b in buckets.values())
+    return {"bucket": int(pos), "of": len(buckets), "exposed_share": first["exposed_s"] / total if total > 0 else None}
+
+
 def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
     """Add per-method summaries, the all-gather breakdown, checks and the targets to a model's row (in place)."""
     groups = row["groups"]
@@ -641,9 +786,11 @@ def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
         gather[m] = {
             **worst,
             "per_rank": per_rank,
+            "per_bucket": [r.get(m) for r in groups[g].get("buckets_per_rank", [])],
             "hidden_share": worst["hidden_s"] / worst["gather_s"] if worst["gather_s"] > 0 else None,
             "gather_share_of_step": worst["gather_s"] / step if step else None,
             "exposed_share_of_step": worst["exposed_s"] / step if step else None,
+            "first_waited": first_waited(gather_buckets(groups[g], m)),
             "forward_s": max(fw) if fw else None,
             "forward_fastcoll_s": max(fwd_fc) if fwd_fc else None,
         }
@@ -719,6 +866,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
     progress_q = _context().Queue()
     results: List[Dict[str, Any]] = []
     implementation, malloc = None, None
+    collectives: Optional[List[Dict[str, Any]]] = None
     started = time.perf_counter()
     with common.progress(units, f"zero: {ws} ranks") as bar:
         for spec, numel, groups in plans:
@@ -726,7 +874,10 @@ def measure(args: Any = None) -> Dict[str, Any]:
             memory: Dict[str, Any] = {}
             for m in METHODS:
                 bar.describe(f"zero: {spec.label}, memory of {METHOD_LABELS[m]}")
-                memory[m] = _run_ranks(_memory_worker, (cfg, spec, m), ws, progress_q, bar)
+                probe = collectives is None and m == "torch"
+                memory[m] = _run_ranks(_memory_worker, (cfg, spec, m, probe), ws, progress_q, bar)
+                if probe:
+                    collectives = [r.pop("collectives") for r in memory[m]["ranks"]]
             timed = []
             for g in groups:
                 bar.describe(f"zero: {spec.label}, timing {', '.join(METHOD_LABELS[m] for m in g)}")
@@ -771,6 +922,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
             "elapsed_s": time.perf_counter() - started,
         },
         "implementation": implementation,
+        "collectives": collectives,
         "results": results,
     }
 
@@ -790,6 +942,41 @@ def _per_rank_mib(values: Optional[Sequence[Optional[float]]]) -> str:
     if not values or any(v is None for v in values):
         return "-"
     return " / ".join(_mib(v) for v in values)
+
+
+def print_collectives(payload: Dict[str, Any]) -> None:
+    """One collective of each kind on a bucket-sized buffer: peak memory growth and bytes sent (worst rank)."""
+    ranks = payload.get("collectives") or []
+    if not ranks:
+        return
+    table = []
+    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        rows = [r[name] for r in ranks if name in r]
+        if not rows:
+            continue
+        peaks = [r["peak_growth_bytes"] for r in rows if r["peak_growth_bytes"] is not None]
+        sent = [r["sent_bytes"] for r in rows if r["sent_bytes"] is not None]
+        table.append(
+            [name, _mib(rows[0]["buffer_bytes"]), _mib(max(peaks) if peaks else None), _mib(max(sent) if sent else None)]
+        )
+    cfg = payload["config"]
+    common.render_table(
+        f"fastcoll zero: one collective on a bucket-sized buffer, {cfg['world_size']} {cfg['backend']} ranks ({cfg['device']})",
+        ["collective", "buffer MiB", "peak growth MiB", "sent MiB"],
+        table,
+        caption="What the sharded paths pay per bucket on this backend: gloo's reduce_scatter_tensor and "
+        "all_gather_into_tensor work on temporaries as large as the buffer (its all_reduce works in place), and its "
+        "reduce-scatter sends what an all-reduce sends. ShardedOptimizer issues one all-gather per bucket after each "
+        "step (and grads='sharded' a reduce-scatter per bucket in backward): on gloo their temporaries are resident "
+        "memory the sharded state does not save. NCCL's collectives work in the caller's buffers.",
+    )
+
+
+def _first_waited_cell(f: Optional[Dict[str, Any]]) -> str:
+    if not f:
+        return "-"
+    share = "" if f["exposed_share"] is None else f" {f['exposed_share']:.0%}"
+    return f"b{f['bucket']} ({f['bucket'] + 1}/{f['of']}){share}"
 
 
 def _verdict_cell(t: Optional[Dict[str, Any]]) -> str:
@@ -904,9 +1091,10 @@ def print_results(payload: Dict[str, Any]) -> None:
     common.render_table(
         f"fastcoll zero: optimizer state, peak memory and traffic per rank ({device})", columns, table, caption=caption
     )
+    print_collectives(payload)
 
-    columns = ["model", "method", "step", "forward (fastcoll.DDP)", "pack+issue", "all-gather span", "exposed wait"]
-    columns += ["hidden", "write", "span / step", "exposed / step"]
+    columns = ["model", "method", "step", "forward (fc.DDP)", "pack+issue", "span", "exposed", "hidden"]
+    columns += ["write", "span/step", "exposed/step", "first waited"]
     table = []
     for r in rows:
         for k in SHARDED:
@@ -917,7 +1105,7 @@ def print_results(payload: Dict[str, Any]) -> None:
             table.append(
                 [
                     r["label"],
-                    METHOD_LABELS[k],
+                    k,
                     common.fmt_time(r["methods"][k]["median_s"]),
                     f"{common.fmt_time(g['forward_s'])} ({common.fmt_time(g['forward_fastcoll_s'])})",
                     common.fmt_time(g["issue_s"]),
@@ -927,6 +1115,7 @@ def print_results(payload: Dict[str, Any]) -> None:
                     common.fmt_time(g["write_s"]),
                     "-" if g["gather_share_of_step"] is None else f"{g['gather_share_of_step']:.0%}",
                     "-" if g["exposed_share_of_step"] is None else f"{g['exposed_share_of_step']:.0%}",
+                    _first_waited_cell(g.get("first_waited")),
                 ]
             )
     if table:
@@ -939,7 +1128,9 @@ def print_results(payload: Dict[str, Any]) -> None:
             "completion callbacks); exposed = the training thread's waits for them in the next forward's module "
             "pre-hooks; hidden = span - exposed (the training thread packing, finishing the step and running the "
             "forward meanwhile), share of the span; write = unpacking into the parameters. forward: forward start to "
-            "first gradient (model.sync_timeline()), in brackets fastcoll.DDP + AdamW's.",
+            "first gradient (model.sync_timeline()), in brackets fastcoll.DDP + AdamW's. first waited: the bucket the "
+            "forward's first module waits for, (k-th issued / n) (the all-gathers go out in bucket order, the reverse "
+            "of the forward's), and its share of the exposed wait.",
         )
 
 
