@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from fastcoll.bench import __main__ as cli
-from fastcoll.bench import common
-from fastcoll.bench import zero
+from fastcoll.bench import common, zero
 
 
 @pytest.mark.timeout(120)
@@ -119,10 +118,11 @@ def _fake_row(model: str, ratios: dict, rounds: int = 30) -> dict:
     samples = {m: [0.1 * ratios[m] * d * (1 + 0.005 * rng.uniform(-1, 1)) for d in drift] for m in zero.METHODS}
     state = {"torch": 800, "zero": 400, "fastcoll": 800, "full": 401, "sharded": 401}
     peak = {"torch": 5000, "zero": 4700, "fastcoll": 5000, "full": 4590, "sharded": 4400}
-    mem = {
-        m: {"ranks": [{"state_bytes": state[m], "peak_bytes": peak[m] + r, "sent_bytes": 1, "digest": [1.0, 2.0]} for r in (0, 1)]}
-        for m in zero.METHODS
-    }
+
+    def rank(m: str, r: int) -> dict:
+        return {"state_bytes": state[m], "peak_bytes": peak[m] + r, "sent_bytes": 1, "digest": [1.0, 2.0]}
+
+    mem = {m: {"ranks": [rank(m, r) for r in (0, 1)]} for m in zero.METHODS}
     gather = {"gather_s": 0.02, "exposed_s": 0.015, "hidden_s": 0.005, "issue_s": 0.001, "write_s": 0.002, "buckets": 3.0}
     group = {
         "samples": samples,
