@@ -397,14 +397,16 @@ def collective_costs(nbytes: int, device: str) -> Dict[str, Dict[str, Optional[i
     """
     import torch.distributed as dist
 
+    from ..reducer.comm import _ALL_GATHER, _REDUCE_SCATTER  # torch's current names for them
+
     ws, rank = dist.get_world_size(), dist.get_rank()
     n = nbytes // 4 // ws * ws
     buf = torch.ones(n, device=device)
     part = torch.ones(n // ws, device=device)
     calls = {
         "all_reduce": lambda: dist.all_reduce(buf),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, buf),
-        "all_gather": lambda: dist.all_gather_into_tensor(buf, buf[rank * (n // ws) : (rank + 1) * (n // ws)]),
+        "reduce_scatter": lambda: _REDUCE_SCATTER(part, buf),
+        "all_gather": lambda: _ALL_GATHER(buf, buf[rank * (n // ws) : (rank + 1) * (n // ws)]),
     }
     out: Dict[str, Dict[str, Optional[int]]] = {}
     for name, call in calls.items():
