@@ -387,28 +387,41 @@ def measure_memory(spec: Any, method: str, rank: int, cfg: Dict[str, Any]) -> Di
     }
 
 
-def collective_costs(nbytes: int, device: str) -> Dict[str, Dict[str, Optional[int]]]:
-    """Peak memory growth and bytes sent by one all-reduce, reduce-scatter and all-gather of an ``nbytes`` buffer.
+def collective_costs(nbytes: int, device: str, reps: int = 3) -> Dict[str, Dict[str, Optional[float]]]:
+    """Peak memory growth, bytes sent and time of one collective of each kind on an ``nbytes`` buffer.
 
-    gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` work on
-    temporaries as large as their buffer (its all-reduce works in place), and
-    its reduce-scatter sends what an all-reduce sends: this measures both on
-    the machine at hand (CPU: VmHWM growth and ``/proc/self/io`` wchar).
+    The kinds: ``all_reduce``; ``reduce_scatter`` and ``all_gather`` (the
+    ``_tensor`` forms ShardedOptimizer's communicator issues); and
+    ``all_gather as broadcasts``, the same all-gather done as one in-place
+    broadcast per rank of its own range (how ZeroRedundancyOptimizer moves
+    parameters). gloo's reduce-scatter and all-gather work on temporaries as
+    large as their buffer (its all-reduce and broadcast work in place), and its
+    reduce-scatter sends what an all-reduce sends: this measures that on the
+    machine at hand (CPU: VmHWM growth, ``/proc/self/io`` wchar; time: the
+    median of ``reps`` calls, the slowest rank's).
     """
     import torch.distributed as dist
 
     from ..reducer.comm import _ALL_GATHER, _REDUCE_SCATTER  # torch's current names for them
 
     ws, rank = dist.get_world_size(), dist.get_rank()
-    n = nbytes // 4 // ws * ws
+    shard = nbytes // 4 // ws
+    n = shard * ws
     buf = torch.ones(n, device=device)
-    part = torch.ones(n // ws, device=device)
+    part = torch.ones(shard, device=device)
+
+    def as_broadcasts() -> None:
+        works = [dist.broadcast(buf[r * shard : (r + 1) * shard], src=r, async_op=True) for r in range(ws)]
+        for w in works:
+            w.wait()
+
     calls = {
         "all_reduce": lambda: dist.all_reduce(buf),
         "reduce_scatter": lambda: _REDUCE_SCATTER(part, buf),
-        "all_gather": lambda: _ALL_GATHER(buf, buf[rank * (n // ws) : (rank + 1) * (n // ws)]),
+        "all_gather": lambda: _ALL_GATHER(buf, buf[rank * shard : (rank + 1) * shard]),
+        "all_gather as broadcasts": as_broadcasts,
     }
-    out: Dict[str, Dict[str, Optional[int]]] = {}
+    out: Dict[str, Dict[str, Optional[float]]] = {}
     for name, call in calls.items():
         call()
         dist.barrier()
@@ -418,9 +431,21 @@ def collective_costs(nbytes: int, device: str) -> Dict[str, Dict[str, Optional[i
         call()
         common.synchronize(device)
         w1 = bench_ddp.bytes_written()
-        dist.barrier()
+        peak = probe.peak()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            common.synchronize(device)
+            times.append(time.perf_counter() - t0)
         sent = (w1 - w0) if device == "cpu" and w0 is not None and w1 is not None else None
-        out[name] = {"buffer_bytes": 4 * n, "peak_growth_bytes": probe.peak(), "sent_bytes": sent}
+        out[name] = {
+            "buffer_bytes": 4 * n,
+            "peak_growth_bytes": peak,
+            "sent_bytes": sent,
+            "time_s": bench_ddp._all_max([statistics.median(times)], device)[0],
+        }
     return out
 
 
@@ -952,25 +977,32 @@ def print_collectives(payload: Dict[str, Any]) -> None:
     if not ranks:
         return
     table = []
-    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+    for name in ranks[0]:
         rows = [r[name] for r in ranks if name in r]
-        if not rows:
-            continue
         peaks = [r["peak_growth_bytes"] for r in rows if r["peak_growth_bytes"] is not None]
         sent = [r["sent_bytes"] for r in rows if r["sent_bytes"] is not None]
+        when = [r["time_s"] for r in rows if r.get("time_s") is not None]
         table.append(
-            [name, _mib(rows[0]["buffer_bytes"]), _mib(max(peaks) if peaks else None), _mib(max(sent) if sent else None)]
+            [
+                name,
+                _mib(rows[0]["buffer_bytes"]),
+                common.fmt_time(max(when) if when else None),
+                _mib(max(peaks) if peaks else None),
+                _mib(max(sent) if sent else None),
+            ]
         )
     cfg = payload["config"]
     common.render_table(
         f"fastcoll zero: one collective on a bucket-sized buffer, {cfg['world_size']} {cfg['backend']} ranks ({cfg['device']})",
-        ["collective", "buffer MiB", "peak growth MiB", "sent MiB"],
+        ["collective", "buffer MiB", "time", "peak growth MiB", "sent MiB"],
         table,
-        caption="What the sharded paths pay per bucket on this backend: gloo's reduce_scatter_tensor and "
-        "all_gather_into_tensor work on temporaries as large as the buffer (its all_reduce works in place), and its "
-        "reduce-scatter sends what an all-reduce sends. ShardedOptimizer issues one all-gather per bucket after each "
-        "step (and grads='sharded' a reduce-scatter per bucket in backward): on gloo their temporaries are resident "
-        "memory the sharded state does not save. NCCL's collectives work in the caller's buffers.",
+        caption="What the sharded paths pay per bucket on this backend (worst rank; time: median of 3). "
+        "ShardedOptimizer issues one all_gather_into_tensor per bucket after each step (grads='sharded' also a "
+        "reduce_scatter_tensor per bucket in backward); ZeroRedundancyOptimizer broadcasts each parameter from its "
+        "owner. On gloo, reduce-scatter and all-gather work on temporaries as large as the buffer (resident memory "
+        "the sharded state does not save; all-reduce and broadcast work in place), the reduce-scatter sends what an "
+        "all-reduce sends, and the all-gather can take longer than the same exchange as broadcasts. NCCL's "
+        "collectives work in the caller's buffers, its reduce-scatter sends half an all-reduce.",
     )
 
 
