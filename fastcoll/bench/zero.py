@@ -1255,7 +1255,9 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
             ax_gather.bar(off, ys, gw / 2, label=f"{METHOD_LABELS[m]}: {label}", color=f"C{i}", alpha=1.0 if j == 0 else 0.55)
     ax_gather.set_title("parameters' all-gather per step, ms (left: grads=full, right: sharded; log scale)", fontsize=9)
     ax_gather.set_yscale("log")
-    ax_gather.legend(fontsize=6, ncol=2)
+    lo, hi = ax_gather.get_ylim()
+    ax_gather.set_ylim(lo, hi * 100)  # room for the legend above the bars
+    ax_gather.legend(fontsize=6, ncol=2, loc="upper left")
     for ax in (ax_step, ax_state, ax_peak, ax_gather):
         ax.set_xticks(xs)
         ax.set_xticklabels(names, fontsize=8)
