@@ -318,9 +318,13 @@ def state_bytes(method: str, opt: torch.optim.Optimizer) -> int:
 
 def param_digest(module: nn.Module) -> List[float]:
     """Sum and sum of squares of every parameter, in float64 (compared across methods after the same steps)."""
+    total = squares = 0.0
     with torch.no_grad():
-        ps = [p.detach().double() for p in module.parameters()]
-        return [float(sum(p.sum() for p in ps)), float(sum((p * p).sum() for p in ps))]
+        for p in module.parameters():  # one float64 copy at a time
+            d = p.detach().double()
+            total += float(d.sum())
+            squares += float(torch.dot(d.view(-1), d.view(-1)))
+    return [total, squares]
 
 
 def _set_device(device: str, rank: int) -> None:
