@@ -62,15 +62,20 @@ ResNet-50 and GPT-2 shapes; peak memory per rank below torch DDP + AdamW's by
 at least the optimizer state saved.
 
 gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` sends what an
-all-reduce sends (measured: 25 MiB per rank for a 25 MiB buffer at 2 ranks,
-as the all-reduce; a true reduce-scatter sends half). So on CPU
+all-reduce sends (a true reduce-scatter sends half). So on CPU
 ``grads="sharded"`` costs an all-reduce plus the all-gather, 1.5x DDP's
 bytes, like ``grads="full"`` and ZeRO; on NCCL the two halves add up to one
-all-reduce. The table of bytes sent per iteration shows it.
+all-reduce. gloo's reduce-scatter and all-gather also work on temporaries as
+large as their buffer, which are resident memory the sharded state does not
+save, and its all-gather can take longer than the same exchange done as
+broadcasts (ZeroRedundancyOptimizer's way). The bytes sent per iteration, and
+a probe of one collective of each kind on a bucket-sized buffer
+(:func:`collective_costs`: time, peak growth, bytes), show what this backend
+does.
 
 ``--quick`` (at most about 2 minutes on 2 cores) leaves the GPT-2 shapes out and
 takes 5 to 20 samples per method; the full run 10 to 60 (GPT-2: 6 to 20).
-``--smoke`` (hidden; tests) runs tiny models with 2 one-iteration samples.
+``--smoke`` (hidden; tests) runs one tiny synthetic model with 2 one-iteration samples.
 Output: tables on the terminal, ``benchmarks/out/zero_<device>.json`` and a PNG
 chart next to it.
 """
