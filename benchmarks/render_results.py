@@ -133,7 +133,13 @@ def _ratio(t: dict | None) -> str:
 
 def render_zero(d: dict) -> str:
     """fastcoll.bench zero: step times and targets, state / peak / traffic per method, the all-gathers, the probe."""
-    labels = {"torch": "torch DDP", "zero": "ZeRO (torch)", "fastcoll": "fastcoll.DDP", "full": "full", "sharded": "sharded"}
+    labels = {
+        "torch": "torch DDP",
+        "zero": "torch ZeRO",
+        "fastcoll": "fastcoll.DDP",
+        "full": "grads=full",
+        "sharded": "grads=sharded",
+    }
     methods = list(labels)
     out = [f"Machine: {_machine(d)}; AdamW {d['config'].get('adamw')}\n"]
     body = []
@@ -163,6 +169,8 @@ def render_zero(d: dict) -> str:
                     f"{state_t['value']:.4f} {state_t['verdict']}" if state_t else "-",
                     " / ".join(_mib(x) for x in pk),
                     f"{_mib(mem_t['value'])} {mem_t['verdict']}" if mem_t else "-",
+                    " / ".join(_mib(x) for x in m[k].get("live_peak_bytes") or []),
+                    _mib(r.get("live_margins", {}).get(k)),
                     " / ".join(_mib(x) for x in sent),
                     "ok" if r["checks"].get(k, {}).get("ok") else "DIFFER",
                 ]
@@ -170,7 +178,7 @@ def render_zero(d: dict) -> str:
     out.append(
         _table(
             ["model", "method", "state MiB (rank 0 / 1)", "state / (DDP/N) (<= 1.01)", "peak MiB (rank 0 / 1)",
-             "margin MiB (>= 0)", "sent MiB/iter", "params vs torch DDP"],
+             "margin MiB (>= 0)", "live MiB (rank 0 / 1)", "live margin MiB", "sent MiB/iter", "params vs torch DDP"],
             body,
         )
     )  # fmt: skip

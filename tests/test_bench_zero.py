@@ -62,7 +62,7 @@ def test_verdicts_and_labels():
     assert zero.verdict(5.0, 0.0, (1.0, 9.0), op="ge") == zero.MET
     assert zero.verdict(-1.0, 0.0, (-2.0, 3.0), op="ge") == zero.UNRESOLVED
     assert zero.verdict(None, 1.0) == "not measured"
-    assert zero.target_label("step sharded/zero") == "step, grads=sharded / ZeRO (torch)'s"
+    assert zero.target_label("step sharded/zero") == "step, grads=sharded / torch ZeRO's"
     assert "grads=full" in zero.target_label("state full") and "grads=sharded" in zero.target_label("memory sharded")
 
 

@@ -82,6 +82,7 @@ chart next to it.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import json
@@ -104,12 +105,13 @@ from .common import MiB
 CPU_WORLD_SIZE = 2
 METHODS = ("torch", "zero", "fastcoll", "full", "sharded")
 SHARDED = ("full", "sharded")
+#: Short names in tables; "grads=..." are fastcoll.ShardedOptimizer's two modes.
 METHOD_LABELS = {
     "torch": "torch DDP",
-    "zero": "ZeRO (torch)",
+    "zero": "torch ZeRO",
     "fastcoll": "fastcoll.DDP",
-    "full": "Sharded full",
-    "sharded": "Sharded sharded",
+    "full": "grads=full",
+    "sharded": "grads=sharded",
 }
 METHOD_DESCRIPTIONS = {
     "torch": "torch.nn.parallel.DistributedDataParallel(module) + torch.optim.AdamW",
@@ -362,32 +364,95 @@ def _warm_up(method: str, device: str, rank: int) -> None:
 # ---------------------------------------------------------------------------
 
 
+class LiveBytes:
+    """Bytes the C heap has handed out and not taken back (glibc ``mallinfo2``: every arena, mmapped blocks included).
+
+    Unlike the resident set it leaves out freed memory the allocator keeps
+    (fragments, per-thread arenas), so sampled between the phases of an
+    iteration it tells what is really alive then. :attr:`available` is False
+    off glibc (or before glibc 2.33); then every reading is None.
+    """
+
+    class _Info(ctypes.Structure):
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        ]
+
+    def __init__(self) -> None:
+        self._fn: Any = None
+        try:
+            fn = ctypes.CDLL("libc.so.6").mallinfo2
+            fn.restype = LiveBytes._Info
+            self._fn = fn
+        except (OSError, AttributeError):  # pragma: no cover (not glibc, or glibc < 2.33)
+            pass
+        self.base = self.read() or 0
+        self.peak = 0
+
+    @property
+    def available(self) -> bool:
+        return self._fn is not None
+
+    def read(self) -> Optional[int]:
+        if self._fn is None:
+            return None
+        info = self._fn()
+        return int(info.uordblks + info.hblkhd)
+
+    def sample(self) -> None:
+        """Note the bytes alive now (above the construction-time base) if they are the most so far."""
+        now = self.read()
+        if now is not None:
+            self.peak = max(self.peak, now - self.base)
+
+
 def measure_memory(spec: Any, method: str, rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """This rank's peak growth, optimizer-state bytes, bytes sent per iteration and parameter digest for ``method``.
 
-    Everything it builds is released when it returns (a torch DDP reducer
+    Besides the resident set's high-water mark (:class:`fastcoll.bench.ddp.MemoryProbe`),
+    on CPU the heap's live bytes are sampled after each phase of every
+    iteration (:class:`LiveBytes`: zero_grad, forward, backward, step, and the
+    all-gathers' drain): their maximum leaves out what the allocator kept of
+    freed memory, so the two together tell retention from live data.
+    Everything built here is released when it returns (a torch DDP reducer
     released after its process group is destroyed can deadlock in gloo's
     destructor).
     """
     device = cfg["device"]
     probe = bench_ddp.MemoryProbe(device)
     probe.start()
+    live = LiveBytes() if device == "cpu" else None
     module = build_model(spec, device)
     x = bench_ddp.make_input(spec, rank, device)
     wrapper, opt = make_method(method, module, device)
-    step = make_step(spec, wrapper, opt, x)
+    sample = live.sample if live is not None else (lambda: None)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        sample()
+        loss = bench_ddp.loss_of(spec, wrapper(x))
+        sample()
+        loss.backward()
+        sample()
+        opt.step()
+        sample()
+
     for _ in range(cfg["setup_steps"]):
         step()
     settle(opt)
+    sample()
     common.synchronize(device)
     w0 = bench_ddp.bytes_written()
     step()
     settle(opt)
+    sample()
     common.synchronize(device)
     w1 = bench_ddp.bytes_written()
     return {
         "rank": rank,
         "peak_bytes": probe.peak(),
+        "live_peak_bytes": live.peak if live is not None and live.available else None,
         "state_bytes": state_bytes(method, opt),
         "sent_bytes": (w1 - w0) if device == "cpu" and w0 is not None and w1 is not None else None,
         "digest": param_digest(module),
@@ -801,6 +866,7 @@ def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
         if ranks:
             entry["state_bytes"] = [r["state_bytes"] for r in ranks]
             entry["peak_bytes"] = [r["peak_bytes"] for r in ranks]
+            entry["live_peak_bytes"] = [r.get("live_peak_bytes") for r in ranks]
             entry["sent_bytes"] = [r["sent_bytes"] for r in ranks]
             entry["buckets"] = ranks[0].get("buckets")
         methods[m] = entry
@@ -864,6 +930,13 @@ def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
         if value is not None:
             targets["step sharded/torch"] = _target(value, STEP_VS_TORCH, ci, "le", "90% bootstrap (rounds)")
     row["targets"] = targets
+    # The same margin from the live heap bytes (no target: tells allocator retention from live data).
+    torch_live = methods["torch"].get("live_peak_bytes")
+    row["live_margins"] = {}
+    for m in METHODS[1:]:
+        lv, st = methods[m].get("live_peak_bytes"), methods[m].get("state_bytes")
+        if torch_live and lv and torch_state and st and None not in torch_live and None not in lv:
+            row["live_margins"][m] = min((a - b) - (c - d) for a, b, c, d in zip(torch_live, lv, torch_state, st))
     # Informational ratios (no target): every method against torch DDP + AdamW, ZeRO's state share.
     row["ratios"] = {f"{m}/torch": step_ratio(groups, m, "torch")[0] for m in METHODS if m != "torch"}
     zs = methods["zero"].get("state_bytes")
@@ -1082,17 +1155,16 @@ def print_results(payload: Dict[str, Any]) -> None:
         "Informational, never asserted.",
     )
 
-    columns = ["model", "method", "state MiB/rank", "state / (DDP/N)", "peak MiB/rank", "below torch DDP", "state saved"]
-    columns += ["margin", "memory target", "sent MiB/iter", "params vs torch"]
+    columns = ["model", "method", "state MiB", "state/(DDP/N)", "peak MiB", "saved", "margin", "target"]
+    columns += ["live MiB", "live margin", "sent MiB", "params"]
     table = []
     for r in rows:
         m = r["methods"]
         tstate, tpeak = m["torch"].get("state_bytes"), m["torch"].get("peak_bytes")
         for k in METHODS:
             st, pk = m[k].get("state_bytes"), m[k].get("peak_bytes")
-            below = saved = margin = None
+            saved = margin = None
             if k != "torch" and st and pk and tstate and tpeak and None not in pk and None not in tpeak:
-                below = min(a - b for a, b in zip(tpeak, pk))
                 saved = max(a - b for a, b in zip(tstate, st))
                 margin = min((a - b) - (c - d) for a, b, c, d in zip(tpeak, pk, tstate, st))
             share = max(st) / (max(tstate) / r["world_size"]) if st and tstate else None
@@ -1105,10 +1177,11 @@ def print_results(payload: Dict[str, Any]) -> None:
                     _per_rank_mib(st),
                     (f"{share:.3f}" if share is not None else "-") + (f" {_verdict_cell(state_t)}" if state_t else ""),
                     _per_rank_mib(pk),
-                    _mib(below),
                     _mib(saved),
                     _mib(margin),
                     _verdict_cell(r["targets"].get(f"memory {k}")),
+                    _per_rank_mib(m[k].get("live_peak_bytes")),
+                    _mib(r.get("live_margins", {}).get(k)),
                     _per_rank_mib(m[k].get("sent_bytes")),
                     "-"
                     if check is None
@@ -1120,16 +1193,20 @@ def print_results(payload: Dict[str, Any]) -> None:
                 ]
             )
     caption = (
-        "state: bytes of the optimizer-state tensors per rank (rank 0 / rank 1; ZeRO: its local optimizer's, "
+        "Per rank (rank 0 / rank 1). state: bytes of the optimizer-state tensors (ZeRO: its local optimizer's, "
         f"ShardedOptimizer: this rank's pieces'); target <= {1 + STATE_TOLERANCE:.2f} x DDP's / N.\n"
         "peak: growth of the resident set's high-water mark from before the model is built through its first "
-        "iterations, each method in a fresh process pair; below torch DDP = torch DDP + AdamW's peak - this peak, "
-        "state saved = torch's state - this state, margin = the difference (worst rank; target >= 0).\n"
+        "iterations, each method in a fresh process pair; saved = torch DDP + AdamW's state - this state; margin = "
+        "(torch DDP + AdamW's peak - this peak) - saved, worst rank; target >= 0.\n"
+        "live: the most heap bytes alive (glibc mallinfo2, every arena) sampled between the phases of every "
+        "iteration (zero_grad, forward, backward, step), above the same baseline, and the margin from those (no "
+        "target). It misses what lives only within a phase; a peak well above it is mostly memory the allocator "
+        "kept (freed gradients, gloo's per-collective temporaries, allocated on gloo's threads, in their arenas).\n"
         "sent: bytes a rank wrote to its sockets in one iteration (all-gathers included). gloo emulates "
         "reduce-scatter: it sends what an all-reduce sends, so grads='sharded' moves 1.5x DDP's bytes here (an "
         "all-reduce's worth plus the all-gather), as grads='full' and ZeRO do; on NCCL a reduce-scatter sends half an "
-        "all-reduce and sharded moves what DDP moves.\nparams vs torch: float64 sum and sum of squares of the "
-        "parameters after the same iterations, against torch DDP + AdamW's."
+        "all-reduce and sharded moves what DDP moves.\nparams: float64 sum and sum of squares of the parameters after "
+        "the same iterations, against torch DDP + AdamW's."
     )
     common.render_table(
         f"fastcoll zero: optimizer state, peak memory and traffic per rank ({device})", columns, table, caption=caption
@@ -1182,7 +1259,7 @@ def target_label(name: str) -> str:
     kind, what = name.split(" ", 1)
     if kind == "step":
         mine, base = what.split("/")
-        return f"step, grads={mine} / {METHOD_LABELS[base]}'s"
+        return f"step, {METHOD_LABELS[mine]} / {METHOD_LABELS[base]}'s"
     if kind == "state":
         return f"state per rank, grads={what} / (DDP's / N)"
     return f"peak below torch DDP's - state saved, grads={what}"
