@@ -1297,7 +1297,7 @@ def _summary(payload: Dict[str, Any]) -> None:
 
 
 def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Four panels: step time / torch DDP's (with intervals), state per rank, peak growth per rank, the all-gathers."""
+    """Four panels: step time / ZeRO's (intervals), state and peak memory / torch DDP's, the all-gathers per step."""
     try:
         import matplotlib
 
@@ -1313,25 +1313,45 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
     w = 0.8 / len(METHODS)
     fig, axes = plt.subplots(2, 2, figsize=(max(11, 3.2 * len(rows) + 4), 8.5))
     (ax_step, ax_state), (ax_peak, ax_gather) = axes
+
+    def worst(values: Optional[Sequence[Optional[float]]]) -> Optional[float]:
+        return max(values) if values and None not in values else None
+
     for k, m in enumerate(METHODS):
         off = [x + (k - (len(METHODS) - 1) / 2) * w for x in xs]
         ys, err_lo, err_hi = [], [], []
-        for r in rows:
-            value, ci = (1.0, None) if m == "torch" else step_ratio(r["groups"], m, "torch")
+        for r in rows:  # against ZeRO: every timing group has it, so every ratio is paired
+            value, ci = (1.0, None) if m == "zero" else step_ratio(r["groups"], m, "zero")
             ys.append(value if value is not None else float("nan"))
             err_lo.append(max(0.0, value - ci[0]) if value is not None and ci else 0.0)
             err_hi.append(max(0.0, ci[1] - value) if value is not None and ci else 0.0)
         ax_step.bar(off, ys, w, yerr=[err_lo, err_hi], capsize=2, label=METHOD_LABELS[m])
-        st = [max(r["methods"][m].get("state_bytes") or [0]) / MiB for r in rows]
-        ax_state.bar(off, st, w, label=METHOD_LABELS[m])
-        pk = [max(v or 0 for v in (r["methods"][m].get("peak_bytes") or [0])) / MiB for r in rows]
-        ax_peak.bar(off, pk, w, label=METHOD_LABELS[m])
+        shares, peaks, lives, levels = [], [], [], []
+        for r in rows:
+            me, base = r["methods"][m], r["methods"]["torch"]
+            st, tst = worst(me.get("state_bytes")), worst(base.get("state_bytes"))
+            pk, tpk = worst(me.get("peak_bytes")), worst(base.get("peak_bytes"))
+            lv, tlv = worst(me.get("live_peak_bytes")), worst(base.get("live_peak_bytes"))
+            shares.append(st / tst if st is not None and tst else float("nan"))
+            peaks.append(pk / tpk if pk is not None and tpk else float("nan"))
+            lives.append(lv / tlv if lv is not None and tlv else float("nan"))
+            # the target: this peak <= torch's peak - the state saved
+            ok = m in SHARDED and st is not None and tst and tpk
+            levels.append((tpk - (tst - st)) / tpk if ok else float("nan"))
+        ax_state.bar(off, shares, w, label=METHOD_LABELS[m])
+        ax_peak.bar(off, peaks, w)
+        ax_peak.scatter(off, lives, marker="x", color="black", s=14, zorder=3, label="live heap peak" if k == 0 else None)
+        ax_peak.scatter(off, levels, marker="_", color="red", s=160, zorder=3, label="target level" if k == 3 else None)
     ax_step.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax_step.set_title("step time / torch DDP + AdamW's (90% intervals; lower is better)", fontsize=9)
-    ax_state.set_title("optimizer state per rank, MiB (worst rank; log scale)", fontsize=9)
-    ax_state.set_yscale("log")
-    ax_peak.set_title("peak resident memory growth per rank, MiB (worst rank; log scale)", fontsize=9)
-    ax_peak.set_yscale("log")
+    ax_step.axhline(STEP_VS_ZERO, color="red", linewidth=0.8, linestyle=":")
+    ax_step.set_title(
+        f"step time / torch ZeRO's (90% intervals; red: the {STEP_VS_ZERO}x target of grads=full/sharded)", fontsize=9
+    )
+    ax_state.axhline(1 / max(1, payload["config"]["world_size"]), color="red", linewidth=0.8, linestyle=":")
+    ax_state.set_title("optimizer state per rank / torch DDP + AdamW's (worst rank; red: 1/N)", fontsize=9)
+    ax_peak.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax_peak.set_title("peak RSS growth / torch DDP + AdamW's (worst rank); x: live heap bytes; red: the target level", fontsize=9)
+    ax_peak.legend(fontsize=7, loc="lower right")
     gw = 0.2
     parts = [("gather_s", "all-gather span"), ("exposed_s", "exposed wait"), ("issue_s", "pack+issue"), ("write_s", "write")]
     for j, m in enumerate(SHARDED):
