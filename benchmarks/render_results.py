@@ -119,11 +119,116 @@ def render_dist(d: dict) -> str:
     return "\n".join(out)
 
 
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def _ratio(t: dict | None) -> str:
+    if not t:
+        return "-"
+    ci = t.get("ci90")
+    interval = f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+    return f"{t['value']:.2f}x{interval} {t['verdict']}"
+
+
+def render_zero(d: dict) -> str:
+    """fastcoll.bench zero: step times and targets, state / peak / traffic per method, the all-gathers, the probe."""
+    labels = {
+        "torch": "torch DDP",
+        "zero": "torch ZeRO",
+        "fastcoll": "fastcoll.DDP",
+        "full": "grads=full",
+        "sharded": "grads=sharded",
+    }
+    methods = list(labels)
+    out = [f"Machine: {_machine(d)}; AdamW {d['config'].get('adamw')}\n"]
+    body = []
+    for r in d["results"]:
+        m, t = r["methods"], r["targets"]
+        cells = [r["label"]] + [_ms(m[k].get("median_s")) for k in methods]
+        cells += [" / ".join(f"{g['reps']}x{g['inner']}" for g in r["groups"])]
+        cells += [_ratio(t.get("step full/zero")), _ratio(t.get("step sharded/zero")), _ratio(t.get("step sharded/torch"))]
+        body.append(cells)
+    out.append(
+        _table(
+            ["model", *labels.values(), "samples x inner", "full/ZeRO (<= 0.8)", "sharded/ZeRO (<= 0.8)",
+             "sharded/torch DDP (<= 1.0)"],
+            body,
+        )
+    )  # fmt: skip
+    out.append("")
+    body = []
+    for r in d["results"]:
+        m, t = r["methods"], r["targets"]
+        for k in methods:
+            st, pk, sent = m[k].get("state_bytes") or [], m[k].get("peak_bytes") or [], m[k].get("sent_bytes") or []
+            state_t, mem_t = t.get(f"state {k}"), t.get(f"memory {k}")
+            body.append(
+                [
+                    r["label"] if k == "torch" else "", labels[k], " / ".join(_mib(x) for x in st),
+                    f"{state_t['value']:.4f} {state_t['verdict']}" if state_t else "-",
+                    " / ".join(_mib(x) for x in pk),
+                    f"{_mib(mem_t['value'])} {mem_t['verdict']}" if mem_t else "-",
+                    " / ".join(_mib(x) for x in m[k].get("live_peak_bytes") or []),
+                    _mib(r.get("live_margins", {}).get(k)),
+                    " / ".join(_mib(x) for x in sent),
+                    "ok" if r["checks"].get(k, {}).get("ok") else "DIFFER",
+                ]
+            )  # fmt: skip
+    out.append(
+        _table(
+            ["model", "method", "state MiB (rank 0 / 1)", "state / (DDP/N) (<= 1.01)", "peak MiB (rank 0 / 1)",
+             "margin MiB (>= 0)", "live MiB (rank 0 / 1)", "live margin MiB", "sent MiB/iter", "params vs torch DDP"],
+            body,
+        )
+    )  # fmt: skip
+    out.append("")
+    body = []
+    for r in d["results"]:
+        for k in ("full", "sharded"):
+            g = r["gather"].get(k)
+            if not g:
+                continue
+            f = g.get("first_waited") or {}
+            body.append(
+                [
+                    r["label"], k, _ms(r["methods"][k]["median_s"]), _ms(g.get("forward_s")), _ms(g.get("forward_fastcoll_s")),
+                    _ms(g["issue_s"]), _ms(g["gather_s"]), _ms(g["exposed_s"]),
+                    f"{_ms(g['hidden_s'])} ({(g.get('hidden_share') or 0):.0%})", _ms(g["write_s"]),
+                    f"b{f.get('bucket', '?')} ({f.get('bucket', -1) + 1}/{f.get('of', '?')})",
+                ]
+            )  # fmt: skip
+    out.append(
+        _table(
+            ["model", "grads", "step", "forward", "forward fastcoll.DDP", "pack+issue", "all-gather span", "exposed wait",
+             "hidden", "write", "first waited (issued k/n)"],
+            body,
+        )
+    )  # fmt: skip
+    probe = d.get("collectives") or []
+    if probe:
+        out.append("")
+        body = []
+        for name in probe[0]:
+            rows = [p[name] for p in probe]
+            body.append(
+                [
+                    name, _mib(rows[0]["buffer_bytes"]), _ms(max(x.get("time_s") or 0 for x in rows)),
+                    _mib(max(x["peak_growth_bytes"] or 0 for x in rows)), _mib(max(x["sent_bytes"] or 0 for x in rows)),
+                ]
+            )  # fmt: skip
+        out.append(_table(["collective", "buffer MiB", "time", "peak growth MiB", "sent MiB"], body))
+    return "\n".join(out)
+
+
 def main(paths: list[str]) -> None:
-    renderers = {"ops": render_ops, "ddp": render_ddp, "dist": render_dist}
+    renderers = {"ops": render_ops, "ddp": render_ddp, "dist": render_dist, "zero": render_zero}
     for p in paths:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or Path(p).stem.split("_")[0]
+        if kind not in renderers:
+            print(f"<!-- {Path(p).name}: no renderer for '{kind}' -->\n")
+            continue
         print(f"### {kind} ({Path(p).name})\n")
         print(renderers[kind](d))
         print()

@@ -1,6 +1,6 @@
 """Command line of the fastcoll benchmarks.
 
-    python -m fastcoll.bench {ops,ddp,dist,timeline,health,all} [--device cpu|cuda] [--threads N|all] [--quick] [--json PATH]
+    python -m fastcoll.bench {ops,ddp,dist,timeline,health,zero,all} [--device cpu|cuda] [--threads N|all] [--quick] [--json PATH]
 
 ``ops`` times the fused flatten/unflatten ops against torch's ways of doing the
 same work (fastcoll.bench.ops); ``ddp`` and ``dist`` time the DDP wrapper and
@@ -9,7 +9,10 @@ the distributed utilities (fastcoll.bench.ddp, fastcoll.bench.dist);
 and charts each bucket's pack, communication and write-back rank by rank
 (fastcoll.bench.timeline); ``health`` times gradient clipping with torch DDP
 and with fastcoll.DDP's fused norm, and what ``compute_grad_norm`` and
-``check_nonfinite`` cost (fastcoll.bench.health); ``all`` runs them in turn.
+``check_nonfinite`` cost (fastcoll.bench.health); ``zero`` times
+``fastcoll.ShardedOptimizer`` against torch's ZeroRedundancyOptimizer and
+DDP with AdamW, with optimizer state, peak memory and the parameters'
+all-gather per step (fastcoll.bench.zero); ``all`` runs them in turn.
 Each writes a table to the terminal and JSON (plus a PNG chart where it has
 one) to benchmarks/out/.
 Every subcommand module is imported only when it runs and exposes
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health")
+SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health", "zero")
 
 
 def _threads(value: str):

@@ -18,10 +18,16 @@ nets catch what module hooks cannot see:
   module that does not register it) raises an error: its value was stale;
 * the first gradient of a backward, the next ``step()``, ``state_dict()``
   and ``verify_replicas()`` wait for everything (:meth:`finish`).
+
+With :attr:`ParamSync.record_times` on (benchmarks: ``python -m fastcoll.bench
+zero``), each :meth:`ParamSync.start` also records, per bucket, when it was
+packed, issued, completed (the collective's own completion callback, on the
+backend's thread), waited for and written into the parameters.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -34,6 +40,8 @@ from ..reducer.shards import flat_view
 from ..reducer.usage import unreachable_parameters
 
 __all__ = ["ParamSync"]
+
+_ns = time.perf_counter_ns
 
 
 class ParamSync:
@@ -67,6 +75,14 @@ class ParamSync:
         self._pending: Dict[int, Any] = {}  # bucket position -> all-gather handle
         self._sources: Optional[Callable[[int], List[torch.Tensor]]] = None
         self._hooks: List[Any] = []
+        #: Record :attr:`times` at every :meth:`start` (off by default: a few ``perf_counter_ns`` calls per bucket).
+        self.record_times = False
+        #: With :attr:`record_times`, the last :meth:`start`'s events per bucket position, ``time.perf_counter_ns()``
+        #: values filled in as they happen: ``pack`` (packing begins), ``issued`` (the all-gather call returned),
+        #: ``completed`` (the collective finished, where its handle has a future), ``wait`` / ``waited`` (a wait
+        #: for it began / returned on the training thread) and ``written`` (the parameters hold the gathered
+        #: values). A new dict per :meth:`start`, so a caller may keep the previous one.
+        self.times: Dict[int, Dict[str, int]] = {}
 
     def borrowing(self) -> Set[int]:
         """Buckets whose gradient memory holds an all-gather not yet written into the parameters."""
@@ -87,15 +103,24 @@ class ParamSync:
         self.finish()
         layout = self.reducer.shards
         comm = self.reducer.comm
+        record = self.record_times
+        if record:
+            self.times = {}
         for bs in layout.buckets:
             if not bs.padded:
                 continue
+            if record:
+                self.times[bs.pos] = {"pack": _ns()}
             stage = self.stages[bs.pos]
             own = stage[bs.start : bs.start + bs.shard]
             values = sources(bs.pos)
             if values:
                 ops.flatten_scale(values, own[: sum(v.numel() for v in values)])  # the rest of the range is padding
-            self._pending[bs.pos] = comm.all_gather(stage, own, f"parameters of bucket {bs.pos}")
+            handle = comm.all_gather(stage, own, f"parameters of bucket {bs.pos}")
+            self._pending[bs.pos] = handle
+            if record:
+                self.times[bs.pos]["issued"] = _ns()
+                _record_completion(handle, self.times[bs.pos])
         if not self.overlap:
             self.finish()
 
@@ -106,8 +131,15 @@ class ParamSync:
         for pos in positions:
             handle = self._pending.pop(pos, None)
             if handle is not None:
+                times = self.times.get(pos) if self.record_times else None
+                if times is not None:
+                    times["wait"] = _ns()
                 self.reducer.comm.wait(handle, f"parameters of bucket {pos}")
+                if times is not None:
+                    times["waited"] = _ns()
                 self._write(pos)
+                if times is not None:
+                    times["written"] = _ns()
 
     def finish(self) -> None:
         """Wait for every pending all-gather (in bucket order) and write them all into the parameters."""
@@ -181,6 +213,18 @@ class ParamSync:
                 "therefore did not wait). The outputs are computed from stale weights. Call opt.finish_param_sync() "
                 "before such a forward, or construct the optimizer with overlap_param_gather=False."
             )
+
+
+def _record_completion(handle: Any, times: Dict[str, int]) -> None:
+    """Set ``times["completed"]`` when ``handle``'s collective completes (no-op for a handle without a future)."""
+    get_future = getattr(handle, "get_future", None)
+    if get_future is None:
+        return
+    try:
+        fut = get_future()
+    except RuntimeError:  # a backend without futures
+        return
+    fut.add_done_callback(lambda _fut: times.__setitem__("completed", _ns()))
 
 
 def piece_views(params: Sequence[torch.Tensor], pieces: Sequence[Any]) -> List[torch.Tensor]:
