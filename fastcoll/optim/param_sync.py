@@ -98,7 +98,7 @@ class ParamSync:
     def start(self, sources: Callable[[int], List[torch.Tensor]]) -> None:
         """Pack every bucket's range (``sources(pos)``: the 1-D values of this rank's pieces, in order) and all-gather it.
 
-        Every rank issues one all-gather per sharded bucket, in bucket order.
+        Every rank issues one all-gather per sharded bucket, the last bucket first.
         """
         self.finish()
         layout = self.reducer.shards
@@ -106,7 +106,9 @@ class ParamSync:
         record = self.record_times
         if record:
             self.times = {}
-        for bs in layout.buckets:
+        # Last bucket first: buckets are in reduction order, the reverse of the forward's, whose first modules
+        # wait for the last buckets.
+        for bs in reversed(layout.buckets):
             if not bs.padded:
                 continue
             if record:

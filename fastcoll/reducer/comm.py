@@ -94,6 +94,11 @@ class Communicator:
         self.state: SyncState = state_for(group)
         #: The stall guard, or None when unprotected (then :meth:`wait` is a plain wait).
         self.guard = guard_for(group, stall_timeout, device=device) if self.active and stall_timeout != 0 else None
+        # gloo's reduce-scatter and all-gather copy their whole buffer through temporaries (its reduce-scatter is
+        # an all-reduce underneath): on gloo the same results come from an in-place all-reduce and in-place
+        # broadcasts, with no temporaries and, for the all-gather, half the time (measured on 25 MiB).
+        self.in_place_emulation = self.active and dist.is_available() and _is_gloo(group)
+        self.rank = dist.get_rank(group) if self.active else 0
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
         """Call ``fn(collective)`` for every collective issued from now on; returns a function that removes it."""
@@ -133,7 +138,13 @@ class Communicator:
             out.copy_(inp)
             return DONE
         gseq = self._record("reduce_scatter", what, inp)
-        work = _REDUCE_SCATTER(out, inp, group=self.group, async_op=True)
+        if self.in_place_emulation and not inp.is_cuda:
+            work = dist.all_reduce(inp, group=self.group, async_op=True)
+            own = inp[self.rank * out.numel() : (self.rank + 1) * out.numel()]
+            if own.data_ptr() != out.data_ptr():
+                work = work.get_future().then(lambda _f: out.copy_(own))
+        else:
+            work = _REDUCE_SCATTER(out, inp, group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work
@@ -148,7 +159,17 @@ class Communicator:
                 out.copy_(inp)
             return DONE
         gseq = self._record("all_gather", what, out)
-        work = _ALL_GATHER(out, inp, group=self.group, async_op=True)
+        if self.in_place_emulation and not out.is_cuda:
+            n = inp.numel()
+            if inp.data_ptr() != out[self.rank * n :].data_ptr():
+                out[self.rank * n : (self.rank + 1) * n].copy_(inp)
+            works = [
+                dist.broadcast(out[r * n : (r + 1) * n], group=self.group, group_src=r, async_op=True)
+                for r in range(self.world_size)
+            ]
+            work = torch.futures.collect_all([w.get_future() for w in works])
+        else:
+            work = _ALL_GATHER(out, inp, group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work
@@ -188,3 +209,10 @@ class Communicator:
     def note_gather(self, what: str, t: torch.Tensor) -> int:
         """Record a sparse exchange (all-gathers by :class:`fastcoll.dist.sparse.SparseExchange`); returns its group seq."""
         return self._record("all_gather", what, t)
+
+
+def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:  # noqa: BLE001 - a group whose backend cannot be told: use the collectives as they are
+        return False
