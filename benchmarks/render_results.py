@@ -221,8 +221,93 @@ def render_zero(d: dict) -> str:
     return "\n".join(out)
 
 
+def render_zero_bf16(d: dict) -> str:
+    """fastcoll.bench zero's bfloat16 section: step times, bytes per rank by kind, live heap by phase, quality, targets."""
+    labels = {"bf16": "torch DDP bf16", "autocast": "torch DDP fp32 + autocast", "sharded": "fastcoll sharded",
+              "full": "fastcoll full"}  # fmt: skip
+    (r,) = d["results"]
+    m, t, ratios = r["methods"], r["targets"], r["ratios"]
+    out = [f"Machine: {_machine(d)}; AdamW {d['config'].get('adamw')}\n"]
+
+    def step_ratio(k: str) -> str:
+        x = ratios.get(f"step {k}/autocast") or {}
+        ci = x.get("ci90")
+        return "-" if x.get("value") is None else f"{x['value']:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+
+    g = r["groups"][0]
+    cells = [f"{r['label']} ({r['numel'] / 1e6:.1f} M)"] + [_ms(m[k].get("median_s")) if k != "full" else "-" for k in labels]
+    cells += [step_ratio("bf16"), _ratio(t.get("step sharded/autocast")), f"{g['reps']}x{g['inner']}"]
+    out.append(_table(["model", *labels.values(), "bf16/autocast", "sharded/autocast (<= 1.1)", "samples x inner"], [cells]))
+    out.append("")
+    body = []
+    for k, label in labels.items():
+        held = m[k].get("held") or []
+        h = max(held, key=lambda x: x["total"]) if held else {}
+        bpp = m[k].get("bytes_per_param") or {}
+        peak = ratios.get(f"peak_bytes {k}/autocast")
+        body.append(
+            [
+                label, _mib(h.get("params")), _mib(h.get("grads")), _mib(h.get("buckets")),
+                f"{_mib(h.get('state', 0) + h.get('masters', 0))}" + (f" ({_mib(h['masters'])})" if h.get("masters") else ""),
+                _mib(h.get("total")), f"{bpp.get('held', 0):.2f} ({m[k].get('readme_bytes_per_param', 0):.0f})",
+                " / ".join(_mib(x) for x in m[k].get("peak_bytes") or []),
+                "-" if bpp.get("peak") is None else f"{bpp['peak']:.2f}",
+                " / ".join(_mib(x) for x in m[k].get("live_peak_bytes") or []),
+                "-" if peak is None else f"{peak:.3f}x",
+            ]
+        )  # fmt: skip
+    out.append(
+        _table(
+            ["method", "params MiB", ".grad MiB", "buckets MiB", "state (masters) MiB", "held MiB", "held B/param (README)",
+             "peak MiB (rank 0 / 1)", "peak B/param", "live MiB (rank 0 / 1)", "peak / autocast's"],
+            body,
+        )
+    )  # fmt: skip
+    phases = [(k, [p for p in (m[k].get("live_by_phase") or []) if p]) for k in labels]
+    phases = [(k, ps) for k, ps in phases if ps]
+    if phases:
+        names = list(phases[0][1][0])
+        out.append("")
+        out.append(
+            _table(
+                ["live MiB (worst rank)", *(f"after {n}" for n in names)],
+                [[labels[k], *(_mib(max(p[n] for p in ps)) for n in names)] for k, ps in phases],
+            )
+        )
+    q = d.get("quality")
+    if q:
+        qlabels = {"fp32": "(a) float32", "torch_bf16": "(b) bf16, torch DDP + AdamW",
+                   "sharded": "(c) bf16, main grads + fp32 masters, sharded", "full": "(c') the same, grads=full"}  # fmt: skip
+        body = []
+        for name, label in qlabels.items():
+            x = q["runs"].get(name)
+            if x is None:
+                continue
+            body.append(
+                [
+                    label, f"{x['final_loss']:.4f}", f"{x['loss_gap']:+.3%}", f"{x['weight_distance']:.2e}",
+                    "-" if x.get("master_distance") is None else f"{x['master_distance']:.2e}",
+                    "-" if x.get("distance_vs_bf16") is None else f"{x['distance_vs_bf16']:.4f}",
+                ]
+            )  # fmt: skip
+        out.append("")
+        out.append(f"Quality: {q['steps']} AdamW steps ({d['config'].get('quality_model', '')})\n")
+        out.append(_table(["run", "final loss", "gap vs (a)", "weight distance", "master distance", "distance / (b)'s"], body))
+    body = []
+    for x in t.values():
+        ci = x.get("ci90")
+        if x["interval"] == "exact":
+            value, interval = f"{x['value']:.4f}", "exact"
+        else:
+            value, interval = f"{x['value']:.3f}x", f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-"
+        body.append([x["what"], value, interval, f"<= {x['threshold']}", x["verdict"]])
+    out.append("")
+    out.append(_table(["target", "value", "interval", "target", "verdict"], body))
+    return "\n".join(out)
+
+
 def main(paths: list[str]) -> None:
-    renderers = {"ops": render_ops, "ddp": render_ddp, "dist": render_dist, "zero": render_zero}
+    renderers = {"ops": render_ops, "ddp": render_ddp, "dist": render_dist, "zero": render_zero, "zero_bf16": render_zero_bf16}
     for p in paths:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or Path(p).stem.split("_")[0]

@@ -4,7 +4,8 @@ The numbers are never checked (the targets are printed, not asserted): only
 that a tiny configuration runs end to end on 2 gloo ranks (a fresh process
 pair per method for the memory phase, one for the timing), writes
 well-formed JSON and a chart, and finds every method's parameters equal to
-torch DDP + AdamW's; plus the analysis, which needs no ranks.
+torch DDP + AdamW's; plus the analysis, which needs no ranks. The same for
+its bfloat16 section (:mod:`fastcoll.bench.zero_bf16`), run on its own.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import pytest
 import torch
 
 from fastcoll.bench import __main__ as cli
-from fastcoll.bench import common, zero
+from fastcoll.bench import common, tiny_lm, zero, zero_bf16
 
 
 @pytest.mark.timeout(120)
-def test_zero_smoke_run(tmp_path, capsys):
+def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
+    sections = []  # the bfloat16 section runs after the tables (test_zero_bf16_smoke_run runs it)
+    monkeypatch.setattr(zero_bf16, "run_section", lambda args: sections.append(args) or 0)
     path = tmp_path / "zero.json"
     rc = cli.main(["zero", "--smoke", "--json", str(path)])
     out = capsys.readouterr().out
@@ -28,6 +31,7 @@ def test_zero_smoke_run(tmp_path, capsys):
         assert rc == 0 and "skipping" in out
         return
     assert rc == 0, out
+    assert len(sections) == 1 and sections[0].smoke and zero_bf16.json_path(sections[0], "cpu") == tmp_path / "zero_bf16.json"
     assert "fastcoll zero: step time" in out and "all-gather" in out and "targets" in out
 
     data = json.loads(path.read_text())
@@ -151,3 +155,133 @@ def test_analyze_targets():
     assert row["gather"]["full"]["forward_fastcoll_s"] == 0.01
     assert all(c["ok"] for c in row["checks"].values())
     assert "step sharded/torch" not in zero.analyze(_fake_row("mlp96", ratios))["targets"]  # ResNet-50 and GPT-2 only
+
+
+# --------------------------------------------------------------------------- the bfloat16 section
+
+
+@pytest.mark.timeout(90)
+def test_zero_bf16_smoke_run(tmp_path, capsys):
+    """The bfloat16 section alone, tiny (about 15 s): bytes by kind, peaks, timing, quality runs, targets, JSON, chart."""
+    path = tmp_path / "bf16.json"
+    rc = zero_bf16.main(["--smoke", "--json", str(path)])
+    out = capsys.readouterr().out
+    if not zero_bf16.supported():
+        assert rc == 0 and "skipping" in out
+        return
+    assert rc == 0, out
+    assert "fastcoll zero bf16: bytes per rank" in out and "quality" in out and "targets" in out
+
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "zero_bf16" and data["machine"]["torch"]
+    cfg = data["config"]
+    assert cfg["smoke"] and cfg["world_size"] == 2 and cfg["backend"] == "gloo"
+    (row,) = data["results"]
+    numel = row["numel"]
+    for m in zero_bf16.METHODS:
+        st = row["methods"][m]
+        assert len(st["held"]) == 2 and all(p is not None and p > 0 for p in st["peak_bytes"])
+        # the bytes each rank holds are the README's per parameter (tiny buckets: a little padding)
+        assert st["bytes_per_param"]["held"] == pytest.approx(zero_bf16.README_BYTES_PER_PARAM[m][0], abs=0.3), m
+        if m in zero_bf16.TIMED:
+            assert st["median_s"] > 0 and st["n"] == cfg["reps"]
+    held = {m: max(h["total"] for h in row["methods"][m]["held"]) for m in zero_bf16.METHODS}
+    assert held["sharded"] < held["autocast"] and row["methods"]["sharded"]["held"][0]["grads"] == 0
+    assert row["methods"]["sharded"]["held"][0]["masters"] == pytest.approx(4 * numel / 2, rel=0.05)  # fp32, half each
+    q = data["quality"]
+    assert q["steps"] == 3 and set(q["runs"]) == set(zero_bf16.QUALITY_RUNS)
+    for r in q["runs"].values():
+        assert len(r["losses"]) == 3 and r["final_loss"] > 0
+    assert q["runs"]["fp32"]["weight_distance"] == 0 and q["runs"]["sharded"].get("master_distance") is not None
+    names = set(row["targets"])
+    assert {"memory sharded/autocast", "step sharded/autocast", "distance sharded/torch_bf16", "loss sharded"} <= names
+    for t in row["targets"].values():
+        assert t["verdict"] in (zero.MET, zero.MISSED, zero.UNRESOLVED)
+    assert path.with_suffix(".png").stat().st_size > 1000
+
+
+def test_gpt2_shapes_are_gpt2_small():
+    assert zero_bf16.GPT2_SMALL.shapes() == common.model_shapes()["gpt2_small"]
+    assert zero_bf16.GPT2_SMALL.numel() == 124_439_808
+    assert zero_bf16.GPT2_QUICK.numel() < zero_bf16.GPT2_SMALL.numel() / 4
+
+
+def test_matmul_model_under_autocast():
+    shapes = [(5, 3), (4,), (2, 6)]
+    x = zero_bf16.make_input(len(shapes), 0, "cpu")
+    for method in ("autocast", "bf16"):
+        model = zero_bf16.MatmulShapeModel(shapes, zero_bf16.param_dtype(method))
+        casts = []
+        model.layers[0].register_forward_hook(lambda _m, _i, out: casts.append(torch.is_autocast_enabled("cpu")))
+        with zero_bf16.forward_context(method, "cpu"):
+            loss = model(x)
+        loss.backward()
+        assert casts == [method == "autocast"]
+        for i, p in enumerate(model.parameters()):
+            assert p.grad.dtype == p.dtype == zero_bf16.param_dtype(method)
+            assert torch.allclose(p.grad.float(), torch.full(p.shape, float(x[i])), rtol=1e-2)  # d(sum of W)/dW = x_i
+
+
+def _fake_bf16_row(step: dict, peak: dict, rounds: int = 20) -> dict:
+    rng = random.Random(5)
+    drift = [1 + 0.3 * rng.random() for _ in range(rounds)]
+    samples = {m: [step[m] * d * (1 + 0.005 * rng.uniform(-1, 1)) for d in drift] for m in zero_bf16.TIMED}
+    held = {"bf16": 10, "autocast": 20, "sharded": 12, "full": 12}
+
+    def rank(m: str, r: int) -> dict:
+        h = {"params": 2, "grads": 0, "buckets": 4, "state": 4, "masters": 2}
+        h = {k: v * 100 for k, v in h.items()} | {"total": held[m] * 100}
+        return {"numel": 100, "held": h, "peak_bytes": peak[m] + r, "live_peak_bytes": held[m] * 100, "live_by_phase": None}
+
+    mem = {m: {"ranks": [rank(m, r) for r in (0, 1)]} for m in zero_bf16.METHODS}
+    return {"model": "fake", "world_size": 2, "memory": mem, "groups": [{"samples": samples, "inner": 1, "reps": rounds}]}
+
+
+def test_bf16_analysis_and_targets():
+    row = _fake_bf16_row({"bf16": 0.7, "autocast": 1.0, "sharded": 1.02}, {"bf16": 1200, "autocast": 2500, "sharded": 1400,
+                                                                           "full": 1600})  # fmt: skip
+    quality = {
+        "runs": {
+            "fp32": {"weight_distance": 0.0, "loss_gap": 0.0},
+            "torch_bf16": {"weight_distance": 0.09, "loss_gap": 0.6},
+            "sharded": {"weight_distance": 0.0025, "loss_gap": 0.0002},
+            "full": {"weight_distance": 0.012, "loss_gap": -0.02},
+        }
+    }
+    t = zero_bf16.analyze(row, quality)["targets"]
+    assert (
+        t["memory sharded/autocast"]["value"] == pytest.approx(1401 / 2501)
+        and t["memory sharded/autocast"]["verdict"] == zero.MET
+    )
+    assert t["memory full/autocast"]["verdict"] == zero.MISSED  # 0.64
+    assert (
+        t["step sharded/autocast"]["value"] == pytest.approx(1.02, rel=0.02) and t["step sharded/autocast"]["verdict"] == zero.MET
+    )
+    assert (
+        t["distance sharded/torch_bf16"]["value"] == pytest.approx(0.0025 / 0.09)
+        and t["distance sharded/torch_bf16"]["verdict"] == zero.MET
+    )
+    assert t["distance full/torch_bf16"]["verdict"] == zero.MISSED and t["loss full"]["verdict"] == zero.MISSED  # |-2 %|
+    assert t["loss sharded"]["verdict"] == zero.MET
+    assert "step full/autocast" not in t  # not timed
+    assert row["methods"]["sharded"]["bytes_per_param"]["held"] == 12
+    assert quality["runs"]["sharded"]["distance_vs_bf16"] == pytest.approx(0.0025 / 0.09)
+
+
+def test_quality_metrics_and_paths():
+    w = torch.ones(4)
+    runs = {"fp32": {"weights": w, "loss": 2.0}, "torch_bf16": {"weights": w * 1.1, "loss": 3.0},
+            "sharded": {"weights": w * 1.001, "loss": 2.01, "masters": w * 1.0005}}  # fmt: skip
+    m = tiny_lm.quality_metrics(runs, init=w * 0.5)
+    assert m["torch_bf16"]["weight_distance"] == pytest.approx(0.1) and m["torch_bf16"]["loss_gap"] == pytest.approx(0.5)
+    assert m["sharded"]["master_distance"] == pytest.approx(5e-4, rel=1e-3) and m["fp32"]["moved"] == pytest.approx(0.5)
+    parser = cli.build_parser()
+    args = parser.parse_args(["zero", "--json", "/tmp/x/zero.json"])
+    assert str(zero_bf16.json_path(args, "cpu")) == "/tmp/x/zero_bf16.json"
+    args.command = "zero_bf16"  # the section alone writes where it is told
+    assert str(zero_bf16.json_path(args, "cpu")) == "/tmp/x/zero.json"
+    quick = zero_bf16._config(parser.parse_args(["zero", "--quick"]), "cpu")
+    assert zero_bf16.model_shapes(quick) == zero_bf16.GPT2_QUICK and quick["quality_steps"] == 100
+    full = zero_bf16._config(parser.parse_args(["zero"]), "cpu")
+    assert zero_bf16.model_shapes(full) == zero_bf16.GPT2_SMALL and full["quality_steps"] == 300
+    assert full["quality_runs"] == zero_bf16.QUALITY_RUNS

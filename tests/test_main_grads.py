@@ -20,12 +20,12 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from multiproc import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastcoll
+from fastcoll.bench import tiny_lm
 from fastcoll.optim import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(300)
@@ -349,59 +349,9 @@ def test_checkpoint_resumes_at_another_world_size(tmp_path):
 # --------------------------------------------------------------------------- quality
 
 
-class TinyCausalLM(nn.Module):
-    def __init__(self, vocab: int = 32, d: int = 32, layers: int = 2, seq: int = 16):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.out = nn.Linear(d, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
-
-    def forward(self, ids):
-        h = self.emb(ids) + self.pos[: ids.shape[1]]
-        h = self.blocks(h, mask=self.mask.to(h.dtype), is_causal=True)
-        return self.out(h)
-
-
-def _tokens(step: int, micro: int, rank: int) -> torch.Tensor:
-    """A fixed synthetic next-token task: arithmetic sequences modulo the vocabulary."""
-    g = torch.Generator().manual_seed(step * 100 + micro * 10 + rank)
-    start = torch.randint(0, 32, (4, 1), generator=g)
-    stride = torch.randint(1, 4, (4, 1), generator=g)
-    return (start + stride * torch.arange(17)) % 32
-
-
 def quality_worker(rank: int, world: int, recipe: str, steps: int) -> dict:
-    model = TinyCausalLM()
-    if recipe != "fp32":
-        model.to(BF16)
-    if recipe == "fastcoll":
-        ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
-        opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), ddp, grads="sharded",
-                                        master_dtype=torch.float32)  # fmt: skip
-    else:
-        ddp = TorchDDP(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss = torch.zeros(())
-    for step in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for micro in range(4):
-            ids = _tokens(step, micro, rank)
-            with ddp.no_sync() if micro < 3 else _nullcontext():
-                logits = ddp(ids[:, :-1])
-                loss = nn.functional.cross_entropy(logits.float().reshape(-1, 32), ids[:, 1:].reshape(-1)) / 4
-                loss.backward()
-            total += float(loss)
-        opt.step()
-    if recipe == "fastcoll":
-        opt.finish_param_sync()
-    t = torch.tensor([total])
-    dist.all_reduce(t)
-    return {"weights": torch.cat([p.detach().float().flatten() for p in model.parameters()]), "loss": float(t) / world}
+    """fastcoll.bench.tiny_lm's training (the model and data ``python -m fastcoll.bench zero`` reports on too)."""
+    return tiny_lm.train(rank, world, recipe, steps, grads="sharded", lr=1e-4, micro_batches=4)
 
 
 def test_bf16_with_main_grads_and_masters_trains_closer_to_fp32():

@@ -73,11 +73,19 @@ a probe of one collective of each kind on a bucket-sized buffer
 (:func:`collective_costs`: time, peak growth, bytes), show what this backend
 does.
 
-``--quick`` (at most about 2 minutes on 2 cores) leaves the GPT-2 shapes out and
-takes 5 to 20 samples per method; the full run 10 to 60 (GPT-2: 6 to 20).
-``--smoke`` (hidden; tests) runs one tiny synthetic model with 2 one-iteration samples.
-Output: tables on the terminal, ``benchmarks/out/zero_<device>.json`` and a PNG
-chart next to it.
+Then the **bfloat16 section** (:mod:`fastcoll.bench.zero_bf16`): GPT-2 shapes
+in bfloat16 under torch DDP, in float32 with ``autocast(bfloat16)``, and with
+``fastcoll.DDP(main_grad_dtype=torch.float32)`` + ``ShardedOptimizer(master_dtype=
+torch.float32)``: bytes per rank by kind, peak memory and step time; and the
+quality of a tiny causal LM trained 300 AdamW steps each way. Its own JSON and
+chart: ``benchmarks/out/zero_bf16_<device>.json`` / ``.png``.
+
+``--quick`` (at most about 2.5 minutes on 2 cores, the bfloat16 section about
+1 of them) leaves the GPT-2 shapes out here and takes 5 to 20 samples per
+method; the full run 10 to 60 (GPT-2: 6 to 20), about 10-12 minutes with the
+bfloat16 section (3.5). ``--smoke`` (hidden; tests) runs one tiny synthetic
+model with 2 one-iteration samples. Output: tables on the terminal,
+``benchmarks/out/zero_<device>.json`` and a PNG chart next to it.
 """
 
 from __future__ import annotations
@@ -142,7 +150,8 @@ COLLECTIVE_PROBE_BYTES = 25 * MiB
 #: Seconds the rank processes may take to exit after rank 0 wrote its results (then they are killed).
 EXIT_GRACE_S = 60.0
 #: Imported once by the forkserver the rank processes are forked from.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "fastcoll", "fastcoll.bench.zero")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "fastcoll", "fastcoll.bench.zero",
+           "fastcoll.bench.zero_bf16")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -1395,6 +1404,8 @@ def supported() -> bool:
 def run(args: Any = None) -> int:
     """CLI entry (``python -m fastcoll.bench zero``): measure, print the tables, write JSON and a chart.
 
+    Then the bfloat16 section (:func:`fastcoll.bench.zero_bf16.run_section`).
+
     Returns:
         0 on success (also when this checkout has no ShardedOptimizer, or
         fewer than 2 GPUs with ``--device cuda``: skipped with a message), 1 if
@@ -1423,7 +1434,10 @@ def run(args: Any = None) -> int:
     png = chart(path.with_suffix(".png"), payload)
     common.say(f"wrote {path}" + (f" and {png}" if png else " (matplotlib missing: no chart)"))
     ok = all(c["ok"] for r in payload["results"] for c in r["checks"].values())
-    return 0 if ok else 1
+    from . import zero_bf16
+
+    rc = zero_bf16.run_section(args)
+    return rc if ok else 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:

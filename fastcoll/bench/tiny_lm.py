@@ -1,0 +1,163 @@
+"""A tiny causal language model on a fixed synthetic next-token task, trained on 2+ ranks in 16 bits or 32.
+
+The one definition of the quality check of float32 main gradients and master
+weights: ``tests/test_main_grads.py`` asserts on it and ``python -m
+fastcoll.bench zero`` reports it (:mod:`fastcoll.bench.zero_bf16`). Nothing
+is downloaded: the model is built here (seed 0) and the data is generated
+(:func:`tokens`: arithmetic sequences modulo the vocabulary, a different
+batch per step, micro-batch and rank).
+
+:func:`train` runs one recipe inside an initialized process group: AdamW at
+``lr``, ``micro_batches`` micro-batches of gradient accumulation per step
+(``no_sync`` on all but the last), the loss of each micro-batch divided by
+their number:
+
+* ``"fp32"``: float32 everything under torch DDP (the reference);
+* ``"torch_bf16"``: the model in bfloat16 under torch DDP, a plain AdamW
+  (bfloat16 gradients, accumulation and optimizer state);
+* ``"fastcoll"``: the model in bfloat16 under ``fastcoll.DDP(main_grad_dtype=
+  torch.float32)`` with ``fastcoll.ShardedOptimizer(AdamW, master_dtype=
+  torch.float32, grads=...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+VOCAB = 32
+SEQ = 16
+BATCH = 4  # sequences per micro-batch and rank
+RECIPES = ("fp32", "torch_bf16", "fastcoll")
+BF16 = torch.bfloat16
+
+
+class TinyCausalLM(nn.Module):
+    """Token and position embeddings, ``layers`` pre-norm causal transformer blocks (4 heads, no dropout), a linear head."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 32, layers: int = 2, seq: int = SEQ):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.out = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.pos[: ids.shape[1]]
+        h = self.blocks(h, mask=self.mask.to(h.dtype), is_causal=True)
+        return self.out(h)
+
+
+def tokens(step: int, micro: int, rank: int) -> torch.Tensor:
+    """A fixed synthetic next-token task: ``BATCH`` arithmetic sequences of ``SEQ + 1`` tokens modulo the vocabulary."""
+    g = torch.Generator().manual_seed(step * 100 + micro * 10 + rank)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    """Every parameter, as float32, in one vector (registration order)."""
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def relative_distance(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||a - ref|| / ||ref||`` (float64)."""
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm())
+
+
+def train(
+    rank: int,
+    world: int,
+    recipe: str,
+    steps: int,
+    *,
+    grads: str = "sharded",
+    lr: float = 1e-4,
+    micro_batches: int = 4,
+    masters: bool = False,
+) -> Dict[str, Any]:
+    """Train :class:`TinyCausalLM` ``steps`` steps with ``recipe`` (one of :data:`RECIPES`) on this rank.
+
+    Call it on every rank of an initialized process group.
+
+    Returns:
+        ``weights``: the final parameters (float32 vector); ``loss``: the last
+        step's loss (the mean over micro-batches, averaged over ranks);
+        ``losses``: every step's; with ``masters`` and the fastcoll recipe,
+        ``masters``: the float32 master weights (``opt.state_dict()``, in the
+        parameters' order).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    model = TinyCausalLM()
+    if recipe != "fp32":
+        model.to(BF16)
+    if recipe == "fastcoll":
+        import fastcoll
+
+        ddp: nn.Module = fastcoll.DDP(model, main_grad_dtype=torch.float32)
+        opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=lr), ddp, grads=grads, master_dtype=torch.float32
+        )
+    else:
+        ddp = TorchDDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses: List[float] = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(micro_batches):
+            ids = tokens(step, micro, rank)
+            with ddp.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext():  # type: ignore[operator]
+                logits = ddp(ids[:, :-1])
+                loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+                (loss / micro_batches).backward()
+            total += float(loss.detach()) / micro_batches
+        opt.step()
+        losses.append(total)
+    out: Dict[str, Any] = {}
+    if recipe == "fastcoll":
+        opt.finish_param_sync()  # type: ignore[attr-defined]
+        if masters:
+            from ..optim import checkpoint as ckpt
+
+            state = opt.state_dict()["state"]  # a collective: every rank
+            out["masters"] = torch.cat([state[k][ckpt.MASTER].float().flatten() for k in sorted(state)])
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t)
+    per_step = (t / world).tolist()
+    out.update(weights=flat_weights(model), loss=per_step[-1] if per_step else None, losses=per_step)
+    return out
+
+
+def quality_metrics(runs: Dict[str, Dict[str, Any]], init: Optional[torch.Tensor] = None) -> Dict[str, Dict[str, Any]]:
+    """Per run, the relative L2 distance of its final weights (and masters) from ``runs["fp32"]``'s, and its loss gap.
+
+    ``init``: the float32 initial weights; ``"fp32"``'s entry then has
+    ``moved``, the distance its training moved them (the scale of the others').
+    """
+    ref = runs["fp32"]
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, r in runs.items():
+        m: Dict[str, Any] = {
+            "final_loss": r["loss"],
+            "loss_gap": (r["loss"] - ref["loss"]) / ref["loss"],
+            "weight_distance": relative_distance(r["weights"], ref["weights"]),
+        }
+        if r.get("masters") is not None:
+            m["master_distance"] = relative_distance(r["masters"], ref["weights"])
+        if name == "fp32" and init is not None:
+            m["moved"] = relative_distance(init, ref["weights"])
+        out[name] = m
+    return out
