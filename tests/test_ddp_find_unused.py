@@ -212,3 +212,47 @@ def test_reentrant_checkpoint_with_static_graph_trains_like_torch():
     for a, b in zip(ours, theirs):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+# --------------------------------------------------------------------------- parameters and buffers to ignore
+
+
+class TopLevel(nn.Module):
+    def __init__(self, rank: int):
+        super().__init__()
+        torch.manual_seed(rank)  # different on every rank: shows what the construction-time broadcast covers
+        self.scale = nn.Parameter(torch.randn(3))
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("offset", torch.full((3,), float(rank)))
+
+    def forward(self, x):
+        return self.fc(x * self.scale) + self.offset
+
+
+def ignore_worker(rank: int, world: int, names: list) -> list:
+    out = []
+    for cls in (fastcoll.DDP, TorchDDP):
+        model = TopLevel(rank)
+        cls._set_params_and_buffers_to_ignore_for_model(model, names)
+        ddp = cls(model)
+        after_init = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        torch.manual_seed(100 + rank)
+        ddp(torch.randn(4, 3)).pow(2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out.append((after_init, grads))
+        if isinstance(ddp, fastcoll.DDP):
+            ddp.close()
+    (ours_init, ours_grads), (theirs_init, theirs_grads) = out
+    for n in theirs_init:
+        assert torch.equal(ours_init[n], theirs_init[n]), f"after construction, {n}"
+    for n in theirs_grads:
+        assert torch.equal(ours_grads[n], theirs_grads[n]), f"gradient of {n}"
+    return [ours_init["scale"], ours_grads["scale"]]
+
+
+def test_ignored_names_as_torch_honours_them():
+    """A root-level parameter in the list is left out of the construction-time broadcast but still averaged (torch's
+    reducer tests '.scale'); a nested one is left out of both; a buffer is not broadcast."""
+    (init0, g0), (init1, g1) = run_ranks(ignore_worker, 2, ["scale", "fc.bias", "offset"], timeout=60)
+    assert not torch.equal(init0, init1)  # not broadcast: each rank kept its own
+    assert torch.equal(g0, g1)  # averaged anyway, as under torch DDP

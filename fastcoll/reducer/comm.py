@@ -97,8 +97,8 @@ class Communicator:
         # gloo's reduce-scatter and all-gather copy their whole buffer through temporaries (its reduce-scatter is
         # an all-reduce underneath): on gloo the same results come from an in-place all-reduce and in-place
         # broadcasts, with no temporaries and, for the all-gather, half the time (measured on 25 MiB).
-        self.in_place_emulation = self.active and dist.is_available() and _is_gloo(group)
-        self.rank = dist.get_rank(group) if self.active else 0
+        self.in_place_emulation = self.active and dist.is_available() and dist.is_initialized() and _is_gloo(group)
+        self.rank = dist.get_rank(group) if self.active and dist.is_available() and dist.is_initialized() else 0
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
         """Call ``fn(collective)`` for every collective issued from now on; returns a function that removes it."""
