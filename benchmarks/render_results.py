@@ -195,7 +195,7 @@ def render_zero(d: dict) -> str:
                     r["label"], k, _ms(r["methods"][k]["median_s"]), _ms(g.get("forward_s")), _ms(g.get("forward_fastcoll_s")),
                     _ms(g["issue_s"]), _ms(g["gather_s"]), _ms(g["exposed_s"]),
                     f"{_ms(g['hidden_s'])} ({(g.get('hidden_share') or 0):.0%})", _ms(g["write_s"]),
-                    f"b{f.get('bucket', '?')} ({f.get('bucket', -1) + 1}/{f.get('of', '?')})",
+                    f"b{f['bucket']} ({f['of'] - f['bucket']}/{f['of']})" if f else "-",  # issued last bucket first
                 ]
             )  # fmt: skip
     out.append(

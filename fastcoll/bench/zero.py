@@ -595,7 +595,7 @@ def bucket_metrics(times: Dict[int, Dict[str, int]]) -> Dict[int, Dict[str, floa
     """Per bucket position of one step's all-gathers: ``comm_s`` (issued to completed), ``exposed_s`` and ``wait_rank``.
 
     ``wait_rank`` is the order in which the next forward waited for the buckets
-    (0: first); the all-gathers are issued in bucket order.
+    (0: first); the all-gathers are issued last bucket first (the forward's order).
     """
     waited = sorted((e["wait"], pos) for pos, e in times.items() if "wait" in e)
     order = {pos: k for k, (_, pos) in enumerate(waited)}
@@ -1101,7 +1101,8 @@ def _first_waited_cell(f: Optional[Dict[str, Any]]) -> str:
     if not f:
         return "-"
     share = "" if f["exposed_share"] is None else f" {f['exposed_share']:.0%}"
-    return f"b{f['bucket']} ({f['bucket'] + 1}/{f['of']}){share}"
+    issued = f["of"] - f["bucket"]  # issued last bucket first
+    return f"b{f['bucket']} ({issued}/{f['of']}){share}"
 
 
 def _verdict_cell(t: Optional[Dict[str, Any]]) -> str:
@@ -1258,8 +1259,8 @@ def print_results(payload: Dict[str, Any]) -> None:
             "pre-hooks; hidden = span - exposed (the training thread packing, finishing the step and running the "
             "forward meanwhile), share of the span; write = unpacking into the parameters. forward: forward start to "
             "first gradient (model.sync_timeline()), in brackets fastcoll.DDP + AdamW's. first waited: the bucket the "
-            "forward's first module waits for, (k-th issued / n) (the all-gathers go out in bucket order, the reverse "
-            "of the forward's), and its share of the exposed wait.",
+            "forward's first module waits for, (k-th issued / n) (the all-gathers go out last bucket first, the "
+            "forward's order), and its share of the exposed wait.",
         )
 
 
