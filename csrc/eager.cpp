@@ -17,7 +17,7 @@
 // having done nothing, and fastcoll/ops/__init__.py makes the boxed call, which also
 // produces the usual errors for arguments that are not tensors. The kernels
 // check every argument themselves (plan_segments), so errors are the same.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>

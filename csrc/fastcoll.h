@@ -6,7 +6,7 @@
 // plan are device-independent (csrc/ops.cpp); each device file only runs a plan.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>

@@ -2,7 +2,7 @@
 //
 // The schemas here must match fastcoll/ops/loader.py SCHEMAS (the pure-PyTorch
 // fallback registers the same ones when this library is not built).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // The Python module fastcoll._C. Importing it loads this shared library, whose
 // static initializers run the TORCH_LIBRARY registrations of every op file.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 

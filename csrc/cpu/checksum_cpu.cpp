@@ -29,7 +29,7 @@
 // is a plain loop the compiler vectorizes, built three times (AVX-512, AVX2,
 // baseline) and picked by what the CPU has; loads go through memcpy, so any
 // alignment of the data is fine.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -18,7 +18,6 @@
 // too, compiled with each build; see the bottom of the file.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 

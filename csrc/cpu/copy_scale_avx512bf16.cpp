@@ -15,7 +15,6 @@
 #define CPU_CAPABILITY_AVX2
 #include <immintrin.h>
 
-#include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -12,7 +12,7 @@
 // its thread 0 write 1 to nonfinite[0]; without one, the kernel has no
 // observer at all. One launch per call, no host synchronization, no atomics.
 // Elements of out past the last tensor's slot belong to no chunk.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>

@@ -19,7 +19,7 @@
 // The table of tensors is a kernel argument (__grid_constant__) up to
 // kInlineSpans tensors (capturable in CUDA graphs), else uploaded from pinned
 // memory (refused under capture, as for the other fused ops).
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>

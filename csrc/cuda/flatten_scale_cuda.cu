@@ -21,7 +21,7 @@
 //   caching host allocator keeps the pinned block alive until the copy has
 //   run); refused under CUDA graph capture, where a replay would read reused
 //   host memory.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>

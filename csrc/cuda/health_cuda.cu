@@ -21,7 +21,7 @@
 //   tensors' sizes and dtypes only and each thread's order on the chunk's
 //   alignment, so the same tensors give the same bits run after run (not the
 //   CPU kernels' bits: their fixed order is another).
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
