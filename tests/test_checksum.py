@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_ops import examples
 
 from fastcoll import ops
 from fastcoll.bench.common import num_threads
@@ -160,7 +161,7 @@ def test_many_tensors_and_large_ones_match_reference():
 # ---------------------------------------------------------------------------
 
 
-@settings(max_examples=200, **HYP)
+@settings(max_examples=examples(200), **HYP)
 @given(data=st.binary(min_size=1, max_size=300), bit=st.integers(min_value=0), offset=st.integers(0, 7))
 def test_any_single_flipped_bit_changes_the_hash(data, bit, offset):
     bit %= 8 * len(data)
@@ -173,7 +174,7 @@ def test_any_single_flipped_bit_changes_the_hash(data, bit, offset):
     assert reference.checksum([t]).item() == after
 
 
-@settings(max_examples=50, **HYP)
+@settings(max_examples=examples(50), **HYP)
 @given(data=st.binary(min_size=16, max_size=200), i=st.integers(0), j=st.integers(0))
 def test_swapping_two_different_words_changes_the_hash(data, i, j):
     """The word index is part of each term: the hash is of the bytes in order, not of the multiset of words."""
@@ -188,7 +189,7 @@ def test_swapping_two_different_words_changes_the_hash(data, i, j):
     assert ops.checksum([u8(b"".join(words))]).item() != ops.checksum([u8(b"".join(swapped))]).item()
 
 
-@settings(max_examples=30, **HYP)
+@settings(max_examples=examples(30), **HYP)
 @given(
     sizes=st.lists(st.integers(0, 100), min_size=1, max_size=12),
     seed=st.integers(0, 2**31 - 1),

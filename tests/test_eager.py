@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ops import HYP, _bad_calls, assert_bitwise, cases, extension_active, flatten_case, unflatten_case
+from test_ops import HYP, _bad_calls, assert_bitwise, cases, examples, extension_active, flatten_case, unflatten_case
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -70,7 +70,7 @@ def _case_args(case):
     return case["specs"], case["out_dtype"], case["out_offset"], case["out_pad"], case["seed"], "cpu"
 
 
-@settings(max_examples=40, **HYP)
+@settings(max_examples=examples(40), **HYP)
 @given(case=cases(), with_flag=st.booleans(), with_scale_by=st.booleans())
 def test_flatten_writes_the_boxed_bits(case, with_flag, with_scale_by):
     """Same inputs, same NaN-poisoned out with guard regions: the whole buffers match bit for bit."""
@@ -94,7 +94,7 @@ def test_flatten_writes_the_boxed_bits(case, with_flag, with_scale_by):
         assert d_flag.item() == b_flag.item()
 
 
-@settings(max_examples=40, **HYP)
+@settings(max_examples=examples(40), **HYP)
 @given(case=cases(), with_sum=st.booleans())
 def test_unflatten_writes_the_boxed_bits(case, with_sum):
     """Same source, same NaN-poisoned destinations with guard regions: their buffers match bit for bit."""

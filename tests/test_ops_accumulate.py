@@ -52,6 +52,7 @@ from test_ops import (
     cases,
     compile_grads,
     eager_and_compiled,
+    examples,
     extension_active,
     make_tensor,
     opmath,
@@ -219,7 +220,7 @@ TAILS = st.sampled_from([0, 0, 1, 3, 64])
 
 
 @impl_param
-@settings(max_examples=40, **HYP)
+@settings(max_examples=examples(40), **HYP)
 @given(case=cases(), tail=TAILS)
 @example(
     case=dict(specs=[Spec((65537,), (0,), BF16, 1, 1)], out_dtype=F32, scale=1.0, out_offset=3, out_pad=1, seed=1),
@@ -659,7 +660,7 @@ def test_reference_fma_is_correctly_rounded(opmath):
 
 
 @pytest.mark.skipif(not extension_active(), reason="the direct entry point is part of the compiled extension")
-@settings(max_examples=25, **HYP)
+@settings(max_examples=examples(25), **HYP)
 @given(case=cases(), tail=TAILS, with_flag=st.booleans())
 def test_direct_path_writes_the_boxed_bits(case, tail, with_flag):
     results = []
@@ -756,7 +757,7 @@ def test_fake_kernel_checks_devices_and_the_flag():
 
 @CUDA
 @impl_param
-@settings(max_examples=20, **HYP)
+@settings(max_examples=examples(20), **HYP)
 @given(case=cases(), tail=TAILS)
 def test_cuda_accumulate_matches_float64(impl, case, tail):
     check_accumulate(impl, tail=tail, device="cuda", **case)

@@ -62,6 +62,7 @@ from test_ops import (
     cases,
     compile_grads,
     eager_and_compiled,
+    examples,
     extension_active,
     flatten_case,
     make_flat,
@@ -282,21 +283,21 @@ def check_sum_of_squares(impl: HImpl, specs, seed, device="cpu"):
 
 
 @impl_param
-@settings(max_examples=30, **HYP)
+@settings(max_examples=examples(30), **HYP)
 @given(case=cases(), scale_by=SCALE_BY)
 def test_flatten_ex_matches_float64(impl, case, scale_by):
     check_flatten_ex(impl, scale_by=scale_by, **case)
 
 
 @impl_param
-@settings(max_examples=30, **HYP)
+@settings(max_examples=examples(30), **HYP)
 @given(case=cases())
 def test_unflatten_ex_matches_float64(impl, case):
     check_unflatten_ex(impl, **case)
 
 
 @impl_param
-@settings(max_examples=30, **HYP)
+@settings(max_examples=examples(30), **HYP)
 @given(case=cases())
 def test_sum_of_squares_matches_float64(impl, case):
     check_sum_of_squares(impl, case["specs"], case["seed"])
@@ -885,7 +886,7 @@ def test_torch_compile(backend):
 
 @CUDA
 @impl_param
-@settings(max_examples=15, **HYP)
+@settings(max_examples=examples(15), **HYP)
 @given(case=cases(), scale_by=SCALE_BY)
 def test_cuda_flatten_ex_matches_float64(impl, case, scale_by):
     check_flatten_ex(impl, scale_by=scale_by, device="cuda", **case)
@@ -893,7 +894,7 @@ def test_cuda_flatten_ex_matches_float64(impl, case, scale_by):
 
 @CUDA
 @impl_param
-@settings(max_examples=15, **HYP)
+@settings(max_examples=examples(15), **HYP)
 @given(case=cases())
 def test_cuda_unflatten_ex_matches_float64(impl, case):
     check_unflatten_ex(impl, device="cuda", **case)
@@ -901,7 +902,7 @@ def test_cuda_unflatten_ex_matches_float64(impl, case):
 
 @CUDA
 @impl_param
-@settings(max_examples=15, **HYP)
+@settings(max_examples=examples(15), **HYP)
 @given(case=cases())
 def test_cuda_sum_of_squares_matches_float64(impl, case):
     check_sum_of_squares(impl, case["specs"], case["seed"], device="cuda")
