@@ -73,7 +73,17 @@ OLDEST_TREE  := build/oldest/tree
 # Hypothesis examples in the op tests there, as a fraction of `make test`'s (tests/test_ops.py, examples()):
 # the same kernels on the same inputs; there they check the build and the dispatch against torch 2.6.
 OLDEST_EXAMPLES ?= 0.25
-test-oldest-torch:
+# oldest-build: the venv, a copy of the tree, the CPU extension built there against torch $(OLDEST_TORCH) and
+# imported; oldest-run: the tests in that copy (CI builds in the background of the test stages, then runs).
+OLDEST_MAX_JOBS ?= 2
+OLDEST_PYTEST = cd $(OLDEST_TREE) && FASTCOLL_TEST_EXAMPLES=$(OLDEST_EXAMPLES) OMP_NUM_THREADS=1 \
+  $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) $(PYTEST_ARGS)
+.PHONY: oldest-build oldest-run
+test-oldest-torch: oldest-build
+	$(OLDEST_PYTEST)
+oldest-run:
+	$(OLDEST_PYTEST)
+oldest-build:
 	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -c "import torch, pytest, hypothesis, matplotlib; assert torch.__version__.split('+')[0] == '$(OLDEST_TORCH)'" \
 	  2>/dev/null || \
@@ -82,10 +92,9 @@ test-oldest-torch:
 	rm -rf $(OLDEST_TREE) && mkdir -p $(OLDEST_TREE)
 	tar -cf - --exclude=__pycache__ --exclude='*.so' fastcoll csrc tests examples benchmarks setup.py pyproject.toml \
 	  | tar -xf - -C $(OLDEST_TREE)
-	cd $(OLDEST_TREE) && FASTCOLL_CUDA=0 MAX_JOBS=2 $(OLDEST_VENV)/bin/python setup.py -q build_ext --inplace --build-temp ../tmp
+	cd $(OLDEST_TREE) && FASTCOLL_CUDA=0 MAX_JOBS=$(OLDEST_MAX_JOBS) $(OLDEST_VENV)/bin/python setup.py -q build_ext --inplace --build-temp ../tmp
 	cd $(OLDEST_TREE) && $(OLDEST_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i)); \
 	  assert i['extension'] and i['torch'].split('+')[0] == '$(OLDEST_TORCH)', i"
-	cd $(OLDEST_TREE) && FASTCOLL_TEST_EXAMPLES=$(OLDEST_EXAMPLES) OMP_NUM_THREADS=1 $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) $(PYTEST_ARGS)
 
 bench: build
 	$(VPY) -m fastcoll.bench all

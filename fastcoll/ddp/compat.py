@@ -37,7 +37,7 @@ __all__ = ["TORCH_ONLY_ATTRIBUTES", "UNSUPPORTED", "TorchMembers", "check_torch_
 UNSUPPORTED: Dict[str, str] = {
     "_ddp_init_helper": "fastcoll builds its own reducer at construction",
     "_register_accum_grad_hook": "torch's compiled-autograd (python_reducer) path is not used; fastcoll's reducer owns the hooks",
-    "_should_disable_cpp_reducer": "torch's compiled-autograd (python_reducer) path is not used; fastcoll's reducer owns the hooks",
+    "_should_disable_cpp_reducer": "torch's compiled-autograd (python_reducer) path is not used; fastcoll's reducer owns hooks",
     "_delayed_all_reduce_hook": "delay_all_reduce_named_params is not supported (see the constructor's error)",
     "_register_delay_all_reduce_hook": "delay_all_reduce_named_params is not supported (see the constructor's error)",
     "_clear_grad_buffer": "delay_all_reduce_named_params is not supported",
