@@ -47,12 +47,17 @@ def _train(impl: str, grads, ddp_kwargs: dict, steps: int = 4, model_cls=Reorder
         else:
             extra.append(step_fn(ddp, opt, step, rank, world))
         opt.step()
-    if grads is not None:
+    return _final_params(model, ddp, opt), extra
+
+
+def _final_params(model, ddp, opt) -> dict:
+    """The parameters once the last all-gathers are written (copies); closes a fastcoll wrapper."""
+    if isinstance(opt, fastcoll.ShardedOptimizer):
         opt.finish_param_sync()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     if isinstance(ddp, fastcoll.DDP):
         ddp.close()
-    return params, extra
+    return params
 
 
 def _compare(ref: dict, got: dict, what: str, bitwise: bool = True) -> None:
@@ -228,12 +233,7 @@ def _combined_run(impl: str, grads, rank: int, world: int, comm_dtype, resume_at
             ddp(_batch(10 + step, rank, world), use_side=(step + rank) % 3 == 0).pow(2).mean().backward()
         ddp(_batch(step, rank, world), use_side=False).pow(2).mean().backward()
         opt.step()
-    if grads is not None:
-        opt.finish_param_sync()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if isinstance(ddp, fastcoll.DDP):
-        ddp.close()
-    return params
+    return _final_params(model, ddp, opt)
 
 
 def combined_worker(rank: int, world: int) -> None:

@@ -714,6 +714,12 @@ def time_group(spec: Any, methods: Sequence[str], rank: int, cfg: Dict[str, Any]
 def _timing_worker(
     rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any], spec: Any, methods: Sequence[str]
 ) -> None:
+    timing_rank(rank, ws, store_path, out_path, progress_q, cfg, lambda tick: time_group(spec, methods, rank, cfg, tick))
+
+
+def timing_rank(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
+                time_fn: Callable[[Any], Dict[str, Any]]) -> None:  # fmt: skip
+    """One rank of a timing pair: device, allocator settings, process group, ``time_fn(tick)``; rank 0 writes the result."""
     device = cfg["device"]
     _set_device(device, rank)
     malloc = common.keep_freed_memory() if device == "cpu" else None
@@ -721,7 +727,7 @@ def _timing_worker(
     with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
         gc.collect()
         gc.freeze()
-        result = time_group(spec, methods, rank, cfg, tick)
+        result = time_fn(tick)
         gc.collect()  # the wrappers go while their process group is alive
         if rank == 0:
             from .. import ops

@@ -561,20 +561,7 @@ def time_methods(
 
 def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
                    shapes: GPT2Shapes, methods: Sequence[str]) -> None:  # fmt: skip
-    device = cfg["device"]
-    zero._set_device(device, rank)
-    malloc = common.keep_freed_memory() if device == "cpu" else None
-    tick = common.rank_ticker(rank, progress_q)
-    with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
-        gc.collect()
-        gc.freeze()
-        result = time_methods(shapes, methods, rank, cfg, tick)
-        gc.collect()  # the wrappers go while their process group is alive
-        if rank == 0:
-            from .. import ops
-
-            with open(out_path, "w") as f:
-                json.dump({**result, "malloc": malloc, "implementation": ops.implementation()}, f)
+    zero.timing_rank(rank, ws, store_path, out_path, progress_q, cfg, lambda tick: time_methods(shapes, methods, rank, cfg, tick))
 
 
 # ---------------------------------------------------------------------------
