@@ -469,6 +469,13 @@ def bar_chart(
     fig.suptitle(title)
     fig.legend(handles, labels, loc="center right", fontsize=8)
     fig.tight_layout(rect=(0, 0, 0.86, 0.97))
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Write a matplotlib figure as a PNG at ``path`` (its folder made), close it, and return the path."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -574,15 +581,20 @@ def follow_ranks(ctx: Any, progress_q: Any, bar: Any) -> None:
     done = False
     while not done:
         done = ctx.join(timeout=0.2)
-        while True:
-            try:
-                what, value = progress_q.get_nowait()
-            except queue.Empty:
-                break
-            if what == "advance":
-                bar.advance(value)
-            else:
-                bar.describe(value)
+        drain_progress(progress_q, bar)
+
+
+def drain_progress(progress_q: Any, bar: Any) -> None:
+    """Apply every report the ranks have queued so far (``("advance", n)`` or ``("describe", text)``) to ``bar``."""
+    while True:
+        try:
+            what, value = progress_q.get_nowait()
+        except queue.Empty:
+            return
+        if what == "advance":
+            bar.advance(value)
+        else:
+            bar.describe(value)
 
 
 def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:

@@ -946,11 +946,7 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"fastcoll health ({payload['config']['device']}; health ops: {payload['health_ops'].split(':')[0]})")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def run(args: Any = None) -> int:

@@ -499,11 +499,7 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:

@@ -780,19 +780,10 @@ def _follow(ctx: Any, progress_q: Any, bar: Any, out_path: str, grace_s: float =
     Their work is done by then; a process stuck in its exit (a gloo process
     group's destructor once deadlocked there) must not hang the benchmark.
     """
-    import queue
 
     written_at: Optional[float] = None
     while not ctx.join(timeout=0.2):
-        while True:
-            try:
-                what, value = progress_q.get_nowait()
-            except queue.Empty:
-                break
-            if what == "advance":
-                bar.advance(value)
-            else:
-                bar.describe(value)
+        common.drain_progress(progress_q, bar)
         if written_at is None and os.path.exists(out_path):
             written_at = time.perf_counter()
         if written_at is not None and time.perf_counter() - written_at > grace_s:
@@ -1390,11 +1381,7 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
         f"fastcoll zero ({cfg['device']}, {cfg['world_size']} ranks): ShardedOptimizer vs ZeroRedundancyOptimizer vs DDP, AdamW"
     )
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def supported() -> bool:

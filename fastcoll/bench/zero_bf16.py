@@ -1025,11 +1025,7 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
     fig.suptitle(f"fastcoll zero bf16 ({cfg['device']}, {cfg['world_size']} ranks): main gradients + sharded fp32 masters "
                  "vs torch DDP bf16 and fp32 + autocast")  # fmt: skip
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def supported() -> bool:
