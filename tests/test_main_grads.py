@@ -37,12 +37,16 @@ BF16 = torch.bfloat16
 
 
 class Scale(nn.Module):
-    def __init__(self):
+    """``odd``: a second, 3-element parameter, so that the bucket cannot become a parameter buffer (a misaligned start)."""
+
+    def __init__(self, odd: bool = False):
         super().__init__()
         self.w = nn.Parameter(torch.ones(4, dtype=BF16))
+        self.u = nn.Parameter(torch.ones(3, dtype=BF16)) if odd else None
 
     def forward(self, c):
-        return (self.w * c).sum()  # d/dw = c exactly
+        out = (self.w * c).sum()  # d/dw = c exactly
+        return out if self.u is None else out + (self.u * c[:3]).sum()
 
 
 def _contribution(rank: int, micro: int) -> torch.Tensor:
@@ -83,30 +87,46 @@ def test_micro_batches_accumulate_in_float32(world):
     assert abs(float(theirs[0][0]) - expected) > 1.0, (theirs[0], expected)  # bfloat16 accumulation is measurably off
 
 
-def two_syncs_worker(rank: int, world: int, grads: str) -> list:
-    """Two synchronized backwards without zero_grad between: the reduced gradients add up, as .grad does."""
-    model = Scale()
+def _piece_grads(opt) -> list:
+    return (torch.cat([t.grad for t in opt._shard_params]) if opt._shard_params else torch.zeros(0)).tolist()
+
+
+def two_syncs_worker(rank: int, world: int, grads: str, odd: bool) -> list:
+    """Two synchronized backwards without zero_grad between: the reduced gradients add up, as .grad does.
+
+    After step(), a third backward without zero_grad: where the parameters are staged (``odd``), the main
+    gradients' memory held the all-gather, so it is refused; in a parameter buffer it adds up again, as .grad does.
+    """
+    model = Scale(odd)
     ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
     opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), ddp, grads=grads,
                                     master_dtype=torch.float32)  # fmt: skip
     for micro in (0, 1):
         ddp(_contribution(rank, micro)).backward()
-    got = torch.cat([t.grad for t in opt._shard_params]) if opt._shard_params else torch.zeros(0)
+    got = [_piece_grads(opt)]
     opt.step()
-    with pytest.raises(RuntimeError, match=r"call opt\.zero_grad\(\) between step\(\) and the next backward"):
+    if odd:
+        with pytest.raises(RuntimeError, match=r"call opt\.zero_grad\(\) between step\(\) and the next backward"):
+            ddp(_contribution(rank, 0)).backward()
+    else:
         ddp(_contribution(rank, 0)).backward()
+        got.append(_piece_grads(opt))
     opt.zero_grad()
     ddp(_contribution(rank, 0)).backward()  # fine after zero_grad
-    return got.tolist()
+    return got
 
 
+@pytest.mark.parametrize("odd", [True, False], ids=["staged", "buffer"])
 @pytest.mark.parametrize("grads", ["full", "sharded"])
-def test_synchronized_backwards_accumulate_until_zero_grad(grads):
+def test_synchronized_backwards_accumulate_until_zero_grad(grads, odd):
     world = 2
-    expected = sum(float(_contribution(r, m)[0]) for r in range(world) for m in (0, 1)) / world
-    pieces = run_ranks(two_syncs_worker, world, grads, timeout=60)
-    values = [v for p in pieces for v in p]
-    assert values and all(abs(v - expected) < 1e-6 * expected for v in values), (values, expected)
+    expected = [sum(float(_contribution(r, m)[0]) for r in range(world) for m in micros) / world
+                for micros in ((0, 1), (0, 1, 0))]  # fmt: skip
+    per_rank = run_ranks(two_syncs_worker, world, grads, odd, timeout=60)
+    assert all(len(got) == (1 if odd else 2) for got in per_rank), per_rank
+    for k in range(1 if odd else 2):
+        values = [v for got in per_rank for v in got[k]]
+        assert values and all(abs(v - expected[k]) < 1e-6 * expected[k] for v in values), (k, values, expected)
 
 
 # --------------------------------------------------------------------------- training against a float32 reference
@@ -115,16 +135,21 @@ GLOBAL = 6
 
 
 class Mixed(nn.Module):
-    """16-bit layers, one float32 layer (unaffected by main_grad_dtype) and a frozen one."""
+    """16-bit layers, one float32 layer (unaffected by main_grad_dtype) and a frozen one.
 
-    def __init__(self):
+    ``aligned``: sizes that are multiples of 128 bytes, so that the parameters move into flat buffers
+    under a ShardedOptimizer (``fastcoll.optim.param_buffer``); odd sizes keep the staging path.
+    """
+
+    def __init__(self, aligned: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.a = nn.Linear(7, 13)
-        self.b = nn.Linear(13, 11)
-        self.frozen = nn.Linear(7, 11)
+        h1, h2, out = (64, 64, 32) if aligned else (13, 11, 3)
+        self.a = nn.Linear(7, h1)
+        self.b = nn.Linear(h1, h2)
+        self.frozen = nn.Linear(7, h2)
         self.frozen.requires_grad_(False)
-        self.head = nn.Linear(11, 3)
+        self.head = nn.Linear(h2, out)
         for m in (self.a, self.b, self.frozen):
             m.to(BF16)
 
@@ -153,7 +178,7 @@ def _groups(model: nn.Module):
 
 def _reference(world: int, opt_name: str, opts: dict, steps: int) -> dict:
     """The same mathematics in one process: float32 masters, gradients = sum over ranks of 16-bit ones times 1/N."""
-    model = Mixed()
+    model = Mixed(bool(opts.get("aligned")))
     masters = {n: p.detach().float().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     opt = _opt(opt_name, _groups_of(masters))
     wire = BF16 if opts.get("bf16") else torch.float32  # the sum is taken in the wire dtype, as gloo does
@@ -185,7 +210,7 @@ def _groups_of(masters: dict):
 
 
 def _ours(rank: int, world: int, opt_name: str, opts: dict, grads: str, steps: int):
-    model = Mixed()
+    model = Mixed(bool(opts.get("aligned")))
     ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, comm_dtype=BF16 if opts.get("bf16") else None,
                        bucket_cap_mb=0.0004, first_bucket_mb=0.0002)  # fmt: skip
     opt = fastcoll.ShardedOptimizer(_opt(opt_name, _groups(model)), ddp, grads=grads, master_dtype=torch.float32)
@@ -200,7 +225,8 @@ def _ours(rank: int, world: int, opt_name: str, opts: dict, grads: str, steps: i
     return model, opt, ddp
 
 
-ROWS = [("sgd", {}), ("adamw", {}), ("adamw", {"clip": True}), ("adamw", {"bf16": True})]
+ROWS = [("sgd", {}), ("adamw", {}), ("adamw", {"clip": True}), ("adamw", {"bf16": True}), ("adamw", {"aligned": True}),
+        ("sgd", {"aligned": True, "bf16": True})]
 
 
 def training_worker(rank: int, world: int) -> None:

@@ -27,17 +27,22 @@ GLOBAL_BATCH = 6  # each rank trains on its chunk: the same mathematics at 1, 2 
 
 
 class Reordered(nn.Module):
-    """Odd-sized parameters; ``side`` is registered last and called first; ``frozen`` takes no gradient."""
+    """Odd-sized parameters; ``side`` is registered last and called first; ``frozen`` takes no gradient.
 
-    def __init__(self, seed: int = 0):
+    ``aligned``: every parameter a multiple of 32 elements instead, so that every bucket's parameters
+    move into a flat buffer (``fastcoll.optim.param_buffer``); odd sizes keep the staging path.
+    """
+
+    def __init__(self, seed: int = 0, aligned: bool = False):
         super().__init__()
         torch.manual_seed(seed)
-        self.emb = nn.Linear(7, 13)
-        self.mid = nn.Linear(13, 11)
-        self.out = nn.Linear(11, 5)
-        self.frozen = nn.Linear(7, 11)
+        h1, h2, out = (32, 32, 32) if aligned else (13, 11, 5)
+        self.emb = nn.Linear(7, h1)
+        self.mid = nn.Linear(h1, h2)
+        self.out = nn.Linear(h2, out)
+        self.frozen = nn.Linear(7, h2)
         self.frozen.requires_grad_(False)
-        self.side = nn.Linear(7, 11)
+        self.side = nn.Linear(7, h2)
 
     def forward(self, x):
         s = self.side(x) + self.frozen(x)
@@ -70,7 +75,8 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 # (optimizer, options): "sched" an LR scheduler, "clip" gradient clipping, "accumulate" a no_sync micro-batch,
-# "bf16" comm_dtype=torch.bfloat16 (the reference is then fastcoll.DDP with the same wire and the plain optimizer).
+# "bf16" comm_dtype=torch.bfloat16 (the reference is then fastcoll.DDP with the same wire and the plain optimizer),
+# "aligned" the model whose parameters move into flat buffers (no pack, no write-back).
 ROWS = [
     ("sgd_momentum", {}),
     ("adam", {}),
@@ -83,12 +89,17 @@ ROWS = [
     ("sgd_momentum", {"accumulate": True}),
     ("adamw_foreach", {"bf16": True}),
     ("adamw_foreach", {"accumulate": True, "clip": True, "sched": True}),
+    ("adamw_foreach", {"aligned": True}),
+    ("sgd_momentum", {"aligned": True, "accumulate": True}),
+    ("adamw_two_groups", {"aligned": True, "sched": True}),
+    ("adamw_foreach", {"aligned": True, "clip": True}),
+    ("adamw_foreach", {"aligned": True, "bf16": True}),
 ]
 
 
 def _run(rank: int, world: int, opt_name: str, opts: dict, grads) -> dict:
     """Train; ``grads`` None: the reference (torch DDP, or fastcoll.DDP with the bf16 wire), else ShardedOptimizer."""
-    model = Reordered()
+    model = Reordered(aligned=bool(opts.get("aligned")))
     caps = dict(bucket_cap_mb=0.0004, first_bucket_mb=0.0002)  # buckets of ~100 elements: pieces straddle ranges
     bf16 = torch.bfloat16 if opts.get("bf16") else None
     if grads is None and not bf16:
@@ -98,6 +109,10 @@ def _run(rank: int, world: int, opt_name: str, opts: dict, grads) -> dict:
     opt = _optimizer(opt_name, model)
     if grads is not None:
         opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        storages = {p.untyped_storage().data_ptr() for p in trained}
+        # Aligned: the parameters now share a few bucket buffers; odd sizes: each keeps its own memory.
+        assert (len(storages) < len(trained)) == bool(opts.get("aligned")), (opts, len(storages), len(trained))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if opts.get("sched") else None
     losses = []
     for step in range(STEPS):
@@ -374,3 +389,49 @@ def test_elementwise_list_covers_the_issue():
 
     names = {c.__name__ for c in ELEMENTWISE}
     assert {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "Rprop"} <= names
+
+
+# --------------------------------------------------------------------------- parameters in flat buffers
+
+
+def buffers_worker(rank: int, world: int) -> None:
+    """Aligned parameters live in bucket buffers: code that repoints or replaces them, and a second optimizer."""
+    out = {}
+    for impl in ("torch", "fastcoll"):
+        model = Reordered(aligned=True)
+        sharded = [p for n, p in model.named_parameters() if n.startswith(("emb", "mid"))]
+        plain = [p for n, p in model.named_parameters() if n.startswith(("out", "side"))]
+        if impl == "torch":
+            ddp, opt = TorchDDP(model), torch.optim.AdamW(sharded, lr=0.01)
+        else:
+            ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+            opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(sharded, lr=0.01), ddp)
+        other = torch.optim.SGD(plain, lr=0.05, momentum=0.9)  # steps the rest (their buckets keep the staging path)
+        home = model.emb.weight.data_ptr()
+        for step in range(5):
+            opt.zero_grad()
+            other.zero_grad()
+            ddp(_batch(step, rank, world)).pow(2).mean().backward()
+            if step == 2:  # code that points parameters at new memory, with new values
+                model.emb.weight.data = model.emb.weight.detach() * 0.5
+                model.mid.bias.data = model.mid.bias.detach().clone()
+            opt.step()
+            other.step()
+            if impl == "fastcoll" and step == 2:
+                assert model.emb.weight.data_ptr() == home, "step() moved emb.weight back into its buffer"
+        if impl == "fastcoll":
+            opt.finish_param_sync()
+            shared = {p.untyped_storage().data_ptr() for p in sharded}
+            assert len(shared) < len(sharded), "the sharded parameters went back into their buffers"
+            model.mid.weight.data = model.mid.weight.detach().double()
+            with pytest.raises(RuntimeError, match=r"parameter 'mid\.weight' changed from \(32, 32\) torch\.float32"):
+                opt.step()
+            ddp.close()
+        out[impl] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for n, want in out["torch"].items():
+        if n != "mid.weight":
+            assert torch.equal(out["fastcoll"][n], want), n
+
+
+def test_parameters_in_buffers_follow_repointing_and_refuse_a_new_dtype():
+    run_ranks(buffers_worker, 2, timeout=120)

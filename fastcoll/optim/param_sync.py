@@ -1,9 +1,13 @@
 """The parameters' all-gather after a sharded step, overlapped with the next forward, never read stale.
 
 After the inner optimizer stepped this rank's pieces, each bucket's range is
-packed (one fused call) into the rank's slot of a staging buffer and
-all-gathered (``all_gather_into_tensor``, in place); the gathered bucket is
-then written into the parameters the optimizer steps (one fused call).
+all-gathered (``all_gather_into_tensor``, in place). Where the parameters live
+in a flat buffer of the bucket's layout (:mod:`.param_buffer`), that buffer is
+gathered into directly: this rank's range is already there (float32 masters
+are rounded into it: the pack), and the other ranges land in the parameters.
+Otherwise the range is packed (one fused call) into the rank's slot of a
+staging buffer, and the gathered bucket is then written into the parameters
+the optimizer steps (one fused call).
 
 With overlap, :meth:`ParamSync.start` only issues the all-gathers; a forward
 pre-hook on every module that registers parameters waits for the buckets
@@ -28,7 +32,7 @@ backend's thread), waited for and written into the parameters.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -50,7 +54,8 @@ class ParamSync:
     Args:
         reducer: The model's reducer (its buckets, shard ranges and communicator).
         stepped: Per reducer parameter index, whether the optimizer steps it (only those are written back).
-        stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype).
+        stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype),
+            or the bucket's parameter buffer (then nothing is written back).
         overlap: Leave the all-gathers running after :meth:`start`; modules wait for their own.
         written: Called with a bucket's position once its parameters are written.
         borrowed: Per bucket position, a gradient buffer whose memory the stage reuses (float32 main
@@ -65,8 +70,10 @@ class ParamSync:
         overlap: bool,
         written: Optional[Callable[[int], None]] = None,
         borrowed: Optional[Dict[int, torch.Tensor]] = None,
+        in_place: Collection[int] = (),
     ):
         self.reducer = reducer
+        self.in_place = set(in_place)  # buckets whose stage is the parameters' own buffer
         self._written = written
         self.borrowed = borrowed or {}
         self.stepped = list(stepped)
@@ -97,6 +104,8 @@ class ParamSync:
 
     def start(self, sources: Callable[[int], List[torch.Tensor]]) -> None:
         """Pack every bucket's range (``sources(pos)``: the 1-D values of this rank's pieces, in order) and all-gather it.
+
+        ``sources(pos)`` is empty where the range already holds them (the parameters' own buffer).
 
         Every rank issues one all-gather per sharded bucket, the last bucket first.
         """
@@ -149,11 +158,12 @@ class ParamSync:
             self.wait(sorted(self._pending))
 
     def _write(self, pos: int) -> None:
-        b = self.reducer.buckets[pos]
-        stage = self.stages[pos]
-        stepped = [self.stepped[i] for i in b.param_indices]
-        params = [p.detach() for p in b.params]
-        for_each_run(stepped, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
+        if pos not in self.in_place:
+            b = self.reducer.buckets[pos]
+            stage = self.stages[pos]
+            stepped = [self.stepped[i] for i in b.param_indices]
+            params = [p.detach() for p in b.params]
+            for_each_run(stepped, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
         owner = self.borrowed.get(pos)
         if owner is not None:
             owner.zero_()

@@ -30,6 +30,7 @@ from ..reducer.shards import Piece, flat_view
 from .clip import clip_grad_norm
 from .elementwise import check_optimizer_class
 from .gradients import PieceGradients
+from .param_buffer import ParamBuffers, movable, shares_memory
 from .param_sync import ParamSync, piece_views
 
 __all__ = ["ShardedOptimizer"]
@@ -108,6 +109,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._outside_state = {k: st for k, p in enumerate(self._order) if index_of.get(id(p)) is None
                                for st in [optimizer.state.get(p)] if st}  # fmt: skip
         self._layout = reducer.shard(grads == "sharded")  # collective when a bucket rebuild is due
+        shared = shares_memory(reducer.params)
+        self._buffers = ParamBuffers(reducer, [  # buckets whose parameters move into a flat buffer: no pack, no write-back
+            bs.pos for bs in self._layout.buckets if bs.padded and movable(reducer.buckets[bs.pos], self._stepped, shared)
+        ])  # fmt: skip
         self._pieces: List[Tuple[int, Piece]] = [  # (bucket position, piece) of the stepped parameters, bucket order
             (bs.pos, pc) for bs, pcs in zip(self._layout.buckets, self._layout.pieces) for pc in pcs if self._stepped[pc.param]
         ]
@@ -125,7 +130,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._built = True
         self.state = self.inner.state  # this rank's pieces' state
         stages, borrowed = self._stages()
-        self._sync = ParamSync(reducer, self._stepped, stages, self.overlap_param_gather, self._written, borrowed)
+        self._sync = ParamSync(
+            reducer, self._stepped, stages, self.overlap_param_gather, self._written, borrowed, self._buffers.buffers
+        )
         #: The step consumed the main gradients (their memory holds the parameters' all-gather): a backward
         #: before zero_grad() would accumulate onto nothing.
         self._consumed = False
@@ -172,7 +179,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _stages(self) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
         """Per sharded bucket, where its parameters are all-gathered, and which gradient buffers that borrows.
 
-        The bucket's own buffer when it is free after the step: the gradient bucket itself (or its float32
+        The parameters' own buffer when they have one (:mod:`.param_buffer`). Else the bucket's own buffer when it is free after the step: the gradient bucket itself (or its float32
         main-gradient bucket, whose bytes hold the 16-bit parameters: consumed by the step, zeroed after
         the all-gather); else a buffer of its own (gradients as bucket views, kept by ``grads="full"``).
         """
@@ -180,6 +187,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stages, borrowed = {}, {}
         for bs in self._layout.buckets:
             b = r.buckets[bs.pos]
+            if bs.pos in self._buffers:
+                stages[bs.pos] = self._buffers.buffers[bs.pos]
+                continue
             if isinstance(b, MainGradBucket):
                 stages[bs.pos] = b.flat_padded.view(b.dtype)[: b.padded]
                 borrowed[bs.pos] = b.flat_padded
@@ -201,6 +211,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync.finish()
+        self._buffers.check()
         self._refresh_masters()
         self._push_hyperparameters()
         if not self._grads.from_reduction:
@@ -208,7 +219,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.step()
         self._consumed = bool(self._sync.borrowed)
         for b in self.reducer.main_buckets:
-            b.consumed = True
+            b.consumed = b.pos in self._sync.borrowed
         self._sync.start(self._gather_sources)
         return loss
 
@@ -236,11 +247,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         k = next(k for k, bs in enumerate(self._layout.buckets) if bs.pos == pos)
         pieces = self._layout.pieces[k]
         out = piece_views(self.reducer.params, pieces)
+        replaced = False
         if self.master_dtype is not None:
             masters = {(pc.param, pc.lo): t for j, ((_, pc), t) in enumerate(zip(self._pieces, self._shard_params))
                        if self._has_master(j)}  # fmt: skip
+            replaced = any((pc.param, pc.lo) in masters for pc in pieces)
             out = [masters.get((pc.param, pc.lo), v) for pc, v in zip(pieces, out)]
-        return out
+        return out if replaced or pos not in self._buffers else []  # in the parameters' buffer: in place already
 
     def _written(self, pos: int) -> None:
         """Bucket ``pos``'s gathered parameters were written: remember their versions (see :meth:`_refresh_masters`)."""
