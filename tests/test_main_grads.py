@@ -225,8 +225,14 @@ def _ours(rank: int, world: int, opt_name: str, opts: dict, grads: str, steps: i
     return model, opt, ddp
 
 
-ROWS = [("sgd", {}), ("adamw", {}), ("adamw", {"clip": True}), ("adamw", {"bf16": True}), ("adamw", {"aligned": True}),
-        ("sgd", {"aligned": True, "bf16": True})]
+ROWS = [
+    ("sgd", {}),
+    ("adamw", {}),
+    ("adamw", {"clip": True}),
+    ("adamw", {"bf16": True}),
+    ("adamw", {"aligned": True}),
+    ("sgd", {"aligned": True, "bf16": True}),
+]
 
 
 def training_worker(rank: int, world: int) -> None:
