@@ -179,9 +179,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _stages(self) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
         """Per sharded bucket, where its parameters are all-gathered, and which gradient buffers that borrows.
 
-        The parameters' own buffer when they have one (:mod:`.param_buffer`). Else the bucket's own buffer when it is free after the step: the gradient bucket itself (or its float32
-        main-gradient bucket, whose bytes hold the 16-bit parameters: consumed by the step, zeroed after
-        the all-gather); else a buffer of its own (gradients as bucket views, kept by ``grads="full"``).
+        The parameters' own buffer when they have one (:mod:`.param_buffer`). Else the bucket's own buffer
+        when it is free after the step: the gradient bucket itself (or its float32 main-gradient bucket,
+        whose bytes hold the 16-bit parameters: consumed by the step, zeroed after the all-gather); else a
+        buffer of its own (gradients as bucket views, kept by ``grads="full"``).
         """
         r = self.reducer
         stages, borrowed = {}, {}
