@@ -85,10 +85,11 @@ class ParamSync:
         #: Record :attr:`times` at every :meth:`start` (off by default: a few ``perf_counter_ns`` calls per bucket).
         self.record_times = False
         #: With :attr:`record_times`, the last :meth:`start`'s events per bucket position, ``time.perf_counter_ns()``
-        #: values filled in as they happen: ``pack`` (packing begins), ``issued`` (the all-gather call returned),
-        #: ``completed`` (the collective finished, where its handle has a future), ``wait`` / ``waited`` (a wait
-        #: for it began / returned on the training thread) and ``written`` (the parameters hold the gathered
-        #: values). A new dict per :meth:`start`, so a caller may keep the previous one.
+        #: values filled in as they happen: ``step`` (the optimizer's step of the bucket's pieces begins), ``pack``
+        #: (packing begins), ``issued`` (the all-gather call returned), ``completed`` (the collective finished,
+        #: where its handle has a future), ``wait`` / ``waited`` (a wait for it began / returned on the training
+        #: thread) and ``written`` (the parameters hold the gathered values). A new dict per :meth:`start`, so a
+        #: caller may keep the previous one.
         self.times: Dict[int, Dict[str, int]] = {}
 
     def borrowing(self) -> Set[int]:
@@ -102,10 +103,12 @@ class ParamSync:
 
     # ------------------------------------------------------------------ issue
 
-    def start(self, sources: Callable[[int], List[torch.Tensor]]) -> None:
+    def start(self, sources: Callable[[int], List[torch.Tensor]], before: Optional[Callable[[int], None]] = None) -> None:
         """Pack every bucket's range (``sources(pos)``: the 1-D values of this rank's pieces, in order) and all-gather it.
 
         ``sources(pos)`` is empty where the range already holds them (the parameters' own buffer).
+        ``before(pos)``, when given, runs first for each bucket (the optimizer's step of its pieces), so that
+        a bucket's all-gather runs while the next bucket's pieces are stepped.
 
         Every rank issues one all-gather per sharded bucket, the last bucket first.
         """
@@ -121,7 +124,11 @@ class ParamSync:
             if not bs.padded:
                 continue
             if record:
-                self.times[bs.pos] = {"pack": _ns()}
+                self.times[bs.pos] = {"step": _ns()}
+            if before is not None:
+                before(bs.pos)
+            if record:
+                self.times[bs.pos]["pack"] = _ns()
             stage = self.stages[bs.pos]
             own = stage[bs.start : bs.start + bs.shard]
             values = sources(bs.pos)

@@ -120,6 +120,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads = PieceGradients(reducer, self._pieces, self._shard_params, sharded=grads == "sharded")
         inner_groups = self._inner_groups(optimizer, index_of)
         self.inner = _same_class(optimizer, inner_groups)
+        bucket_of_piece = {id(t): pos for (pos, _), t in zip(self._pieces, self._shard_params)}
+        #: Per bucket position, per inner param group, the pieces of that group in that bucket (in group order).
+        self._bucket_params: Dict[int, List[List[torch.Tensor]]] = {
+            bs.pos: [[t for t in ig["params"] if bucket_of_piece[id(t)] == bs.pos] for ig in inner_groups]
+            for bs in self._layout.buckets
+        }
         # param_groups hold what the optimizer's gradients are: the model's parameters when they are p.grad,
         # else the pieces (so that GradScaler unscales and checks exactly what is stepped).
         pieces_visible = self._grads.from_reduction
@@ -217,12 +223,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._push_hyperparameters()
         if not self._grads.from_reduction:
             self._grads.attach()  # views of p.grad as they are now (attached at backward's end otherwise)
-        self.inner.step()
         self._consumed = bool(self._sync.borrowed)
         for b in self.reducer.main_buckets:
             b.consumed = b.pos in self._sync.borrowed
-        self._sync.start(self._gather_sources)
+        # One inner step per bucket, each bucket's all-gather issued as soon as its pieces are stepped: the
+        # all-gathers run during the rest of the step too, not only during the next forward. The update is
+        # elementwise, so stepping the pieces bucket by bucket is the same arithmetic as one step over all.
+        self._sync.start(self._gather_sources, before=self._step_bucket)
         return loss
+
+    def _step_bucket(self, pos: int) -> None:
+        """The inner optimizer's step over the pieces in bucket ``pos`` only (its groups' other pieces left alone)."""
+        groups = self.inner.param_groups
+        subset = [dict(g, params=ps) for g, ps in zip(groups, self._bucket_params[pos]) if ps]
+        if not subset:
+            return
+        self.inner.param_groups = subset
+        try:
+            self.inner.step()
+        finally:
+            self.inner.param_groups = groups
 
     def _before_backward(self) -> None:
         """Before a backward accumulates into the buckets: the all-gathers done; the main gradients zeroed."""
