@@ -105,13 +105,14 @@ def test_layered_shape_model_calls_a_module_per_parameter():
 
 def test_gather_metrics():
     times = {
-        0: {"pack": 0, "issued": 10, "completed": 50, "wait": 60, "waited": 60, "written": 65},
-        1: {"pack": 12, "issued": 20, "completed": 90, "wait": 70, "waited": 95, "written": 100},
+        0: {"step": 0, "pack": 3, "issued": 10, "completed": 50, "wait": 60, "waited": 60, "written": 65},
+        1: {"step": 10, "pack": 12, "issued": 20, "completed": 90, "wait": 70, "waited": 95, "written": 100},
     }
     g = zero.gather_metrics({k: {e: v * 1000 for e, v in d.items()} for k, d in times.items()})
     assert g == pytest.approx(
-        {"issue_s": 20e-6, "gather_s": 80e-6, "exposed_s": 25e-6, "hidden_s": 55e-6, "write_s": 10e-6, "buckets": 2}
-    )
+        {"issue_s": 15e-6, "step_s": 5e-6, "gather_s": 80e-6, "exposed_s": 25e-6, "hidden_s": 55e-6, "write_s": 10e-6,
+         "buckets": 2}
+    )  # fmt: skip
     assert zero.gather_metrics({0: {"pack": 0, "issued": 1}}) is None  # never waited for: not counted
     assert zero.gather_metrics({}) is None
 

@@ -567,8 +567,9 @@ def _memory_worker(
 def gather_metrics(times: Dict[int, Dict[str, int]]) -> Optional[Dict[str, float]]:
     """One step's parameter all-gathers from :attr:`ParamSync.times` (None if some bucket was never waited for).
 
-    Returns (seconds): ``issue_s``, packing and issuing in ``step()`` (first
-    pack to last issue); ``gather_s``, the collectives' span (first issued to
+    Returns (seconds): ``issue_s``, packing and issuing in ``step()`` (summed
+    over buckets; the inner optimizer steps each bucket's pieces in between:
+    ``step_s``, summed too); ``gather_s``, the collectives' span (first issued to
     last completed); ``exposed_s``, the training thread's waits for them;
     ``hidden_s`` = ``gather_s - exposed_s``, the span the training thread
     spent on other work (packing later buckets, the rest of the step, the
@@ -582,7 +583,8 @@ def gather_metrics(times: Dict[int, Dict[str, int]]) -> Optional[Dict[str, float
     gather = max(e.get("completed", e["waited"]) for e in evs) - first_issue
     exposed = sum(e["waited"] - e["wait"] for e in evs)
     return {
-        "issue_s": (max(e["issued"] for e in evs) - min(e["pack"] for e in evs)) / 1e9,
+        "issue_s": sum(e["issued"] - e["pack"] for e in evs) / 1e9,
+        "step_s": sum(e["pack"] - e.get("step", e["pack"]) for e in evs) / 1e9,
         "gather_s": gather / 1e9,
         "exposed_s": exposed / 1e9,
         "hidden_s": max(0, gather - exposed) / 1e9,
@@ -1251,13 +1253,15 @@ def print_results(payload: Dict[str, Any]) -> None:
             columns,
             table,
             caption="Per step, median over the timed steps of the slowest rank (ParamSync.record_times): pack+issue = "
-            "packing and issuing the all-gathers in step(); span = first all-gather issued to last completed (gloo's "
-            "completion callbacks); exposed = the training thread's waits for them in the next forward's module "
-            "pre-hooks; hidden = span - exposed (the training thread packing, finishing the step and running the "
-            "forward meanwhile), share of the span; write = unpacking into the parameters. forward: forward start to "
-            "first gradient (model.sync_timeline()), in brackets fastcoll.DDP + AdamW's. first waited: the bucket the "
-            "forward's first module waits for, (k-th issued / n) (the all-gathers go out last bucket first, the "
-            "forward's order), and its share of the exposed wait.",
+            "packing and issuing the all-gathers in step(), summed over buckets (the inner optimizer steps each "
+            "bucket's pieces in between; nothing to pack where the parameters live in a flat buffer); span = first "
+            "all-gather issued to last completed (gloo's completion callbacks); exposed = the training thread's waits "
+            "for them in the next forward's module pre-hooks; hidden = span - exposed (the training thread packing, "
+            "finishing the step and running the forward meanwhile), share of the span; write = unpacking into the "
+            "parameters (staged buckets only). forward: forward start to first gradient (model.sync_timeline()), in "
+            "brackets fastcoll.DDP + AdamW's. first waited: the bucket the forward's first module waits for, (k-th "
+            "issued / n) (the all-gathers go out last bucket first, the forward's order), and its share of the "
+            "exposed wait.",
         )
 
 
