@@ -435,3 +435,46 @@ def buffers_worker(rank: int, world: int) -> None:
 
 def test_parameters_in_buffers_follow_repointing_and_refuse_a_new_dtype():
     run_ranks(buffers_worker, 2, timeout=120)
+
+
+class ChannelsLast(nn.Module):
+    """A channels_last convolution (its weight's memory order is not its index order) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(8, 32, 3).to(memory_format=torch.channels_last)  # 2304 + 32 elements
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def channels_last_worker(rank: int, world: int) -> None:
+    out = {}
+    x = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(rank)).to(memory_format=torch.channels_last)
+    for impl in ("torch", "fastcoll"):
+        model = ChannelsLast()
+        strides = model.conv.weight.stride()
+        if impl == "torch":
+            ddp, opt = TorchDDP(model), torch.optim.AdamW(model.parameters(), lr=0.01)
+        else:
+            ddp = fastcoll.DDP(model, bucket_cap_mb=0.004, first_bucket_mb=0.002)
+            opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ddp)
+            # In a buffer, with its strides kept.
+            assert model.conv.weight.untyped_storage().data_ptr() == model.conv.bias.untyped_storage().data_ptr()
+            assert model.conv.weight.stride() == strides
+        for _ in range(4):
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+        if impl == "fastcoll":
+            opt.finish_param_sync()
+            ddp.close()
+        out[impl] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for n, want in out["torch"].items():
+        assert torch.equal(out["fastcoll"][n], want), n
+
+
+def test_channels_last_parameters_keep_their_strides_in_a_buffer():
+    run_ranks(channels_last_worker, 2, timeout=120)
