@@ -37,16 +37,18 @@ BF16 = torch.bfloat16
 
 
 class Scale(nn.Module):
-    """``odd``: a second, 3-element parameter, so that the bucket cannot become a parameter buffer (a misaligned start)."""
+    """``odd``: two more parameters of 301 elements, so that the bucket gets no parameter buffer (more than 256
+    elements would start misaligned) and its all-gather borrows the main gradients."""
 
     def __init__(self, odd: bool = False):
         super().__init__()
         self.w = nn.Parameter(torch.ones(4, dtype=BF16))
-        self.u = nn.Parameter(torch.ones(3, dtype=BF16)) if odd else None
+        self.u = nn.Parameter(torch.ones(301, dtype=BF16)) if odd else None
+        self.v = nn.Parameter(torch.ones(301, dtype=BF16)) if odd else None
 
     def forward(self, c):
         out = (self.w * c).sum()  # d/dw = c exactly
-        return out if self.u is None else out + (self.u * c[:3]).sum()
+        return out if self.u is None else out + (self.u * c[0]).sum() + (self.v * c[0]).sum()  # c is uniform
 
 
 def _contribution(rank: int, micro: int) -> torch.Tensor:

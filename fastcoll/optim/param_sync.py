@@ -5,9 +5,10 @@ all-gathered (``all_gather_into_tensor``, in place). Where the parameters live
 in a flat buffer of the bucket's layout (:mod:`.param_buffer`), that buffer is
 gathered into directly: this rank's range is already there (float32 masters
 are rounded into it: the pack), and the other ranges land in the parameters.
-Otherwise the range is packed (one fused call) into the rank's slot of a
-staging buffer, and the gathered bucket is then written into the parameters
-the optimizer steps (one fused call).
+Other parameters (staged) have their pieces packed (one fused call per run of
+them) into the rank's range of the buffer, or of a staging buffer where the
+bucket has none, and the gathered values are then written into them (one
+fused call per run).
 
 With overlap, :meth:`ParamSync.start` only issues the all-gathers; a forward
 pre-hook on every module that registers parameters waits for the buckets
@@ -32,7 +33,7 @@ backend's thread), waited for and written into the parameters.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -55,11 +56,12 @@ class ParamSync:
         reducer: The model's reducer (its buckets, shard ranges and communicator).
         stepped: Per reducer parameter index, whether the optimizer steps it (only those are written back).
         stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype),
-            or the bucket's parameter buffer (then nothing is written back).
+            or the bucket's parameter buffer.
         overlap: Leave the all-gathers running after :meth:`start`; modules wait for their own.
         written: Called with a bucket's position once its parameters are written.
         borrowed: Per bucket position, a gradient buffer whose memory the stage reuses (float32 main
             gradients, consumed by the step): zeroed once the parameters are written, ready to accumulate.
+        moved: Reducer indices of the parameters that live in their bucket's stage (nothing to write back).
     """
 
     def __init__(
@@ -70,10 +72,10 @@ class ParamSync:
         overlap: bool,
         written: Optional[Callable[[int], None]] = None,
         borrowed: Optional[Dict[int, torch.Tensor]] = None,
-        in_place: Collection[int] = (),
+        moved: Collection[int] = (),
     ):
         self.reducer = reducer
-        self.in_place = set(in_place)  # buckets whose stage is the parameters' own buffer
+        self.moved = set(moved)
         self._written = written
         self.borrowed = borrowed or {}
         self.stepped = list(stepped)
@@ -103,10 +105,13 @@ class ParamSync:
 
     # ------------------------------------------------------------------ issue
 
-    def start(self, sources: Callable[[int], List[torch.Tensor]], before: Optional[Callable[[int], None]] = None) -> None:
-        """Pack every bucket's range (``sources(pos)``: the 1-D values of this rank's pieces, in order) and all-gather it.
+    def start(
+        self, sources: Callable[[int], List[Tuple[int, torch.Tensor]]], before: Optional[Callable[[int], None]] = None
+    ) -> None:
+        """Pack every bucket's range and all-gather it.
 
-        ``sources(pos)`` is empty where the range already holds them (the parameters' own buffer).
+        ``sources(pos)``: ``(offset in the range, 1-D values)`` of this rank's pieces that the range does not
+        hold already (every piece, but those of parameters living in it whose values are theirs), in order.
         ``before(pos)``, when given, runs first for each bucket (the optimizer's step of its pieces), so that
         a bucket's all-gather runs while the next bucket's pieces are stepped.
 
@@ -131,9 +136,8 @@ class ParamSync:
                 self.times[bs.pos]["pack"] = _ns()
             stage = self.stages[bs.pos]
             own = stage[bs.start : bs.start + bs.shard]
-            values = sources(bs.pos)
-            if values:
-                ops.flatten_scale(values, own[: sum(v.numel() for v in values)])  # the rest of the range is padding
+            for at, values, n in _runs(sources(bs.pos)):
+                ops.flatten_scale(values, own[at : at + n])
             handle = comm.all_gather(stage, own, f"parameters of bucket {bs.pos}")
             self._pending[bs.pos] = handle
             if record:
@@ -165,12 +169,12 @@ class ParamSync:
             self.wait(sorted(self._pending))
 
     def _write(self, pos: int) -> None:
-        if pos not in self.in_place:
-            b = self.reducer.buckets[pos]
+        b = self.reducer.buckets[pos]
+        staged = [self.stepped[i] and i not in self.moved for i in b.param_indices]
+        if any(staged):
             stage = self.stages[pos]
-            stepped = [self.stepped[i] for i in b.param_indices]
             params = [p.detach() for p in b.params]
-            for_each_run(stepped, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
+            for_each_run(staged, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
         owner = self.borrowed.get(pos)
         if owner is not None:
             owner.zero_()
@@ -232,6 +236,18 @@ class ParamSync:
                 "therefore did not wait). The outputs are computed from stale weights. Call opt.finish_param_sync() "
                 "before such a forward, or construct the optimizer with overlap_param_gather=False."
             )
+
+
+def _runs(values: List[Tuple[int, torch.Tensor]]) -> List[Tuple[int, List[torch.Tensor], int]]:
+    """``(offset, tensor)`` pairs grouped into back-to-back runs: ``(offset, tensors, elements)``."""
+    runs: List[Tuple[int, List[torch.Tensor], int]] = []
+    for at, t in values:
+        if runs and runs[-1][0] + runs[-1][2] == at:
+            start, ts, n = runs[-1]
+            runs[-1] = (start, ts + [t], n + t.numel())
+        else:
+            runs.append((at, [t], t.numel()))
+    return runs
 
 
 def _record_completion(handle: Any, times: Dict[str, int]) -> None:

@@ -110,9 +110,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                for st in [optimizer.state.get(p)] if st}  # fmt: skip
         self._layout = reducer.shard(grads == "sharded")  # collective when a bucket rebuild is due
         shared = shares_memory(reducer.params)
-        self._buffers = ParamBuffers(reducer, [  # buckets whose parameters move into a flat buffer: no pack, no write-back
-            bs.pos for bs in self._layout.buckets if bs.padded and movable(reducer.buckets[bs.pos], self._stepped, shared)
-        ])  # fmt: skip
+        moving = {bs.pos: movable(reducer.buckets[bs.pos], self._stepped, shared) for bs in self._layout.buckets if bs.padded}
+        # Parameters that move into a flat buffer of their bucket's layout: no pack, no write-back for them.
+        self._buffers = ParamBuffers(reducer, {pos: m for pos, m in moving.items() if m})
         self._pieces: List[Tuple[int, Piece]] = [  # (bucket position, piece) of the stepped parameters, bucket order
             (bs.pos, pc) for bs, pcs in zip(self._layout.buckets, self._layout.pieces) for pc in pcs if self._stepped[pc.param]
         ]
@@ -120,6 +120,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads = PieceGradients(reducer, self._pieces, self._shard_params, sharded=grads == "sharded")
         inner_groups = self._inner_groups(optimizer, index_of)
         self.inner = _same_class(optimizer, inner_groups)
+        self._bucket_index = {bs.pos: k for k, bs in enumerate(self._layout.buckets)}
+        #: (parameter, first element) -> the float32 master copy of that piece (with ``master_dtype``).
+        self._masters = {(pc.param, pc.lo): t for j, ((_, pc), t) in enumerate(zip(self._pieces, self._shard_params))
+                         if self._has_master(j)}  # fmt: skip
         bucket_of_piece = {id(t): pos for (pos, _), t in zip(self._pieces, self._shard_params)}
         #: Per bucket position, per inner param group, the pieces of that group in that bucket (in group order).
         self._bucket_params: Dict[int, List[List[torch.Tensor]]] = {
@@ -137,7 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state  # this rank's pieces' state
         stages, borrowed = self._stages()
         self._sync = ParamSync(
-            reducer, self._stepped, stages, self.overlap_param_gather, self._written, borrowed, self._buffers.buffers
+            reducer, self._stepped, stages, self.overlap_param_gather, self._written, borrowed, self._buffers.moved
         )
         #: The step consumed the main gradients (their memory holds the parameters' all-gather): a backward
         #: before zero_grad() would accumulate onto nothing.
@@ -260,21 +264,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     ig[k] = v
 
-    def _gather_sources(self, pos: int) -> List[torch.Tensor]:
-        """The values this rank contributes to bucket ``pos``'s all-gather: every parameter's piece of its range.
+    def _gather_sources(self, pos: int) -> List[Tuple[int, torch.Tensor]]:
+        """What this rank packs into its range of bucket ``pos`` before the all-gather: ``(offset, values)`` per piece.
 
-        A master copy stands in for its piece (cast to the parameters' dtype by the pack).
+        Every piece of the range, in order, but those of parameters that live in the bucket's buffer (already
+        there); a master copy stands in for its piece (rounded to the parameters' dtype by the pack).
         """
-        k = next(k for k, bs in enumerate(self._layout.buckets) if bs.pos == pos)
-        pieces = self._layout.pieces[k]
-        out = piece_views(self.reducer.params, pieces)
-        replaced = False
-        if self.master_dtype is not None:
-            masters = {(pc.param, pc.lo): t for j, ((_, pc), t) in enumerate(zip(self._pieces, self._shard_params))
-                       if self._has_master(j)}  # fmt: skip
-            replaced = any((pc.param, pc.lo) in masters for pc in pieces)
-            out = [masters.get((pc.param, pc.lo), v) for pc, v in zip(pieces, out)]
-        return out if replaced or pos not in self._buffers else []  # in the parameters' buffer: in place already
+        pieces = self._layout.pieces[self._bucket_index[pos]]
+        moved = self._buffers.moved
+        out = []
+        for pc, v in zip(pieces, piece_views(self.reducer.params, pieces)):
+            master = self._masters.get((pc.param, pc.lo))
+            if master is not None:
+                out.append((pc.at, master))
+            elif pc.param not in moved:
+                out.append((pc.at, v))
+        return out
 
     def _written(self, pos: int) -> None:
         """Bucket ``pos``'s gathered parameters were written: remember their versions (see :meth:`_refresh_masters`)."""
@@ -292,6 +297,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self._has_master(k) and params[i]._version != self._versions[i]:
                 self._shard_params[k].copy_(flat_view(params[i].detach())[pc.lo : pc.hi])
         self._versions = [p._version for p in params]
+
+    def staged_parameters(self) -> List[str]:
+        """Names of the stepped parameters that do not live in their bucket's flat buffer (:mod:`.param_buffer`).
+
+        Each step packs their pieces before the all-gather and writes the gathered values back into them: odd
+        sizes in a bucket without a buffer, a start that is not 128-byte aligned, memory shared with another
+        parameter. Empty when every parameter is updated and gathered in place.
+        """
+        r = self.reducer
+        return [r.names[i] for i, s in enumerate(self._stepped) if s and i not in self._buffers.moved]
 
     def finish_param_sync(self) -> None:
         """Wait for the parameters' all-gathers of the last step and write them into the parameters."""

@@ -65,7 +65,7 @@ from .layout import BucketSet
 from .reduction import AllReduce, CommHook, InFlight, ReduceScatter, ShardGrads, Skipped, SparseSum, ZeroBuffers
 from .runtime_log import RuntimeLog
 from .settings import ReducerSettings
-from .shards import ShardLayout
+from .shards import ShardLayout, aligned_first
 from .timeline import Timeline
 from .tuning import LayoutTuning
 from .usage import ParameterUsage
@@ -348,7 +348,9 @@ class Reducer(ReducerSettings):
         self._shard_world = self.world_size
         # The optimizer agrees on non-finite gradients from the total when it steps ranges of them (GradScaler).
         self.health.keep_total = bool(sharded_grads or self.main_buckets)
-        self._install_layout(self.layout())  # the buckets again, padded to be divided
+        # The buckets again, padded to be divided, each with its odd-sized parameters last (the others aligned).
+        nbytes = [p.numel() * p.element_size() for p in self.params]
+        self._install_layout([aligned_first(b, nbytes) for b in self.layout()])
         buckets = self._set.buckets
         self.shards = ShardLayout(
             [(b.pos, b.param_indices, [p.numel() for p in b.params], b.padded) for b in buckets], self.world_size, self.rank

@@ -22,7 +22,12 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-__all__ = ["BucketShards", "Piece", "ShardLayout", "flat_view", "padded_numel", "pieces_of"]
+__all__ = [
+    "ALIGN_BYTES", "BucketShards", "Piece", "ShardLayout", "aligned_first", "flat_view", "padded_numel", "pieces_of",
+]  # fmt: skip
+
+#: A parameter whose bytes are a multiple of this keeps every later parameter of its bucket at such an offset.
+ALIGN_BYTES = 128
 
 #: Padding may take this share of a bucket (or :data:`PAD_MIN_ELEMENTS`, whichever is larger).
 PAD_SHARE = 0.01
@@ -47,6 +52,17 @@ def padded_numel(numel: int, world_size: int, element_size: int) -> int:
         if padded - numel <= bound or align == 1:
             return padded
         align //= 2
+
+
+def aligned_first(indices: Sequence[int], nbytes: Sequence[int]) -> List[int]:
+    """A bucket's parameters (``indices``) reordered: those of a multiple of :data:`ALIGN_BYTES` first, each group in order.
+
+    Every parameter of the first group then starts at a multiple of
+    :data:`ALIGN_BYTES` in the bucket (a parameter buffer keeps their
+    alignment, :mod:`fastcoll.optim.param_buffer`); odd-sized ones go last,
+    where they shift nothing. ``nbytes[i]``: parameter ``i``'s size in bytes.
+    """
+    return [i for i in indices if nbytes[i] % ALIGN_BYTES == 0] + [i for i in indices if nbytes[i] % ALIGN_BYTES]
 
 
 @dataclass(frozen=True)
