@@ -75,7 +75,9 @@ class ParamSync:
         moved: Collection[int] = (),
     ):
         self.reducer = reducer
-        self.moved = set(moved)
+        moved = set(moved)
+        #: Per bucket position, per slot: written back after the all-gather (stepped, not living in the stage).
+        self.staged = {pos: [stepped[i] and i not in moved for i in reducer.buckets[pos].param_indices] for pos in stages}
         self._written = written
         self.borrowed = borrowed or {}
         self.stepped = list(stepped)
@@ -170,7 +172,7 @@ class ParamSync:
 
     def _write(self, pos: int) -> None:
         b = self.reducer.buckets[pos]
-        staged = [self.stepped[i] and i not in self.moved for i in b.param_indices]
+        staged = self.staged[pos]
         if any(staged):
             stage = self.stages[pos]
             params = [p.detach() for p in b.params]

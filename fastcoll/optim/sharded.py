@@ -270,15 +270,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Every piece of the range, in order, but those of parameters that live in the bucket's buffer (already
         there); a master copy stands in for its piece (rounded to the parameters' dtype by the pack).
         """
-        pieces = self._layout.pieces[self._bucket_index[pos]]
         moved = self._buffers.moved
         out = []
-        for pc, v in zip(pieces, piece_views(self.reducer.params, pieces)):
+        for pc in self._layout.pieces[self._bucket_index[pos]]:
             master = self._masters.get((pc.param, pc.lo))
             if master is not None:
                 out.append((pc.at, master))
             elif pc.param not in moved:
-                out.append((pc.at, v))
+                out.append((pc.at, piece_views(self.reducer.params, [pc])[0]))
         return out
 
     def _written(self, pos: int) -> None:
