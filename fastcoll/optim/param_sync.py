@@ -33,7 +33,7 @@ backend's thread), waited for and written into the parameters.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -84,7 +84,6 @@ class ParamSync:
         self.stages = stages
         self.overlap = overlap
         self._pending: Dict[int, Any] = {}  # bucket position -> all-gather handle
-        self._sources: Optional[Callable[[int], List[torch.Tensor]]] = None
         self._hooks: List[Any] = []
         #: Record :attr:`times` at every :meth:`start` (off by default: a few ``perf_counter_ns`` calls per bucket).
         self.record_times = False
@@ -108,12 +107,12 @@ class ParamSync:
     # ------------------------------------------------------------------ issue
 
     def start(
-        self, sources: Callable[[int], List[Tuple[int, torch.Tensor]]], before: Optional[Callable[[int], None]] = None
+        self, sources: Callable[[int], List[Optional[torch.Tensor]]], before: Optional[Callable[[int], None]] = None
     ) -> None:
         """Pack every bucket's range and all-gather it.
 
-        ``sources(pos)``: ``(offset in the range, 1-D values)`` of this rank's pieces that the range does not
-        hold already (every piece, but those of parameters living in it whose values are theirs), in order.
+        ``sources(pos)``: per piece of this rank's range of bucket ``pos`` (in order), the 1-D values to pack
+        there, or None where the range holds them already (a parameter living in it, whose values are its own).
         ``before(pos)``, when given, runs first for each bucket (the optimizer's step of its pieces), so that
         a bucket's all-gather runs while the next bucket's pieces are stepped.
 
@@ -127,7 +126,7 @@ class ParamSync:
             self.times = {}
         # Last bucket first: buckets are in reduction order, the reverse of the forward's, whose first modules
         # wait for the last buckets.
-        for bs in reversed(layout.buckets):
+        for bs, pieces in zip(reversed(layout.buckets), reversed(layout.pieces)):
             if not bs.padded:
                 continue
             if record:
@@ -138,8 +137,12 @@ class ParamSync:
                 self.times[bs.pos]["pack"] = _ns()
             stage = self.stages[bs.pos]
             own = stage[bs.start : bs.start + bs.shard]
-            for at, values, n in _runs(sources(bs.pos)):
-                ops.flatten_scale(values, own[at : at + n])
+            values = sources(bs.pos)
+            if pieces:
+                at = [pc.at for pc in pieces]
+                end = pieces[-1].at + pieces[-1].numel
+                present = [v is not None for v in values]
+                for_each_run(present, at, end, lambda a, z, lo, hi: ops.flatten_scale(values[a:z], own[lo:hi]))
             handle = comm.all_gather(stage, own, f"parameters of bucket {bs.pos}")
             self._pending[bs.pos] = handle
             if record:
@@ -238,18 +241,6 @@ class ParamSync:
                 "therefore did not wait). The outputs are computed from stale weights. Call opt.finish_param_sync() "
                 "before such a forward, or construct the optimizer with overlap_param_gather=False."
             )
-
-
-def _runs(values: List[Tuple[int, torch.Tensor]]) -> List[Tuple[int, List[torch.Tensor], int]]:
-    """``(offset, tensor)`` pairs grouped into back-to-back runs: ``(offset, tensors, elements)``."""
-    runs: List[Tuple[int, List[torch.Tensor], int]] = []
-    for at, t in values:
-        if runs and runs[-1][0] + runs[-1][2] == at:
-            start, ts, n = runs[-1]
-            runs[-1] = (start, ts + [t], n + t.numel())
-        else:
-            runs.append((at, [t], t.numel()))
-    return runs
 
 
 def _record_completion(handle: Any, times: Dict[str, int]) -> None:

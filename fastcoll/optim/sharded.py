@@ -264,20 +264,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     ig[k] = v
 
-    def _gather_sources(self, pos: int) -> List[Tuple[int, torch.Tensor]]:
-        """What this rank packs into its range of bucket ``pos`` before the all-gather: ``(offset, values)`` per piece.
+    def _gather_sources(self, pos: int) -> List[Optional[torch.Tensor]]:
+        """Per piece of this rank's range of bucket ``pos``, what to pack there before the all-gather.
 
-        Every piece of the range, in order, but those of parameters that live in the bucket's buffer (already
-        there); a master copy stands in for its piece (rounded to the parameters' dtype by the pack).
+        The piece's values, or its master copy (rounded to the parameters' dtype by the pack); None for a
+        parameter that lives in the bucket's buffer (its values are there already).
         """
-        moved = self._buffers.moved
-        out = []
+        params, moved = self.reducer.params, self._buffers.moved
+        out: List[Optional[torch.Tensor]] = []
         for pc in self._layout.pieces[self._bucket_index[pos]]:
-            master = self._masters.get((pc.param, pc.lo))
-            if master is not None:
-                out.append((pc.at, master))
-            elif pc.param not in moved:
-                out.append((pc.at, piece_views(self.reducer.params, [pc])[0]))
+            value = self._masters.get((pc.param, pc.lo))
+            if value is None and pc.param not in moved:
+                value = piece_views(params, [pc])[0]
+            out.append(value)
         return out
 
     def _written(self, pos: int) -> None:
