@@ -26,7 +26,8 @@
 #
 # Environment: PYTHON (python3), GPU_OUT, PYTEST_ARGS, TORCH_CUDA_ARCH_LIST (9.0+PTX), MAX_JOBS (cores),
 # GPU_WHEELS (what to install from .gpu-wheels when that folder exists), GPU_STEP_TIMEOUT (seconds,
-# overrides every step's limit: build 300, test 290, ops 200, pad 100, ddp 560).
+# overrides every step's limit: build 300, test 290, ops 200, pad 100, ddp 560), BENCH_ARGS (more arguments
+# for the benchmarks, e.g. --quick; benchmarks/gpu_session.sh runs every step in one call that way).
 set -u
 step=${1:?usage: benchmarks/gpu_check.sh build|test|bench-ops|bench-ddp|pad-counts}
 PYTHON=${PYTHON:-python3}
@@ -347,10 +348,10 @@ case "$step" in
     ;;
   bench-ops)
     ensure_built || echo "gpu_check: benchmarking without the CUDA kernels" | tee -a "$GPU_OUT/ops.log"
-    logged ops "$(limit 200)" "$PYTHON" -m fastcoll.bench ops --device cuda --json "$GPU_OUT/ops_cuda.json"
+    logged ops "$(limit 200)" "$PYTHON" -m fastcoll.bench ops --device cuda --json "$GPU_OUT/ops_cuda.json" ${BENCH_ARGS:-}
     rc=$?
     pad_py > "$STATE/pad.py"
-    logged ops "$(limit 100)" "$PYTHON" "$STATE/pad.py" time "$GPU_OUT/pad_cuda.json" || rc=1
+    logged ops "$(limit 100)" env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$STATE/pad.py" time "$GPU_OUT/pad_cuda.json" || rc=1
     bench_charts_out
     exit "$rc"
     ;;
@@ -358,14 +359,14 @@ case "$step" in
     ensure_built || echo "gpu_check: benchmarking without the CUDA kernels" | tee -a "$GPU_OUT/ddp.log"
     # FASTCOLL_FORCE_COLLECTIVES unset: the bench runs both passes (=0, then =1) and writes the JSON after each.
     logged ddp "$(limit 560)" env -u FASTCOLL_FORCE_COLLECTIVES "$PYTHON" -m fastcoll.bench ddp --device cuda \
-      --json "$GPU_OUT/ddp_cuda.json"
+      --json "$GPU_OUT/ddp_cuda.json" ${BENCH_ARGS:-}
     rc=$?
     bench_charts_out
     exit "$rc"
     ;;
   pad-counts)
     pad_py > "$STATE/pad.py"
-    logged pad "$(limit 100)" "$PYTHON" "$STATE/pad.py" counts
+    logged pad "$(limit 100)" env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$STATE/pad.py" counts
     exit $?
     ;;
   *)

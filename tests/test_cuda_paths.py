@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
     if not DRY_RUN:
         return
     for item in items:
-        if item.module is not None and item.module.__name__.endswith("test_cuda_paths"):
+        if item.module is not None and item.module.__name__.endswith(("test_cuda_paths", "test_cuda_sharded")):
             item.own_markers[:] = [
                 m for m in item.own_markers if not (m.name == "skip" and "CUDA GPU" in str(m.kwargs.get("reason", "")))
             ]
