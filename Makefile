@@ -109,6 +109,12 @@ cmake-test: build
 	cmake --build build/cmake -j2
 	cd build/cmake && ctest --output-on-failure
 
+# The AVX2 builds of the CPU loops compiled against libstdc++ 13's headers (what g++ 13, Ubuntu 24.04's
+# compiler, builds with): .ci/gcc13_headers_check.sh, which fetches Debian's libstdc++-13-dev once.
+.PHONY: gcc13-check
+gcc13-check: setup
+	VPY="$(VPY)" bash .ci/gcc13_headers_check.sh
+
 # Builds the CUDA kernels (sm_80, sm_90) against torch 2.14.1+cu130 and imports them; no GPU needed.
 # CUDA_MAX_JOBS: parallel compile jobs (CI runs it with 1, in the background of the test stages).
 CUDA_MAX_JOBS ?= 2
