@@ -342,10 +342,11 @@ case "$step" in
     ensure_built || echo "gpu_check: testing without the CUDA kernels (kernel tests skip or fail)" | tee -a "$GPU_OUT/test.log"
     # -v prints each test as it starts: a hang or a timeout still shows which test it was. A test
     # that kills the process (SIGSEGV 139, SIGABRT 134) is named, run alone under cuda-gdb for a
-    # native backtrace, and deselected; the run then goes on with the others (at most 5 crashes),
-    # all within the step's one limit.
+    # native backtrace, and deselected; the run then goes on with the tests not yet run (those with
+    # a result in the log are deselected too; at most 5 crashes), all within the step's one limit.
     deadline=$(($(date +%s) + $(limit 290)))
     deselected=()
+    crashes=()
     for attempt in 1 2 3 4 5 6; do
       left=$((deadline - $(date +%s)))
       [ "$left" -ge 20 ] || { echo "gpu_check: no time left for more tests" | tee -a "$GPU_OUT/test.log"; exit 124; }
@@ -354,7 +355,7 @@ case "$step" in
         --junitxml="$GPU_OUT/test.xml" --durations=15 ${PYTEST_ARGS:-} "${deselected[@]}"
       rc=$?
       if { [ "$rc" != 139 ] && [ "$rc" != 134 ]; } || [ "$attempt" = 6 ]; then
-        [ "$rc" = 0 ] && [ "${#deselected[@]}" -gt 0 ] && rc=1  # the others passed; the crashes still fail the step
+        [ "$rc" = 0 ] && [ "${#crashes[@]}" -gt 0 ] && rc=1  # the others passed; the crashes still fail the step
         exit "$rc"
       fi
       crashed=$(grep -E '^tests/[^ ]+::' "$GPU_OUT/test.log" | tail -1 | sed -E 's/ (Fatal Python error|PASSED|FAILED|SKIPPED|ERROR).*//')
@@ -364,7 +365,13 @@ case "$step" in
         timeout -k 5 90 cuda-gdb -q -batch -ex run -ex bt --args "$PYTHON" -m pytest -q -p no:cacheprovider \
           "$crashed" 2>&1 | grep -vE '^\[(New|Thread|Detaching)' | tail -60 >>"$GPU_OUT/test.log"
       fi
-      deselected+=(--deselect "$crashed")
+      deselected=()
+      while IFS= read -r done_id; do
+        deselected+=(--deselect "$done_id")
+      done < <(grep -E '^tests/[^ ]+::.* (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)' "$GPU_OUT/test.log" |
+        sed -E 's/ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS).*//' | sort -u)
+      crashes+=("$crashed")
+      for c in "${crashes[@]}"; do deselected+=(--deselect "$c"); done
     done
     ;;
   bench-ops)
