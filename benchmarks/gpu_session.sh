@@ -39,7 +39,7 @@ step() {
 
 { nvidia-smi; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
   python3 -c 'import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'
-  nproc; } >>"$OUT_DIR/session.log" 2>&1
+  nproc; ulimit -s; env | grep -E '^(TORCH|PYTORCH|CUDA|NCCL|LD_|PYTHON|CC|CXX|CFLAGS|CXXFLAGS)' | sort; } >>"$OUT_DIR/session.log" 2>&1
 step build 240
 step test 170
 mv -f "$OUT_DIR/test.xml" build/gpu-check/ 2>/dev/null
