@@ -189,3 +189,30 @@ def _healthy_slow(rank, world_size):
 def test_healthy_training_with_slow_compute_does_not_raise():
     out = run_stall_ranks(_healthy_slow, 3)
     assert all(out[r].kind == "ok" and out[r].value is None for r in range(3)), out
+
+
+def _sharded_peer_killed(rank, world_size):
+    """grads="sharded" at 2 ranks: the reduce-scatter is one send and one receive (fastcoll.reducer.p2p)."""
+    import fastcoll
+
+    model = fastcoll.DDP(Net(), stall_timeout=TIMEOUT, bucket_cap_mb=0.0005)
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, grads="sharded")
+    t0 = time.monotonic()
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            out = model(torch.randn(8, 16) + rank)
+            if rank == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out.square().mean().backward()
+            opt.step()
+    except fastcoll.StallError as e:
+        return {"line": e.first_line, "culprits": e.culprits, "report": str(e), "elapsed": time.monotonic() - t0}
+    return None
+
+
+def test_peer_killed_during_a_sharded_reduce_scatter_is_named():
+    out = run_stall_ranks(_sharded_peer_killed, 2, need={0, 1})
+    assert out[1].kind == "dead", out[1]
+    line, _ = _check(out, (0,), 1)
+    assert "rank 1" in line, line
