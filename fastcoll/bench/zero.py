@@ -62,10 +62,12 @@ ResNet-50 and GPT-2 shapes; peak memory per rank below torch DDP + AdamW's by
 at least the optimizer state saved.
 
 gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` sends what an
-all-reduce sends (a true reduce-scatter sends half). So on CPU
-``grads="sharded"`` costs an all-reduce plus the all-gather, 1.5x DDP's
-bytes, like ``grads="full"`` and ZeRO; on NCCL the two halves add up to one
-all-reduce. gloo's reduce-scatter and all-gather also work on temporaries as
+all-reduce sends (a true reduce-scatter sends half). fastcoll's communicator
+does it with one send and one receive of a half each between 2 ranks
+(:mod:`fastcoll.reducer.p2p`), and with an in-place all-reduce beyond: at 2 ranks
+``grads="sharded"`` then moves what DDP moves (half an all-reduce for the
+gradients, the other half for the parameters' all-gather), where ``grads="full"``
+and ZeRO move 1.5x; on NCCL the two halves add up to one all-reduce at any size. gloo's reduce-scatter and all-gather also work on temporaries as
 large as their buffer, which are resident memory the sharded state does not
 save, and its all-gather can take longer than the same exchange done as
 broadcasts (ZeroRedundancyOptimizer's way). The bytes sent per iteration, and
@@ -473,11 +475,13 @@ def measure_memory(spec: Any, method: str, rank: int, cfg: Dict[str, Any]) -> Di
 def collective_costs(nbytes: int, device: str, reps: int = 3) -> Dict[str, Dict[str, Optional[float]]]:
     """Peak memory growth, bytes sent and time of one collective of each kind on an ``nbytes`` buffer.
 
-    The kinds: ``all_reduce``; ``reduce_scatter`` and ``all_gather`` (the
-    ``_tensor`` forms ShardedOptimizer's communicator issues); and
+    The kinds: ``all_reduce``; ``reduce_scatter`` and ``all_gather`` (torch's
+    ``_tensor`` forms, what ShardedOptimizer's communicator issues on NCCL);
+    ``reduce_scatter (fastcoll, gloo)``, the communicator's own on gloo (one send
+    and one receive between 2 ranks, an in-place all-reduce beyond); and
     ``all_gather as broadcasts``, the same all-gather done as one in-place
     broadcast per rank of its own range (how ZeroRedundancyOptimizer moves
-    parameters). gloo's reduce-scatter and all-gather work on temporaries as
+    parameters, and the communicator on gloo). gloo's reduce-scatter and all-gather work on temporaries as
     large as their buffer (its all-reduce and broadcast work in place), and its
     reduce-scatter sends what an all-reduce sends: this measures that on the
     machine at hand (CPU: VmHWM growth, ``/proc/self/io`` wchar; time: the
@@ -485,7 +489,7 @@ def collective_costs(nbytes: int, device: str, reps: int = 3) -> Dict[str, Dict[
     """
     import torch.distributed as dist
 
-    from ..reducer.comm import _ALL_GATHER, _REDUCE_SCATTER  # torch's current names for them
+    from ..reducer.comm import _ALL_GATHER, _REDUCE_SCATTER, Communicator  # torch's current names for them
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     shard = nbytes // 4 // ws
@@ -498,9 +502,15 @@ def collective_costs(nbytes: int, device: str, reps: int = 3) -> Dict[str, Dict[
         for w in works:
             w.wait()
 
+    comm = Communicator(None, ws)
+
+    def communicator_reduce_scatter() -> None:
+        comm.wait(comm.reduce_scatter(part, buf, "probe"))
+
     calls = {
         "all_reduce": lambda: dist.all_reduce(buf),
         "reduce_scatter": lambda: _REDUCE_SCATTER(part, buf),
+        "reduce_scatter (fastcoll, gloo)": communicator_reduce_scatter,
         "all_gather": lambda: _ALL_GATHER(buf, buf[rank * shard : (rank + 1) * shard]),
         "all_gather as broadcasts": as_broadcasts,
     }
@@ -1211,10 +1221,11 @@ def print_results(payload: Dict[str, Any]) -> None:
         "iteration (zero_grad, forward, backward, step), above the same baseline, and the margin from those (no "
         "target). It misses what lives only within a phase; a peak well above it is mostly memory the allocator "
         "kept (freed gradients, gloo's per-collective temporaries, allocated on gloo's threads, in their arenas).\n"
-        "sent: bytes a rank wrote to its sockets in one iteration (all-gathers included). gloo emulates "
-        "reduce-scatter: it sends what an all-reduce sends, so grads='sharded' moves 1.5x DDP's bytes here (an "
-        "all-reduce's worth plus the all-gather), as grads='full' and ZeRO do; on NCCL a reduce-scatter sends half an "
-        "all-reduce and sharded moves what DDP moves.\nparams: float64 sum and sum of squares of the parameters after "
+        "sent: bytes a rank wrote to its sockets in one iteration (all-gathers included). gloo's own reduce-scatter "
+        "sends what an all-reduce sends; fastcoll's at 2 ranks is one send of a half, so grads='sharded' moves DDP's "
+        "bytes (half for the gradients, half for the all-gather) where grads='full' and ZeRO move 1.5x; at 3+ ranks "
+        "on gloo it is an all-reduce (1.5x), and on NCCL sharded moves what DDP moves.\nparams: float64 sum and "
+        "sum of squares of the parameters after "
         "the same iterations, against torch DDP + AdamW's."
     )
     common.render_table(
