@@ -69,11 +69,11 @@ does it with one send and one receive of a half each between 2 ranks
 gradients, the other half for the parameters' all-gather), where ``grads="full"``
 and ZeRO move 1.5x; on NCCL the two halves add up to one all-reduce at any size.
 gloo's reduce-scatter and all-gather also work on temporaries as large as their
-buffer, which are resident memory the sharded state does not save, and its all-gather can take longer than the same exchange done as
-broadcasts (ZeroRedundancyOptimizer's way). The bytes sent per iteration, and
-a probe of one collective of each kind on a bucket-sized buffer
-(:func:`collective_costs`: time, peak growth, bytes), show what this backend
-does.
+buffer, which are resident memory the sharded state does not save, and its
+all-gather can take longer than the same exchange done as broadcasts
+(ZeroRedundancyOptimizer's way). The bytes sent per iteration, and a probe of
+one collective of each kind on a bucket-sized buffer (:func:`collective_costs`:
+time, peak growth, bytes), show what this backend does.
 
 Then the **bfloat16 section** (:mod:`fastcoll.bench.zero_bf16`): GPT-2 shapes
 in bfloat16 under torch DDP, in float32 with ``autocast(bfloat16)``, and with
