@@ -143,7 +143,7 @@ class Communicator:
         if self.in_place_emulation and not inp.is_cuda:
             own = inp[self.rank * out.numel() : (self.rank + 1) * out.numel()]
             apart = out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
-            if self.world_size == 2 and (apart or own.data_ptr() == out.data_ptr()):
+            if self.world_size == 2 and apart:  # (in place, the peer's half would need a temporary: keep memory flat)
                 work = p2p.reduce_scatter_pair(out, inp, self.group, self.rank)
             else:
                 work = dist.all_reduce(inp, group=self.group, async_op=True)
