@@ -1097,12 +1097,13 @@ def print_collectives(payload: Dict[str, Any]) -> None:
         ["collective", "buffer MiB", "time", "peak growth MiB", "sent MiB"],
         table,
         caption="What the sharded paths pay per bucket on this backend (worst rank; time: median of 3). "
-        "ShardedOptimizer issues one all_gather_into_tensor per bucket after each step (grads='sharded' also a "
-        "reduce_scatter_tensor per bucket in backward); ZeroRedundancyOptimizer broadcasts each parameter from its "
-        "owner. On gloo, reduce-scatter and all-gather work on temporaries as large as the buffer (resident memory "
-        "the sharded state does not save; all-reduce and broadcast work in place), the reduce-scatter sends what an "
-        "all-reduce sends, and the all-gather can take longer than the same exchange as broadcasts. NCCL's "
-        "collectives work in the caller's buffers, its reduce-scatter sends half an all-reduce.",
+        "ShardedOptimizer all-gathers each bucket's parameters after each step (grads='sharded' also reduce-scatters "
+        "each bucket in backward): on NCCL with all_gather_into_tensor and reduce_scatter_tensor; on gloo with one "
+        "in-place broadcast per rank and the communicator's own reduce-scatter (one send of a half between 2 ranks, "
+        "an in-place all-reduce beyond). ZeroRedundancyOptimizer broadcasts each parameter from its owner. gloo's "
+        "own reduce-scatter and all-gather work on temporaries as large as the buffer, and its reduce-scatter sends "
+        "what an all-reduce sends. NCCL's collectives work in the caller's buffers, its reduce-scatter sends half "
+        "an all-reduce.",
     )
 
 
