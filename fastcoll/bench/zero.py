@@ -481,10 +481,10 @@ def collective_costs(nbytes: int, device: str, reps: int = 3) -> Dict[str, Dict[
     and one receive between 2 ranks, an in-place all-reduce beyond); and
     ``all_gather as broadcasts``, the same all-gather done as one in-place
     broadcast per rank of its own range (how ZeroRedundancyOptimizer moves
-    parameters, and the communicator on gloo). gloo's reduce-scatter and all-gather work on temporaries as
-    large as their buffer (its all-reduce and broadcast work in place), and its
-    reduce-scatter sends what an all-reduce sends: this measures that on the
-    machine at hand (CPU: VmHWM growth, ``/proc/self/io`` wchar; time: the
+    parameters, and the communicator on gloo). gloo's own reduce-scatter and
+    all-gather work on temporaries as large as their buffer (its all-reduce and
+    broadcast work in place), and its reduce-scatter sends what an all-reduce
+    sends: this measures that on the machine at hand (CPU: VmHWM growth, ``/proc/self/io`` wchar; time: the
     median of ``reps`` calls, the slowest rank's).
     """
     import torch.distributed as dist
