@@ -148,18 +148,46 @@ def test_with_gradient_health():
 
 
 def replicas_worker(rank: int, world: int) -> None:
-    """verify_replicas right after step (it finishes the all-gathers itself) and every N iterations."""
-    for grads in ("full", "sharded"):
-        model = Reordered()
-        ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, verify_replicas_every=2)
-        opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ddp, grads=grads)
+    """verify_replicas right after step (it finishes the all-gathers itself) and every N iterations; a state_dict
+    taken right after the last step (while the all-gathers may still run) holds the stepped parameters."""
+    expected = {}
+    for grads in (None, "full", "sharded", "full-aligned"):
+        model = Aligned() if grads == "full-aligned" else Reordered()
+        if grads is None:
+            ddp = TorchDDP(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        else:
+            ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, verify_replicas_every=2)
+            opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ddp, grads=grads.split("-")[0])
         for step in range(4):
             opt.zero_grad()
             ddp(_batch(step, rank, world)).pow(2).mean().backward()
             opt.step()
-            ddp.verify_replicas()
-        sd = ddp.state_dict()  # waits for the all-gathers too
-        assert all(torch.equal(sd[f"module.{n}"], p) for n, p in model.named_parameters())
+            if grads is not None and step < 3:
+                ddp.verify_replicas()
+        # The wrapper's and the module's state_dict wait for the all-gathers themselves.
+        sd = ddp.state_dict() if grads != "sharded" else {f"module.{k}": v for k, v in model.state_dict().items()}
+        got = {k: v.clone() for k, v in sd.items()}
+        if grads is None:
+            expected = got
+            continue
+        if grads == "full-aligned":  # its own reference: torch DDP on the aligned model
+            model_ref = Aligned()
+            ref_ddp, ref_opt = TorchDDP(model_ref), torch.optim.AdamW(model_ref.parameters(), lr=0.01)
+            for step in range(4):
+                ref_opt.zero_grad()
+                ref_ddp(_batch(step, rank, world)).pow(2).mean().backward()
+                ref_opt.step()
+            want = {f"module.{k}": v for k, v in model_ref.state_dict().items()}
+            untrained = Aligned().state_dict()
+            trained = [not torch.equal(v, untrained[k[7:]]) for k, v in want.items() if ".frozen." not in k]
+            assert all(trained), trained
+        else:
+            want = expected
+        assert sorted(got) == sorted(want), grads
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (grads, k)
+        ddp.verify_replicas()
         ddp.close()
 
 

@@ -21,6 +21,8 @@ def clip_grad_norm(
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
+    whole: Optional[List[torch.Tensor]] = None,
+    foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s contract over gradients divided among the ranks.
 
@@ -29,12 +31,32 @@ def clip_grad_norm(
         held: What this rank scales (its share, or every gradient it holds).
         comm: The reducer's communicator (the all-reduce goes through it, numbered and stall-protected).
         device: Where the norm is computed.
-        max_norm, norm_type, error_if_nonfinite: As torch's.
+        max_norm, norm_type, error_if_nonfinite, foreach: As torch's.
+        whole: Every parameter's gradient, whole, in parameter order, when this rank holds all of them (the
+            same on every rank): the norm is then torch's own (``torch.nn.utils.get_total_norm``), bit for bit,
+            with no collective; ``ranges`` are not read.
 
     Returns:
-        The total norm (0-dim float32), bitwise the same on every rank (it comes out of one all-reduce).
+        The total norm (0-dim float32), bitwise the same on every rank (from ``whole``, or one all-reduce).
     """
-    norm_type = float(norm_type)
+    if whole is not None:
+        norm = torch.nn.utils.get_total_norm(whole, norm_type, error_if_nonfinite, foreach)
+    else:
+        norm = _norm_of_ranges(ranges, comm, device, float(norm_type), error_if_nonfinite)
+    # torch's coefficient, and its multiplication: by the float32 coefficient, whatever the gradients' dtype.
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_device: dict = {}
+    for g in held:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(dev))
+    return norm
+
+
+def _norm_of_ranges(
+    ranges: List[torch.Tensor], comm: Any, device: torch.device, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """The norm of every rank's ``ranges`` together: float64 sums, one all-reduce."""
     if norm_type == math.inf:
         local = max((g.abs().max().to(torch.float64) for g in ranges if g.numel()), default=None)
         total = (local if local is not None else torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
@@ -56,12 +78,6 @@ def clip_grad_norm(
             "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
             "`error_if_nonfinite=False`"
         )
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    by_dtype: dict = {}
-    for g in held:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, grads in by_dtype.items():
-        torch._foreach_mul_(grads, coef.to(dtype))
     return norm
 
 

@@ -163,6 +163,19 @@ class PieceGradients:
                     out.append(g[pc.lo : pc.hi])
         return out
 
+    def holds_whole(self) -> bool:
+        """This rank holds every parameter's reduced gradient whole: ``p.grad`` as torch DDP leaves it, or one rank."""
+        return not self.from_reduction or self.reducer.world_size == 1
+
+    def whole(self) -> List[torch.Tensor]:
+        """Every parameter's reduced gradient (flat where it is a range's), in parameter order; see :meth:`holds_whole`."""
+        r = self.reducer
+        if not self.from_reduction:
+            return [p.grad for p in r.params if p.grad is not None]
+        layout = r.shards  # one rank: each parameter is one piece of its bucket's range
+        found = [(pc.param, self._source(bs.pos, pc)) for bs, pcs in zip(layout.buckets, layout.pieces) for pc in pcs]
+        return [g for _, g in sorted(found, key=lambda item: item[0]) if g is not None]
+
     def held(self) -> List[torch.Tensor]:
         """Every reduced gradient this rank holds and the optimizer reads (what clipping scales)."""
         r = self.reducer

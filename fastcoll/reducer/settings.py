@@ -55,6 +55,14 @@ class ReducerSettings:
         if self.reducing:
             raise RuntimeError(f"fastcoll.DDP: cannot {what} while a backward pass is being reduced; do it between iterations")
 
+    def _check_unsharded(self, what: str) -> None:
+        # A sharded optimizer holds views of the buckets and reduces them its own way.
+        if self.shards is not None:
+            raise RuntimeError(
+                f"fastcoll.DDP: cannot {what}: a fastcoll.ShardedOptimizer divides this model's buckets, and it takes "
+                "no comm hook; choose comm_dtype when wrapping the model, before the optimizer is built"
+            )
+
     def set_static_graph(self) -> None:
         """Switch to static-graph mode; only before the first synchronized iteration.
 
@@ -71,6 +79,7 @@ class ReducerSettings:
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Install ``hook`` (already validated by :class:`fastcoll.DDP`); between iterations only."""
         self._check_idle("register a comm hook")
+        self._check_unsharded("register a comm hook")
         if self.comm_dtype is not None:
             raise RuntimeError("fastcoll.DDP: a comm hook cannot be combined with comm_dtype")
         if self._tuning is not None:
@@ -91,6 +100,8 @@ class ReducerSettings:
         """Change the wire dtype (reallocates the bucket buffers, keeping the layout); between iterations only."""
         check_comm_dtype(comm_dtype)
         self._check_idle("change comm_dtype")
+        if comm_dtype != self.comm_dtype:
+            self._check_unsharded("change comm_dtype")
         if comm_dtype is not None and self._hook is not None:
             raise RuntimeError("fastcoll.DDP: comm_dtype cannot be combined with a comm hook")
         if comm_dtype == self.comm_dtype:
