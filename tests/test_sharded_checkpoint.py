@@ -112,6 +112,36 @@ def test_resume_at_other_world_sizes(tmp_path, grads):
         _close(end, reference, f"saved at 2, resumed at 3 (rank {rank}, grads={grads})")
 
 
+def segment(rank: int, world: int, grads: str, load_from, save_to: str, steps: range) -> dict:
+    """Resume from ``load_from`` (None: from scratch), train ``steps``, save the per-rank shards and the model."""
+    model, ddp, opt = _setup(grads)
+    if load_from is not None:
+        model.load_state_dict(torch.load(os.path.join(load_from, "model.pt"), weights_only=True))
+        ckpt.load_sharded(opt, load_from)
+    _train(ddp, opt, rank, world, steps)
+    os.makedirs(save_to, exist_ok=True)
+    ckpt.save_sharded(opt, save_to)
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(save_to, "model.pt"))
+    return _params(model)
+
+
+@pytest.mark.parametrize("worlds", [(3, 2, 1), (1, 2, 3)])
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+def test_reshard_again_after_a_reshard(tmp_path, grads, worlds):
+    """Two steps at each world size in turn, each segment saving what the next loads: ends where 6 steps end."""
+    reference = run_ranks(uninterrupted, 3, grads, timeout=120)[0]
+    previous = None
+    for k, world in enumerate(worlds):
+        here = str(tmp_path / f"seg{k}-at{world}")
+        steps = range(2 * k, 2 * k + 2)
+        ends = run_ranks(segment, world, grads, previous, here, steps, timeout=120)
+        assert len(os.listdir(here)) == world + 1  # one file per rank, and the model
+        previous = here
+    for rank, end in enumerate(ends):
+        _close(end, reference, f"chain {worlds} (rank {rank}, grads={grads})")
+
+
 def layout_worker(rank: int, world: int) -> dict:
     model, ddp, opt = _setup("sharded")
     _train(ddp, opt, rank, world, range(2))
