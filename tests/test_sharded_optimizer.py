@@ -434,6 +434,10 @@ def refusal_worker(rank: int, world: int) -> None:
             m._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
         assert m.comm_dtype is None and m.reducer._hook is None
     m = wrapped()
+    fastcoll.ShardedOptimizer(torch.optim.SGD([m.module.emb.weight], lr=0.1), m)
+    with pytest.raises(RuntimeError, match="already divided by another ShardedOptimizer"):
+        fastcoll.ShardedOptimizer(torch.optim.SGD([m.module.mid.weight], lr=0.1), m)
+    m = wrapped()
     with pytest.raises(ValueError, match="SparseAdam cannot be sharded"):
         fastcoll.ShardedOptimizer(torch.optim.SparseAdam(m.parameters()), m)
     emb = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))

@@ -66,7 +66,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ValueError: a class that does not update elementwise, an optimizer
             that already stepped, a parameter that is not synchronized by
             ``model``, ``grads`` not one of "full"/"sharded", ``master_dtype`` not float32.
-        RuntimeError: ``model`` has a comm hook, ``bucket_cap_mb="auto"`` or sparse gradients.
+        RuntimeError: ``model`` has a comm hook, ``bucket_cap_mb="auto"`` or sparse gradients, or another
+            ShardedOptimizer divides it already.
     """
 
     def __init__(

@@ -329,9 +329,14 @@ class Reducer(ReducerSettings):
         gradients), never in ``.grad``. Between iterations only.
 
         Raises:
-            RuntimeError: a comm hook is registered, the layout is being tuned, or a bucket is sparse.
+            RuntimeError: already sharded, a comm hook is registered, the layout is being tuned, or a bucket is sparse.
         """
         self._check_idle("shard the buckets")
+        if self.shards is not None:
+            raise RuntimeError(
+                "fastcoll.ShardedOptimizer: this model's buckets are already divided by another ShardedOptimizer; "
+                "build one over all its parameters (param groups can hold different hyperparameters)"
+            )
         if self._hook is not None:
             raise RuntimeError("fastcoll.ShardedOptimizer: the model has a comm hook; a sharded optimizer takes none")
         if self._tuning is not None:
