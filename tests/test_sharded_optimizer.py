@@ -433,6 +433,19 @@ def refusal_worker(rank: int, world: int) -> None:
         with pytest.raises(RuntimeError, match="cannot change comm_dtype: a fastcoll.ShardedOptimizer divides"):
             m._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
         assert m.comm_dtype is None and m.reducer._hook is None
+    for grads in ("full", "sharded"):  # a step after no_sync() backwards only: those gradients were never reduced
+        m = wrapped()
+        opt = fastcoll.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, grads=grads)
+        with m.no_sync():
+            m(torch.randn(2, 7)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) after a backward under no_sync\(\) with no synchronized"):
+            opt.step()
+        m(torch.randn(2, 7)).sum().backward()  # the synchronized one
+        opt.step()
+        with m.no_sync():
+            m(torch.randn(2, 7)).sum().backward()
+        opt.zero_grad()  # dropped
+        opt.step()
     m = wrapped()
     fastcoll.ShardedOptimizer(torch.optim.SGD([m.module.emb.weight], lr=0.1), m)
     with pytest.raises(RuntimeError, match="already divided by another ShardedOptimizer"):

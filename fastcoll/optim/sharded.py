@@ -222,6 +222,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.reducer.unsynchronized:
+            raise RuntimeError(
+                "fastcoll.ShardedOptimizer: step() after a backward under no_sync() with no synchronized backward "
+                "since: those gradients were never reduced, and each rank steps only its range of them. Run the last "
+                "micro-batch's backward outside no_sync() (or call opt.zero_grad() to drop them)"
+            )
         self._sync.finish()
         self._buffers.check()
         self._refresh_masters()
@@ -330,6 +336,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 g.zero_()
         self._grads.zero(set_to_none, busy=self._sync.borrowing())
         self._consumed = False
+        self.reducer.unsynchronized = False
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None

@@ -205,6 +205,8 @@ class Reducer(ReducerSettings):
         self.skip_unused_buckets = bool(skip_unused_buckets)
         self.main_grad_dtype: Optional[torch.dtype] = main_grad_dtype
         self._idle_queued = False  # a no_sync backward's accumulation into the main gradients is queued
+        #: A backward under ``no_sync`` left local gradients that no synchronized backward has reduced yet.
+        self.unsynchronized = False
         self._shard_world = 0  # > 0 once a sharded optimizer divides the buckets among that many ranks
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
         self._sparse = [False] * n
@@ -419,6 +421,7 @@ class Reducer(ReducerSettings):
 
     def _on_idle_grad(self, idx: int) -> None:
         """Hook body between synchronized backwards (``no_sync``): count the use; queue the main gradients' accumulation."""
+        self.unsynchronized = True
         if self.usage.tracking_use:
             self.usage.local_used[idx] = 1
         if self.main_buckets and not self._idle_queued:
@@ -509,6 +512,7 @@ class Reducer(ReducerSettings):
                 raise
         self._phase = _BACKWARD
         if first:
+            self.unsynchronized = False
             if self.shard_grads is not None:
                 self.shard_grads.set_aside()
             self._how = self._pack_args()
