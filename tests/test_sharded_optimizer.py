@@ -86,7 +86,8 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 # (optimizer, options): "sched" an LR scheduler, "clip" gradient clipping, "accumulate" a no_sync micro-batch,
 # "bf16" comm_dtype=torch.bfloat16 (the reference is then fastcoll.DDP with the same wire and the plain optimizer),
 # "aligned" the model whose parameters all move into flat buffers (no pack, no write-back), "wide" one with buckets
-# that get none.
+# that get none; MORE_ROWS: "closure" step(closure), "keep_grads" zero_grad(set_to_none=False), "no_overlap"
+# overlap_param_gather=False, "eval" a no-grad forward after each step, "torch_clip" torch's clip with grads="full".
 ROWS = [
     ("sgd_momentum", {}),
     ("adam", {}),
@@ -154,7 +155,7 @@ def _run(rank: int, world: int, opt_name: str, opts: dict, grads) -> dict:
         losses.append(loss.detach())
         loss.backward()
         if opts.get("clip"):
-            if grads is None:
+            if grads is None or grads == "full" and opts.get("torch_clip"):  # grads="full": p.grad is torch DDP's
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             else:
                 opt.clip_grad_norm_(0.05)
@@ -254,6 +255,7 @@ MORE_ROWS = [
     ("sgd", {"closure": True}),
     ("adam", {"keep_grads": True, "accumulate": True}),
     ("adamw_foreach", {"no_overlap": True}),
+    ("adamw_foreach", {"clip": True, "torch_clip": True, "accumulate": True}),
     ("adamw_foreach", {"eval": True}),
     ("sgd_momentum", {"eval": True, "aligned": True}),
 ]
