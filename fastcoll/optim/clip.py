@@ -32,9 +32,9 @@ def clip_grad_norm(
         comm: The reducer's communicator (the all-reduce goes through it, numbered and stall-protected).
         device: Where the norm is computed.
         max_norm, norm_type, error_if_nonfinite, foreach: As torch's.
-        whole: Every parameter's gradient, whole, in parameter order, when this rank holds all of them (the
-            same on every rank): the norm is then torch's own (``torch.nn.utils.get_total_norm``), bit for bit,
-            with no collective; ``ranges`` are not read.
+        whole: Every parameter's gradient, whole, in parameter order, when this rank holds all of them (one
+            rank): the norm is then torch's own (``torch.nn.utils.get_total_norm``), bit for bit, with no
+            collective; ``ranges`` are not read.
 
     Returns:
         The total norm (0-dim float32), bitwise the same on every rank (from ``whole``, or one all-reduce).

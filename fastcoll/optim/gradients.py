@@ -163,16 +163,15 @@ class PieceGradients:
                     out.append(g[pc.lo : pc.hi])
         return out
 
-    def holds_whole(self) -> bool:
-        """This rank holds every parameter's reduced gradient whole: ``p.grad`` as torch DDP leaves it, or one rank."""
-        return not self.from_reduction or self.reducer.world_size == 1
+    def whole(self) -> Optional[List[torch.Tensor]]:
+        """At one rank, every parameter's reduced gradient (1-D where it is a range's), in parameter order; else None.
 
-    def whole(self) -> List[torch.Tensor]:
-        """Every parameter's reduced gradient (flat where it is a range's), in parameter order; see :meth:`holds_whole`."""
+        One rank's range is the whole bucket, so each parameter is one piece of it.
+        """
         r = self.reducer
-        if not self.from_reduction:
-            return [p.grad for p in r.params if p.grad is not None]
-        layout = r.shards  # one rank: each parameter is one piece of its bucket's range
+        if r.world_size != 1:
+            return None
+        layout = r.shards
         found = [(pc.param, self._source(bs.pos, pc)) for bs, pcs in zip(layout.buckets, layout.pieces) for pc in pcs]
         return [g for _, g in sorted(found, key=lambda item: item[0]) if g is not None]
 

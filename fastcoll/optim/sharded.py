@@ -343,21 +343,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Clip the synchronized gradients by their global norm, with ``torch.nn.utils.clip_grad_norm_``'s contract.
 
-        Where every rank holds every gradient whole (``grads="full"`` with
-        the gradients in ``p.grad``, or one rank) the norm is torch's own,
-        bit for bit torch DDP + ``torch.nn.utils.clip_grad_norm_``, with no
-        collective. Otherwise it comes from every rank's range (float64 sums,
-        one small all-reduce). Either way it is the same on every rank,
-        bitwise; the gradients this rank holds (``p.grad``, its ranges, the
-        main gradients) are multiplied by ``min(1, max_norm / (norm + 1e-6))``.
+        The norm comes from every rank's range (float64 sums, one small
+        all-reduce: each rank reads 1/N of the gradients), so it is the same
+        on every rank, bitwise; at one rank it is torch's own, bit for bit
+        ``torch.nn.utils.clip_grad_norm_``. The gradients this rank holds
+        (``p.grad``, its ranges, the main gradients) are multiplied by
+        ``min(1, max_norm / (norm + 1e-6))`` as torch multiplies them.
 
         Returns:
             The total norm (a 0-dim float32 tensor).
         """
         r = self.reducer
         g = self._grads
-        ranges = [] if g.holds_whole() else g.own_ranges()
-        whole = g.whole() if g.holds_whole() else None
+        whole = g.whole()
+        ranges = g.own_ranges() if whole is None else []
         norm = clip_grad_norm(ranges, g.held(), r.comm, r.usage.device, max_norm, norm_type, error_if_nonfinite, whole, foreach)
         if self._grads.from_reduction:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
