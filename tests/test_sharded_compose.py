@@ -28,6 +28,27 @@ class Branchy(Reordered):
         return self.out(h)
 
 
+class Tied(torch.nn.Module):
+    """A language-model head tied to the embedding (one Parameter in two modules, as transformers tie them)."""
+
+    def __init__(self, aligned: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.vocab, dim = (64, 32) if aligned else (37, 13)
+        self.emb = torch.nn.Embedding(self.vocab, dim)
+        self.mid = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, self.vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        ids = (x.abs() * 10).long() % self.vocab
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def TiedAligned() -> Tied:
+    return Tied(aligned=True)
+
+
 def Aligned() -> Reordered:
     """The model whose parameters move into flat buffers under a ShardedOptimizer (the others are staged)."""
     return Reordered(aligned=True)
@@ -89,6 +110,8 @@ def ddp_options_worker(rank: int, world: int) -> None:
         ("gradient_as_bucket_view, buffers", "torch", {"gradient_as_bucket_view": True}, Aligned, None),
         ("stall_timeout", "torch", {"stall_timeout": 20}, Reordered, None),
         ("record_timeline off", "torch", {"record_timeline": False}, Aligned, None),
+        ("tied embedding and head", "torch", {}, Tied, None),
+        ("tied embedding and head, buffers", "torch", {}, TiedAligned, None),
     ]
     for name, ref_impl, kwargs, cls, fn in cases:
         ref, _ = _train(ref_impl, None, kwargs, model_cls=cls, step_fn=fn)
