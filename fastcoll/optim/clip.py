@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ def clip_grad_norm(
     error_if_nonfinite: bool = False,
     whole: Optional[List[torch.Tensor]] = None,
     foreach: Optional[bool] = None,
-) -> torch.Tensor:
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``torch.nn.utils.clip_grad_norm_``'s contract over gradients divided among the ranks.
 
     Args:
@@ -37,7 +37,8 @@ def clip_grad_norm(
             collective; ``ranges`` are not read.
 
     Returns:
-        The total norm (0-dim float32), bitwise the same on every rank (from ``whole``, or one all-reduce).
+        The total norm (0-dim float32), bitwise the same on every rank (from ``whole``, or one all-reduce),
+        and the coefficient the gradients were multiplied by.
     """
     if whole is not None:
         norm = torch.nn.utils.get_total_norm(whole, norm_type, error_if_nonfinite, foreach)
@@ -50,7 +51,7 @@ def clip_grad_norm(
         by_device.setdefault(g.device, []).append(g)
     for dev, grads in by_device.items():
         torch._foreach_mul_(grads, coef.to(dev))
-    return norm
+    return norm, coef
 
 
 def _norm_of_ranges(

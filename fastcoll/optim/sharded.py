@@ -357,9 +357,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         g = self._grads
         whole = g.whole()
         ranges = g.own_ranges() if whole is None else []
-        norm = clip_grad_norm(ranges, g.held(), r.comm, r.usage.device, max_norm, norm_type, error_if_nonfinite, whole, foreach)
-        if self._grads.from_reduction:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        norm, coef = clip_grad_norm(
+            ranges, g.held(), r.comm, r.usage.device, max_norm, norm_type, error_if_nonfinite, whole, foreach
+        )
+        if g.from_reduction:
             r.health.scaled(r.params, coef)
         return norm
 
