@@ -1226,8 +1226,7 @@ def print_results(payload: Dict[str, Any]) -> None:
         "sends what an all-reduce sends; fastcoll's at 2 ranks is one send of a half, so grads='sharded' moves DDP's "
         "bytes (half for the gradients, half for the all-gather) where grads='full' and ZeRO move 1.5x; at 3+ ranks "
         "on gloo it is an all-reduce (1.5x), and on NCCL sharded moves what DDP moves.\nparams: float64 sum and "
-        "sum of squares of the parameters after "
-        "the same iterations, against torch DDP + AdamW's."
+        "sum of squares of the parameters after the same iterations, against torch DDP + AdamW's."
     )
     common.render_table(
         f"fastcoll zero: optimizer state, peak memory and traffic per rank ({device})", columns, table, caption=caption

@@ -141,12 +141,12 @@ class Communicator:
             return DONE
         gseq = self._record("reduce_scatter", what, inp)
         if self.in_place_emulation and not inp.is_cuda:
-            own = inp[self.rank * out.numel() : (self.rank + 1) * out.numel()]
             apart = out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
             if self.world_size == 2 and apart:  # (in place, the peer's half would need a temporary: keep memory flat)
                 work = p2p.reduce_scatter_pair(out, inp, self.group, self.rank)
             else:
                 work = dist.all_reduce(inp, group=self.group, async_op=True)
+                own = inp[self.rank * out.numel() : (self.rank + 1) * out.numel()]
                 if own.data_ptr() != out.data_ptr():
                     work = work.get_future().then(lambda _f: out.copy_(own))
         else:
