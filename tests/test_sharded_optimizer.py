@@ -284,7 +284,9 @@ def guard_worker(rank: int, world: int) -> None:
         assert "grads='sharded'" in str(info.value), what
     assert model.frozen.weight.grad is None
     repr(model.emb.weight.grad)  # printing works
-    model.zero_grad(set_to_none=False)  # zeroing a guard is allowed; the next forward drops it
+    model.zero_grad(set_to_none=False)  # zeroing a guard zeroes the gradient, as torch's zero_grad does
+    assert float(opt.clip_grad_norm_(1e9)) == 0.0
+    ddp(_batch(0, rank, world)).pow(2).mean().backward()  # accumulates onto the zeros
     norm = opt.clip_grad_norm_(1e9)
     # The norm over every rank's range equals the norm of the full gradients (computed by torch DDP here).
     ref_model = Reordered()

@@ -458,6 +458,17 @@ class DDP(
         finally:
             self.require_backward_grad_sync = old
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and the gradients kept outside ``.grad`` too (main gradients, reduced ranges).
+
+        Args:
+            set_to_none: As ``nn.Module.zero_grad``.
+        """
+        if self._param_sync is not None:
+            self._param_sync.finish()  # their memory may hold the parameters' all-gather
+        super().zero_grad(set_to_none)
+        self.reducer.zero_kept_grads()
+
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The float32 main gradient of a 16-bit parameter (``main_grad_dtype``): a view of its bucket.
 

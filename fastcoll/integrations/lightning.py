@@ -178,6 +178,11 @@ class _TrainerStrategyMethods:
             return super().post_backward(closure_loss)
         return None
 
+    def setup(self, trainer: Any) -> None:
+        """Lightning's setup, then gradient clipping by norm routed to a ShardedOptimizer's own (see :func:`_route_clipping`)."""
+        super().setup(trainer)  # type: ignore[misc]
+        _route_clipping(self.precision_plugin)  # type: ignore[attr-defined]
+
     def teardown(self) -> None:
         """Remove fastcoll's autograd hooks and put the bare LightningModule back, so a later fit starts clean."""
         if isinstance(self.model, DDP):
@@ -206,6 +211,35 @@ _TRAINER_STRATEGY_DOC = """Lightning Trainer strategy ({tp}): Lightning's DDP wi
     """
 
 
+def _sharded(optimizer: Any) -> Any:
+    """``optimizer`` (or the optimizer a Lightning wrapper holds) if it is a fastcoll.ShardedOptimizer, else None."""
+    from ..optim import ShardedOptimizer
+
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    return inner if isinstance(inner, ShardedOptimizer) else None
+
+
+def _route_clipping(plugin: Any) -> None:
+    """Make ``plugin.clip_grad_by_norm`` clip a ShardedOptimizer's gradients with its global norm.
+
+    Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters; with
+    ``grads="sharded"`` no rank holds those gradients whole, so the norm must come from every rank's range
+    (:meth:`fastcoll.ShardedOptimizer.clip_grad_norm_`). Other optimizers keep Lightning's own clipping.
+    """
+    cls = type(plugin)
+    if getattr(cls, "_fastcoll_routed", False):
+        return
+
+    def clip_grad_by_norm(self: Any, optimizer: Any, clip_val: Any) -> None:
+        sharded = _sharded(optimizer)
+        if sharded is None:
+            return cls.clip_grad_by_norm(self, optimizer, clip_val)
+        sharded.clip_grad_norm_(clip_val)
+        return None
+
+    plugin.__class__ = type(cls.__name__, (cls,), {"clip_grad_by_norm": clip_grad_by_norm, "_fastcoll_routed": True})
+
+
 class _BackwardSyncControlMethods:
     def no_backward_sync(self, module: Module, enabled: bool) -> Any:
         """``fabric.no_backward_sync(model)``: enter fastcoll.DDP's no_sync."""
@@ -231,6 +265,15 @@ class _FabricStrategyMethods:
 
     def setup_module(self, module: Module) -> DDP:
         return _wrap(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
+
+    def clip_gradients_norm(self, module: Module, optimizer: Any, max_norm: Any, norm_type: Any = 2.0,
+                            error_if_nonfinite: bool = True) -> Tensor:  # fmt: skip
+        """Fabric's clipping; a ShardedOptimizer's gradients by its own global norm (every rank's range)."""
+        sharded = _sharded(optimizer)
+        if sharded is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)  # type: ignore[misc]
+        self.precision.unscale_gradients(optimizer)  # type: ignore[attr-defined]
+        return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def get_module_state_dict(self, module: Module) -> Dict[str, Any]:
         return super().get_module_state_dict(_unwrap(module))

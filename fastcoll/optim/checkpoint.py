@@ -70,7 +70,7 @@ MASTER = "fastcoll_master"
 
 def _piece_states(opt: Any) -> List[Tuple[int, Any, Dict[str, Any]]]:
     """(bucket position, piece, its state) for this rank's pieces that have state; master weights included."""
-    state = opt.inner.state
+    state = opt._local.state
     out = []
     for k, ((pos, pc), t) in enumerate(zip(opt._pieces, opt._shard_params)):
         st = dict(state[t]) if t in state and state[t] else {}
@@ -194,14 +194,14 @@ def _load_inner(opt: Any, groups: List[Dict[str, Any]], piece_state: List[Option
             stacklevel=3,
         )
     opt._versions = [p._version for p in params]
-    number = {id(t): k for k, t in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
+    number = {id(t): k for k, t in enumerate(p for g in opt._local.param_groups for p in g["params"])}
     inner_state = {number[id(t)]: st for t, st in zip(opt._shard_params, piece_state) if st}
     inner_groups, start = [], 0
-    for g, ig in zip(groups, opt.inner.param_groups):
+    for g, ig in zip(groups, opt._local.param_groups):
         n = len(ig["params"])
         inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
         start += n
-    opt.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+    opt._local.load_state_dict({"state": inner_state, "param_groups": inner_groups})
     for g, src in zip(opt.param_groups, groups):
         g.update({k: v for k, v in src.items() if k != "params"})
 
@@ -226,7 +226,7 @@ def sharded_state_dict(opt: Any) -> Dict[str, Any]:
         )
     return {
         "format": FORMAT,
-        "optimizer": f"{type(opt.inner).__module__}.{type(opt.inner).__qualname__}",
+        "optimizer": f"{type(opt._local).__module__}.{type(opt._local).__qualname__}",
         "world_size": r.world_size,
         "rank": r.rank,
         "params": [{"shape": list(p.shape), "stride": list(p.stride())} for p in opt._order],

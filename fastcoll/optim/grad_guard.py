@@ -1,67 +1,227 @@
-"""What ``p.grad`` holds when the gradients are reduce-scattered: a tensor that refuses to be read.
+"""What ``p.grad`` holds when the optimizer's gradients are not ``p.grad``: a :class:`ShardedGradient`.
 
 With ``ShardedOptimizer(grads="sharded")`` the synchronized gradient of a
-parameter exists only as ranges spread over the ranks; no rank has the whole.
-Leaving ``p.grad`` as None would make ``torch.nn.utils.clip_grad_norm_``
-return 0 and clip nothing, and a logging loop skip every parameter: silently
-wrong. So each parameter's ``.grad`` becomes a :class:`ShardedGradient`: a
-tensor with the gradient's shape, dtype and device but no data, on which any
-operation raises an error that names the way to do what was asked. Zeroing
-it (``zero_grad(set_to_none=False)``) is a no-op; it is dropped at the next
-forward (so backward accumulates into a fresh gradient) and by the
-optimizer's ``zero_grad``.
+parameter exists only as ranges spread over the ranks; with float32 main
+gradients (``fastcoll.DDP(main_grad_dtype=torch.float32)``) it lives in a
+float32 bucket that a 16-bit ``.grad`` cannot hold. Leaving ``p.grad`` as None
+would make ``torch.nn.utils.clip_grad_norm_`` return 0 and clip nothing, and
+``GradScaler.unscale_`` unscale nothing: silently wrong. So each such
+parameter's ``.grad`` is a :class:`ShardedGradient`: a tensor with the
+gradient's shape, dtype and device, no data of its own, that applies to the
+gradient values this rank holds the operations torch's optimizer-side code
+performs on gradients, and refuses every other one with an error that names
+the way to do what was asked:
+
+* ``GradScaler.unscale_`` (``_amp_foreach_non_finite_check_and_unscale_``),
+  multiplications by a scalar (clipping's ``mul_`` / ``_foreach_mul_``),
+  ``zero_()`` (``zero_grad(set_to_none=False)``, which also starts a new
+  accumulation): on the values this rank holds;
+* norms (``torch.nn.utils.clip_grad_norm_``, ``p.grad.norm()``): where this
+  rank holds the whole gradient (main gradients with ``grads="full"``), the
+  norm of those float32 values; with ``grads="sharded"`` a norm would need the
+  other ranks' ranges, so it raises and points to ``opt.clip_grad_norm_``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, List, Sequence
 
 import torch
 
-__all__ = ["ShardedGradient", "is_guard"]
+__all__ = ["GradientBook", "ShardedGradient", "is_guard"]
 
-#: Operations a guard answers without data: zeroing and detaching it (``zero_grad(set_to_none=False)``).
-_HARMLESS = {"detach.default", "alias.default", "zero_.default", "detach_.default"}
+#: Operations a guard answers with itself, without data.
+_HARMLESS = {"detach.default", "alias.default", "detach_.default", "requires_grad_.default"}
 
 MESSAGE = (
-    "fastcoll.ShardedOptimizer(grads='sharded'): the gradient of this parameter is divided among the ranks "
-    "(each rank holds the reduced values of its own range only), so `{op}` cannot be computed on p.grad. "
-    "To clip, call opt.clip_grad_norm_(max_norm) (the global norm from every rank's range, one small "
-    "all-reduce) or read model.grad_norm() with compute_grad_norm=True; with torch.amp.GradScaler, "
-    "scaler.unscale_(opt) and scaler.step(opt) work on the ranges. Pass grads='full' to keep every "
-    "rank's full gradients in p.grad."
+    "fastcoll.ShardedOptimizer: the synchronized gradient of {name} is not held in p.grad ({where}), so `{op}` "
+    "cannot be computed on p.grad. To clip, call opt.clip_grad_norm_(max_norm) (the global norm, the same on every "
+    "rank); with torch.amp.GradScaler, scaler.unscale_(opt) and scaler.step(opt) work as with torch. Pass "
+    "grads='full' (and no main_grad_dtype) to keep every rank's full gradients in p.grad."
 )
 
 
+class GradientBook:
+    """Where the values behind each guarded parameter's ``.grad`` are, for :class:`ShardedGradient`.
+
+    Args:
+        held: ``held(i)``: the tensors holding this rank's values of parameter ``i``'s synchronized gradient.
+        complete: Those tensors are the whole gradient (every rank holds it), so norms can be computed locally.
+        reset: ``reset(i)``: parameter ``i``'s gradient was zeroed in place (``zero_()``): start its accumulation anew.
+        names: Parameter names, for messages.
+        where: What holds the gradients, for messages.
+    """
+
+    def __init__(
+        self,
+        held: Callable[[int], List[torch.Tensor]],
+        complete: bool,
+        reset: Callable[[int], None],
+        names: Sequence[str],
+        where: str,
+    ):
+        self.held = held
+        self.complete = complete
+        self.reset = reset
+        self.names = list(names)
+        self.where = where
+
+    def refuse(self, index: int, op: str) -> RuntimeError:
+        return RuntimeError(MESSAGE.format(name=f"'{self.names[index]}'", where=self.where, op=op))
+
+
 class ShardedGradient(torch.Tensor):
-    """A data-less stand-in for a parameter's gradient (shape, dtype, device and strides of ``like``)."""
+    """A data-less stand-in for parameter ``index``'s gradient (shape, dtype, device and strides of ``like``)."""
+
+    book: GradientBook
+    index: int
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor) -> "ShardedGradient":
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+    def __new__(cls, like: torch.Tensor, book: GradientBook, index: int) -> "ShardedGradient":
+        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device, requires_grad=False
         )
+        t.book = book
+        t.index = index
+        return t
 
-    def __init__(self, like: torch.Tensor):
+    def __init__(self, like: torch.Tensor, book: GradientBook, index: int):
         pass
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        return f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}: divided among the ranks)"
+        return f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}: {self.book.where})"
 
     def __deepcopy__(self, memo: dict) -> "ShardedGradient":
-        return ShardedGradient(self)
+        return ShardedGradient(self, self.book, self.index)
 
     def __reduce_ex__(self, proto: int) -> Any:
-        raise RuntimeError(MESSAGE.format(op="pickling"))
+        raise self.book.refuse(self.index, "pickling")
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         name = func.__name__
+        handler = _HANDLERS.get(name)
+        if handler is not None:
+            return handler(func, args, kwargs)
         if name in _HARMLESS:
             return args[0]
-        raise RuntimeError(MESSAGE.format(op=name.split(".")[0]))
+        guard = next((a for a in _flat_args(args) if is_guard(a)), None)
+        if guard is None:  # not reached: dispatch found a guard among the arguments
+            raise RuntimeError(f"fastcoll: unexpected dispatch of {name}")
+        raise guard.book.refuse(guard.index, name.split(".")[0])
 
 
 def is_guard(t: Any) -> bool:
     """Whether ``t`` is a :class:`ShardedGradient`."""
     return type(t) is ShardedGradient
+
+
+def _flat_args(args: Sequence[Any]) -> List[Any]:
+    out: List[Any] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
+def _expand(tensors: Sequence[Any]) -> List[torch.Tensor]:
+    """Each guard replaced by the tensors holding its values (plain tensors kept)."""
+    out: List[torch.Tensor] = []
+    for t in tensors:
+        out.extend(t.book.held(t.index) if is_guard(t) else [t])
+    return out
+
+
+def _unscale(func: Any, args: tuple, kwargs: dict) -> None:
+    grads, found_inf, inv_scale = args
+    held = _expand(grads)
+    if held:
+        func(held, found_inf, inv_scale)
+
+
+def _foreach_mul(func: Any, args: tuple, kwargs: dict) -> None:
+    tensors, other = args[0], args[1]
+    if isinstance(other, (list, tuple)):  # one factor per tensor
+        pairs = [(t, f) for t, f in zip(tensors, other)]
+        for t, f in pairs:
+            for h in t.book.held(t.index) if is_guard(t) else [t]:
+                h.mul_(f)
+        return None
+    held = _expand(tensors)
+    if held:
+        func(held, other, **kwargs)
+    return None
+
+
+def _mul(func: Any, args: tuple, kwargs: dict) -> Any:
+    self, other = args[0], args[1]
+    if not is_guard(self) or is_guard(other):
+        guard = self if is_guard(self) else other
+        raise guard.book.refuse(guard.index, func.__name__.split(".")[0])
+    for h in self.book.held(self.index):
+        func(h, other, **kwargs)
+    return self
+
+
+def _zero(func: Any, args: tuple, kwargs: dict) -> Any:
+    self = args[0]
+    self.book.reset(self.index)
+    return self
+
+
+def _foreach_zero(func: Any, args: tuple, kwargs: dict) -> None:
+    plain = [t for t in args[0] if not is_guard(t)]
+    for t in args[0]:
+        if is_guard(t):
+            t.book.reset(t.index)
+    if plain:
+        func(plain)
+
+
+def _norm_of(t: Any, ord: Any) -> torch.Tensor:
+    if not is_guard(t):
+        return torch.linalg.vector_norm(t, ord)
+    book = t.book
+    if not book.complete:
+        raise book.refuse(t.index, "a norm")
+    held = book.held(t.index)
+    if not held:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(h, ord) for h in held]), ord)
+
+
+def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dtype = kwargs.get("dtype")
+    out = [_norm_of(t, ord) for t in args[0]]
+    return [n.to(dtype) if dtype is not None else n for n in out]
+
+
+def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    self = args[0]
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    if dim not in (None, [], ()) or keepdim:
+        raise self.book.refuse(self.index, "a norm along a dimension")
+    n = _norm_of(self, ord)
+    dtype = kwargs.get("dtype")
+    return n.to(dtype) if dtype is not None else n
+
+
+_HANDLERS = {
+    "_amp_foreach_non_finite_check_and_unscale_.default": _unscale,
+    "_foreach_mul_.Scalar": _foreach_mul,
+    "_foreach_mul_.Tensor": _foreach_mul,
+    "_foreach_mul_.List": _foreach_mul,
+    "_foreach_mul_.ScalarList": _foreach_mul,
+    "mul_.Tensor": _mul,
+    "mul_.Scalar": _mul,
+    "zero_.default": _zero,
+    "_foreach_zero_.default": _foreach_zero,
+    "_foreach_norm.Scalar": _foreach_norm,
+    "linalg_vector_norm.default": _vector_norm,
+}

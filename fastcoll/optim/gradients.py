@@ -22,13 +22,13 @@ A parameter that no rank used since the last ``zero_grad`` gets no gradient
 from __future__ import annotations
 
 import math
-from typing import Any, Collection, List, Optional, Sequence, Set, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..reducer.bucket import MainGradBucket
 from ..reducer.shards import Piece, flat_view
-from .grad_guard import ShardedGradient, is_guard
+from .grad_guard import GradientBook, ShardedGradient, is_guard
 
 __all__ = ["PieceGradients", "memory_order_grad"]
 
@@ -66,6 +66,17 @@ class PieceGradients:
         #: The pieces' gradients come from the reduction, not from ``p.grad`` (they are attached at backward's end).
         self.from_reduction = bool(self.guarded)
         self.used = [False] * len(reducer.params)  # since the last zero_grad, on any rank
+        #: Per parameter, the pieces (indices into ``pieces``) this rank holds.
+        self.pieces_of: Dict[int, List[int]] = {}
+        for k, (_, pc) in enumerate(self.pieces):
+            self.pieces_of.setdefault(pc.param, []).append(k)
+        where = (
+            "the ranks each hold a range of it (grads='sharded')" if sharded else "it is a float32 main gradient, in its bucket"
+        )
+        self.book = GradientBook(self.held_of, not sharded, self.reset_param, reducer.names, where)
+        #: The guard this object put into each parameter's ``.grad`` after the last synchronized backward.
+        self.placed: Dict[int, ShardedGradient] = {}
+        self._epoch = getattr(reducer, "grads_epoch", 0)
 
     # ---------------------------------------------------------------- attach
 
@@ -93,6 +104,37 @@ class PieceGradients:
         for t in self.tensors:
             t.grad = None
 
+    # ------------------------------------------------- what a guard stands for
+
+    def held_of(self, i: int) -> List[torch.Tensor]:
+        """The tensors holding this rank's values of parameter ``i``'s synchronized gradient (empty: it has none)."""
+        if i not in self.guarded_set or not self.used[i]:
+            return []
+        r = self.reducer
+        if not self.sharded:  # float32 main gradients: the parameter's whole slot of its bucket
+            b = r.buckets[r._set.bucket_of[i]]
+            off = b.offsets[r._set.slot_pos[i]]
+            return [b.flat[off : off + r.params[i].numel()]]
+        out = []
+        for k in self.pieces_of.get(i, ()):
+            g = self._source(*self.pieces[k])
+            if g is not None:
+                out.append(g)
+        return out
+
+    def reset_param(self, i: int) -> None:
+        """Parameter ``i``'s gradient was zeroed in place: the values behind it are zeros from now on."""
+        for g in self.held_of(i):
+            g.zero_()
+
+    def _forget(self, i: int) -> None:
+        """Parameter ``i``'s gradient was set to None: it has none until a backward gives it one again."""
+        self.reset_param(i)
+        self.used[i] = False
+        self.placed.pop(i, None)
+        for k in self.pieces_of.get(i, ()):
+            self.tensors[k].grad = None
+
     # ------------------------------------------------- end of synchronized backward
 
     def after_backward(self) -> None:
@@ -100,27 +142,72 @@ class PieceGradients:
         r = self.reducer
         used = r.usage.global_used
         params = r.params
+        self.placed = {}
         for i in self.guarded:
             if used is None or used[i]:
                 self.used[i] = True
             if self.used[i]:
-                params[i].grad = ShardedGradient(params[i])
+                guard = ShardedGradient(params[i], self.book, i)
+                params[i].grad = guard
+                self.placed[i] = guard
         self.attach()
         total = r.health.total
         if total is None:
             return
         bad = ~torch.isfinite(total)
-        for t in self.tensors:
-            if t.grad is not None and t.grad.numel():
-                first = t.grad[:1]  # one element per rank is enough for its GradScaler to see it
-                first.copy_(torch.where(bad, torch.full_like(first, math.inf), first))
-                break
+        for i in self.guarded:
+            for g in self.held_of(i):
+                if g.numel():
+                    first = g[:1]  # one element per rank is enough for its GradScaler to see it
+                    first.copy_(torch.where(bad, torch.full_like(first, math.inf), first))
+                    return
+
+    def reconcile(self, at_step: bool) -> bool:
+        """Make the kept gradients follow what was done to ``p.grad`` since the last synchronized backward.
+
+        torch code resets gradients through the parameters (``model.zero_grad()``, the wrapped optimizer's
+        ``zero_grad``, ``p.grad = None``): a guard that is gone means that parameter's gradient was reset. At a
+        forward the guards then leave ``.grad`` (backward accumulates into fresh local gradients); at ``step()``
+        a gradient written into ``.grad`` by hand is refused (the optimizer steps the reduced values).
+
+        Returns:
+            Whether this call found every guarded parameter's gradient reset (a full ``zero_grad``).
+
+        Raises:
+            RuntimeError: at ``step()``, a guarded parameter's ``.grad`` holds a tensor that is not its guard.
+        """
+        r = self.reducer
+        epoch = getattr(r, "grads_epoch", 0)
+        forgot = False
+        if epoch != self._epoch:  # the model's zero_grad() reset the reducer's kept gradients
+            self._epoch = epoch
+            for i in list(self.placed):
+                self._forget(i)
+            self.used = [False] * len(self.used)
+            forgot = True
+        params = r.params
+        for i, guard in list(self.placed.items()):
+            g = params[i].grad
+            if g is guard:
+                continue
+            if at_step and g is not None and not is_guard(g):
+                raise RuntimeError(
+                    f"fastcoll.ShardedOptimizer: the gradient of '{r.names[i]}' was replaced by hand after backward; "
+                    f"its synchronized gradient is not p.grad ({self.book.where}), so the optimizer cannot step what "
+                    "was written there. Modify gradients with in-place multiplications (p.grad.mul_), or pass "
+                    "grads='full' without main_grad_dtype"
+                )
+            self._forget(i)
+            forgot = True
+        return forgot and not any(self.used[i] for i in self.guarded)
 
     def drop_guards(self) -> None:
-        """Before a forward (or zero_grad): backward must accumulate into fresh gradients, not into a guard."""
+        """Before a forward: backward must accumulate into fresh gradients, not into a guard."""
+        self.reconcile(at_step=False)
         for p in self.reducer.params:
             if is_guard(p.grad):
                 p.grad = None
+        self.placed = {}
 
     def zero(self, set_to_none: bool, busy: Collection[int] = ()) -> None:
         """The reduction's side of ``zero_grad``: guards, the kept ranges, the main gradients, the use record.
@@ -128,7 +215,9 @@ class PieceGradients:
         ``busy``: buckets whose gradient memory holds a pending all-gather of the parameters (zeroed once written).
         """
         r = self.reducer
-        self.drop_guards()
+        for p in r.params:
+            if is_guard(p.grad):
+                p.grad = None
         for i in self.guarded:
             g = r.params[i].grad
             if g is not None:
@@ -136,6 +225,12 @@ class PieceGradients:
                     r.params[i].grad = None
                 else:
                     g.detach_().zero_()
+        self.zero_kept(busy)
+
+    def zero_kept(self, busy: Collection[int] = ()) -> None:
+        """Forget the gradients kept outside ``.grad`` (the ranges, the main gradients) and the use record."""
+        r = self.reducer
+        self.placed = {}
         if r.shard_grads is not None:
             r.shard_grads.zero(busy)
         r.zero_main_grads(busy)

@@ -20,7 +20,7 @@ Two ways to get the gradients:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -76,7 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         model: nn.Module,
         *,
         grads: str = "full",
-        overlap_param_gather: bool = True,
+        overlap_param_gather: bool = False,
         elementwise: bool = False,
         master_dtype: Optional[torch.dtype] = None,
     ):
@@ -120,7 +120,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._shard_params = self._make_shard_params()
         self._grads = PieceGradients(reducer, self._pieces, self._shard_params, sharded=grads == "sharded")
         inner_groups = self._inner_groups(optimizer, index_of)
-        self.inner = _same_class(optimizer, inner_groups)
+        #: The torch optimizer that was wrapped: its ``param_groups`` and ``defaults`` are this optimizer's own
+        #: (the same objects), so a scheduler or an edit on either reaches both.
+        self.wrapped = optimizer
+        #: The optimizer of the wrapped class over this rank's pieces (private: its groups follow ``param_groups``).
+        self._local = _same_class(optimizer, inner_groups)
         self._bucket_index = {bs.pos: k for k, bs in enumerate(self._layout.buckets)}
         #: (parameter, first element) -> the float32 master copy of that piece (with ``master_dtype``).
         self._masters = {(pc.param, pc.lo): t for j, ((_, pc), t) in enumerate(zip(self._pieces, self._shard_params))
@@ -131,15 +135,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bs.pos: [[t for t in ig["params"] if bucket_of_piece[id(t)] == bs.pos] for ig in inner_groups]
             for bs in self._layout.buckets
         }
-        # param_groups hold what the optimizer's gradients are: the model's parameters when they are p.grad,
-        # else the pieces (so that GradScaler unscales and checks exactly what is stepped).
         pieces_visible = self._grads.from_reduction
-        outer = [dict(g, params=list(ig["params"]) if pieces_visible else list(g["params"])) for g, ig in
-                 zip(optimizer.param_groups, inner_groups)]  # fmt: skip
         self._built = False
-        super().__init__(outer, dict(optimizer.defaults))
+        super().__init__([dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
         self._built = True
-        self.state = self.inner.state  # this rank's pieces' state
+        # The wrapped optimizer's own groups (the model's parameters, its hyperparameters) and defaults.
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self.state = ShardedState(self._local.state, {id(p) for p in self._order})
+        _redirect(optimizer, self)
         stages, borrowed = self._stages()
         self._sync = ParamSync(
             reducer, self._stepped, stages, self.overlap_param_gather, self._written, borrowed, self._buffers.moved
@@ -157,7 +161,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if reducer.shard_grads is not None:
                 reducer.health.watched = [reducer.shard_grads.grads[bs.pos] for bs in self._layout.buckets]
             reducer.on_synchronized.append(self._grads.after_backward)
-            reducer.on_forward.append(self._grads.drop_guards)
+            reducer.on_forward.append(self._at_forward)
         self._versions = [p._version for p in reducer.params]  # the parameters as the masters last saw them
 
     # ------------------------------------------------------------- building
@@ -229,11 +233,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "micro-batch's backward outside no_sync() (or call opt.zero_grad() to drop them)"
             )
         self._sync.finish()
+        if self._grads.from_reduction and self._grads.reconcile(at_step=True):
+            self._reset_reduction()
         self._buffers.check()
         self._refresh_masters()
         self._push_hyperparameters()
-        if not self._grads.from_reduction:
-            self._grads.attach()  # views of p.grad as they are now (attached at backward's end otherwise)
+        self._grads.attach()  # as the gradients are now (unscaled, clipped, zeroed since backward)
         self._consumed = bool(self._sync.borrowed)
         for b in self.reducer.main_buckets:
             b.consumed = b.pos in self._sync.borrowed
@@ -241,23 +246,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # all-gathers run during the rest of the step too, not only during the next forward. The update is
         # elementwise, so stepping the pieces bucket by bucket is the same arithmetic as one step over all.
         self._sync.start(self._gather_sources, before=self._step_bucket)
+        # LR schedulers built on the wrapped optimizer count its steps (torch warns of a scheduler step first).
+        self.wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     def _step_bucket(self, pos: int) -> None:
         """The inner optimizer's step over the pieces in bucket ``pos`` only (its groups' other pieces left alone)."""
-        groups = self.inner.param_groups
+        groups = self._local.param_groups
         subset = [dict(g, params=ps) for g, ps in zip(groups, self._bucket_params[pos]) if ps]
         if not subset:
             return
-        self.inner.param_groups = subset
+        self._local.param_groups = subset
         try:
-            self.inner.step()
+            self._local.step()
         finally:
-            self.inner.param_groups = groups
+            self._local.param_groups = groups
 
     def _before_backward(self) -> None:
         """Before a backward accumulates into the buckets: the all-gathers done; the main gradients zeroed."""
         self._sync.finish()
+        if self._grads.from_reduction and self._grads.reconcile(at_step=False):
+            self._reset_reduction()
         if self._consumed:
             raise RuntimeError(
                 "fastcoll.ShardedOptimizer: call opt.zero_grad() between step() and the next backward. With float32 "
@@ -265,8 +274,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "accumulate across steps as .grad would"
             )
 
+    def _at_forward(self) -> None:
+        """At a forward: the kept gradients follow what was done to ``p.grad`` since the last backward."""
+        if self._grads.reconcile(at_step=False):
+            self._reset_reduction()
+        self._grads.drop_guards()
+
+    def _reset_reduction(self) -> None:
+        """Every gradient was reset through the parameters (``model.zero_grad()``): as :meth:`zero_grad`."""
+        self._grads.zero_kept(busy=self._sync.borrowing())
+        self._consumed = False
+        self.reducer.unsynchronized = False
+
     def _push_hyperparameters(self) -> None:
-        for g, ig in zip(self.param_groups, self.inner.param_groups):
+        """The hyperparameters of ``param_groups`` (edited by schedulers, by hand) into the local optimizer's groups."""
+        if len(self.param_groups) != len(self._local.param_groups):
+            raise RuntimeError(
+                "fastcoll.ShardedOptimizer: param groups were added to or removed from the wrapped optimizer after "
+                "wrapping; add every group before constructing the ShardedOptimizer"
+            )
+        for g, ig in zip(self.param_groups, self._local.param_groups):
             for k, v in g.items():
                 if k != "params":
                     ig[k] = v
@@ -299,8 +326,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params = self.reducer.params
         for k, (_, pc) in enumerate(self._pieces):
             i = pc.param
-            if self._has_master(k) and params[i]._version != self._versions[i]:
-                self._shard_params[k].copy_(flat_view(params[i].detach())[pc.lo : pc.hi])
+            if not self._has_master(k):
+                continue
+            value = flat_view(params[i].detach())[pc.lo : pc.hi]
+            master = self._shard_params[k]
+            # A write through p.data does not move the version counter: compare with the master rounded.
+            if params[i]._version != self._versions[i] or not torch.equal(master.to(value.dtype), value):
+                master.copy_(value)
         self._versions = [p._version for p in params]
 
     def staged_parameters(self) -> List[str]:
@@ -376,7 +408,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def __repr__(self) -> str:
-        return f"ShardedOptimizer({self.inner!r}, grads={self.grads!r}, ranks={self._layout.world_size})"
+        return f"ShardedOptimizer({self.wrapped!r}, grads={self.grads!r}, ranks={self._layout.world_size})"
 
     # Checkpoints: fastcoll.optim.checkpoint
     def state_dict(self) -> Dict[str, Any]:
@@ -408,6 +440,80 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from .checkpoint import load_sharded_state_dicts
 
         load_sharded_state_dicts(self, state_dicts)
+
+
+class ShardedState(dict):
+    """``opt.state``: this rank's pieces' state, keyed by the pieces; a model parameter as key is refused.
+
+    torch code that walks the state (moving it to a device, counting it) sees this rank's share; a lookup by a
+    model parameter would have to answer with the whole state of that parameter, which no rank holds.
+    """
+
+    def __init__(self, local: Dict[Any, Any], params: Set[int]):
+        super().__init__()
+        self._local = local
+        self._params = params
+
+    def _refuse(self, key: Any) -> None:
+        if id(key) in self._params:
+            raise KeyError(
+                "fastcoll.ShardedOptimizer: the optimizer state of a model parameter is divided among the ranks "
+                "(each holds the state of its own range); opt.state_dict() gathers it whole, in the wrapped "
+                "optimizer's standard format (a collective: call it on every rank)"
+            )
+
+    def __getitem__(self, key: Any) -> Any:
+        self._refuse(key)
+        return self._local[key]
+
+    def __contains__(self, key: Any) -> bool:
+        self._refuse(key)
+        return key in self._local
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._refuse(key)
+        return self._local.get(key, default)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._refuse(key)
+        self._local[key] = value
+
+    def __iter__(self) -> Any:
+        return iter(self._local)
+
+    def __len__(self) -> int:
+        return len(self._local)
+
+    def keys(self) -> Any:
+        return self._local.keys()
+
+    def values(self) -> Any:
+        return self._local.values()
+
+    def items(self) -> Any:
+        return self._local.items()
+
+    def __repr__(self) -> str:
+        return f"ShardedState({len(self._local)} pieces of this rank)"
+
+
+def _redirect(optimizer: torch.optim.Optimizer, sharded: "ShardedOptimizer") -> None:
+    """The wrapped optimizer answers for the ShardedOptimizer, or refuses: it no longer steps anything itself.
+
+    Code that kept a reference to it (a training loop, a scheduler helper) zeroes the gradients, saves and
+    loads the state through the ShardedOptimizer; stepping it directly is refused.
+    """
+
+    def refused_step(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"fastcoll.ShardedOptimizer: this {type(optimizer).__name__} is wrapped by a ShardedOptimizer, which "
+            "steps it over this rank's ranges and all-gathers the parameters; call step() on the ShardedOptimizer"
+        )
+
+    optimizer.step = refused_step  # type: ignore[method-assign]
+    optimizer.zero_grad = sharded.zero_grad  # type: ignore[method-assign]
+    optimizer.state_dict = sharded.state_dict  # type: ignore[method-assign]
+    optimizer.load_state_dict = sharded.load_state_dict  # type: ignore[method-assign]
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:

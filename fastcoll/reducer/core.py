@@ -225,6 +225,8 @@ class Reducer(ReducerSettings):
         self.shards: Optional[ShardLayout] = None
         #: This rank's range of the reduced gradients when they are reduce-scattered (``grads="sharded"``).
         self.shard_grads: Optional[ShardGrads] = None
+        #: Counts :meth:`zero_kept_grads` calls: whoever reads the kept gradients knows they were reset.
+        self.grads_epoch = 0
         #: Called at the end of every synchronized backward, after the write-backs (the sharded optimizer's).
         self.on_synchronized: List[Callable[[], None]] = []
         #: Called before a backward's first bucket is packed (the sharded optimizer's parameter all-gathers finish).
@@ -467,6 +469,14 @@ class Reducer(ReducerSettings):
         for b in self.main_buckets:
             if b.pos not in busy:
                 b.zero()
+
+    def zero_kept_grads(self) -> None:
+        """Reset the gradients kept outside ``.grad`` (main gradients, reduced ranges), as ``zero_grad`` does ``.grad``."""
+        if self.shard_grads is not None:
+            self.shard_grads.zero()
+        self.zero_main_grads()
+        self.unsynchronized = False
+        self.grads_epoch += 1
 
     def _on_grad(self, idx: int) -> None:
         """Hook body: parameter ``idx``'s gradient has been accumulated."""
