@@ -152,3 +152,22 @@ def test_the_checker_notices_a_removed_name(kind):
     edited, count = re.subn(pattern, "", text, count=1)
     assert count == 1, f"the {kind} entry for {victim} was not found in the API pages"
     assert victim in missing([edited])
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """README.md stays a five-minute read (<= 200 lines), and every relative link in it names a file in the repository."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200, f"README.md has {len(text.splitlines())} lines; move detail into docs/"
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert targets, "README.md links nowhere"
+    broken = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert not broken, f"README.md links to missing files: {broken}"
+
+
+def test_every_docs_page_is_in_the_nav():
+    """Each Markdown file under docs/ is reachable from mkdocs.yml's nav (mkdocs only notes omitted pages)."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    listed = set(re.findall(r":\s*(\S+\.md)\s*$", nav, flags=re.MULTILINE))
+    assert pages - listed == set(), f"pages missing from mkdocs.yml's nav: {sorted(pages - listed)}"
+    assert listed - pages == set(), f"nav entries without a page: {sorted(listed - pages)}"
