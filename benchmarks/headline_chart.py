@@ -93,37 +93,68 @@ def number(cell: str, unit: str = "") -> float:
     return value
 
 
+def panel(
+    rows: Sequence[Row], key: str, groups: Dict[str, str], series: Dict[str, str], unit: str, **fixed: str
+) -> Dict[str, List[float]]:
+    """{"groups": group labels, series label: the column's number in each group's row} for one panel.
+
+    ``groups`` maps a group label to the value of column ``key`` that selects its row (with ``fixed``'s
+    columns too); ``series`` maps a series label to its column.
+    """
+    out: Dict[str, List[float]] = {"groups": list(groups)}  # type: ignore[dict-item]
+    for label, column in series.items():
+        out[label] = [number(row(rows, **{key: value}, **fixed)[column], unit) for value in groups.values()]
+    return out
+
+
+# The bar panels: (title, section heading, the table's first column, the column that picks a row, group label ->
+# that column's value, series label -> the column holding its number, unit, other columns the rows must match).
+BAR_PANELS = [
+    (
+        f"GPU: pack + unpack of one 25 MiB bucket (µs, log)\n{H200}",
+        "ops (ops_cuda.json)",
+        "layout",
+        {"ResNet-50 bucket": "resnet50 b3", "GPT-2 bucket": "gpt2_small b1"},
+        {
+            "per-parameter copies": "per-param",
+            "torch _foreach_copy_": "_foreach_copy_",
+            "fastcoll (one fused kernel)": "fused",
+            "two plain copies (floor)": "floor",
+        },
+        "us",
+        {},
+    ),
+    (
+        f"GPU: DDP step, 1 rank on NCCL, collectives forced (ms)\n{H200}",
+        "ddp (ddp_cuda.json)",
+        "model",
+        {"ResNet-50 shapes": "ResNet-50 shapes", "GPT-2 shapes": "GPT-2 small shapes", "MLP": "MLP 96x(32x32)"},
+        {"torch DDP": "torch DDP ms (q1-q3)", "fastcoll.DDP": "fastcoll.DDP ms (q1-q3)"},
+        "ms",
+        {"bucket_view": "no", "collectives": "forced"},
+    ),
+    (
+        f"CPU: step with AdamW, 2 gloo ranks (ms)\n{CPU_BOX}",
+        "Fifth run",
+        "model",
+        {"ResNet-50 shapes": "ResNet-50 shapes", "GPT-2 shapes": "GPT-2 small shapes"},
+        {
+            "torch DDP + AdamW": "torch DDP",
+            "torch ZeroRedundancyOptimizer": "torch ZeRO",
+            'ShardedOptimizer(grads="sharded")': "grads=sharded",
+        },
+        "ms",
+        {},
+    ),
+]
+
+
 def headline_numbers(text: str) -> Dict[str, Dict[str, List[float]]]:
     """Panel title -> {series label: values per group}, plus each panel's group labels under "groups"."""
-    ops = table(text, "ops (ops_cuda.json)", "layout")
-    layouts = {"ResNet-50 bucket": "resnet50 b3", "GPT-2 bucket": "gpt2_small b1"}
-    gpu_ops = {"groups": list(layouts)}
-    for label, column in [
-        ("per-parameter copies", "per-param"),
-        ("torch _foreach_copy_", "_foreach_copy_"),
-        ("fastcoll (one fused kernel)", "fused"),
-        ("two plain copies (floor)", "floor"),
-    ]:
-        gpu_ops[label] = [number(row(ops, layout=layouts[g])[column], "us") for g in layouts]
-
-    ddp = table(text, "ddp (ddp_cuda.json)", "model")
-    models = {"ResNet-50 shapes": "ResNet-50 shapes", "GPT-2 shapes": "GPT-2 small shapes", "MLP": "MLP 96x(32x32)"}
-    gpu_ddp = {"groups": list(models)}
-    for label, column in [("torch DDP", "torch DDP ms (q1-q3)"), ("fastcoll.DDP", "fastcoll.DDP ms (q1-q3)")]:
-        gpu_ddp[label] = [
-            number(row(ddp, model=m, bucket_view="no", collectives="forced")[column], "ms") for m in models.values()
-        ]
-
-    zero = table(text, "Fifth run", "model")
-    zmodels = {"ResNet-50 shapes": "ResNet-50 shapes", "GPT-2 shapes": "GPT-2 small shapes"}
-    cpu_zero = {"groups": list(zmodels)}
-    for label, column in [
-        ("torch DDP + AdamW", "torch DDP"),
-        ("torch ZeroRedundancyOptimizer", "torch ZeRO"),
-        ('ShardedOptimizer(grads="sharded")', "grads=sharded"),
-    ]:
-        cpu_zero[label] = [number(row(zero, model=m)[column], "ms") for m in zmodels.values()]
-
+    panels = {
+        title: panel(table(text, heading, key), key, groups, series, unit, **fixed)
+        for title, heading, key, groups, series, unit, fixed in BAR_PANELS
+    }
     mem = table(text, "bfloat16 at float32 quality", "method")
 
     def peak(method: str) -> float:  # the larger of the two ranks' peaks
@@ -134,12 +165,8 @@ def headline_numbers(text: str) -> Dict[str, Dict[str, List[float]]]:
         "torch DDP fp32 + autocast(bf16)": [peak("torch DDP fp32 + autocast")],
         "fastcoll: bf16 + fp32 main grads + sharded fp32 masters": [peak("fastcoll sharded")],
     }
-    return {
-        f"GPU: pack + unpack of one 25 MiB bucket (µs, log)\n{H200}": gpu_ops,
-        f"GPU: DDP step, 1 rank on NCCL, collectives forced (ms)\n{H200}": gpu_ddp,
-        f"CPU: step with AdamW, 2 gloo ranks (ms)\n{CPU_BOX}": cpu_zero,
-        f"CPU: bf16 model at fp32 quality, peak MiB per rank\n{CPU_BOX}": cpu_mem,
-    }
+    panels[f"CPU: bf16 model at fp32 quality, peak MiB per rank\n{CPU_BOX}"] = cpu_mem
+    return panels
 
 
 def draw(panels: Dict[str, Dict[str, List[float]]], out: Path) -> None:
