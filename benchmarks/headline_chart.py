@@ -107,8 +107,8 @@ def panel(
     return out
 
 
-# The bar panels: (title, section heading, the table's first column, the column that picks a row, group label ->
-# that column's value, series label -> the column holding its number, unit, other columns the rows must match).
+# The bar panels: (title, section heading, the table's first column (it picks the rows), group label -> that
+# column's value in the group's row, series label -> the column holding its number, unit, other columns to match).
 BAR_PANELS = [
     (
         f"GPU: pack + unpack of one 25 MiB bucket (µs, log)\n{H200}",
