@@ -4,7 +4,10 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 TORCH_CPU  := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
-DEPS   := numpy pybind11 ninja "setuptools>=77" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib ruff==0.17.6
+# The documentation site (`make docs`); none of them depends on torch.
+DOCS_DEPS := mkdocs==1.6.1 mkdocs-material==9.8.2 "mkdocstrings[python]==1.0.8" mkdocstrings-python==2.0.11
+DEPS   := numpy pybind11 ninja "setuptools>=77" wheel pytest pytest-timeout hypothesis expecttest rich matplotlib ruff==0.17.6 \
+  $(DOCS_DEPS)
 EXTRAS := mmengine==0.10.7 pytorch-lightning==2.6.6 lightning==2.6.6
 # Hugging Face, for tests/test_integrations_hf.py: installed beside the pinned CPU torch, on a line of their own
 # so that a failure skips only those tests.
@@ -15,7 +18,7 @@ CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
 CUDA_HOME ?= /usr/local/cuda
 PYTEST_ARGS ?=
 
-.PHONY: all setup build test lint test-oldest-torch test-torch-ddp-suite bench bench-quick gpu-wheels gpu-check cmake-test \
+.PHONY: all setup build test lint docs test-oldest-torch test-torch-ddp-suite bench bench-quick gpu-wheels gpu-check cmake-test \
   cuda-build-check clean
 
 all: test
@@ -39,6 +42,13 @@ build: $(VENV)/.build-stamp
 
 test: build
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml, docs/) into site/, warnings as errors (a docstring whose Args do not
+# match its signature fails too). The API reference is read from the sources by mkdocstrings (griffe's static
+# analysis), so the extension need not be built; PYTHONPATH puts this tree's fastcoll first all the same.
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(VENV)/bin/mkdocs build --strict
 
 # PyTorch's own DDP tests (torch.testing._internal.distributed.distributed_test, _DistTestBase: the 11 that
 # build a DDP and run on CPU with gloo and 2 ranks) run twice, with torch DDP and with fastcoll.DDP substituted

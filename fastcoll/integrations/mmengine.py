@@ -185,12 +185,13 @@ def setup_dist_from_cfg(launcher: str, backend: Optional[str] = None, **kwargs: 
 class FastCollDDPStrategy(DDPStrategy):
     """mmengine DDPStrategy that initializes through fastcoll and wraps with :class:`FastCollDDP`.
 
-    Args:
-        model_wrapper: Wrapper config; ``type`` defaults to ``'FastCollDDP'``.
-            Without one, ``dict(type='FastCollDDP', broadcast_buffers=False)``
-            is used (mmengine's default, kept for OpenMMLab compatibility).
-        sync_bn: 'torch' or 'mmcv' to convert BatchNorm layers, as in mmengine.
-        **kwargs: Other ``BaseStrategy`` arguments.
+    It takes ``DDPStrategy``'s constructor arguments, with these meanings:
+
+    * ``model_wrapper``: wrapper config; ``type`` defaults to ``'FastCollDDP'``.
+      Without one, ``dict(type='FastCollDDP', broadcast_buffers=False)``
+      is used (mmengine's default, kept for OpenMMLab compatibility).
+    * ``sync_bn``: 'torch' or 'mmcv' to convert BatchNorm layers, as in mmengine.
+    * other keywords: ``BaseStrategy``'s arguments.
     """
 
     def _setup_distributed(self, launcher: str = "pytorch", backend: Optional[str] = "nccl", **kwargs: Any) -> None:  # type: ignore[override]

@@ -142,7 +142,8 @@ class Reducer(ReducerSettings):
         sparse_params: Indices of parameters whose gradients are sparse
             (``nn.Embedding(sparse=True)`` weights): each gets a bucket of its
             own and its gradient is scaled and summed as a sparse tensor.
-        compute_grad_norm, check_nonfinite: Gradient health (:mod:`.health`).
+        compute_grad_norm: Gradient health (:mod:`.health`): the norm from the write-back.
+        check_nonfinite: Gradient health (:mod:`.health`): flag NaN/Inf in the pack.
         record_timeline: Record per-bucket event times (:mod:`.timeline`).
         autotune: Tune the bucket layout while training (``bucket_cap_mb="auto"``, :mod:`.tuning`);
             ``bucket_cap_bytes`` is then the default the tuner starts from.
