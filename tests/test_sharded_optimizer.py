@@ -387,7 +387,7 @@ class ReadsAnotherModulesWeight(nn.Module):
 def stale_worker(rank: int, world: int, finish_first: bool) -> None:
     model = ReadsAnotherModulesWeight()
     ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, find_unused_parameters=True)
-    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ddp)
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ddp, overlap_param_gather=True)
     for step in range(2):
         opt.zero_grad()
         if finish_first:

@@ -421,13 +421,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         from .checkpoint import full_state_dict
 
-        return full_state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = full_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a standard (unsharded) state dict of the inner optimizer's class; each rank keeps its pieces."""
         from .checkpoint import load_full_state_dict
 
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         load_full_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """This rank's pieces of the state and the layout needed to reshard them (see :mod:`fastcoll.optim.checkpoint`)."""
