@@ -48,7 +48,7 @@ Measured, in two phases:
    :data:`SPLIT_GROUPS`, each holding the methods of its targets (ZeRO in both).
 
 For ``full`` and ``sharded`` the parameters' all-gathers are traced per bucket
-(:attr:`fastcoll.optim.param_sync.ParamSync.record_times`): packing and
+(:attr:`fastcoll.reducer.param_gather.ParamGather.record_times`): packing and
 issuing in ``step()``, the collective's span (first issued to last
 completed, from gloo's completion callbacks), the training thread's wait for
 it in the next forward (exposed) and the write into the parameters; the
@@ -575,7 +575,7 @@ def _memory_worker(
 
 
 def gather_metrics(times: Dict[int, Dict[str, int]]) -> Optional[Dict[str, float]]:
-    """One step's parameter all-gathers from :attr:`ParamSync.times` (None if some bucket was never waited for).
+    """One step's parameter all-gathers from :attr:`ParamGather.times` (None if some bucket was never waited for).
 
     Returns (seconds): ``issue_s``, packing and issuing in ``step()`` (summed
     over buckets; the inner optimizer steps each bucket's pieces in between:
@@ -668,7 +668,7 @@ def time_group(spec: Any, methods: Sequence[str], rank: int, cfg: Dict[str, Any]
         setup_s[m] = time.perf_counter() - t0
         opt.zero_grad(set_to_none=True)
         if m in SHARDED:
-            opt._sync.record_times = True  # type: ignore[attr-defined]
+            opt._gather.record_times = True  # type: ignore[attr-defined]
         runs[m] = (wrapper, opt, step)
         tick(1)
     per_step = bench_ddp._all_max([max(setup_s.values())], device)[0]
@@ -680,7 +680,7 @@ def time_group(spec: Any, methods: Sequence[str], rank: int, cfg: Dict[str, Any]
     for k in range(reps):
         for m in common.rotated(methods, k):
             _wrapper, opt, step = runs[m]
-            sync = getattr(opt, "_sync", None) if m in SHARDED else None
+            sync = getattr(opt, "_gather", None) if m in SHARDED else None
             step()  # lead-in: its all-gathers are pending when the timing starts, as in steady state
             common.synchronize(device)
             traced = [sync.times] if sync is not None else []
@@ -1263,7 +1263,7 @@ def print_results(payload: Dict[str, Any]) -> None:
             f"fastcoll zero: the parameters' all-gather after each step and how much of it the next forward hides ({device})",
             columns,
             table,
-            caption="Per step, median over the timed steps of the slowest rank (ParamSync.record_times): pack+issue = "
+            caption="Per step, median over the timed steps of the slowest rank (ParamGather.record_times): pack+issue = "
             "packing and issuing the all-gathers in step(), summed over buckets (the inner optimizer steps each "
             "bucket's pieces in between; nothing to pack where the parameters live in a flat buffer); span = first "
             "all-gather issued to last completed (gloo's completion callbacks); exposed = the training thread's waits "

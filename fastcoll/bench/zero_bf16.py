@@ -421,7 +421,7 @@ def account(
 
 
 def _real_grads(module: nn.Module) -> List[torch.Tensor]:
-    from ..optim.grad_guard import is_guard
+    from ..reducer.grad_guard import is_guard
 
     return [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
 

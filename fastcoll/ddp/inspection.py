@@ -63,8 +63,9 @@ class SyncInspection:
         """
         from .replicas import verify_replicas
 
-        if getattr(self, "_param_sync", None) is not None:
-            self._param_sync.finish()  # a sharded optimizer's all-gathers first: the replicas are whole only then
+        gather = self.reducer.param_gather
+        if gather is not None:
+            gather.finish()  # the parameters' all-gathers first: the replicas are whole only then
         verify_replicas(self, buffers=buffers)
 
     def tuning_report(self) -> List[Dict[str, Any]]:

@@ -176,10 +176,10 @@ class JoinSupport(Joinable):
         Keyword Args:
             divide_by_initial_world_size (bool): see :meth:`join` (default True).
         """
-        if self._param_sync is not None:
+        if self.reducer.shards is not None:
             raise ValueError(
-                "fastcoll.DDP: join() cannot be combined with fastcoll.ShardedOptimizer: a rank that has run out of "
-                "inputs would not step its range of the optimizer state. Give every rank the same number of batches "
+                "fastcoll.DDP: join() cannot be combined with buckets divided among the ranks (fastcoll.ShardedOptimizer): "
+                "a rank that has run out of inputs would not update its range. Give every rank the same number of batches "
                 "(e.g. DistributedSampler(drop_last=True))"
             )
         if self.skip_all_reduce_unused_params and self.reducer.usage.searching:

@@ -18,7 +18,7 @@ class PicklingSupport:
     Expects the wrapper's ``_build()`` (the reducer and the buffer broadcast) and ``static_graph``.
     """
 
-    _UNPICKLED = ("process_group", "reducer", "_buffer_broadcast", "_join", "_param_sync")
+    _UNPICKLED = ("process_group", "reducer", "_buffer_broadcast", "_join")
 
     def __getstate__(self) -> Dict[str, Any]:
         """The picklable state, as torch DDP's: without the process group, the reducer and its hooks, or a comm hook."""
@@ -41,7 +41,6 @@ class PicklingSupport:
             )
         self.process_group = dist.distributed_c10d._get_default_group()
         self._join = JoinState(self)
-        self._param_sync = None  # a sharded optimizer is not carried over
         self._build()
         if self.static_graph:
             self.reducer.set_static_graph()

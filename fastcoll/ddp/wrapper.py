@@ -221,8 +221,6 @@ class DDP(
         self.verify_replicas_every = check_verify_replicas_every(verify_replicas_every)
         self.main_grad_dtype = main_grad_dtype
         self._verified_at = 0
-        #: The parameters' all-gathers of a fastcoll.ShardedOptimizer over this model (it sets this), or None.
-        self._param_sync: Any = None
         torch_only = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, bucket_cap_mb, bucket_cap_mb_list)
         self._check_and_agree(bucket_cap_mb, first_bucket_mb, device_ids, output_device, torch_only)  # a collective
 
@@ -371,9 +369,10 @@ class DDP(
     def _forward(self, inputs: tuple, kwargs: dict, call: Callable[..., Any]) -> Any:
         # ``call`` runs the wrapper's own steps (eagerly when dynamo is active).
         inputs, kwargs = call(self._pre_forward, *inputs, **kwargs)
-        if self._param_sync is not None and (call is not compile_support.call or compile_support.is_compiled(self.module)):
-            # A compiled module's graph cannot wait in module hooks: a sharded optimizer's all-gathers finish first.
-            call(self._param_sync.finish)
+        gather = self.reducer.param_gather
+        if gather is not None and (call is not compile_support.call or compile_support.is_compiled(self.module)):
+            # A compiled module's graph cannot wait in module hooks: the parameters' all-gathers finish first.
+            call(gather.finish)
         token = call(compile_support.activate, self)  # dynamo's DDPOptimizer splits graphs compiled in here
         try:
             output = self.module(*inputs, **kwargs)
@@ -390,8 +389,8 @@ class DDP(
         # [join: "not joined" all-reduce (+ early-termination all-reduce)],
         # [bucket layout broadcast, once], [join: authoritative-rank all-reduce]
         # + buffer broadcast, [join: requires-sync all-reduce].
-        if self._param_sync is not None:
-            self._param_sync.before_forward()
+        if self.reducer.param_gather is not None:
+            self.reducer.param_gather.before_forward()
         elif self.reducer.main_buckets:
             raise RuntimeError(
                 "fastcoll.DDP(main_grad_dtype=torch.float32): wrap the optimizer in fastcoll.ShardedOptimizer(opt, model) "
@@ -422,8 +421,8 @@ class DDP(
 
     def _post_forward(self, output: Any) -> Any:
         """After the module ran (torch DDP's signature): arms the reducer for a synchronized backward; returns ``output``."""
-        if self._param_sync is not None and torch.is_grad_enabled():
-            self._param_sync.check_after_forward(output)
+        if self.reducer.param_gather is not None and torch.is_grad_enabled():
+            self.reducer.param_gather.check_after_forward(output)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             reducer = self.reducer
@@ -464,8 +463,8 @@ class DDP(
         Args:
             set_to_none: As ``nn.Module.zero_grad``.
         """
-        if self._param_sync is not None:
-            self._param_sync.finish()  # their memory may hold the parameters' all-gather
+        if self.reducer.param_gather is not None:
+            self.reducer.param_gather.finish()  # their memory may hold the parameters' all-gather
         super().zero_grad(set_to_none)
         self.reducer.zero_kept_grads()
 

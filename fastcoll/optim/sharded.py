@@ -2,7 +2,7 @@
 
 Built on the model's buckets (:mod:`fastcoll.reducer.shards`): rank ``r``
 keeps the optimizer state of range ``r`` of every bucket and steps those
-elements only, then the parameters are all-gathered (:mod:`.param_sync`).
+elements only, then the reducer all-gathers the parameters (:mod:`fastcoll.reducer.param_gather`).
 The communication is DDP's (a reduce-scatter and an all-gather move what one
 all-reduce moves); the state per rank is 1/N of DDP's.
 
@@ -31,11 +31,16 @@ from .clip import clip_grad_norm
 from .elementwise import check_optimizer_class
 from .gradients import PieceGradients
 from .param_buffer import ParamBuffers, movable, shares_memory
-from .param_sync import ParamSync, piece_views
 
 __all__ = ["ShardedOptimizer"]
 
 _GRADS = ("full", "sharded")
+#: What a refused operation on a guarded ``p.grad`` should do instead.
+_ADVICE = (
+    "To clip, call opt.clip_grad_norm_(max_norm) of the fastcoll.ShardedOptimizer (the global norm, the same on every "
+    "rank); with torch.amp.GradScaler, scaler.unscale_(opt) and scaler.step(opt) work as with torch. Pass "
+    "grads='full' (and no main_grad_dtype) to keep every rank's full gradients in p.grad."
+)
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -109,7 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # State some classes create at construction for parameters that are not sharded (frozen ones): kept as is.
         self._outside_state = {k: st for k, p in enumerate(self._order) if index_of.get(id(p)) is None
                                for st in [optimizer.state.get(p)] if st}  # fmt: skip
-        self._layout = reducer.shard(grads == "sharded")  # collective when a bucket rebuild is due
+        self._layout = reducer.shard(grads == "sharded", advice=_ADVICE)  # collective when a bucket rebuild is due
         shared = shares_memory(reducer.params)
         moving = {bs.pos: movable(reducer.buckets[bs.pos], self._stepped, shared) for bs in self._layout.buckets if bs.padded}
         # Parameters that move into a flat buffer of their bucket's layout: no pack, no write-back for them.
@@ -135,7 +140,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bs.pos: [[t for t in ig["params"] if bucket_of_piece[id(t)] == bs.pos] for ig in inner_groups]
             for bs in self._layout.buckets
         }
-        pieces_visible = self._grads.from_reduction
         self._built = False
         super().__init__([dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
         self._built = True
@@ -145,24 +149,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = ShardedState(self._local.state, {id(p) for p in self._order})
         _redirect(optimizer, self)
         stages, borrowed = self._stages()
-        self._sync = ParamSync(
-            reducer, self._stepped, stages, self.overlap_param_gather, self._written, borrowed, self._buffers.moved
+        self._gather = reducer.enable_param_gather(
+            self._stepped, stages, self.overlap_param_gather, borrowed, self._buffers.moved, model.module
         )
-        #: The step consumed the main gradients (their memory holds the parameters' all-gather): a backward
-        #: before zero_grad() would accumulate onto nothing.
-        self._consumed = False
-        if self.overlap_param_gather:
-            self._sync.install_hooks(model.module)
-        model._param_sync = self._sync
-        reducer.on_backward.append(self._before_backward)
         for m in (model, model.module):
-            m.register_state_dict_pre_hook(lambda *args, **kwargs: self._sync.finish())
-        if pieces_visible:
-            if reducer.shard_grads is not None:
-                reducer.health.watched = [reducer.shard_grads.grads[bs.pos] for bs in self._layout.buckets]
-            reducer.on_synchronized.append(self._grads.after_backward)
-            reducer.on_forward.append(self._at_forward)
-        self._versions = [p._version for p in reducer.params]  # the parameters as the masters last saw them
+            m.register_state_dict_pre_hook(lambda *args, **kwargs: self._gather.finish())
 
     # ------------------------------------------------------------- building
 
@@ -232,20 +223,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "since: those gradients were never reduced, and each rank steps only its range of them. Run the last "
                 "micro-batch's backward outside no_sync() (or call opt.zero_grad() to drop them)"
             )
-        self._sync.finish()
-        if self._grads.from_reduction and self._grads.reconcile(at_step=True):
-            self._reset_reduction()
+        gather = self._gather
+        gather.begin_step()
+        self.reducer.kept.reconcile(at_step=True)
         self._buffers.check()
         self._refresh_masters()
         self._push_hyperparameters()
         self._grads.attach()  # as the gradients are now (unscaled, clipped, zeroed since backward)
-        self._consumed = bool(self._sync.borrowed)
-        for b in self.reducer.main_buckets:
-            b.consumed = b.pos in self._sync.borrowed
         # One inner step per bucket, each bucket's all-gather issued as soon as its pieces are stepped: the
-        # all-gathers run during the rest of the step too, not only during the next forward. The update is
-        # elementwise, so stepping the pieces bucket by bucket is the same arithmetic as one step over all.
-        self._sync.start(self._gather_sources, before=self._step_bucket)
+        # all-gathers run during the rest of the step. The update is elementwise, so stepping the pieces bucket
+        # by bucket is the same arithmetic as one step over all.
+        for pos in gather.order():
+            gather.mark(pos, "step")
+            self._step_bucket(pos)
+            gather.start_bucket(pos, self._gather_sources(pos))
+        gather.end_step()
+        self._grads.detach_all()
         # LR schedulers built on the wrapped optimizer count its steps (torch warns of a scheduler step first).
         self.wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
@@ -261,30 +254,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._local.step()
         finally:
             self._local.param_groups = groups
-
-    def _before_backward(self) -> None:
-        """Before a backward accumulates into the buckets: the all-gathers done; the main gradients zeroed."""
-        self._sync.finish()
-        if self._grads.from_reduction and self._grads.reconcile(at_step=False):
-            self._reset_reduction()
-        if self._consumed:
-            raise RuntimeError(
-                "fastcoll.ShardedOptimizer: call opt.zero_grad() between step() and the next backward. With float32 "
-                "main gradients, step() consumes them: their memory holds the parameters' all-gather, so they cannot "
-                "accumulate across steps as .grad would"
-            )
-
-    def _at_forward(self) -> None:
-        """At a forward: the kept gradients follow what was done to ``p.grad`` since the last backward."""
-        if self._grads.reconcile(at_step=False):
-            self._reset_reduction()
-        self._grads.drop_guards()
-
-    def _reset_reduction(self) -> None:
-        """Every gradient was reset through the parameters (``model.zero_grad()``): as :meth:`zero_grad`."""
-        self._grads.zero_kept(busy=self._sync.borrowing())
-        self._consumed = False
-        self.reducer.unsynchronized = False
 
     def _push_hyperparameters(self) -> None:
         """The hyperparameters of ``param_groups`` (edited by schedulers, by hand) into the local optimizer's groups."""
@@ -313,12 +282,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             out.append(value)
         return out
 
-    def _written(self, pos: int) -> None:
-        """Bucket ``pos``'s gathered parameters were written: remember their versions (see :meth:`_refresh_masters`)."""
-        params = self.reducer.params
-        for i in self.reducer.buckets[pos].param_indices:
-            self._versions[i] = params[i]._version
-
     def _refresh_masters(self) -> None:
         """A parameter changed outside the optimizer (a checkpoint loaded into the model): its masters follow it."""
         if self.master_dtype is None:
@@ -330,10 +293,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 continue
             value = flat_view(params[i].detach())[pc.lo : pc.hi]
             master = self._shard_params[k]
-            # A write through p.data does not move the version counter: compare with the master rounded.
-            if params[i]._version != self._versions[i] or not torch.equal(master.to(value.dtype), value):
+            # After a step each parameter holds its master rounded: anything else was written since (a checkpoint
+            # loaded into the model, a write through p.data, which moves no version counter).
+            if not torch.equal(master.to(value.dtype), value):
                 master.copy_(value)
-        self._versions = [p._version for p in params]
 
     def staged_parameters(self) -> List[str]:
         """Names of the stepped parameters that do not live in their bucket's flat buffer (:mod:`.param_buffer`).
@@ -347,16 +310,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def finish_param_sync(self) -> None:
         """Wait for the parameters' all-gathers of the last step and write them into the parameters."""
-        self._sync.finish()
+        self._gather.finish()
 
     # ------------------------------------------------------------ gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: the model's ``.grad`` (as ``Optimizer.zero_grad``), the reduced ranges, the main gradients."""
-        guarded = self._grads.guarded_set
+        self._gather.finish()  # the main gradients' memory may hold the parameters' all-gather
+        kept = self.reducer.kept
         for i, p in enumerate(self.reducer.params):
             g = p.grad
-            if g is None or i in guarded:
+            if g is None or i in kept.guarded_set:
                 continue
             if set_to_none:
                 p.grad = None
@@ -366,9 +330,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else:
                     g.requires_grad_(False)
                 g.zero_()
-        self._grads.zero(set_to_none, busy=self._sync.borrowing())
-        self._consumed = False
-        self.reducer.unsynchronized = False
+        kept.zero(set_to_none)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
@@ -572,3 +534,8 @@ def _same_class(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]) 
         return cls(groups, **optimizer.defaults)
     except TypeError:
         return cls(groups)
+
+
+def piece_views(params: Sequence[torch.Tensor], pieces: Sequence[Any]) -> List[torch.Tensor]:
+    """1-D views of ``pieces`` (:class:`~fastcoll.reducer.shards.Piece`) of the reducer's ``params``, in memory order."""
+    return [flat_view(params[pc.param].detach())[pc.lo : pc.hi] for pc in pieces]

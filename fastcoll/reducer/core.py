@@ -50,7 +50,7 @@ import enum
 import math
 import threading
 import weakref
-from typing import Any, Callable, Collection, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,14 @@ from ..ops.dtypes import check_comm_dtype
 from .bucket import GradBucket, MainGradBucket, PackArgs
 from .comm import Communicator
 from .health import Divisor, GradHealth
+from .kept_grads import KeptGradients
 from .layout import BucketSet
+from .param_gather import ParamGather
 from .reduction import AllReduce, CommHook, InFlight, ReduceScatter, ShardGrads, Skipped, SparseSum, ZeroBuffers
 from .runtime_log import RuntimeLog
 from .settings import ReducerSettings
-from .shards import ShardLayout, aligned_first
+from .sharding import ReducerSharding
+from .shards import ShardLayout
 from .timeline import Timeline
 from .tuning import LayoutTuning
 from .usage import ParameterUsage
@@ -121,7 +124,7 @@ def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[t
     return hook
 
 
-class Reducer(ReducerSettings):
+class Reducer(ReducerSettings, ReducerSharding):
     """Bucketed, overlapped gradient averaging for a list of parameters.
 
     Args:
@@ -226,14 +229,9 @@ class Reducer(ReducerSettings):
         self.shards: Optional[ShardLayout] = None
         #: This rank's range of the reduced gradients when they are reduce-scattered (``grads="sharded"``).
         self.shard_grads: Optional[ShardGrads] = None
-        #: Counts :meth:`zero_kept_grads` calls: whoever reads the kept gradients knows they were reset.
-        self.grads_epoch = 0
-        #: Called at the end of every synchronized backward, after the write-backs (the sharded optimizer's).
-        self.on_synchronized: List[Callable[[], None]] = []
-        #: Called before a backward's first bucket is packed (the sharded optimizer's parameter all-gathers finish).
-        self.on_backward: List[Callable[[], None]] = []
-        #: Called at the start of every forward with gradients enabled (the sharded optimizer drops its guards).
-        self.on_forward: List[Callable[[], None]] = []
+        #: The gradients kept outside ``.grad`` once sharded (:meth:`shard`), and the parameters' all-gathers.
+        self.kept: Optional[KeptGradients] = None
+        self.param_gather: Optional[ParamGather] = None
         self._phase = _IDLE
         self.timeline = Timeline(enabled=bool(record_timeline))
         #: torch DDP's logging data recorded while training (sampled times, the last error).
@@ -320,64 +318,6 @@ class Reducer(ReducerSettings):
             self._install_layout(layout)
         return True
 
-    # --------------------------------------------------------------- sharding
-
-    def shard(self, sharded_grads: bool) -> ShardLayout:
-        """Divide every dense bucket among the ranks, for a sharded optimizer; returns the ranges.
-
-        The layout is fixed from here on: a ready-order rebuild still due
-        happens now (a collective, as at a forward), later ones and tuning
-        never. The buckets are reallocated padded (:mod:`.shards`). With
-        ``sharded_grads`` each bucket is reduce-scattered instead of
-        all-reduced: the reduced gradients exist only in this rank's range
-        (:attr:`shard_grads`, in the gradients' dtype: float32 for main
-        gradients), never in ``.grad``. Between iterations only.
-
-        Raises:
-            RuntimeError: already sharded, a comm hook is registered, the layout is being tuned, or a bucket is sparse.
-        """
-        self._check_idle("shard the buckets")
-        if self.shards is not None:
-            raise RuntimeError(
-                "fastcoll.ShardedOptimizer: this model's buckets are already divided by another ShardedOptimizer; "
-                "build one over all its parameters (param groups can hold different hyperparameters)"
-            )
-        if self._hook is not None:
-            raise RuntimeError("fastcoll.ShardedOptimizer: the model has a comm hook; a sharded optimizer takes none")
-        if self._tuning is not None:
-            raise RuntimeError(
-                "fastcoll.ShardedOptimizer: the model's bucket_cap_mb is 'auto'; the optimizer state is divided along "
-                "the buckets, so their layout must be fixed: pass a fixed bucket_cap_mb (e.g. the one "
-                "model.tuning_report() chose)"
-            )
-        sparse = [self.names[i] for b in self._set.buckets if b.sparse for i in b.param_indices]
-        if sparse:
-            raise RuntimeError(f"fastcoll.ShardedOptimizer: parameters with sparse gradients cannot be sharded: {sparse}")
-        self.rebuild_buckets()
-        self._set.order.stop()
-        self._shard_world = self.world_size
-        # The optimizer agrees on non-finite gradients from the total when it steps ranges of them (GradScaler).
-        self.health.keep_total = bool(sharded_grads or self.main_buckets)
-        # The buckets again, padded to be divided, each with its odd-sized parameters last (the others aligned).
-        nbytes = [p.numel() * p.element_size() for p in self.params]
-        self._install_layout([aligned_first(b, nbytes) for b in self.layout()])
-        buckets = self._set.buckets
-        self.shards = ShardLayout(
-            [(b.pos, b.param_indices, [p.numel() for p in b.params], b.padded) for b in buckets], self.world_size, self.rank
-        )
-        if sharded_grads:
-            grads, in_place = {}, []
-            for bs in self.shards.buckets:
-                b = buckets[bs.pos]
-                if isinstance(b, MainGradBucket):  # the range of the float32 bucket itself (Megatron's layout)
-                    grads[bs.pos] = b.flat_padded[bs.start : bs.start + bs.shard]
-                    in_place.append(bs.pos)
-                else:
-                    grads[bs.pos] = torch.zeros(bs.shard, dtype=b.dtype, device=self.usage.device)
-            self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite, in_place=in_place)
-            self._index_reductions()  # the dense buckets are reduce-scattered from now on
-        return self.shards
-
     # ---------------------------------------------------------------- forward
 
     def prepare_for_forward(self) -> None:
@@ -389,8 +329,8 @@ class Reducer(ReducerSettings):
         """
         if self.reducing:
             self._raise_unfinished()
-        for fn in self.on_forward:
-            fn()
+        if self.kept is not None:
+            self.kept.at_forward()
         self.prepare_layout()
         self.timeline.begin_iteration(len(self._set.buckets))
         self.comm.state.begin_forward(self.usage.iterations)
@@ -434,50 +374,11 @@ class Reducer(ReducerSettings):
     def _accumulate_idle(self) -> None:
         """End of a ``no_sync`` backward: its 16-bit gradients go into the float32 main gradients."""
         self._idle_queued = False
-        for fn in self.on_backward:  # (a sharded optimizer's all-gathers may still use the buckets)
-            fn()
+        self._before_accumulating()  # (the parameters' all-gathers may still use the buckets)
         if self.shard_grads is not None:
             self.shard_grads.set_aside()
         for b in self.main_buckets:
             b.accumulate()
-
-    def main_grad(self, idx: int) -> torch.Tensor:
-        """Parameter ``idx``'s float32 main gradient: a view of its bucket (the reduced value after a synchronized backward).
-
-        Raises:
-            RuntimeError: there are no main gradients, or they are reduce-scattered (each rank holds a range).
-        """
-        b = self._set.buckets[self._set.bucket_of[idx]]
-        if not isinstance(b, MainGradBucket):
-            raise RuntimeError(
-                f"fastcoll.DDP.main_grad: '{self.names[idx]}' has no float32 main gradient (construct the wrapper with "
-                "main_grad_dtype=torch.float32; parameters already float32 keep theirs in .grad)"
-            )
-        if self.shard_grads is not None:
-            raise RuntimeError(
-                "fastcoll.DDP.main_grad: the main gradients are reduce-scattered (ShardedOptimizer(grads='sharded')): "
-                "each rank holds its range only; use opt.clip_grad_norm_ / model.grad_norm() for the norm"
-            )
-        if b.consumed:
-            raise RuntimeError(
-                "fastcoll.DDP.main_grad: the optimizer's step() consumed the main gradients (their memory holds the "
-                "parameters' all-gather); read them between backward and step()"
-            )
-        return b.views[self._set.slot_pos[idx]]
-
-    def zero_main_grads(self, busy: Collection[int] = ()) -> None:
-        """Start a new accumulation of the main gradients (``busy``: buckets whose memory is in use now, zeroed later)."""
-        for b in self.main_buckets:
-            if b.pos not in busy:
-                b.zero()
-
-    def zero_kept_grads(self) -> None:
-        """Reset the gradients kept outside ``.grad`` (main gradients, reduced ranges), as ``zero_grad`` does ``.grad``."""
-        if self.shard_grads is not None:
-            self.shard_grads.zero()
-        self.zero_main_grads()
-        self.unsynchronized = False
-        self.grads_epoch += 1
 
     def _on_grad(self, idx: int) -> None:
         """Hook body: parameter ``idx``'s gradient has been accumulated."""
@@ -516,8 +417,7 @@ class Reducer(ReducerSettings):
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         if first:
             try:
-                for fn in self.on_backward:
-                    fn()
+                self._before_accumulating()
             except BaseException:
                 self._phase = _IDLE  # refused before anything was reduced: the next forward starts afresh
                 raise
@@ -627,10 +527,9 @@ class Reducer(ReducerSettings):
                 for p in self.params:
                     p.grad = None
         total = health.finish(self.params, self._sum_over_ranks if shards is not None else None)
-        if self.on_synchronized:
-            for fn in self.on_synchronized:
-                fn()
-            health.refresh_snapshot(self.params)  # what the callbacks wrote is part of the gradients the norm describes
+        if self.kept is not None:
+            self.kept.after_backward()
+            health.refresh_snapshot(self.params)  # the guards and agreed values are the gradients the norm describes
         self.timeline.finalize_end()
         self._end_iteration(joined=False)
         if total is not None and not math.isfinite(total.item()):  # one read (a tensor isfinite + bool costs two ops)

@@ -1,9 +1,10 @@
-"""What ``p.grad`` holds when the optimizer's gradients are not ``p.grad``: a :class:`ShardedGradient`.
+"""What ``p.grad`` holds when the synchronized gradient is kept elsewhere: a :class:`ShardedGradient`.
 
-With ``ShardedOptimizer(grads="sharded")`` the synchronized gradient of a
-parameter exists only as ranges spread over the ranks; with float32 main
-gradients (``fastcoll.DDP(main_grad_dtype=torch.float32)``) it lives in a
-float32 bucket that a 16-bit ``.grad`` cannot hold. Leaving ``p.grad`` as None
+When the buckets are reduce-scattered (``ShardedOptimizer(grads="sharded")``)
+the synchronized gradient of a parameter exists only as ranges spread over
+the ranks; with float32 main gradients (``fastcoll.DDP(main_grad_dtype=torch.float32)``)
+it lives in a float32 bucket that a 16-bit ``.grad`` cannot hold
+(:mod:`.kept_grads` keeps both). Leaving ``p.grad`` as None
 would make ``torch.nn.utils.clip_grad_norm_`` return 0 and clip nothing, and
 ``GradScaler.unscale_`` unscale nothing: silently wrong. So each such
 parameter's ``.grad`` is a :class:`ShardedGradient`: a tensor with the
@@ -18,8 +19,9 @@ the way to do what was asked:
   accumulation): on the values this rank holds;
 * norms (``torch.nn.utils.clip_grad_norm_``, ``p.grad.norm()``): where this
   rank holds the whole gradient (main gradients with ``grads="full"``), the
-  norm of those float32 values; with ``grads="sharded"`` a norm would need the
-  other ranks' ranges, so it raises and points to ``opt.clip_grad_norm_``.
+  norm of those float32 values; with reduce-scattered buckets a norm would
+  need the other ranks' ranges, so it raises with the advice given by whoever
+  divided the buckets.
 """
 
 from __future__ import annotations
@@ -34,10 +36,8 @@ __all__ = ["GradientBook", "ShardedGradient", "is_guard"]
 _HARMLESS = {"detach.default", "alias.default", "detach_.default", "requires_grad_.default"}
 
 MESSAGE = (
-    "fastcoll.ShardedOptimizer: the synchronized gradient of {name} is not held in p.grad ({where}), so `{op}` "
-    "cannot be computed on p.grad. To clip, call opt.clip_grad_norm_(max_norm) (the global norm, the same on every "
-    "rank); with torch.amp.GradScaler, scaler.unscale_(opt) and scaler.step(opt) work as with torch. Pass "
-    "grads='full' (and no main_grad_dtype) to keep every rank's full gradients in p.grad."
+    "fastcoll: the synchronized gradient of {name} is not held in p.grad ({where}), so `{op}` cannot be computed "
+    "on p.grad. {advice}"
 )
 
 
@@ -50,6 +50,7 @@ class GradientBook:
         reset: ``reset(i)``: parameter ``i``'s gradient was zeroed in place (``zero_()``): start its accumulation anew.
         names: Parameter names, for messages.
         where: What holds the gradients, for messages.
+        advice: What to do instead, for messages.
     """
 
     def __init__(
@@ -59,15 +60,17 @@ class GradientBook:
         reset: Callable[[int], None],
         names: Sequence[str],
         where: str,
+        advice: str,
     ):
         self.held = held
         self.complete = complete
         self.reset = reset
         self.names = list(names)
         self.where = where
+        self.advice = advice
 
     def refuse(self, index: int, op: str) -> RuntimeError:
-        return RuntimeError(MESSAGE.format(name=f"'{self.names[index]}'", where=self.where, op=op))
+        return RuntimeError(MESSAGE.format(name=f"'{self.names[index]}'", where=self.where, op=op, advice=self.advice))
 
 
 class ShardedGradient(torch.Tensor):

@@ -1,6 +1,9 @@
-"""The parameters' all-gather after a sharded step, overlapped with the next forward, never read stale.
+"""The parameters' all-gather of a sharded bucket layout, never read stale: the bucket's second exchange.
 
-After the inner optimizer stepped this rank's pieces, each bucket's range is
+A bucket divided among the ranks (:meth:`Reducer.shard`) has two exchanges,
+both owned here in the reducer layer: the gradients' reduction
+(:mod:`.reduction`) and, after whoever owns the ranges (a sharded optimizer)
+updated this rank's range of the parameters, their all-gather. Each bucket's range is
 all-gathered (``all_gather_into_tensor``, in place). Where the parameters live
 in a flat buffer of the bucket's layout (:mod:`.param_buffer`), that buffer is
 gathered into directly: this rank's range is already there (float32 masters
@@ -10,7 +13,9 @@ them) into the rank's range of the buffer, or of a staging buffer where the
 bucket has none, and the gathered values are then written into them (one
 fused call per run).
 
-With overlap, :meth:`ParamSync.start` only issues the all-gathers; a forward
+:meth:`ParamGather.start_bucket` issues one bucket's all-gather; without
+overlap :meth:`ParamGather.end_step` waits for them all. With overlap, they
+run on into the next forward: a forward
 pre-hook on every module that registers parameters waits for the buckets
 holding exactly those parameters, so a module never runs on stale weights,
 whatever order modules are registered, called or bucketed in (waiting for
@@ -24,10 +29,10 @@ nets catch what module hooks cannot see:
 * the first gradient of a backward, the next ``step()``, ``state_dict()``
   and ``verify_replicas()`` wait for everything (:meth:`finish`).
 
-With :attr:`ParamSync.record_times` on (benchmarks: ``python -m fastcoll.bench
-zero``), each :meth:`ParamSync.start` also records, per bucket, when it was
-packed, issued, completed (the collective's own completion callback, on the
-backend's thread), waited for and written into the parameters.
+With :attr:`ParamGather.record_times` on (benchmarks: ``python -m fastcoll.bench
+zero``), each step also records, per bucket, when it was stepped, packed,
+issued, completed (the collective's own completion callback, on the backend's
+thread), waited for and written into the parameters.
 """
 
 from __future__ import annotations
@@ -39,26 +44,24 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ddp.compile_support import is_compiling
-from ..reducer.bucket import for_each_run
-from ..reducer.shards import flat_view
-from ..reducer.usage import unreachable_parameters
+from .bucket import MainGradBucket, for_each_run
+from .usage import unreachable_parameters
 
-__all__ = ["ParamSync"]
+__all__ = ["ParamGather"]
 
 _ns = time.perf_counter_ns
+_is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
-class ParamSync:
-    """The all-gathers of one sharded optimizer's buckets.
+class ParamGather:
+    """The parameters' all-gathers of a sharded reducer's buckets.
 
     Args:
         reducer: The model's reducer (its buckets, shard ranges and communicator).
         stepped: Per reducer parameter index, whether the optimizer steps it (only those are written back).
         stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype),
             or the bucket's parameter buffer.
-        overlap: Leave the all-gathers running after :meth:`start`; modules wait for their own.
-        written: Called with a bucket's position once its parameters are written.
+        overlap: Leave the all-gathers running after :meth:`end_step`; modules wait for their own.
         borrowed: Per bucket position, a gradient buffer whose memory the stage reuses (float32 main
             gradients, consumed by the step): zeroed once the parameters are written, ready to accumulate.
         moved: Reducer indices of the parameters that live in their bucket's stage (nothing to write back).
@@ -70,7 +73,6 @@ class ParamSync:
         stepped: Sequence[bool],
         stages: Dict[int, torch.Tensor],
         overlap: bool,
-        written: Optional[Callable[[int], None]] = None,
         borrowed: Optional[Dict[int, torch.Tensor]] = None,
         moved: Collection[int] = (),
     ):
@@ -78,7 +80,6 @@ class ParamSync:
         moved = set(moved)
         #: Per bucket position, per slot: written back after the all-gather (stepped, not living in the stage).
         self.staged = {pos: [stepped[i] and i not in moved for i in reducer.buckets[pos].param_indices] for pos in stages}
-        self._written = written
         self.borrowed = borrowed or {}
         self.stepped = list(stepped)
         self.stages = stages
@@ -87,7 +88,7 @@ class ParamSync:
         self._hooks: List[Any] = []
         #: Record :attr:`times` at every :meth:`start` (off by default: a few ``perf_counter_ns`` calls per bucket).
         self.record_times = False
-        #: With :attr:`record_times`, the last :meth:`start`'s events per bucket position, ``time.perf_counter_ns()``
+        #: With :attr:`record_times`, the last step's events per bucket position, ``time.perf_counter_ns()``
         #: values filled in as they happen: ``step`` (the optimizer's step of the bucket's pieces begins), ``pack``
         #: (packing begins), ``issued`` (the all-gather call returned), ``completed`` (the collective finished,
         #: where its handle has a future), ``wait`` / ``waited`` (a wait for it began / returned on the training
@@ -106,48 +107,53 @@ class ParamSync:
 
     # ------------------------------------------------------------------ issue
 
-    def start(
-        self, sources: Callable[[int], List[Optional[torch.Tensor]]], before: Optional[Callable[[int], None]] = None
-    ) -> None:
-        """Pack every bucket's range and all-gather it.
+    def order(self) -> List[int]:
+        """The positions of the buckets to all-gather, in the order every rank issues them: the last bucket first.
 
-        ``sources(pos)``: per piece of this rank's range of bucket ``pos`` (in order), the 1-D values to pack
-        there, or None where the range holds them already (a parameter living in it, whose values are its own).
-        ``before(pos)``, when given, runs first for each bucket (the optimizer's step of its pieces), so that
-        a bucket's all-gather runs while the next bucket's pieces are stepped.
-
-        Every rank issues one all-gather per sharded bucket, the last bucket first.
+        Buckets are in reduction order, the reverse of the forward's, whose first modules wait for the last buckets.
         """
+        return [bs.pos for bs in reversed(self.reducer.shards.buckets) if bs.padded]
+
+    def begin_step(self) -> None:
+        """Before the ranges are updated: the last step's all-gathers written; a fresh record of times."""
         self.finish()
-        layout = self.reducer.shards
-        comm = self.reducer.comm
-        record = self.record_times
-        if record:
+        if self.record_times:
             self.times = {}
-        # Last bucket first: buckets are in reduction order, the reverse of the forward's, whose first modules
-        # wait for the last buckets.
-        for bs, pieces in zip(reversed(layout.buckets), reversed(layout.pieces)):
-            if not bs.padded:
-                continue
-            if record:
-                self.times[bs.pos] = {"step": _ns()}
-            if before is not None:
-                before(bs.pos)
-            if record:
-                self.times[bs.pos]["pack"] = _ns()
-            stage = self.stages[bs.pos]
-            own = stage[bs.start : bs.start + bs.shard]
-            values = sources(bs.pos)
-            if pieces:
-                at = [pc.at for pc in pieces]
-                end = pieces[-1].at + pieces[-1].numel
-                present = [v is not None for v in values]
-                for_each_run(present, at, end, lambda a, z, lo, hi: ops.flatten_scale(values[a:z], own[lo:hi]))
-            handle = comm.all_gather(stage, own, f"parameters of bucket {bs.pos}")
-            self._pending[bs.pos] = handle
-            if record:
-                self.times[bs.pos]["issued"] = _ns()
-                _record_completion(handle, self.times[bs.pos])
+
+    def mark(self, pos: int, event: str) -> None:
+        """With :attr:`record_times`: ``event`` of bucket ``pos`` happens now."""
+        if self.record_times:
+            self.times.setdefault(pos, {})[event] = _ns()
+
+    def start_bucket(self, pos: int, values: Sequence[Optional[torch.Tensor]]) -> None:
+        """Pack this rank's range of bucket ``pos`` and issue its all-gather (every rank, in :meth:`order`).
+
+        ``values``: per piece of this rank's range (in order), the 1-D values to pack there, or None where the
+        range holds them already (a parameter living in the bucket's buffer).
+        """
+        r = self.reducer
+        layout = r.shards
+        k = next(j for j, bs in enumerate(layout.buckets) if bs.pos == pos)
+        bs, pieces = layout.buckets[k], layout.pieces[k]
+        self.mark(pos, "pack")
+        stage = self.stages[pos]
+        own = stage[bs.start : bs.start + bs.shard]
+        if pieces:
+            at = [pc.at for pc in pieces]
+            end = pieces[-1].at + pieces[-1].numel
+            present = [v is not None for v in values]
+            for_each_run(present, at, end, lambda a, z, lo, hi: ops.flatten_scale(values[a:z], own[lo:hi]))
+        b = r.buckets[pos]
+        if pos in self.borrowed and isinstance(b, MainGradBucket):
+            b.consumed = True  # its memory holds the parameters now: a backward must not accumulate onto it
+        handle = r.comm.all_gather(stage, own, f"parameters of bucket {pos}")
+        self._pending[pos] = handle
+        if self.record_times:
+            self.mark(pos, "issued")
+            _record_completion(handle, self.times[pos])
+
+    def end_step(self) -> None:
+        """After every bucket's all-gather was issued: without overlap, wait for them all."""
         if not self.overlap:
             self.finish()
 
@@ -183,8 +189,6 @@ class ParamSync:
         owner = self.borrowed.get(pos)
         if owner is not None:
             owner.zero_()
-        if self._written is not None:
-            self._written(pos)
 
     # ------------------------------------------------------------------ hooks
 
@@ -204,7 +208,7 @@ class ParamSync:
     def _hook_for(self, positions: List[int]) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any) -> None:
             # Inside a compiled graph nothing waits (the wrapper finished every all-gather before it ran).
-            if self._pending and not is_compiling():
+            if self._pending and not _is_compiling():
                 self.wait(positions)
 
         return hook
@@ -239,7 +243,7 @@ class ParamSync:
                 f"fastcoll.ShardedOptimizer: this forward read {shown} before their all-gather after the last step "
                 "had completed (they are read by a module that does not register them, whose forward pre-hook "
                 "therefore did not wait). The outputs are computed from stale weights. Call opt.finish_param_sync() "
-                "before such a forward, or construct the optimizer with overlap_param_gather=False."
+                "before such a forward, or construct the optimizer with overlap_param_gather=False (the default)."
             )
 
 
@@ -253,8 +257,3 @@ def _record_completion(handle: Any, times: Dict[str, int]) -> None:
     except RuntimeError:  # a backend without futures
         return
     fut.add_done_callback(lambda _fut: times.__setitem__("completed", _ns()))
-
-
-def piece_views(params: Sequence[torch.Tensor], pieces: Sequence[Any]) -> List[torch.Tensor]:
-    """1-D views of ``pieces`` (:class:`~fastcoll.reducer.shards.Piece`) of the reducer's ``params``, in memory order."""
-    return [flat_view(params[pc.param].detach())[pc.lo : pc.hi] for pc in pieces]

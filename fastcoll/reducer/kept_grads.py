@@ -1,0 +1,198 @@
+"""The synchronized gradients a sharded bucket layout keeps outside ``.grad``, and what ``.grad`` shows for them.
+
+Once the buckets are divided among the ranks (:meth:`Reducer.shard`), the
+reduced gradient of a parameter is, per this rank's piece of it:
+
+* with reduce-scattered buckets: this rank's range of the bucket
+  (:class:`~fastcoll.reducer.reduction.ShardGrads`);
+* in a bucket of 16-bit parameters with float32 main gradients: the
+  parameter's slot of the float32 bucket;
+* otherwise: ``p.grad``, as torch DDP leaves it.
+
+The first two are "guarded": after every synchronized backward their
+parameters' ``.grad`` holds a :class:`~fastcoll.reducer.grad_guard.ShardedGradient`
+(GradScaler, clipping and ``zero_()`` act on the kept values through it), a
+non-finite value anywhere makes every rank's kept values non-finite too (each
+rank's GradScaler sees its own values only, and all must skip the same
+steps), and torch's ways of resetting a gradient are followed: a guard that
+left ``.grad`` (``model.zero_grad()``, ``p.grad = None``) resets that
+parameter's kept gradient, seen at the next forward, backward or step.
+A parameter that no rank used since the last reset has no gradient, as a
+``.grad`` of None.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Collection, Dict, List, Optional
+
+import torch
+
+from .bucket import MainGradBucket
+from .grad_guard import GradientBook, ShardedGradient, is_guard
+from .shards import Piece, flat_view
+
+__all__ = ["KeptGradients", "memory_order_grad"]
+
+
+def memory_order_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """``p.grad`` as a 1-D tensor in ``p``'s memory order (a view when the gradient has ``p``'s strides)."""
+    g = p.grad
+    if g is None:
+        return None
+    if g.stride() != p.stride() and g.numel() > 1:
+        g = torch.empty_like(p).copy_(g)
+    return flat_view(g)
+
+
+class KeptGradients:
+    """The kept gradients of a sharded reducer (see the module docstring).
+
+    Args:
+        reducer: The reducer, sharded already.
+        advice: What a refused operation on a guard should do instead (the layer that divided the buckets knows).
+    """
+
+    def __init__(self, reducer: Any, advice: str):
+        self.reducer = reducer
+        self.sharded = reducer.shard_grads is not None
+        self.main = {b.pos for b in reducer.buckets if isinstance(b, MainGradBucket)}
+        #: Parameters whose ``.grad`` is not their synchronized gradient (guarded after each synchronized backward).
+        self.guarded: List[int] = [i for b in reducer.buckets for i in b.param_indices if self.sharded or b.pos in self.main]
+        self.guarded_set = set(self.guarded)
+        self.used = [False] * len(reducer.params)  # since the last reset, on any rank
+        #: Per parameter, this rank's pieces of it, ``(bucket position, piece)``.
+        self.pieces_of: Dict[int, List[tuple]] = {}
+        for bs, pcs in zip(reducer.shards.buckets, reducer.shards.pieces):
+            for pc in pcs:
+                self.pieces_of.setdefault(pc.param, []).append((bs.pos, pc))
+        where = "the ranks each hold a range of it" if self.sharded else "it is a float32 main gradient, in its bucket"
+        self.book = GradientBook(self.held_of, not self.sharded, self.reset_param, reducer.names, where, advice)
+        #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
+        self.placed: Dict[int, ShardedGradient] = {}
+
+    # ------------------------------------------------------------- the values
+
+    def source(self, pos: int, pc: Piece) -> Optional[torch.Tensor]:
+        """This rank's reduced gradient of piece ``pc`` of bucket ``pos`` (1-D, a view), or None: it has none."""
+        r = self.reducer
+        if pc.param in self.guarded_set and not self.used[pc.param]:
+            return None
+        if self.sharded:
+            shards = r.shard_grads
+            return shards.grads[pos][pc.at : pc.at + pc.numel] if shards.filled else None
+        if pos in self.main:
+            b = r.buckets[pos]
+            off = b.offsets[r._set.slot_pos[pc.param]]
+            return b.flat[off + pc.lo : off + pc.hi]
+        g = memory_order_grad(r.params[pc.param])
+        return None if g is None else g[pc.lo : pc.hi]
+
+    def held_of(self, i: int) -> List[torch.Tensor]:
+        """The tensors holding this rank's values of guarded parameter ``i``'s gradient (empty: it has none)."""
+        if i not in self.guarded_set or not self.used[i]:
+            return []
+        r = self.reducer
+        if not self.sharded:  # float32 main gradients: the parameter's whole slot of its bucket
+            b = r.buckets[r._set.bucket_of[i]]
+            off = b.offsets[r._set.slot_pos[i]]
+            return [b.flat[off : off + r.params[i].numel()]]
+        return [g for pos, pc in self.pieces_of.get(i, ()) for g in [self.source(pos, pc)] if g is not None]
+
+    def reset_param(self, i: int) -> None:
+        """Parameter ``i``'s gradient was zeroed in place: the values behind it are zeros from now on."""
+        for g in self.held_of(i):
+            g.zero_()
+
+    def _forget(self, i: int) -> None:
+        """Parameter ``i``'s gradient was set to None: it has none until a backward gives it one again."""
+        self.reset_param(i)
+        self.used[i] = False
+        self.placed.pop(i, None)
+
+    # ------------------------------------------------- end of synchronized backward
+
+    def after_backward(self) -> None:
+        """Guards in ``.grad``; a non-finite total puts an inf into every rank's first kept value."""
+        r = self.reducer
+        used = r.usage.global_used
+        params = r.params
+        self.placed = {}
+        for i in self.guarded:
+            if used is None or used[i]:
+                self.used[i] = True
+            if self.used[i]:
+                guard = ShardedGradient(params[i], self.book, i)
+                params[i].grad = guard
+                self.placed[i] = guard
+        total = r.health.total
+        if total is None:
+            return
+        bad = ~torch.isfinite(total)
+        for i in self.guarded:
+            for g in self.held_of(i):
+                if g.numel():
+                    first = g[:1]  # one element per rank is enough for its GradScaler to see it
+                    first.copy_(torch.where(bad, torch.full_like(first, math.inf), first))
+                    return
+
+    # ----------------------------------------------------------------- resets
+
+    def reconcile(self, at_step: bool) -> None:
+        """Make the kept gradients follow what was done to ``p.grad`` since the last synchronized backward.
+
+        A guard that is gone means its parameter's gradient was reset; when every guarded parameter's was,
+        the kept ranges and main gradients are reset whole (as :meth:`zero`).
+
+        Raises:
+            RuntimeError: at a step, a guarded parameter's ``.grad`` holds a tensor written by hand.
+        """
+        r = self.reducer
+        forgot = False
+        for i, guard in list(self.placed.items()):
+            g = r.params[i].grad
+            if g is guard:
+                continue
+            if at_step and g is not None and not is_guard(g):
+                raise RuntimeError(
+                    f"fastcoll: the gradient of '{r.names[i]}' was replaced by hand after backward; its synchronized "
+                    f"gradient is not p.grad ({self.book.where}), so what was written there cannot be stepped. Modify "
+                    f"gradients in place (p.grad.mul_) instead. {self.book.advice}"
+                )
+            self._forget(i)
+            forgot = True
+        if forgot and not any(self.used[i] for i in self.guarded):
+            self.zero_kept()
+
+    def at_forward(self) -> None:
+        """Before a forward: resets seen; the guards leave ``.grad`` (backward accumulates into fresh gradients)."""
+        self.reconcile(at_step=False)
+        for p in self.reducer.params:
+            if is_guard(p.grad):
+                p.grad = None
+        self.placed = {}
+
+    def zero(self, set_to_none: bool) -> None:
+        """``zero_grad`` of the guarded parameters: their ``.grad`` and everything kept for them."""
+        r = self.reducer
+        for i in self.guarded:
+            g = r.params[i].grad
+            if g is None:
+                continue
+            if set_to_none or is_guard(g):
+                r.params[i].grad = None
+            else:
+                g.detach_().zero_()
+        self.zero_kept()
+
+    def zero_kept(self) -> None:
+        """Forget the kept gradients (the ranges, the main gradients) and the use record."""
+        r = self.reducer
+        gather = r.param_gather
+        busy: Collection[int] = gather.borrowing() if gather is not None else ()
+        self.placed = {}
+        if r.shard_grads is not None:
+            r.shard_grads.zero(busy)
+        r.zero_main_grads(busy)
+        self.used = [False] * len(self.used)
+        r.unsynchronized = False

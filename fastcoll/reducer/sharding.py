@@ -1,0 +1,167 @@
+"""The reducer's sharded side: buckets divided among the ranks, the gradients kept for them, the parameters' all-gather.
+
+:meth:`ReducerSharding.shard` fixes the layout and divides every bucket
+(:mod:`.shards`); from then on the reducer also owns the bucket's second
+exchange, the parameters' all-gather (:mod:`.param_gather`), and the
+gradients it keeps outside ``.grad`` (:mod:`.kept_grads`). Whoever updates the
+ranges (:class:`fastcoll.ShardedOptimizer`) calls this API; the reducer calls
+nobody back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Dict, Optional, Sequence
+
+import torch
+
+from .bucket import MainGradBucket
+from .kept_grads import KeptGradients
+from .param_gather import ParamGather
+from .reduction import ShardGrads
+from .shards import ShardLayout, aligned_first
+
+__all__ = ["ReducerSharding"]
+
+
+class ReducerSharding:
+    """The sharded side of :class:`~fastcoll.reducer.core.Reducer` (a mixin: it uses the reducer's state)."""
+
+    shards: Optional[ShardLayout]
+    shard_grads: Optional[ShardGrads]
+    kept: Optional[KeptGradients]
+    param_gather: Optional[ParamGather]
+    main_buckets: list
+    unsynchronized: bool
+
+    def shard(self, sharded_grads: bool, advice: str = "") -> ShardLayout:
+        """Divide every dense bucket among the ranks, for whoever updates the ranges; returns the ranges.
+
+        The layout is fixed from here on: a ready-order rebuild still due
+        happens now (a collective, as at a forward), later ones and tuning
+        never. The buckets are reallocated padded (:mod:`.shards`). With
+        ``sharded_grads`` each bucket is reduce-scattered instead of
+        all-reduced: the reduced gradients exist only in this rank's range
+        (:attr:`shard_grads`, in the gradients' dtype: float32 for main
+        gradients), never in ``.grad``; :attr:`kept` presents the kept
+        gradients in ``.grad``, and ``advice`` is what its refusals tell the
+        user to do instead. Between iterations only.
+
+        Raises:
+            RuntimeError: already sharded, a comm hook is registered, the layout is being tuned, or a bucket is sparse.
+        """
+        self._check_idle("shard the buckets")
+        if self.shards is not None:
+            raise RuntimeError(
+                "fastcoll.ShardedOptimizer: this model's buckets are already divided (by another ShardedOptimizer); "
+                "build one over all its parameters (param groups can hold different hyperparameters)"
+            )
+        if self._hook is not None:
+            raise RuntimeError("fastcoll.ShardedOptimizer: the model has a comm hook; a sharded optimizer takes none")
+        if self._tuning is not None:
+            raise RuntimeError(
+                "fastcoll.ShardedOptimizer: the model's bucket_cap_mb is 'auto'; the optimizer state is divided along "
+                "the buckets, so their layout must be fixed: pass a fixed bucket_cap_mb (e.g. the one "
+                "model.tuning_report() chose)"
+            )
+        sparse = [self.names[i] for b in self._set.buckets if b.sparse for i in b.param_indices]
+        if sparse:
+            raise RuntimeError(f"fastcoll.ShardedOptimizer: parameters with sparse gradients cannot be sharded: {sparse}")
+        self.rebuild_buckets()
+        self._set.order.stop()
+        self._shard_world = self.world_size
+        # The optimizer agrees on non-finite gradients from the total when it steps ranges of them (GradScaler).
+        self.health.keep_total = bool(sharded_grads or self.main_buckets)
+        # The buckets again, padded to be divided, each with its odd-sized parameters last (the others aligned).
+        nbytes = [p.numel() * p.element_size() for p in self.params]
+        self._install_layout([aligned_first(b, nbytes) for b in self.layout()])
+        buckets = self._set.buckets
+        self.shards = ShardLayout(
+            [(b.pos, b.param_indices, [p.numel() for p in b.params], b.padded) for b in buckets], self.world_size, self.rank
+        )
+        if sharded_grads:
+            grads, in_place = {}, []
+            for bs in self.shards.buckets:
+                b = buckets[bs.pos]
+                if isinstance(b, MainGradBucket):  # the range of the float32 bucket itself (Megatron's layout)
+                    grads[bs.pos] = b.flat_padded[bs.start : bs.start + bs.shard]
+                    in_place.append(bs.pos)
+                else:
+                    grads[bs.pos] = torch.zeros(bs.shard, dtype=b.dtype, device=self.usage.device)
+            self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite, in_place=in_place)
+            self._index_reductions()  # the dense buckets are reduce-scattered from now on
+            self.health.watched = [self.shard_grads.grads[bs.pos] for bs in self.shards.buckets]
+        self.kept = KeptGradients(self, advice)
+        return self.shards
+
+    def enable_param_gather(
+        self,
+        stepped: Sequence[bool],
+        stages: Dict[int, torch.Tensor],
+        overlap: bool,
+        borrowed: Dict[int, torch.Tensor],
+        moved: Collection[int],
+        module: Any,
+    ) -> ParamGather:
+        """The parameters' all-gathers of the sharded buckets (see :class:`~fastcoll.reducer.param_gather.ParamGather`).
+
+        With ``overlap``, a forward pre-hook on every module of ``module`` registering parameters of a sharded
+        bucket waits for exactly those buckets.
+        """
+        gather = ParamGather(self, stepped, stages, overlap, borrowed, moved)
+        if overlap:
+            gather.install_hooks(module)
+        self.param_gather = gather
+        return gather
+
+    def _before_accumulating(self) -> None:
+        """Before a backward accumulates into the buckets: the all-gathers written, resets seen, nothing consumed."""
+        if self.param_gather is not None:
+            self.param_gather.finish()
+        if self.kept is not None:
+            self.kept.reconcile(at_step=False)
+        if any(b.consumed for b in self.main_buckets):
+            raise RuntimeError(
+                "fastcoll: call opt.zero_grad() (or model.zero_grad()) between step() and the next backward. The step "
+                "consumed the float32 main gradients: their memory holds the parameters' all-gather, so they cannot "
+                "accumulate across steps as .grad would"
+            )
+
+    def main_grad(self, idx: int) -> torch.Tensor:
+        """Parameter ``idx``'s float32 main gradient: a view of its bucket (the reduced value after a synchronized backward).
+
+        Raises:
+            RuntimeError: there are no main gradients, or they are reduce-scattered (each rank holds a range).
+        """
+        b = self._set.buckets[self._set.bucket_of[idx]]
+        if not isinstance(b, MainGradBucket):
+            raise RuntimeError(
+                f"fastcoll.DDP.main_grad: '{self.names[idx]}' has no float32 main gradient (construct the wrapper with "
+                "main_grad_dtype=torch.float32; parameters already float32 keep theirs in .grad)"
+            )
+        if self.shard_grads is not None:
+            raise RuntimeError(
+                "fastcoll.DDP.main_grad: the main gradients are reduce-scattered (grads='sharded'): "
+                "each rank holds its range only; use opt.clip_grad_norm_ / model.grad_norm() for the norm"
+            )
+        if b.consumed:
+            raise RuntimeError(
+                "fastcoll.DDP.main_grad: the optimizer's step() consumed the main gradients (their memory holds the "
+                "parameters' all-gather); read them between backward and step()"
+            )
+        return b.views[self._set.slot_pos[idx]]
+
+    def zero_main_grads(self, busy: Collection[int] = ()) -> None:
+        """Start a new accumulation of the main gradients (``busy``: buckets whose memory is in use now, zeroed later)."""
+        for b in self.main_buckets:
+            if b.pos not in busy:
+                b.zero()
+
+    def zero_kept_grads(self) -> None:
+        """Reset the gradients kept outside ``.grad`` (main gradients, reduced ranges), as ``zero_grad`` does ``.grad``."""
+        if self.param_gather is not None:
+            self.param_gather.finish()  # their memory may hold the parameters' all-gather
+        if self.kept is not None:
+            self.kept.zero_kept()
+        else:
+            self.zero_main_grads()
+            self.unsynchronized = False
