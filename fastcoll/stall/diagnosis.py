@@ -29,9 +29,10 @@ A rank gloo aborted, whose last words were published, answered: its record
 (marked ``aborted``) counts, with its collectives. When the store cannot be
 reached (its host, rank 0, is gone) every survivor reports its own state
 under the same first line, "rank 0 (the store host) is unreachable"; unless
-its board thread had kept the verdict and the records after a peer's abort
-announcement (the store host died after the first survivors settled), then
-that verdict and those records.
+its board thread had kept the verdict and the records once settled (it does
+after any stall request: the store host's process ended after the first
+survivors settled, e.g. with its own StallError), then that verdict and
+those records.
 """
 
 from __future__ import annotations
