@@ -11,6 +11,9 @@ rank 0 (``store="tcp"``; ``store="tcp-init"`` makes it through
 ``init_method="tcp://..."``) to test the store host's death, or a TCPStore
 hosted by the test process itself (``store="tcp-agent"``, as torchrun's
 agent hosts it: it survives every rank). With
+``exit_on_report=True`` a rank's process ends as soon as it has reported,
+as a script's does on an uncaught StallError (taking a TCPStore it hosts
+with it). With
 ``capture_stderr=True`` each rank's stderr (file descriptor 2: the C++
 runtime's messages too) is kept and returned in its outcome.
 """
@@ -44,7 +47,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeout, env, linger_s, stderr_path=None):
+def _worker(
+    fn, rank, world_size, store_kind, store_arg, args, results, pg_timeout, env, linger_s, stderr_path=None, exit_on_report=False
+):
     import faulthandler
 
     if stderr_path is not None:
@@ -76,6 +81,11 @@ def _worker(fn, rank, world_size, store_kind, store_arg, args, results, pg_timeo
         results.put((rank, True, out))
     except BaseException as exc:  # noqa: BLE001 - report everything
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    if exit_on_report:
+        # As a script whose StallError goes uncaught: the process (and a TCPStore it hosts) ends right after.
+        results.close()
+        results.join_thread()
+        os._exit(0)
     # Linger: the board thread keeps answering the others' stall requests, and a
     # TCPStore hosted here stays up. The parent kills every rank at the end; should
     # it die first, the rank leaves when orphaned, or after linger_s at the latest.
@@ -95,6 +105,7 @@ def run_stall_ranks(
     store: str = "file",
     env: Optional[dict] = None,
     capture_stderr: bool = False,
+    exit_on_report: bool = False,
 ) -> Dict[int, Outcome]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns each rank's :class:`Outcome`.
 
@@ -107,6 +118,8 @@ def run_stall_ranks(
             "tcp-agent" (a TCPStore hosted by this process, as torchrun's agent does).
         env: Extra environment variables in every rank.
         capture_stderr: Keep each rank's stderr (in its outcome's ``stderr``) instead of letting it through.
+        exit_on_report: A rank's process ends as soon as it has reported (as a script ends on an uncaught
+            StallError, taking a TCPStore it hosts with it) instead of lingering until the run ends.
     """
     ctx = forkserver_context()
     tmpdir = tempfile.mkdtemp(prefix="fastcoll_stall_")
@@ -124,7 +137,20 @@ def run_stall_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, store, store_arg, args, results, pg_timeout, dict(env or {}), timeout, err_paths[r]),
+            args=(
+                fn,
+                r,
+                world_size,
+                store,
+                store_arg,
+                args,
+                results,
+                pg_timeout,
+                dict(env or {}),
+                timeout,
+                err_paths[r],
+                exit_on_report,
+            ),
             daemon=True,
         )
         for r in range(world_size)

@@ -64,10 +64,20 @@ def test_a_torch_ddp_subclass():
     assert fastcoll.DistributedDataParallel is fastcoll.DDP
 
 
-@pytest.mark.parametrize("mb_list", [[1, 4, 16]])
-def test_bucket_cap_mb_list_is_refused_with_a_list_bucket_cap(mb_list):
-    from fastcoll.ddp.arguments import refuse_torch_only
+def test_bucket_cap_mb_list_in_force_follows_torch_2_13():
+    """torch's rule: a non-empty list replaces bucket_cap_mb (a number is ignored); None or [] leave it in force."""
+    from fastcoll.ddp.arguments import bucket_cap_mb_in_force as f
 
-    with pytest.raises(ValueError, match="give the per-bucket caps once"):
-        refuse_torch_only(None, None, None, [2, 8], mb_list)
-    refuse_torch_only(None, None, None, 25, mb_list)  # a number with a list: the list wins, as in torch
+    assert f(None, [1, 25]) == [1, 25]
+    assert f(5, (1, 2.5)) == [1, 2.5]
+    assert f(-3, [1]) == [1]  # ignored, as torch ignores it
+    assert f(7, []) == 7 and f(None, []) is None and f(None, None) is None and f("auto", None) == "auto"
+    for bad in ([1, 0], [1, -2], [float("nan")], [float("inf")], [True], ["1"]):
+        with pytest.raises(ValueError, match=r"bucket_cap_mb_list\[\d\] is .*positive finite number of MiB"):
+            f(None, bad)
+    for bad in (5, "1,2", {1: 2}):
+        with pytest.raises(TypeError, match="bucket_cap_mb_list must be a list"):
+            f(None, bad)
+    for cap in ([2, 8], (2,), "auto"):
+        with pytest.raises(ValueError, match="both ask for a bucket layout; give one of them"):
+            f(cap, [1, 4])

@@ -443,6 +443,68 @@ def test_diagnose_in_process_ranks_same_first_line(tmp_path, capsys):
             b.close()
 
 
+def test_the_store_host_keeps_the_store_until_every_live_rank_has_read():
+    """Rank 0 hosts the store: its diagnosis returns (and its process may end, taking the store) only once every
+    rank that answered has read the verdict: rank 1, diagnosing itself, when its diagnosis has read (done());
+    rank 2, outside fastcoll, when its board thread has kept a copy. Rank 3 is dead: not waited for."""
+    store = dist.HashStore()
+    boards = [stall.StateBoard(SyncState(rank=r, group_rank=r), store, r, 4, poll=0.05, store_host=0) for r in range(4)]
+    try:
+        for b in boards:
+            b.state.begin_forward(3)
+            b.state.note("all_reduce", "bucket 0", 100, torch.float32)
+        boards[3].publish()
+        boards[3].close()
+        for r in (0, 1):
+            boards[r].state.waiting = (2, "bucket 1", time.time() - 5)
+            boards[r].state.note("all_reduce", "bucket 1", 100, torch.float32)
+        boards[1].publish(stalled={"seq": 2, "what": "bucket 1"})  # rank 1 diagnoses (its report is whole)
+        t = time.monotonic()
+        timer = threading.Timer(2.5, boards[1].done)  # ... and has read 2.5 s from now
+        timer.start()
+        err = stall.diagnose(boards[0], 5.0, waited=5.0, grace=0.5)
+        took = time.monotonic() - t
+        timer.join()
+        assert err.first_line.startswith("fastcoll stall: rank 3 did not answer") and err.culprits == [3]
+        assert 2.4 <= took < 5.0, took
+        assert boards[2].seen_verdict["line"] == err.first_line and boards[2].seen_records[3] is not None
+        assert boards[1].seen_verdict is not None  # kept too, but rank 1 said it had read only through done()
+        # The same wait, bounded: a rank that never reads holds the host until the deadline only.
+        t = time.monotonic()
+        assert boards[0].hold_for_readers([0, 1, 2, 3], time.monotonic() + 0.5) == {3}
+        assert 0.45 <= time.monotonic() - t < 2.0
+    finally:
+        for b in boards:
+            b.close()
+
+
+def test_a_rank_that_diagnoses_after_the_store_host_left_reports_the_kept_verdict():
+    """Rank 2's board thread kept the verdict rank 0 settled; rank 0's process then ended with the store: rank 2's
+    own diagnosis, later, reports that verdict (not "the store host is unreachable")."""
+    store = dist.HashStore()
+    boards = _boards(3, store)
+    try:
+        for b in boards:
+            b.state.note("all_reduce", "bucket 0", 100, torch.float32)
+        boards[1].close()  # dead
+        boards[0].state.waiting = (1, "bucket 0", time.time() - 5)
+        err0 = stall.diagnose(boards[0], 5.0, waited=5.0, grace=0.3)
+        deadline = time.time() + 5
+        while time.time() < deadline and boards[2].seen_verdict is None:
+            time.sleep(0.02)
+        assert boards[0].readers([2]) == {2}
+        boards[2].close()
+        boards[2]._fg = _DeadStore()  # the store went with rank 0's process
+        boards[2].state.waiting = (2, "bucket 1", time.time() - 5)
+        diagnose_mod._reset_emitted()
+        err2 = stall.diagnose(boards[2], 5.0, waited=5.0, cause=RuntimeError("Connection reset by peer"))
+        assert err2.first_line == err0.first_line and err2.culprits == [1] and not err2.data["store_reachable"]
+        assert "first line as agreed by rank 0" in err2.report
+    finally:
+        for b in boards:
+            b.close()
+
+
 class _DeadStore:
     def __getattr__(self, name):
         def fail(*a, **k):
@@ -493,11 +555,12 @@ def test_an_announced_abort_reaches_the_other_boards_and_ends_their_waits_at_onc
         assert err.data["cause"].startswith("PeerAborted: rank 0 was aborted by gloo in collective #1")
         assert err.first_line.startswith("fastcoll stall: rank 0 was aborted by gloo in collective #1") and err.culprits == [0]
         assert 0 in err.data["answered"]
-        # The diagnosing rank told the store it is done; the other boards keep the verdict and the records.
-        assert b0.done_count(store) == 1
+        # The diagnosing rank said it has read; the other board keeps the verdict and the records, and says so.
+        assert b0.readers([1], store) == {1}
         while time.time() < deadline and boards[2].seen_verdict is None:
             time.sleep(0.02)
         assert boards[2].seen_verdict["line"] == err.first_line and boards[2].seen_records[0]["aborted"]
+        assert b0.hold_for_readers([0, 1, 2], time.monotonic() + 5.0, store) == set()
     finally:
         for b in boards:
             b.close()

@@ -124,6 +124,44 @@ def check_positive_mib(name: str, value: Any) -> float:
     return float(value)
 
 
+def bucket_cap_mb_in_force(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> Any:
+    """The ``bucket_cap_mb`` that torch 2.13's pair ``(bucket_cap_mb, bucket_cap_mb_list)`` amounts to.
+
+    torch's rule: a non-empty ``bucket_cap_mb_list`` gives one cap per bucket in
+    MiB (in reduction order once the buckets are rebuilt; the last repeats),
+    and ``bucket_cap_mb`` is then ignored; ``None`` or an empty list leaves
+    ``bucket_cap_mb`` in force. fastcoll's ``bucket_cap_mb`` takes such a list
+    itself, so the list is returned as ``bucket_cap_mb``.
+
+    Raises:
+        TypeError: ``bucket_cap_mb_list`` is not a list or tuple (torch fails on it too).
+        ValueError: an entry is not a positive finite number of MiB (named by its index; torch would
+            take 0 or a negative cap as one parameter per bucket, or fail on NaN), or ``bucket_cap_mb``
+            is fastcoll's own list or "auto" as well (two layouts asked for).
+    """
+    if bucket_cap_mb_list is None:
+        return bucket_cap_mb
+    if not isinstance(bucket_cap_mb_list, (list, tuple)):
+        raise TypeError(
+            "fastcoll.DDP: bucket_cap_mb_list must be a list of per-bucket caps in MiB (or None), got "
+            f"{type(bucket_cap_mb_list).__name__} {bucket_cap_mb_list!r}"
+        )
+    if not bucket_cap_mb_list:
+        return bucket_cap_mb  # torch: an empty list is no list
+    for i, cap in enumerate(bucket_cap_mb_list):
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not (0 < cap < float("inf")):
+            raise ValueError(
+                f"fastcoll.DDP: bucket_cap_mb_list[{i}] is {cap!r}; every per-bucket cap must be a positive "
+                f"finite number of MiB (got bucket_cap_mb_list={list(bucket_cap_mb_list)!r})"
+            )
+    if isinstance(bucket_cap_mb, (list, tuple, str)):
+        raise ValueError(
+            f"fastcoll.DDP: bucket_cap_mb={bucket_cap_mb!r} and bucket_cap_mb_list={list(bucket_cap_mb_list)!r} both "
+            "ask for a bucket layout; give one of them (bucket_cap_mb also takes a list of per-bucket caps)"
+        )
+    return list(bucket_cap_mb_list)
+
+
 def check_arguments(
     named: List[Tuple[str, torch.Tensor]],
     bucket_cap_mb: Any,
@@ -131,8 +169,12 @@ def check_arguments(
     comm_dtype: Any,
     device_ids: Optional[Sequence[Any]],
     output_device: Any,
+    bucket_cap_mb_list: Any = None,
 ) -> Tuple[Any, Any, int, str, Optional[List[int]], Optional[int]]:
     """This rank's checks of the module and the arguments, before anything is built.
+
+    ``bucket_cap_mb_list`` (torch 2.13's per-bucket caps), when given, replaces ``bucket_cap_mb``
+    (:func:`bucket_cap_mb_in_force`).
 
     Returns:
         (parsed bucket_cap_mb: bytes, a list of bytes or "auto"; the caps the reducer starts
@@ -141,7 +183,7 @@ def check_arguments(
     Raises:
         ValueError, RuntimeError, TypeError: naming the argument or parameter at fault.
     """
-    caps = bucket_caps_from_mb(bucket_cap_mb)
+    caps = bucket_caps_from_mb(bucket_cap_mb_in_force(bucket_cap_mb, bucket_cap_mb_list))
     first = check_positive_mib("first_bucket_mb", first_bucket_mb)
     # "auto" starts from the default caps; a list of caps sets the first bucket's too.
     cap_bytes = bucket_caps_from_mb(None) if caps == AUTO else caps
@@ -210,13 +252,7 @@ def buffer_sync_flags(broadcast_buffers: Optional[bool], forward_sync_buffers: O
     return on, on
 
 
-def refuse_torch_only(
-    delay_all_reduce_named_params: Any,
-    param_to_hook_all_reduce: Any,
-    mixed_precision: Any,
-    bucket_cap_mb: Any,
-    bucket_cap_mb_list: Any,
-) -> None:
+def refuse_torch_only(delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any, mixed_precision: Any) -> None:
     """Refuse, with what fastcoll does instead, torch DDP arguments whose mechanism fastcoll does not have.
 
     Raises:
@@ -235,11 +271,6 @@ def refuse_torch_only(
             "fastcoll.DDP: mixed_precision (torch DDP's experimental _MixedPrecision) is not supported; use "
             "torch.autocast for low-precision compute and comm_dtype=torch.bfloat16/float16 for fused "
             "low-precision communication (the gradients stay in the parameters' dtype)"
-        )
-    if bucket_cap_mb_list is not None and (isinstance(bucket_cap_mb, (list, tuple, str))):
-        raise ValueError(
-            f"fastcoll.DDP: bucket_cap_mb={bucket_cap_mb!r} and bucket_cap_mb_list={bucket_cap_mb_list!r}: give the "
-            "per-bucket caps once (bucket_cap_mb also takes a list)"
         )
 
 

@@ -94,6 +94,9 @@ class DDP(
             every rank switches at the same forward; see :meth:`tuning_report`).
             ``"auto"`` refuses comm hooks (stateful hooks key their state by
             bucket index).
+        bucket_cap_mb_list: torch 2.13's per-bucket caps in MiB: as a list
+            given to ``bucket_cap_mb`` (which is then ignored, as in torch,
+            when it is a number); None or ``[]``: ``bucket_cap_mb`` applies.
         find_unused_parameters: Traverse the autograd graph from the outputs
             each iteration; parameters not reached are reduced as zeros and
             keep their ``.grad`` when unused on every rank.
@@ -196,9 +199,6 @@ class DDP(
         if device_mesh is not None:
             self.device_mesh = device_mesh
         warn_deprecated(broadcast_buffers, forward_sync_buffers, check_reduction)
-        if bucket_cap_mb_list is not None:
-            bucket_cap_mb = list(bucket_cap_mb_list) if not isinstance(bucket_cap_mb, (list, tuple, str)) else bucket_cap_mb
-
         self.module = module
         self.dim = dim
         self.forward_sync_buffers, init_sync_buffers = buffer_sync_flags(broadcast_buffers, forward_sync_buffers)
@@ -212,7 +212,7 @@ class DDP(
         self.static_graph = False
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.broadcast_bucket_size = DEFAULT_CAP_BYTES
-        self.bucket_bytes_cap_default = bucket_cap_mb is None
+        self.bucket_bytes_cap_default = bucket_cap_mb is None and not bucket_cap_mb_list
         self.comm_dtype = comm_dtype
         self.compute_grad_norm = bool(compute_grad_norm)
         self.check_nonfinite = bool(check_nonfinite)
@@ -221,8 +221,9 @@ class DDP(
         self.verify_replicas_every = check_verify_replicas_every(verify_replicas_every)
         self.main_grad_dtype = main_grad_dtype
         self._verified_at = 0
-        torch_only = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, bucket_cap_mb, bucket_cap_mb_list)
-        self._check_and_agree(bucket_cap_mb, first_bucket_mb, device_ids, output_device, torch_only)  # a collective
+        torch_only = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
+        caps = (bucket_cap_mb, bucket_cap_mb_list)
+        self._check_and_agree(caps, first_bucket_mb, device_ids, output_device, torch_only)  # a collective
 
         self._build()
         if init_sync:
@@ -287,9 +288,11 @@ class DDP(
     # ------------------------------------------------------------ construction
 
     def _check_and_agree(
-        self, bucket_cap_mb: Any, first_bucket_mb: Any, device_ids: Any, output_device: Any, torch_only: tuple
+        self, caps: Tuple[Any, Any], first_bucket_mb: Any, device_ids: Any, output_device: Any, torch_only: tuple
     ) -> None:
         """Check the module and the arguments on every rank, then set the parsed bucket and device settings.
+
+        ``caps``: ``(bucket_cap_mb, bucket_cap_mb_list)`` as given.
 
         A local failure is shared with the other ranks by the signature
         exchange (:meth:`_verify_across_ranks`), so that every rank raises and none hangs.
@@ -300,7 +303,7 @@ class DDP(
             refuse_torch_only(*torch_only)
             check_torch_features([p for _, p in named])
             check_main_grad_dtype(self.main_grad_dtype, self.gradient_as_bucket_view)
-            cfg = check_arguments(named, bucket_cap_mb, first_bucket_mb, self.comm_dtype, device_ids, output_device)
+            cfg = check_arguments(named, caps[0], first_bucket_mb, self.comm_dtype, device_ids, output_device, caps[1])
             resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
         except (ValueError, RuntimeError, TypeError) as exc:
             error, cfg = exc, None

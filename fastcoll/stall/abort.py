@@ -29,8 +29,9 @@ thread, before the abort:
    data came (the ranks whose collective at that sequence number differs,
    :func:`fastcoll.stall.verdict.mismatch_sources`);
 4. it keeps the process (and so a store it hosts) alive until every other
-   rank has read what it needs (the ``done`` counter) or ``linger`` seconds
-   passed, writes the first line the survivors agreed on, and hands over
+   rank has read what it needs (:meth:`~fastcoll.stall.board.StateBoard.hold_for_readers`,
+   the same wait as the store host's after its own diagnosis) or ``linger``
+   seconds passed, writes the first line the survivors agreed on, and hands over
    to the previous terminate handler (libstdc++'s prints gloo's message and
    aborts).
 
@@ -54,12 +55,11 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from .board import LINGER_CAP_S
+
 __all__ = ["ENV", "aborting", "hold", "install", "installed", "register", "uninstall"]
 
 ENV = "FASTCOLL_STALL_ABORT_HOOK"
-
-#: Longest a process being aborted stays alive for the other ranks (seconds).
-LINGER_CAP_S = 30.0
 
 _HANDLER = ctypes.CFUNCTYPE(None)
 _lock = threading.Lock()
@@ -264,13 +264,6 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _linger(board: Any) -> float:
-    """How long the process stays for the others: their poll, a wait slice, a diagnosis; at most LINGER_CAP_S."""
-    from .wait import WAIT_SLICE_S
-
-    return min(LINGER_CAP_S, 12.0 + 4.0 * float(board.poll) + 2.0 * WAIT_SLICE_S)
-
-
 def _last_words() -> None:
     global _owner
     me = threading.get_ident()
@@ -291,7 +284,7 @@ def _last_words() -> None:
         _aborting.set()
         t0 = time.monotonic()
         for board in boards:
-            _report(board, name, what, t0 + _linger(board))
+            _report(board, name, what, t0 + board.linger_s())
     finally:
         _finished.set()
 
@@ -348,8 +341,7 @@ def _report(board: Any, name: str, what: Optional[str], deadline: float) -> None
                 records, board.group_rank, board.rank_map, info.get("received"), info.get("expected")
             )
             _write(f"fastcoll: {sentence}")
-        others = board.world_size - 1
-        _await(lambda: _done(board, store, others), deadline)
+        board.hold_for_readers(range(board.world_size), deadline, store, step=0.1)
         verdict = _safe(lambda: board.verdict_through(store))
     finally:
         _release(lock)
@@ -399,11 +391,6 @@ def _answers(board: Any, store: Any, req: int) -> Tuple[bool, Dict[int, Optional
         for r, rec in records.items()
     )
     return ready, records
-
-
-def _done(board: Any, store: Any, others: int) -> Tuple[bool, int]:
-    n = board.done_count(store)
-    return n >= others, n
 
 
 def _after_fork_in_child() -> None:

@@ -10,9 +10,13 @@ collide):
 * ``req``: a counter every diagnosing rank increments: "answer now";
 * ``verdict``: the first line of the first diagnosis (compare-and-set: the
   first writer wins, every later diagnosing rank adopts it);
-* ``done``: a counter every diagnosing rank increments once it has read
-  what it needs from the store (a rank the backend is aborting, whose
-  process may host the store, waits for it before it dies);
+* ``read/<group rank>``: set once the rank holds the settled verdict and
+  every rank's record (its diagnosis read them, or its board thread kept a
+  copy): from then on it no longer needs the store. A process that may host
+  the store keeps it up until every rank it knows alive has set this key
+  (:meth:`StateBoard.hold_for_readers`): the store host after its own
+  diagnosis (:func:`fastcoll.stall.diagnose`), a rank the backend is
+  aborting before it dies (:mod:`fastcoll.stall.abort`);
 * ``abort``: set by a rank the backend is aborting (:mod:`fastcoll.stall.abort`):
   who, in which collective, what the backend said.
 
@@ -23,9 +27,13 @@ set ``state.urgent`` or called :meth:`StateBoard.poke`, and whenever ``req``
 grew (an answer). Between requests it reads ``req`` every ``poll`` seconds:
 one small read, nothing on the collectives' wire. Only when ``req`` grew
 does it also look for ``abort``: a peer being aborted sets
-:attr:`StateBoard.peer_abort`, which ends this rank's waits at once, and
-from then on the thread also keeps a copy of the verdict and of every
-rank's record (used if the store dies before this rank reads it).
+:attr:`StateBoard.peer_abort`, which ends this rank's waits at once. From
+the first request on, the thread also looks for the verdict at each poll
+until it is settled, then keeps a copy of it and of every rank's record and
+sets ``read/<rank>`` (unless its own rank is diagnosing, which sets it
+once it has read): a rank whose own diagnosis comes later (its wait times
+out later, or it is stuck outside fastcoll) reports that verdict even when
+the store has gone with its host meanwhile.
 """
 
 from __future__ import annotations
@@ -38,13 +46,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .state import SyncState
 
-__all__ = ["KEY_PREFIX", "StateBoard", "StoreUnreachable", "store_host_of"]
+__all__ = ["KEY_PREFIX", "LINGER_CAP_S", "StateBoard", "StoreUnreachable", "store_host_of"]
 
 KEY_PREFIX = "fastcoll/stall/"
 ABORT_KEY = KEY_PREFIX + "abort"
-DONE_KEY = KEY_PREFIX + "done"
+READ_PREFIX = KEY_PREFIX + "read/"
 REQ_KEY = KEY_PREFIX + "req"
 VERDICT_KEY = KEY_PREFIX + "verdict"
+
+
+#: Longest a process that may host the store stays for the other ranks' reads (seconds).
+LINGER_CAP_S = 30.0
 
 
 class StoreUnreachable(RuntimeError):
@@ -188,7 +200,7 @@ class StateBoard:
                     self._write(store)
                     if self.peer_abort is None:
                         self._look_for_abort(store)
-                if self.peer_abort is not None and self.seen_verdict is None:
+                if self._answered and self.seen_verdict is None:
                     self._keep_verdict(store)
             except Exception as exc:  # noqa: BLE001 - the store is gone: stop quietly, diagnose() will say so
                 self.failed = exc
@@ -221,7 +233,7 @@ class StateBoard:
             self.peer_abort = info
 
     def _keep_verdict(self, store: Any) -> None:
-        """After a peer's abort: copy the verdict and the records once settled (the store may be in the dying process)."""
+        """After a stall request: copy the verdict and the records once settled, then say so (the store's host may go next)."""
         if not store.check([VERDICT_KEY]):
             return
         try:
@@ -230,6 +242,11 @@ class StateBoard:
             return
         self.seen_records = self._read_records(store)
         self.seen_verdict = verdict
+        if self._stalled is None:  # a rank diagnosing says so itself once it has read (done()): its report is whole
+            store.set(self._read_key(self.group_rank), "1")
+
+    def _read_key(self, r: int) -> str:
+        return f"{READ_PREFIX}{r}"
 
     def _write(self, store: Any) -> None:
         store.set(self._key(self.group_rank), json.dumps(self._record(), separators=(",", ":")))
@@ -332,12 +349,59 @@ class StateBoard:
             return verdict
 
     def done(self) -> None:
-        """Tell a rank being aborted (it may host the store) that this rank has read what it needs; best effort."""
+        """Say that this rank has read the verdict and the records (a process hosting the store may go); best effort."""
         try:
             with self._lock:
-                self._fg.add(DONE_KEY, 1)
+                self._fg.set(self._read_key(self.group_rank), "1")
         except Exception as exc:  # noqa: BLE001
             self.failed = exc
+
+    def linger_s(self) -> float:
+        """How long a process that may host the store waits for the others' reads, at most: a few polls of
+        their board threads and a wait slice, plus a margin for a loaded machine; at most :data:`LINGER_CAP_S`."""
+        from .wait import WAIT_SLICE_S
+
+        return min(LINGER_CAP_S, 12.0 + 4.0 * self.poll + 2.0 * WAIT_SLICE_S)
+
+    def readers(self, ranks: Sequence[int], store: Any = None) -> set:
+        """Which of the group ranks ``ranks`` hold the verdict and the records (:meth:`done`, or a kept copy).
+
+        Through ``store`` (another thread's connection, without the lock) or this board's foreground one.
+        Store errors propagate.
+        """
+        keys = [self._read_key(r) for r in ranks]
+        if store is None:
+            with self._lock:
+                return self._readers(self._fg, ranks, keys)
+        return self._readers(store, ranks, keys)
+
+    @staticmethod
+    def _readers(store: Any, ranks: Sequence[int], keys: List[str]) -> set:
+        if not keys or store.check(keys):
+            return set(ranks)
+        return {r for r, k in zip(ranks, keys) if store.check([k])}
+
+    def hold_for_readers(self, ranks: Sequence[int], deadline: float, store: Any = None, step: float = 0.05) -> set:
+        """Keep this process (and a store it hosts) up until every rank of ``ranks`` has read what it needs.
+
+        The one place where a rank waits for the others' reads, for whichever
+        process may take the store with it. Returns at ``deadline``
+        (``time.monotonic()``) at the latest, or when the store fails.
+
+        Returns:
+            The ranks that had not read by then (empty when all did).
+        """
+        pending = set(ranks) - {self.group_rank}
+        while pending:
+            try:
+                pending -= self.readers(sorted(pending), store)
+            except Exception as exc:  # noqa: BLE001 - the store is gone: nobody can read it any more
+                self.failed = exc
+                return pending
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(step)
+        return pending
 
     # ------------------------------------------------- the backend aborts us
 
@@ -370,10 +434,6 @@ class StateBoard:
     def read_records(self, store: Any) -> Dict[int, Optional[Dict[str, Any]]]:
         """Every rank's record through ``store`` (the abort path's connection); store errors propagate."""
         return self._read_records(store)
-
-    def done_count(self, store: Any) -> int:
-        """How many ranks called :meth:`done` (through ``store``)."""
-        return int(store.add(DONE_KEY, 0))
 
     def verdict_through(self, store: Any) -> Optional[Dict[str, Any]]:
         """The settled verdict, if any (through ``store``)."""

@@ -13,9 +13,14 @@ outstanding work too old):
    and offer it to the store with compare-and-set: the first diagnosing
    rank's line wins and every rank adopts it, so the first line is the same
    on every live rank even when ranks read the store at different moments;
-4. tell the store it is done reading (a rank that gloo is aborting, which
-   may host the store, waits for every other rank's ``done`` before it
-   dies: :mod:`fastcoll.stall.abort`);
+4. tell the store it has read what it needs; the rank that hosts the store
+   (rank 0 under ``init_method="tcp://..."``) then waits until every rank
+   that answered has read too, or holds a copy its board thread kept
+   (:meth:`~fastcoll.stall.board.StateBoard.hold_for_readers`, bounded), so
+   that a survivor whose own diagnosis starts later, or ends later, still
+   names the culprit after the host's process has ended with its
+   StallError (a rank that gloo is aborting waits the same way:
+   :mod:`fastcoll.stall.abort`);
 5. build the report, print it to stderr (once per process), write it as JSON
    to ``$FASTCOLL_TRACE_DIR/stall-rank<r>.json`` when that is set, and return
    the :class:`StallError` for the caller to raise.
@@ -24,9 +29,10 @@ A rank gloo aborted, whose last words were published, answered: its record
 (marked ``aborted``) counts, with its collectives. When the store cannot be
 reached (its host, rank 0, is gone) every survivor reports its own state
 under the same first line, "rank 0 (the store host) is unreachable"; unless
-its board thread had kept the verdict and the records after a peer's abort
-announcement (the store host died after the first survivors settled), then
-that verdict and those records.
+its board thread had kept the verdict and the records once settled (it does
+after any stall request: the store host's process ended after the first
+survivors settled, e.g. with its own StallError), then that verdict and
+those records.
 """
 
 from __future__ import annotations
@@ -102,6 +108,8 @@ def _gather_verdict(board: StateBoard, stalled: Dict[str, Any], grace: float, t0
             culprits = list(verdict.get("culprits", culprits))
             verdict_by = verdict.get("by")
             board.done()
+            if board.store_host is not None and board.store_host == state.rank:
+                board.hold_for_readers(sorted(answered), time.monotonic() + board.linger_s())
         except StoreUnreachable:
             reachable = False
     if not reachable:
