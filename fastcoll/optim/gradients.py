@@ -14,7 +14,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..reducer.kept_grads import memory_order_grad
 from ..reducer.shards import Piece
 
 __all__ = ["PieceGradients"]
@@ -53,22 +52,7 @@ class PieceGradients:
 
     def own_ranges(self) -> List[torch.Tensor]:
         """The reduced gradients of this rank's range of every bucket (every parameter's, stepped or not)."""
-        r = self.reducer
-        if self.sharded:
-            shards = r.shard_grads
-            return [g for g in shards.grads.values() if g.numel()] if shards.filled else []
-        out = []
-        layout = r.shards
-        for bs, pcs in zip(layout.buckets, layout.pieces):
-            if bs.pos in self.kept.main:
-                b = r.buckets[bs.pos]
-                out.append(b.flat_padded[bs.start : bs.start + bs.shard])
-                continue
-            for pc in pcs:
-                g = memory_order_grad(r.params[pc.param])
-                if g is not None:
-                    out.append(g[pc.lo : pc.hi])
-        return out
+        return self.kept.own_ranges()
 
     def whole(self) -> Optional[List[torch.Tensor]]:
         """At one rank, every parameter's reduced gradient (1-D where it is a range's), in parameter order; else None.
@@ -78,7 +62,7 @@ class PieceGradients:
         r = self.reducer
         if r.world_size != 1:
             return None
-        layout = r.shards
+        layout = self.kept.layout
         found = [(pc.param, self.kept.source(bs.pos, pc)) for bs, pcs in zip(layout.buckets, layout.pieces) for pc in pcs]
         return [g for _, g in sorted(found, key=lambda item: item[0]) if g is not None]
 

@@ -58,13 +58,14 @@ import torch.distributed as dist
 from .._knobs import force_collectives
 from ..bucketing import Caps
 from ..ops.dtypes import check_comm_dtype
-from .bucket import GradBucket, MainGradBucket, PackArgs
+from .bucket import PackArgs
+from .bucket_layout import ReducerLayout
 from .comm import Communicator
 from .health import Divisor, GradHealth
 from .kept_grads import KeptGradients
 from .layout import BucketSet
 from .param_gather import ParamGather
-from .reduction import AllReduce, CommHook, InFlight, ReduceScatter, ShardGrads, Skipped, SparseSum, ZeroBuffers
+from .reduction import CommHook, ShardGrads, Skipped, ZeroBuffers
 from .runtime_log import RuntimeLog
 from .settings import ReducerSettings
 from .sharding import ReducerSharding
@@ -124,7 +125,7 @@ def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[t
     return hook
 
 
-class Reducer(ReducerSettings, ReducerSharding):
+class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
     """Bucketed, overlapped gradient averaging for a list of parameters.
 
     Args:
@@ -260,64 +261,6 @@ class Reducer(ReducerSettings, ReducerSharding):
         """A backward is being reduced (started, or ended with buckets left): no reconfiguration now."""
         return self._phase is _BACKWARD or self._phase is _UNFINISHED
 
-    # ------------------------------------------------------------------ layout
-
-    @property
-    def buckets(self) -> List[GradBucket]:
-        """The buckets, in reduction order."""
-        return self._set.buckets
-
-    def _install_layout(self, layout: List[List[int]]) -> None:
-        self._set.install(layout, self.comm_dtype, self._shard_world, self.main_grad_dtype)
-        self.main_buckets = [b for b in self._set.buckets if isinstance(b, MainGradBucket)]
-        self.health.resize(len(self._set.buckets))
-        self._index_reductions()
-        self._count_expected()
-        self._reset_progress()
-
-    def _index_reductions(self) -> None:
-        if self.shard_grads is not None:
-            dense = ReduceScatter(self.comm, self.timeline, self.shard_grads)
-        else:
-            dense = self._hook if self._hook is not None else AllReduce(self.comm, self.timeline)
-        sparse = SparseSum(self.comm, self.timeline)
-        self._reductions = [sparse if b.sparse else dense for b in self._set.buckets]
-
-    def _count_expected(self) -> None:
-        expected = self.usage.expected
-        self._bucket_expected = [sum(expected[i] for i in b.param_indices) for b in self._set.buckets]
-
-    def _reset_progress(self) -> None:
-        """Per-iteration bucket state (gradients still missing, reductions in flight, early packs).
-
-        Also binds the lookups the gradient hook needs.
-        """
-        s = self._set
-        nb = len(s.buckets)
-        self._pending = self._bucket_expected[:]
-        self._inflight: List[Optional[InFlight]] = [None] * nb
-        self._n_packed = [0] * nb
-        self._packed = bytearray(len(self.params))
-        self._next_bucket = 0
-        self._bucket_of, self._eager_slots, self._slot_pos = s.bucket_of, s.eager_slots, s.slot_pos
-
-    def rebuild_buckets(self) -> bool:
-        """Rebuild the layout from the recorded ready order, once; rank 0's order wins.
-
-        Collective (a broadcast) when a rebuild is pending; every rank has one
-        pending after the same iteration, since the order is recorded during
-        the first synchronized backward.
-
-        Returns:
-            True if a rebuild took place (even one that kept the layout).
-        """
-        layout = self._set.next_layout(self.comm, self.usage.device)
-        if layout is None:
-            return False
-        if layout != self.layout():
-            self._install_layout(layout)
-        return True
-
     # ---------------------------------------------------------------- forward
 
     def prepare_for_forward(self) -> None:
@@ -334,14 +277,6 @@ class Reducer(ReducerSettings, ReducerSharding):
         self.prepare_layout()
         self.timeline.begin_iteration(len(self._set.buckets))
         self.comm.state.begin_forward(self.usage.iterations)
-
-    def prepare_layout(self) -> None:
-        """Layout changes due at a forward, on every rank alike (joined ranks too): the one rebuild, then autotuning steps."""
-        self.rebuild_buckets()
-        if self._tuning is not None and self._set.order.rebuilt and not self._tuning.frozen and not self.closed:
-            layout = self._tuning.next_layout(self)
-            if layout is not None and layout != self.layout():
-                self._install_layout(layout)
 
     def prepare_for_backward(self, outputs: Optional[Any] = None) -> None:
         """Arm the hooks for the next backward.

@@ -61,6 +61,7 @@ class KeptGradients:
         self.guarded: List[int] = [i for b in reducer.buckets for i in b.param_indices if self.sharded or b.pos in self.main]
         self.guarded_set = set(self.guarded)
         self.used = [False] * len(reducer.params)  # since the last reset, on any rank
+        self.layout = reducer.shards
         #: Per parameter, this rank's pieces of it, ``(bucket position, piece)``.
         self.pieces_of: Dict[int, List[tuple]] = {}
         for bs, pcs in zip(reducer.shards.buckets, reducer.shards.pieces):
@@ -87,6 +88,25 @@ class KeptGradients:
             return b.flat[off + pc.lo : off + pc.hi]
         g = memory_order_grad(r.params[pc.param])
         return None if g is None else g[pc.lo : pc.hi]
+
+    def own_ranges(self) -> List[torch.Tensor]:
+        """The reduced gradients of this rank's range of every bucket (every parameter's, stepped or not)."""
+        r = self.reducer
+        if self.sharded:
+            shards = r.shard_grads
+            return [g for g in shards.grads.values() if g.numel()] if shards.filled else []
+        out = []
+        layout = r.shards
+        for bs, pcs in zip(layout.buckets, layout.pieces):
+            if bs.pos in self.main:
+                b = r.buckets[bs.pos]
+                out.append(b.flat_padded[bs.start : bs.start + bs.shard])
+                continue
+            for pc in pcs:
+                g = memory_order_grad(r.params[pc.param])
+                if g is not None:
+                    out.append(g[pc.lo : pc.hi])
+        return out
 
     def held_of(self, i: int) -> List[torch.Tensor]:
         """The tensors holding this rank's values of guarded parameter ``i``'s gradient (empty: it has none)."""

@@ -1,0 +1,88 @@
+"""The reducer's bucket layout: installing one, the one rebuild from the ready order, autotuning's layouts.
+
+Every change of layout goes through :meth:`ReducerLayout._install_layout`,
+which re-derives everything that depends on it (main-gradient buckets,
+health slots, the reduction of each bucket, the expected gradient counts and
+the per-iteration progress).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from .bucket import GradBucket, MainGradBucket
+from .reduction import AllReduce, InFlight, ReduceScatter, SparseSum
+
+__all__ = ["ReducerLayout"]
+
+
+class ReducerLayout:
+    """The layout side of :class:`~fastcoll.reducer.core.Reducer` (a mixin: it uses the reducer's state)."""
+
+    _set: Any
+    _hook: Any
+    _tuning: Any
+
+    @property
+    def buckets(self) -> List[GradBucket]:
+        """The buckets, in reduction order."""
+        return self._set.buckets
+
+    def _install_layout(self, layout: List[List[int]]) -> None:
+        self._set.install(layout, self.comm_dtype, self._shard_world, self.main_grad_dtype)
+        self.main_buckets = [b for b in self._set.buckets if isinstance(b, MainGradBucket)]
+        self.health.resize(len(self._set.buckets))
+        self._index_reductions()
+        self._count_expected()
+        self._reset_progress()
+
+    def _index_reductions(self) -> None:
+        if self.shard_grads is not None:
+            dense = ReduceScatter(self.comm, self.timeline, self.shard_grads)
+        else:
+            dense = self._hook if self._hook is not None else AllReduce(self.comm, self.timeline)
+        sparse = SparseSum(self.comm, self.timeline)
+        self._reductions = [sparse if b.sparse else dense for b in self._set.buckets]
+
+    def _count_expected(self) -> None:
+        expected = self.usage.expected
+        self._bucket_expected = [sum(expected[i] for i in b.param_indices) for b in self._set.buckets]
+
+    def _reset_progress(self) -> None:
+        """Per-iteration bucket state (gradients still missing, reductions in flight, early packs).
+
+        Also binds the lookups the gradient hook needs.
+        """
+        s = self._set
+        nb = len(s.buckets)
+        self._pending = self._bucket_expected[:]
+        self._inflight: List[Optional[InFlight]] = [None] * nb
+        self._n_packed = [0] * nb
+        self._packed = bytearray(len(self.params))
+        self._next_bucket = 0
+        self._bucket_of, self._eager_slots, self._slot_pos = s.bucket_of, s.eager_slots, s.slot_pos
+
+    def rebuild_buckets(self) -> bool:
+        """Rebuild the layout from the recorded ready order, once; rank 0's order wins.
+
+        Collective (a broadcast) when a rebuild is pending; every rank has one
+        pending after the same iteration, since the order is recorded during
+        the first synchronized backward.
+
+        Returns:
+            True if a rebuild took place (even one that kept the layout).
+        """
+        layout = self._set.next_layout(self.comm, self.usage.device)
+        if layout is None:
+            return False
+        if layout != self.layout():
+            self._install_layout(layout)
+        return True
+
+    def prepare_layout(self) -> None:
+        """Layout changes due at a forward, on every rank alike (joined ranks too): the one rebuild, then autotuning steps."""
+        self.rebuild_buckets()
+        if self._tuning is not None and self._set.order.rebuilt and not self._tuning.frozen and not self.closed:
+            layout = self._tuning.next_layout(self)
+            if layout is not None and layout != self.layout():
+                self._install_layout(layout)
