@@ -8,6 +8,8 @@ library's path; exits 1 with the compiler's error if the build fails.
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import sys
 from typing import List, Optional
 
@@ -37,14 +39,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(compile.error_excerpt(f.read(), _LOG_LINES), file=sys.stderr)
         print(f"fastcoll.build: {exc}", file=sys.stderr)
         return 1
-    from ..ops import loader
-
     state = f"compiled in {got.seconds:.0f} s" if got.seconds is not None else "already in the cache"
     print(f"key:  {got.plan.key}\npath: {got.path}\n({state})")
     if got.plan.cuda_missing:
         print(f"note: no CUDA kernels: {got.plan.cuda_missing}")
-    if loader.ORIGIN == loader.AHEAD_OF_TIME:
-        print(f"note: import uses the ahead-of-time build {loader.EXT_PATH} first, while it loads")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ahead = sorted(glob.glob(os.path.join(package, "_C*.so")))
+    if ahead:
+        print(f"note: import uses the ahead-of-time build {ahead[0]} first, while it loads for this torch")
     return 0
 
 

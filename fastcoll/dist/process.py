@@ -176,9 +176,9 @@ def rank_zero_only(func: F) -> F:
 
 def _wrapper_types() -> tuple[type, ...]:
     """The data-parallel wrapper classes :func:`is_module_wrapper` recognises."""
-    from ..ddp import DDP  # at call time: fastcoll.ddp imports this package
-
-    types = [torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel, DDP]
+    # fastcoll.DDP subclasses torch's DistributedDataParallel: recognised without importing fastcoll.ddp,
+    # which imports this package.
+    types = [torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel]
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - distributed-less builds
