@@ -35,12 +35,17 @@ from .param_buffer import ParamBuffers, movable, shares_memory
 __all__ = ["ShardedOptimizer"]
 
 _GRADS = ("full", "sharded")
-#: What a refused operation on a guarded ``p.grad`` should do instead.
-_ADVICE = (
-    "To clip, call opt.clip_grad_norm_(max_norm) of the fastcoll.ShardedOptimizer (the global norm, the same on every "
-    "rank); with torch.amp.GradScaler, scaler.unscale_(opt) and scaler.step(opt) work as with torch. Pass "
-    "grads='full' (and no main_grad_dtype) to keep every rank's full gradients in p.grad."
-)
+
+
+def _advice(grads: str) -> str:
+    """What a refused operation on a guarded ``p.grad`` should do instead."""
+    return (
+        f"This is fastcoll.ShardedOptimizer(grads={grads!r}). To clip, call opt.clip_grad_norm_(max_norm) (the "
+        "global norm, the same on every rank); with torch.amp.GradScaler, scaler.unscale_(opt) and scaler.step(opt) "
+        "work as with torch. Pass grads='full' (and no main_grad_dtype) to keep every rank's full gradients in p.grad."
+    )
+
+
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -114,7 +119,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # State some classes create at construction for parameters that are not sharded (frozen ones): kept as is.
         self._outside_state = {k: st for k, p in enumerate(self._order) if index_of.get(id(p)) is None
                                for st in [optimizer.state.get(p)] if st}  # fmt: skip
-        self._layout = reducer.shard(grads == "sharded", advice=_ADVICE)  # collective when a bucket rebuild is due
+        self._layout = reducer.shard(grads == "sharded", advice=_advice(grads))  # collective when a bucket rebuild is due
         shared = shares_memory(reducer.params)
         moving = {bs.pos: movable(reducer.buckets[bs.pos], self._stepped, shared) for bs in self._layout.buckets if bs.padded}
         # Parameters that move into a flat buffer of their bucket's layout: no pack, no write-back for them.
