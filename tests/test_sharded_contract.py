@@ -204,9 +204,10 @@ Obs = Dict[str, Any]
 
 def _train(run: Run, steps: int = STEPS, zero: str = "opt", set_to_none: bool = True, clip: Optional[float] = None,
            after_step: Optional[Callable[[Run, int], None]] = None, between: Optional[Callable[[Run, int], None]] = None,
-           sched: Any = None) -> Obs:  # fmt: skip
+           sched: Any = None, start: int = 0) -> Obs:  # fmt: skip
+    """Steps ``start`` to ``steps - 1`` of the loop, with the pattern's calls; the losses so far and the parameters."""
     obs: Obs = {}
-    for step in range(steps):
+    for step in range(start, steps):
         if zero:
             run.zero(zero, set_to_none)
         run.backward(step)
@@ -418,11 +419,7 @@ def _scaler_pattern(clip: bool) -> Callable[[Callable[..., Run]], Obs]:
 
 def _trained(new: Callable[..., Run], steps: int = 2, **kw: Any) -> Run:
     run = new(**kw)
-    for step in range(steps):
-        run.zero("opt")
-        run.backward(step)
-        run.opt.step()
-    run.settle()
+    _train(run, steps=steps)
     return run
 
 
@@ -448,14 +445,12 @@ def p_state_dict_round_trip(new: Callable[..., Run]) -> Obs:
     run = _trained(new)
     sd = copy.deepcopy(run.opt.state_dict())
     obs = _state_obs("sd", [sd["state"][k] for k in sorted(sd["state"])])
-    run.opt.load_state_dict(sd)
-    for step in range(2, STEPS):
-        run.zero("opt")
-        run.backward(step)
-        run.opt.step()
-    run.settle()
-    obs["losses"] = torch.stack(run.losses)
-    obs.update(run.params())
+    run.opt.load_state_dict(copy.deepcopy(sd))
+    resumed = new()  # a resumed run: the model's and the optimizer's state dicts loaded before its first step
+    resumed.model.load_state_dict(run.model.state_dict())
+    resumed.opt.load_state_dict(sd)
+    for r in (run, resumed):
+        obs.update({f"{k}#{r is resumed}": v for k, v in _train(r, start=2).items()})
     return obs
 
 
@@ -471,13 +466,7 @@ def p_dcp_optimizer_state_dict(new: Callable[..., Run]) -> Obs:
             obs[f"dcp.{fqn}.{key}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v))
     obs["dcp_groups_lr"] = torch.tensor([g["lr"] for g in osd["param_groups"]], dtype=torch.float64)
     set_optimizer_state_dict(run.model, run.opt, copy.deepcopy(osd))
-    for step in range(2, STEPS):
-        run.zero("opt")
-        run.backward(step)
-        run.opt.step()
-    run.settle()
-    obs["losses"] = torch.stack(run.losses)
-    obs.update(run.params())
+    obs.update(_train(run, start=2))
     return obs
 
 
@@ -554,18 +543,9 @@ def p_state_dict_hooks(new: Callable[..., Run]) -> Obs:
 
 def p_add_param_group(new: Callable[..., Run]) -> Obs:
     """The head joins the optimizer after construction (fine-tuning that unfreezes in stages)."""
-    run = new(leave_out="out")
-    obs: Obs = {}
-    for step in range(STEPS):
-        if step == 2:
-            run.opt.add_param_group({"params": list(run.model.out.parameters()), "lr": 0.003})
-        run.zero("opt")
-        run.backward(step)
-        run.opt.step()
-    run.settle()
-    obs["losses"] = torch.stack(run.losses)
-    obs.update(run.params())
-    return obs
+    run = _trained(new, leave_out="out")
+    run.opt.add_param_group({"params": list(run.model.out.parameters()), "lr": 0.003})
+    return _train(run, start=2)
 
 
 def p_requires_grad_change(new: Callable[..., Run]) -> Obs:

@@ -116,6 +116,18 @@ def hf_loop_saving(new: Callable[..., Run]) -> Obs:
 # --------------------------------------------------------------------------- EMA after every step
 
 
+def ema_loop(run: Run, update: Callable[[int], None], averaged: torch.nn.Module, obs: Obs) -> Obs:
+    """Steps with accumulated micro-batches, ``update(step)`` right after each step; the averaged weights at the end."""
+    for step in range(STEPS):
+        run.zero("opt")
+        accumulate(run, step)
+        run.opt.step()
+        run.read_point()
+        update(step)
+    obs.update({f"ema.{n}": p.detach().clone() for n, p in averaged.named_parameters()})
+    return finish(run, obs)
+
+
 def ema_averaged_model(new: Callable[..., Run]) -> Obs:
     """AveragedModel(use_buffers=True) with an EMA updated after every step, a scheduler, accumulation."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -124,17 +136,14 @@ def ema_averaged_model(new: Callable[..., Run]) -> Obs:
     sched = torch.optim.lr_scheduler.StepLR(run.opt, step_size=1, gamma=0.7)
     ema = AveragedModel(run.model, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True)
     obs: Obs = {}
-    for step in range(STEPS):
-        run.zero("opt")
-        accumulate(run, step)
-        run.opt.step()
-        run.read_point()
+
+    def update(step: int) -> None:
         ema.update_parameters(run.model)
         sched.step()
         with torch.no_grad():
             obs[f"ema_out{step}"] = ema(micro_batch(99, 0, run.rank, run.world)).clone()
-    obs.update({f"ema.{n}": p.detach().clone() for n, p in ema.module.named_parameters()})
-    return finish(run, obs)
+
+    return ema_loop(run, update, ema.module, obs)
 
 
 def ema_diffusers_style(new: Callable[..., Run]) -> Obs:
@@ -163,15 +172,7 @@ def ema_timm_v3(new: Callable[..., Run]) -> Obs:
     timm_utils = pytest.importorskip("timm.utils")
     run = new()
     ema = timm_utils.ModelEmaV3(run.model, decay=0.8)
-    obs: Obs = {}
-    for step in range(STEPS):
-        run.zero("opt")
-        accumulate(run, step)
-        run.opt.step()
-        run.read_point()
-        ema.update(run.model, step=step)
-    obs.update({f"ema.{n}": p.detach().clone() for n, p in ema.module.named_parameters()})
-    return finish(run, obs)
+    return ema_loop(run, lambda step: ema.update(run.model, step=step), ema.module, {})
 
 
 # --------------------------------------------------------------------------- gradient accumulation
