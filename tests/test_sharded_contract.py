@@ -646,7 +646,8 @@ def differences(got: Obs, want: Obs, bitwise: bool, bf16_rounding: bool) -> List
     if sorted(got) != sorted(want):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         problems.append(f"observations differ: missing {missing[:6]}, extra {extra[:6]}")
-    for k in sorted(set(got) & set(want)):
+    # Scalars first (counts, flags, learning rates, norms: they say most), then the tensors.
+    for k in sorted(set(got) & set(want), key=lambda k: (want[k].numel() > 1, k)):
         a, b = got[k], want[k]
         if a.shape != b.shape or a.dtype != b.dtype:
             problems.append(f"{k}: shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")

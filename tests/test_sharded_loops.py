@@ -15,7 +15,9 @@ same tolerances, same bf16 reference: the fastcoll model on its canonical route)
   optimizer before it is wrapped, ``model.zero_grad()`` on the wrapped model,
   micro-batches under ``no_sync``, ``Accelerator.clip_grad_norm_(model.parameters())``,
   the learning rate read from ``optimizer.param_groups[0]["lr"]``, and the
-  optimizer's ``state_dict()`` taken on the main process only (``should_save``).
+  optimizer's ``state_dict()`` taken on the main process only (``should_save``);
+  also with the optimizer passed through ``accelerator.prepare`` and the
+  scheduler built on the prepared one (what ``Trainer`` does with an optimizer).
 * EMA after every step: ``torch.optim.swa_utils.AveragedModel`` with
   ``use_buffers=True``, the in-place update diffusers' ``EMAModel.step`` does
   over ``model.parameters()``, timm's ``ModelEmaV3`` (when timm imports).
@@ -77,17 +79,23 @@ def accelerator(rank: int, world: int) -> Any:
     return Accelerator(cpu=True)
 
 
-def hf_loop(new: Callable[..., Run], save_on_main: bool = False) -> Obs:
-    """transformers' Trainer._inner_training_loop, reduced to what it calls on the model and the optimizer."""
+def hf_loop(new: Callable[..., Run], save_on_main: bool = False, prepared: bool = False) -> Obs:
+    """transformers' Trainer._inner_training_loop, reduced to what it calls on the model and the optimizer.
+
+    ``prepared``: the optimizer goes through ``accelerator.prepare`` (an AcceleratedOptimizer, which round-trips its
+    state dict at construction) and the scheduler is built on that afterwards, as ``Trainer`` does with an
+    optimizer it is given; otherwise the scheduler is built on the torch optimizer before the user wraps it.
+    """
     from transformers import get_cosine_schedule_with_warmup
 
     def schedule(opt: torch.optim.Optimizer) -> Any:
         return get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=STEPS)
 
     # create_optimizer_and_scheduler: both built before the user's code wraps the optimizer
-    run = new(opt_name="adamw_no_decay_biases", before_wrap=lambda r: None if r.canonical else schedule(r.inner))
-    sched = schedule(run.opt) if run.canonical else run.early
+    run = new(opt_name="adamw_no_decay_biases", before_wrap=lambda r: None if r.canonical or prepared else schedule(r.inner))
     acc = accelerator(run.rank, run.world)
+    stepper = acc.prepare_optimizer(run.opt) if prepared else run.opt
+    sched = schedule(stepper) if prepared or run.canonical else run.early
     obs: Obs = {}
     run.zero("wrapper")  # model.zero_grad() before the loop, and after each step
     for step in range(STEPS):
@@ -97,10 +105,11 @@ def hf_loop(new: Callable[..., Run], save_on_main: bool = False) -> Obs:
         else:  # Trainer._clip_grad_norm: accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
             norm = acc.clip_grad_norm_(run.ddp.parameters(), 0.05)
         obs[f"grad_norm{step}"] = norm.detach().clone().float()
-        run.opt.step()
-        sched.step()
+        stepper.step()
+        if not prepared or not acc.optimizer_step_was_skipped:
+            sched.step()
         run.zero("wrapper")
-        obs[f"lr{step}"] = torch.tensor(run.opt.param_groups[0]["lr"], dtype=torch.float64)  # Trainer's logged lr
+        obs[f"lr{step}"] = torch.tensor(stepper.param_groups[0]["lr"], dtype=torch.float64)  # Trainer's logged lr
         if save_on_main and step == 1 and run.rank == 0:  # _save_optimizer_and_scheduler: if args.should_save
             sd = run.opt.state_dict()
             for k in sorted(sd["state"]):
@@ -111,6 +120,10 @@ def hf_loop(new: Callable[..., Run], save_on_main: bool = False) -> Obs:
 
 def hf_loop_saving(new: Callable[..., Run]) -> Obs:
     return hf_loop(new, save_on_main=True)
+
+
+def hf_loop_prepared(new: Callable[..., Run]) -> Obs:
+    return hf_loop(new, prepared=True)
 
 
 # --------------------------------------------------------------------------- EMA after every step
@@ -271,6 +284,7 @@ LOOPS: Dict[str, tuple] = {
     # Accelerator.clip_grad_norm_ is torch's clip over p.grad: with grads="sharded" a refusal naming fastcoll is allowed
     "hf_trainer_loop": (hf_loop, "sharded", True, True),
     "hf_trainer_loop_saving_on_main_only": (hf_loop_saving, "sharded", True, False),
+    "hf_trainer_loop_accelerate_prepared_optimizer": (hf_loop_prepared, "sharded", True, True),
     "ema_averaged_model_every_step": (ema_averaged_model, False, False, True),
     "ema_diffusers_style_every_step": (ema_diffusers_style, False, False, True),
     "ema_timm_model_ema_v3": (ema_timm_v3, False, False, False),
