@@ -248,9 +248,8 @@ def p_param_groups(new: Callable[..., Run]) -> Obs:
 
 def _sched(kind: str, opt: torch.optim.Optimizer) -> Any:
     if kind == "cosine":  # what transformers' Trainer / get_scheduler build, usually before any wrapping
-        from transformers import get_cosine_schedule_with_warmup
-
-        return get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=STEPS)
+        transformers = pytest.importorskip("transformers")
+        return transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=STEPS)
     if kind == "step":
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     if kind == "lambda":

@@ -73,10 +73,9 @@ def finish(run: Run, obs: Obs) -> Obs:
 @functools.lru_cache(maxsize=None)
 def accelerator(rank: int, world: int) -> Any:
     """accelerate's Accelerator on this rank's process group (as tests/test_integrations_hf.py makes it)."""
-    from accelerate import Accelerator
-
+    accelerate = pytest.importorskip("accelerate")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    return Accelerator(cpu=True)
+    return accelerate.Accelerator(cpu=True)
 
 
 def hf_loop(new: Callable[..., Run], save_on_main: bool = False, prepared: bool = False) -> Obs:
@@ -86,10 +85,10 @@ def hf_loop(new: Callable[..., Run], save_on_main: bool = False, prepared: bool 
     state dict at construction) and the scheduler is built on that afterwards, as ``Trainer`` does with an
     optimizer it is given; otherwise the scheduler is built on the torch optimizer before the user wraps it.
     """
-    from transformers import get_cosine_schedule_with_warmup
+    transformers = pytest.importorskip("transformers")
 
     def schedule(opt: torch.optim.Optimizer) -> Any:
-        return get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=STEPS)
+        return transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=STEPS)
 
     # create_optimizer_and_scheduler: both built before the user's code wraps the optimizer
     run = new(opt_name="adamw_no_decay_biases", before_wrap=lambda r: None if r.canonical or prepared else schedule(r.inner))
@@ -208,8 +207,7 @@ def _accumulation(zero: str, set_to_none: bool) -> Callable[[Callable[..., Run]]
 
 def lightning_trainer(new: Callable[..., Run], accumulate_grad_batches: int = 1) -> Obs:
     """Trainer.fit with gradient_clip_val and a per-step scheduler; the fastcoll run on the fastcoll_ddp strategy."""
-    import lightning.pytorch as pl
-
+    pl = pytest.importorskip("lightning.pytorch")
     import fastcoll.integrations.lightning as fl
 
     impl, grads, rank, world = new.impl, new.grads, new.rank, new.world  # type: ignore[attr-defined]
