@@ -281,7 +281,9 @@ def lightning_trainer_accumulating(new: Callable[..., Run]) -> Obs:
 LOOPS: Dict[str, tuple] = {
     # Accelerator.clip_grad_norm_ is torch's clip over p.grad: with grads="sharded" a refusal naming fastcoll is allowed
     "hf_trainer_loop": (hf_loop, "sharded", True, True),
-    "hf_trainer_loop_saving_on_main_only": (hf_loop_saving, "sharded", True, False),
+    # opt.state_dict() gathers every rank's state: a collective called on one rank only can only fail, loudly
+    # (fastcoll.integrations.transformers saves on every rank)
+    "hf_trainer_loop_saving_on_main_only": (hf_loop_saving, True, True, False),
     "hf_trainer_loop_accelerate_prepared_optimizer": (hf_loop_prepared, "sharded", True, True),
     "ema_averaged_model_every_step": (ema_averaged_model, False, False, True),
     "ema_diffusers_style_every_step": (ema_diffusers_style, False, False, True),

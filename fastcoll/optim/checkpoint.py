@@ -85,7 +85,24 @@ def _piece_states(opt: Any) -> List[Tuple[int, Any, Dict[str, Any]]]:
 
 
 def full_state_dict(opt: Any) -> Dict[str, Any]:
-    """The standard state dict of ``opt``'s inner optimizer class, whole, on every rank (a collective)."""
+    """The standard state dict of ``opt``'s inner optimizer class, whole, on every rank (a collective).
+
+    Raises:
+        RuntimeError: naming fastcoll, when a collective fails (most often: not every rank called it).
+    """
+    try:
+        return _full_state_dict(opt)
+    except RuntimeError as exc:
+        if "fastcoll" in str(exc):
+            raise
+        raise RuntimeError(
+            "fastcoll.ShardedOptimizer.state_dict(): gathering the state from every rank failed. It is a collective: "
+            "every rank must call it (e.g. save on every rank and write the file on one; transformers' Trainer: "
+            f"fastcoll.integrations.transformers). The collective said: {exc}"
+        ) from exc
+
+
+def _full_state_dict(opt: Any) -> Dict[str, Any]:
     opt.finish_param_sync()
     opt._push_hyperparameters()
     r = opt.reducer

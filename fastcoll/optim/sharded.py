@@ -20,6 +20,7 @@ Two ways to get the gradients:
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -401,7 +402,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
-        load_full_state_dict(self, state_dict)
+        load_full_state_dict(self, _numbered(state_dict))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -480,16 +481,37 @@ def _redirect(optimizer: torch.optim.Optimizer, sharded: "ShardedOptimizer") -> 
     loads the state through the ShardedOptimizer; stepping it directly is refused.
     """
 
-    def refused_step(*args: Any, **kwargs: Any) -> Any:
+    def refused_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"fastcoll.ShardedOptimizer: this {type(optimizer).__name__} is wrapped by a ShardedOptimizer, which "
+            f"fastcoll.ShardedOptimizer: this {type(self).__name__} is wrapped by a ShardedOptimizer, which "
             "steps it over this rank's ranges and all-gathers the parameters; call step() on the ShardedOptimizer"
         )
 
-    optimizer.step = refused_step  # type: ignore[method-assign]
+    # LR schedulers mark the step they count (torch warns when it was replaced after them): the ShardedOptimizer's
+    # step() sets ``_opt_called`` on this optimizer itself.
+    refused_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(refused_step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = sharded.zero_grad  # type: ignore[method-assign]
     optimizer.state_dict = sharded.state_dict  # type: ignore[method-assign]
     optimizer.load_state_dict = sharded.load_state_dict  # type: ignore[method-assign]
+
+
+def _numbered(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """``state_dict`` with its parameters numbered 0, 1, ... in group order, as torch's ``load_state_dict`` reads them.
+
+    torch matches saved parameters to the optimizer's by position, whatever their keys (DCP's
+    ``set_optimizer_state_dict`` passes fully qualified names).
+    """
+    keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+    number = {k: n for n, k in enumerate(keys)}
+    if list(number) == list(range(len(keys))):
+        return state_dict
+    groups, start = [], 0
+    for g in state_dict["param_groups"]:
+        groups.append(dict(g, params=list(range(start, start + len(g["params"])))))
+        start += len(g["params"])
+    state = {number[k]: v for k, v in state_dict["state"].items() if k in number}
+    return {**state_dict, "state": state, "param_groups": groups}
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
