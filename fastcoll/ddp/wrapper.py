@@ -466,8 +466,6 @@ class DDP(
         Args:
             set_to_none: As ``nn.Module.zero_grad``.
         """
-        if self.reducer.param_gather is not None:
-            self.reducer.param_gather.finish()  # their memory may hold the parameters' all-gather
         super().zero_grad(set_to_none)
         self.reducer.zero_kept_grads()
 

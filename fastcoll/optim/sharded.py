@@ -322,7 +322,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: the model's ``.grad`` (as ``Optimizer.zero_grad``), the reduced ranges, the main gradients."""
-        self._gather.finish()  # the main gradients' memory may hold the parameters' all-gather
         kept = self.reducer.kept
         for i, p in enumerate(self.reducer.params):
             g = p.grad

@@ -158,10 +158,8 @@ class ReducerSharding:
 
     def zero_kept_grads(self) -> None:
         """Reset the gradients kept outside ``.grad`` (main gradients, reduced ranges), as ``zero_grad`` does ``.grad``."""
-        if self.param_gather is not None:
-            self.param_gather.finish()  # their memory may hold the parameters' all-gather
         if self.kept is not None:
-            self.kept.zero_kept()
+            self.kept.zero_kept()  # buckets whose memory holds a pending all-gather are zeroed once it is written
         else:
             self.zero_main_grads()
             self.unsynchronized = False
