@@ -90,7 +90,9 @@ def test_micro_batches_accumulate_in_float32(world):
 
 
 def _piece_grads(opt) -> list:
-    return (torch.cat([t.grad for t in opt._shard_params]) if opt._shard_params else torch.zeros(0)).tolist()
+    """This rank's kept gradients of the optimizer's pieces (what its next step() reads)."""
+    kept = [opt.reducer.kept.source(pos, pc) for pos, pc in opt._pieces]
+    return (torch.cat(kept) if kept else torch.zeros(0)).tolist()
 
 
 def two_syncs_worker(rank: int, world: int, grads: str, odd: bool) -> list:

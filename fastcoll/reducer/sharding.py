@@ -121,7 +121,7 @@ class ReducerSharding:
             self.kept.reconcile(at_step=False)
         if any(b.consumed for b in self.main_buckets):
             raise RuntimeError(
-                "fastcoll: call opt.zero_grad() (or model.zero_grad()) between step() and the next backward. The step "
+                "fastcoll: call opt.zero_grad() between step() and the next backward (or model.zero_grad()). The step "
                 "consumed the float32 main gradients: their memory holds the parameters' all-gather, so they cannot "
                 "accumulate across steps as .grad would"
             )
