@@ -65,6 +65,26 @@ def lscpu() -> Dict[str, str]:
     return info
 
 
+SWEEP_SHARES = (0.03125, 0.0625, 0.125, 0.25, 0.3, 0.36, 0.45, 0.55, 0.75, 1.0)
+
+
+def sweep_layouts(llc_bytes: int, count: int = 64) -> List[bench_ops.Layout]:
+    """Buckets of ``count`` float32 tensors writing SWEEP_SHARES of ``llc_bytes``: where the two kinds cross."""
+    out = []
+    for share in SWEEP_SHARES:
+        numel = int(llc_bytes * share) // 4
+        out.append(
+            bench_ops.Layout(
+                name=f"sweep {share:g} LLC",
+                kind="synthetic",
+                shapes=bench_ops.synthetic_shapes(count, numel),
+                dtype=torch.float32,
+                note=f"{count} float32 tensors, {share:g} x the usable last-level cache",
+            )
+        )
+    return out
+
+
 def round_trip(case: bench_ops.Case, threshold: int) -> Callable[[], None]:
     """One pack + unpack with the streaming threshold set to ``threshold`` (a call each: noise-free next to ms)."""
     ext = loader._C
@@ -188,6 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--target-ms", type=float, default=20.0, help="length of one sample")
     parser.add_argument("--threads", default=None, help="1, N or all (default: 1 and all)")
     parser.add_argument("--only", default="", help="only layouts whose name contains this")
+    parser.add_argument("--sweep", action="store_true", help="also 64-tensor float32 buckets of 1/8 to 1x the usable LLC")
     parser.add_argument("--json", default=None, help="where to write the JSON (default benchmarks/out/store_choice.json)")
     args = parser.parse_args(argv)
     if loader._C is None:
@@ -202,6 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"automatic choice: {choice.rule}: {choice.reason}")
     layouts, _ = bench_ops.model_layouts(quick=False)
     layouts += bench_ops.synthetic_layouts()
+    if args.sweep:
+        layouts += sweep_layouts(llc or stores.FALLBACK_MIN_BYTES * 2)
     layouts = [lay for lay in layouts if args.only in lay.name]
     rows = []
     start = time.perf_counter()

@@ -10,10 +10,15 @@ next reader (the all-reduce, the optimizer) then finds them in memory rather
 than in cache, and on some CPUs (a 2-vCPU Intel Xeon VM measured in issue 32)
 a single core's streaming bandwidth is below its cached-store bandwidth.
 
-The rule: a call streams when it writes at least :data:`LLC_SHARE` of the
-last-level cache this process can use (:func:`usable_llc`): half, so that
-source and destination of a same-dtype copy together exceed the cache. That
-cache is read from sysfs (what the kernel, or a VM's hypervisor, reports for
+The rule: a call streams when it writes at least a third
+(:data:`LLC_DIVISOR`) of the last-level cache this process can use
+(:func:`usable_llc`). A bucket's round trip cycles three buffers of its size
+through the cache (the gradients packed, the bucket, the tensors unpacked
+into; in DDP the all-reduce's buffers take the third place): once they
+together exceed the cache, cached stores only add reads of lines about to be
+overwritten. A machine running more tasks than it has CPUs (the load
+average) shares that cache with them: the threshold is divided by the
+oversubscription, down to a floor. That cache is read from sysfs (what the kernel, or a VM's hypervisor, reports for
 the CPUs this process may run on, one instance counted per distinct cache),
 counting no more instances than the CPUs the process may use (its affinity,
 and a cgroup CPU quota); glibc's ``sysconf`` is the fallback where sysfs has
@@ -36,11 +41,15 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 from .. import _knobs
 
 MiB = 1 << 20
-#: Calls writing at least this share of the usable last-level cache stream.
-LLC_SHARE = 0.5
+#: Calls writing at least the usable last-level cache divided by this stream.
+LLC_DIVISOR = 3
 #: The threshold where the machine reports no cache sizes (the value before the rule, tuned on an AMD EPYC).
 FALLBACK_MIN_BYTES = 16 * MiB
+#: The oversubscription rule's lowest threshold: 2 MiB round trips ran faster cached even on the
+#: 2-core box at load 24, 4 MiB ones faster streaming.
+BUSY_FLOOR_BYTES = 4 * MiB
 SYSFS_CPU = "/sys/devices/system/cpu"
+LOADAVG = "/proc/loadavg"
 CGROUP_ROOT = "/sys/fs/cgroup"
 # glibc's sysconf names (bits/confname.h); Python's os.sysconf_names does not list them.
 _SC_LEVEL2_CACHE_SIZE = 191
@@ -214,15 +223,41 @@ def usable_llc(
 
 
 def _mib(n: int) -> str:
-    return f"{n / MiB:g} MiB"
+    return f"{n / MiB:.4g} MiB"
 
 
-def choose(env: Optional[Mapping[str, str]] = None, llc: Optional[Tuple[Optional[int], str]] = None) -> StoreChoice:
+def oversubscription(loadavg: str = LOADAVG, cpus_online: Optional[int] = None) -> Tuple[float, str]:
+    """Runnable tasks per online CPU over the last minute (``/proc/loadavg``), and a description; 1.0 if unknown.
+
+    Above 1, other processes time-share the CPUs, and with them the cache.
+    """
+    text = _read(loadavg)
+    ncpu = cpus_online or os.cpu_count() or 1
+    try:
+        load = float(text.split()[0]) if text else None
+    except ValueError:
+        load = None
+    if load is None:
+        return 1.0, "load unknown"
+    return max(1.0, load / ncpu), f"load {load:g} on {ncpu} CPU(s)"
+
+
+def choose(
+    env: Optional[Mapping[str, str]] = None,
+    llc: Optional[Tuple[Optional[int], str]] = None,
+    busy: Optional[Tuple[float, str]] = None,
+) -> StoreChoice:
     """The threshold for this machine: the environment override, else the cache rule.
+
+    The rule: a third of the usable last-level cache; divided by the
+    machine's oversubscription (:func:`oversubscription`) when more tasks are
+    runnable than there are CPUs, since those tasks evict this process's
+    lines, but not below :data:`BUSY_FLOOR_BYTES`.
 
     Args:
         env: The environment (default ``os.environ``).
         llc: ``usable_llc()``'s answer (default: asked here; tests pass fake ones).
+        busy: ``oversubscription()``'s answer (default: asked here).
 
     Raises:
         ValueError: ``FASTCOLL_CPU_STREAM_MIN_BYTES`` is set to something that is not a threshold.
@@ -234,8 +269,14 @@ def choose(env: Optional[Mapping[str, str]] = None, llc: Optional[Tuple[Optional
     nbytes, how = usable_llc() if llc is None else llc
     if nbytes is None:
         return StoreChoice(FALLBACK_MIN_BYTES, "fallback", f"{_mib(FALLBACK_MIN_BYTES)}: {how}")
-    min_bytes = int(nbytes * LLC_SHARE)
-    return StoreChoice(min_bytes, "llc", f"{_mib(min_bytes)} = {LLC_SHARE:g} x {_mib(nbytes)}: {how}", nbytes)
+    base = nbytes // LLC_DIVISOR
+    reason = f"{_mib(nbytes)} / {LLC_DIVISOR}: {how}"
+    factor, load_how = oversubscription() if busy is None else busy
+    if factor <= 1.0:
+        return StoreChoice(base, "llc", f"{_mib(base)} = {reason}", nbytes)
+    min_bytes = max(min(base, BUSY_FLOOR_BYTES), int(base / factor))
+    reason = f"{_mib(min_bytes)} = {reason}; / {factor:.3g} for {load_how}, not below {_mib(min(base, BUSY_FLOOR_BYTES))}"
+    return StoreChoice(min_bytes, "llc", reason, nbytes)
 
 
 _CURRENT: Optional[StoreChoice] = None
