@@ -169,6 +169,47 @@ def bench_bucket(layout: bench_ops.Layout, threads: int, threshold: int, reps: i
     }
 
 
+DDP_LAYERS, DDP_WIDTH, DDP_BATCH = 8, 1024, 32
+
+
+def _ddp_rank(rank: int, world: int, store_path: str, steps: int, out_path: str) -> None:
+    """One gloo rank: fastcoll.DDP steps of 8 layers of 1024x1024, alternating stream and cached stores step by step."""
+    torch.manual_seed(0)
+    common.keep_freed_memory()  # no page faults from the gradients freed each step (as the parent does)
+    with common.rank_process_group(rank, world, store_path, threads=1):
+        model = torch.nn.Sequential(*[torch.nn.Linear(DDP_WIDTH, DDP_WIDTH, bias=False) for _ in range(DDP_LAYERS)])
+        ddp = fastcoll.DDP(model)
+        x = torch.randn(DDP_BATCH, DDP_WIDTH)
+        times: Dict[str, List[float]] = {k: [] for k in KINDS}
+        for step in range(steps + 4):
+            kind = KINDS[step % 2]  # both ranks alternate in the same order
+            loader._C._set_cpu_stream_min_bytes(THRESHOLDS[kind])
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            ddp(x).square().mean().backward()
+            for p in model.parameters():
+                p.grad = None
+            if step >= 4:
+                times[kind].append(time.perf_counter() - t0)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(times))
+
+
+def ddp_steps(steps: int) -> Dict[str, object]:
+    """The DDP step comparison on 2 gloo ranks (rank 0's step times), with the automatic choice for its buckets."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.start_processes(_ddp_rank, args=(2, os.path.join(tmp, "store"), steps, out), nprocs=2, start_method="spawn")
+        samples = json.loads(Path(out).read_text())
+    ratio, ci = ratio_ci(samples, "stream", "cached")
+    med = {k: common.summarize(xs)["median_s"] for k, xs in samples.items()}
+    return {"median_s": med, "stream/cached": ratio, "stream/cached_ci90": ci, "steps": steps}
+
+
 def print_rows(rows: List[Dict[str, object]], threshold: int) -> None:
     columns = ["layout", "thr", "tensors", "MiB", "stream", "cached", "stream/cached [90%]", "faster", "auto"]
     columns += ["auto/other", "<=1.05x"]
@@ -208,6 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--target-ms", type=float, default=20.0, help="length of one sample")
     parser.add_argument("--threads", default=None, help="1, N or all (default: 1 and all)")
     parser.add_argument("--only", default="", help="only layouts whose name contains this")
+    parser.add_argument("--ddp", type=int, default=0, help="also N DDP steps per kind: 8 x 1024x1024 on 2 gloo ranks")
     parser.add_argument("--sweep", action="store_true", help="also 64-tensor float32 buckets of 1/8 to 1x the usable LLC")
     parser.add_argument("--json", default=None, help="where to write the JSON (default benchmarks/out/store_choice.json)")
     args = parser.parse_args(argv)
@@ -240,6 +282,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_rows(rows, choice.min_bytes)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("met", "MISSED", "unresolved")}
     print(f"verdicts: {counts} over {len(rows)} rows in {time.perf_counter() - start:.0f} s")
+    ddp = None
+    if args.ddp:
+        ddp = ddp_steps(args.ddp)
+        lo, hi = ddp["stream/cached_ci90"]
+        print(
+            f"DDP step, {DDP_LAYERS} x {DDP_WIDTH}x{DDP_WIDTH}, 2 gloo ranks, 1 thread each: stream "
+            f"{common.fmt_time(ddp['median_s']['stream'])}, cached {common.fmt_time(ddp['median_s']['cached'])}, "
+            f"stream/cached {ddp['stream/cached']:.3f} [{lo:.3f}, {hi:.3f}]"
+        )
     path = Path(args.json) if args.json else common.repo_root() / "benchmarks" / "out" / "store_choice.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -249,6 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "environment": {k: v for k, v in os.environ.items() if k.startswith(("FASTCOLL_", "OMP_"))},
         "rows": rows,
         "verdicts": counts,
+        "ddp": ddp,
     }
     path.write_text(json.dumps(payload, indent=1, default=str))
     print(f"wrote {path}")

@@ -9,8 +9,9 @@
   final (read when buckets are built; a huge value turns it off).
 * ``FASTCOLL_EAGER=0``: the fused ops always go through torch.ops, never
   their direct eager entry points (read when fastcoll.ops is imported).
-* ``FASTCOLL_CPU_STREAM_MIN_BYTES`` (default ``auto``: half the last-level
-  cache this process can use, fastcoll/ops/stores.py): CPU kernel calls writing
+* ``FASTCOLL_CPU_STREAM_MIN_BYTES`` (default ``auto``: a third of the
+  last-level cache this process can use, less on an oversubscribed machine,
+  fastcoll/ops/stores.py): CPU kernel calls writing
   at least this many bytes use non-temporal stores. A byte count (``16777216``,
   ``16MiB``, ``512K``: binary multiples), ``always`` (0) or ``never``; read once,
   when the extension loads.

@@ -32,7 +32,7 @@ CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
 namespace {
 
 // Until fastcoll/ops/stores.py sets the machine's value at load (and in the
-// C++ tests): 16 MiB, the rule's answer for a 32 MiB last-level cache.
+// C++ tests): 16 MiB, the constant used before that rule.
 std::atomic<int64_t> stream_min_bytes{int64_t(16) << 20};
 
 }  // namespace

@@ -16,15 +16,17 @@ The rule: a call streams when it writes at least a third
 through the cache (the gradients packed, the bucket, the tensors unpacked
 into; in DDP the all-reduce's buffers take the third place): once they
 together exceed the cache, cached stores only add reads of lines about to be
-overwritten. A machine running more tasks than it has CPUs (the load
-average) shares that cache with them: the threshold is divided by the
-oversubscription, down to a floor. That cache is read from sysfs (what the kernel, or a VM's hypervisor, reports for
-the CPUs this process may run on, one instance counted per distinct cache),
-counting no more instances than the CPUs the process may use (its affinity,
-and a cgroup CPU quota); glibc's ``sysconf`` is the fallback where sysfs has
-nothing. A machine that reports no cache keeps the old constant
-(:data:`FALLBACK_MIN_BYTES`). ``FASTCOLL_CPU_STREAM_MIN_BYTES`` overrides the
-rule (fastcoll._knobs).
+overwritten. That cache is read from sysfs (what the kernel, or a VM's
+hypervisor, reports for the CPUs this process may run on, one instance
+counted per distinct cache), counting no more instances than the CPUs the
+process may use (its affinity, and a cgroup CPU quota); glibc's ``sysconf``
+is the fallback where sysfs has nothing. A machine that reports no cache
+keeps the old constant (:data:`FALLBACK_MIN_BYTES`).
+
+A machine running more tasks than it has CPUs (the load average at import)
+shares that cache with them: the threshold is then divided by the
+oversubscription, down to :data:`BUSY_FLOOR_BYTES`.
+``FASTCOLL_CPU_STREAM_MIN_BYTES`` overrides the rule (fastcoll._knobs).
 
 The extension's loader calls :func:`apply` once, at import; :func:`current`
 says what was chosen and why (``fastcoll.build_info()["cpu_stream_choice"]``).
