@@ -300,3 +300,42 @@ def _offsets(tensors: Sequence[torch.Tensor]) -> List[int]:
         out.append(at)
         at += t.numel()
     return out
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/store_choice.py (not part of the CLI): its verdict and one bucket end to end
+# ---------------------------------------------------------------------------
+
+
+def _store_choice_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("store_choice", REPO / "benchmarks" / "store_choice.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_verdict():
+    sc = _store_choice_module()
+    assert sc.verdict((0.7, 1.04)) == "met"
+    assert sc.verdict((1.06, 1.3)) == "MISSED"
+    assert sc.verdict((0.98, 1.12)) == "unresolved"
+
+
+@pytest.mark.skipif(loader._C is None, reason="needs the compiled extension")
+def test_benchmark_one_bucket():
+    from fastcoll.bench import ops as bench_ops
+
+    sc = _store_choice_module()
+    saved = loader._C._cpu_stream_min_bytes()
+    layout = bench_ops.synthetic_layouts(counts=(3,), dtypes=(torch.bfloat16,), total=40_001)[0]
+    try:
+        row = sc.bench_bucket(layout, threads=1, threshold=layout.nbytes, reps=3, target_s=0.0005)
+        assert loader._C._cpu_stream_min_bytes() == layout.nbytes  # left at the automatic threshold it was given
+    finally:
+        loader._C._set_cpu_stream_min_bytes(saved)
+    assert row["auto"] == "stream" and row["verdict"] in ("met", "MISSED", "unresolved")
+    assert len(row["samples_s"]["stream"]) == len(row["samples_s"]["cached"]) == 3
+    lo, hi = row["stream/cached_ci90"]
+    assert lo <= row["stream/cached"] <= hi
