@@ -214,6 +214,13 @@ def test_import_applies_override_and_rejects_bad_value():
     assert f"{VAR}='lots' is not a streaming-store threshold" in bad.stderr
 
 
+def test_bad_value_rejected_without_the_extension():
+    """The reference ops never stream, but a bad value is still an error rather than silently ignored."""
+    env = {**os.environ, VAR: "-5", "PYTHONPATH": str(REPO), "FASTCOLL_NO_EXT": "1"}
+    out = subprocess.run([sys.executable, "-c", "import fastcoll"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and f"{VAR}='-5' is not a streaming-store threshold" in out.stderr
+
+
 @pytest.mark.skipif(loader._C is None, reason="needs the compiled extension")
 def test_loaded_extension_uses_the_choice():
     choice = stores.current()
