@@ -121,7 +121,8 @@ CpuIsa cpu_isa();
 const char* cpu_isa_name(CpuIsa isa);
 
 // CPU calls that write at least this many bytes use non-temporal (cache-
-// bypassing) stores; FASTCOLL_CPU_STREAM_MIN_BYTES sets the initial value.
+// bypassing) stores. Set once at load by fastcoll/ops/stores.py (the machine's
+// cache, or FASTCOLL_CPU_STREAM_MIN_BYTES); 16 MiB until then.
 int64_t cpu_stream_min_bytes();
 void set_cpu_stream_min_bytes(int64_t nbytes);
 

@@ -37,7 +37,10 @@ def build_info() -> dict:
         kernels are compiled in, the compiler, the CUDA version and arch list
         the kernels were built for, the build of the CPU inner loops in use
         (``cpu_isa``: default, avx2 or avx512bf16; ``FASTCOLL_CPU_ISA``
-        picks a lower one), and why the fallback is in use (if it is). Also
+        picks a lower one), the CPU kernels' streaming-store threshold
+        (``cpu_stream_min_bytes``) with how it was chosen
+        (``cpu_stream_choice``: docs/performance-cpu-stores.md), and why the
+        fallback is in use (if it is). Also
         how the extension was obtained (``extension_origin``: "ahead of time",
         "compiled at import", "cache hit", or None for the reference), the
         loaded library (``extension_path``), the build cache (``cache_dir``,
@@ -64,6 +67,7 @@ def build_info() -> dict:
     }
     if loader._C is not None:
         info.update(loader._C.build_info())
+        info.update(ops.stores.describe())
     return info
 
 

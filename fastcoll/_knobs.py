@@ -9,15 +9,21 @@
   final (read when buckets are built; a huge value turns it off).
 * ``FASTCOLL_EAGER=0``: the fused ops always go through torch.ops, never
   their direct eager entry points (read when fastcoll.ops is imported).
-* ``FASTCOLL_CPU_STREAM_MIN_BYTES`` (default 16 MiB): read by the C++ CPU
-  kernels at load time (calls writing this much use non-temporal stores).
+* ``FASTCOLL_CPU_STREAM_MIN_BYTES`` (default ``auto``: a third of the
+  last-level cache this process can use, less on an oversubscribed machine,
+  fastcoll/ops/stores.py): CPU kernel calls writing
+  at least this many bytes use non-temporal stores. A byte count (``16777216``,
+  ``16MiB``, ``512K``: binary multiples), ``always`` (0) or ``never``; read once,
+  when the extension loads.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from typing import Mapping, Optional
 
-__all__ = ["EARLY_PACK_MIN_NUMEL", "early_pack_min_numel", "eager_direct", "force_collectives"]
+__all__ = ["EARLY_PACK_MIN_NUMEL", "cpu_stream_min_bytes", "early_pack_min_numel", "eager_direct", "force_collectives"]
 
 #: CPU gradients with at least this many elements are packed as soon as they
 #: are final, while still in cache (measured: ~25% less pack time on ResNet-50
@@ -48,3 +54,35 @@ def early_pack_min_numel() -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"fastcoll: FASTCOLL_EARLY_PACK_MIN_NUMEL={value!r} is not an integer") from None
+
+
+CPU_STREAM_MIN_BYTES = "FASTCOLL_CPU_STREAM_MIN_BYTES"
+#: ``never``: a threshold no call reaches.
+STREAM_NEVER = 1 << 62
+_UNITS = {"": 0, "k": 10, "kb": 10, "kib": 10, "m": 20, "mb": 20, "mib": 20, "g": 30, "gb": 30, "gib": 30}
+
+
+def cpu_stream_min_bytes(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """``FASTCOLL_CPU_STREAM_MIN_BYTES``: the streaming-store threshold it sets, or None for the machine's choice.
+
+    Args:
+        env: The environment to read (default ``os.environ``).
+
+    Raises:
+        ValueError: The value is neither ``auto``, ``always``, ``never`` nor a non-negative byte count.
+    """
+    value = (os.environ if env is None else env).get(CPU_STREAM_MIN_BYTES, "")
+    text = value.strip().lower()
+    if text in ("", "auto"):
+        return None
+    if text == "always":
+        return 0
+    if text == "never":
+        return STREAM_NEVER
+    m = re.fullmatch(r"(\d+)\s*([a-z]*)", text)
+    if m is None or m.group(2) not in _UNITS:
+        raise ValueError(
+            f"fastcoll: {CPU_STREAM_MIN_BYTES}={value!r} is not a streaming-store threshold; use a byte count "
+            "(16777216, 16MiB, 512K), 'always', 'never' or 'auto'"
+        )
+    return min(int(m.group(1)) << _UNITS[m.group(2)], STREAM_NEVER)

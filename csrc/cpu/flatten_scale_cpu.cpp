@@ -6,15 +6,15 @@
 // one thread's range. The inner loops (copy_scale.h) use at::vec, built for
 // AVX2 when the CPU has it, with AVX-512 BF16 conversions where it has those
 // too (cpu_isa.cpp); the multiply runs in float (double when either side is
-// double). A call that writes at least cpu_stream_min_bytes() (default
-// 16 MiB: source and destination together then exceed a typical last-level
-// cache) uses non-temporal stores. Nothing is allocated beyond the plan.
+// double). A call that writes at least cpu_stream_min_bytes() uses
+// non-temporal stores; fastcoll sets that threshold from the machine's cache
+// when it loads the library (fastcoll/ops/stores.py). Nothing is allocated
+// beyond the plan.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 #include "fastcoll.h"
 
@@ -31,12 +31,9 @@ CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
 
 namespace {
 
-int64_t initial_stream_min_bytes() {
-  const char* env = std::getenv("FASTCOLL_CPU_STREAM_MIN_BYTES");
-  return env != nullptr && *env != '\0' ? std::atoll(env) : int64_t(16) << 20;
-}
-
-std::atomic<int64_t> stream_min_bytes{initial_stream_min_bytes()};
+// Until fastcoll/ops/stores.py sets the machine's value at load (and in the
+// C++ tests): 16 MiB, the constant used before that rule.
+std::atomic<int64_t> stream_min_bytes{int64_t(16) << 20};
 
 }  // namespace
 

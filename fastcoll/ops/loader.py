@@ -40,6 +40,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import stores
+
 # The schemas, shared by the C++ TORCH_LIBRARY block (csrc/ops.cpp) and the
 # Python fallback below. Keep the two in sync; tests/test_ops.py checks it.
 SCHEMAS = {
@@ -197,6 +199,7 @@ def _load() -> None:
                 if _flag("FASTCOLL_REQUIRE_EXT"):
                     raise ImportError(f"fastcoll: FASTCOLL_REQUIRE_EXT=1, but {exc}") from exc
                 FALLBACK_REASON = str(exc) if why_not is None else f"{why_not}; and {exc}"
+    stores.apply(_C)  # the CPU kernels' streaming-store threshold, from the machine or the override
     if _C is None:
         if _flag("FASTCOLL_REQUIRE_EXT") and not quiet and not _flag("FASTCOLL_NO_EXT"):
             raise ImportError(f"fastcoll: FASTCOLL_REQUIRE_EXT=1, but {FALLBACK_REASON}")
