@@ -10,10 +10,10 @@ Two kinds of build, told apart by whether torch can be imported here:
   ``uv pip install .``: build isolation hides the environment's torch, and
   building against whatever torch an index hands out would break the C++ ABI):
   nothing is compiled. ``import fastcoll`` compiles the extension once against
-  the torch it runs with and caches it (fastcoll/build/).
+  the torch it runs with and caches it (fastcoll/extension/).
 
 Either way the wheel carries the sources, csrc/, as fastcoll/_csrc with their
-hash (fastcoll/build/spec.py: MANIFEST), so that an installation can always
+hash (fastcoll/extension/spec.py: MANIFEST), so that an installation can always
 compile for the torch it meets. FASTCOLL_AOT=0 skips the compile even when
 torch is importable; FASTCOLL_AOT=1 makes a missing torch an error.
 """
@@ -32,8 +32,8 @@ CSRC = os.path.join(HERE, "csrc")
 
 
 def _load_spec():
-    # fastcoll/build/spec.py by path: importing the package would import torch and compile.
-    path = os.path.join(HERE, "fastcoll", "build", "spec.py")
+    # fastcoll/extension/spec.py by path: importing the package would import torch and compile.
+    path = os.path.join(HERE, "fastcoll", "extension", "spec.py")
     loaded = importlib.util.spec_from_file_location("_fastcoll_build_spec", path)
     module = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(module)
@@ -49,7 +49,7 @@ class BuildPyWithSources(build_py):
     def run(self):
         super().run()
         if getattr(self, "editable_mode", False):
-            return  # an editable install compiles from the checkout's csrc/ (fastcoll/build/key.py)
+            return  # an editable install compiles from the checkout's csrc/ (fastcoll/extension/key.py)
         target = os.path.join(self.build_lib, "fastcoll", "_csrc")
         shutil.rmtree(target, ignore_errors=True)
         for rel in spec.source_files(CSRC):
@@ -75,7 +75,7 @@ def _torch_or_none():
         print(
             "fastcoll: torch is not importable in this build environment (an isolated build): the wheel carries "
             "the C++/CUDA sources, which `import fastcoll` compiles once against the installed torch "
-            "(or run `python -m fastcoll.build`); for a build now, `pip install --no-build-isolation .`",
+            "(or run `python -m fastcoll.extension`); for a build now, `pip install --no-build-isolation .`",
             flush=True,
         )
         return None

@@ -8,7 +8,7 @@
 # 3. tests/test_build_jit.py against that install, with an empty cache: 4 processes import
 #    fastcoll at once (one compiles: its time is printed), a later import is a cache hit (its
 #    cost is printed), a 2-rank gloo fastcoll.DDP step and an op round trip on the cached
-#    build, and `python -m fastcoll.build`.
+#    build, and `python -m fastcoll.extension`.
 # 4. The sdist (`python -m build --sdist`) installed into another fresh venv, sharing .venv's
 #    torch as in 2; the installed metadata must require torch>=2.6, numpy and ninja (what makes
 #    torch come in as a dependency where there is none). Its import finds the build of step 3
@@ -65,7 +65,7 @@ assert os.path.isfile(os.path.join(pkg, "_csrc", "SOURCES.json")), "the wheel ca
 print(f"install-check: installed {pkg}: sources, no compiled library")
 PY
 
-step "first import (4 processes, empty cache), cache hit, DDP step, ops, python -m fastcoll.build"
+step "first import (4 processes, empty cache), cache hit, DDP step, ops, python -m fastcoll.extension"
 (cd "$REPO" && FASTCOLL_TEST_JIT=1 FASTCOLL_TEST_JIT_PYTHON="$VA" FASTCOLL_TEST_JIT_CACHE="$FASTCOLL_CACHE_DIR" \
     "$VPY" -m pytest -q -s -p no:cacheprovider tests/test_build_jit.py)
 

@@ -5,7 +5,7 @@
 Model: nn.EmbeddingBag(rows, dim, sparse=True) feeding a Linear head; each rank
 looks up its own random bags, so the rows touched differ across ranks. torch DDP
 sums the sparse gradient with the process group's sparse all-reduce (gloo); fastcoll
-all-gathers each rank's row count, then its rows (fastcoll/dist/sparse.py). Timed: forward
+all-gathers each rank's row count, then its rows (fastcoll/distributed/sparse.py). Timed: forward
 + backward (which includes the gradient sync) after a barrier, median over the steps
 after 3 warm-ups; torch and fastcoll alternate for two rounds each, and each method's
 figure is the lower of its two round medians. Not part of ``make bench``: gloo's

@@ -35,7 +35,7 @@ GPU_OUT=${GPU_OUT:-${OUT:-benchmarks/out/gpu}}
 STATE=build/gpu-check
 ARCH=${TORCH_CUDA_ARCH_LIST:-9.0+PTX}
 export PYTHONUNBUFFERED=1
-# The steps build in place themselves: an import must not compile into the cache instead (fastcoll/build).
+# The steps build in place themselves: an import must not compile into the cache instead (fastcoll/extension).
 export FASTCOLL_JIT=${FASTCOLL_JIT:-0}
 mkdir -p "$GPU_OUT" "$STATE"
 

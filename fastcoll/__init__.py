@@ -47,7 +47,7 @@ def build_info() -> dict:
         and ``cache_key`` when the library came from it), and why a CUDA torch
         has no CUDA kernels (``cuda_kernels_missing``, e.g. nvcc was not found).
     """
-    from .build import cache
+    from .extension import cache
 
     info = {
         "fastcoll": __version__,

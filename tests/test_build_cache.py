@@ -23,8 +23,8 @@ import time
 import pytest
 import torch
 
-from fastcoll.build import cache, compile, jit, key, lock, spec, toolchain
-from fastcoll.build.errors import BuildFailed, ExtensionUnavailable, LockTimeout
+from fastcoll.extension import cache, compile, jit, key, lock, spec, toolchain
+from fastcoll.extension.errors import BuildFailed, ExtensionUnavailable, LockTimeout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120  # seconds, for any child process
@@ -190,7 +190,7 @@ def test_lock_note_of_a_dead_process_is_taken_over(tmp_path):
 
 HOLD = """
 import sys, time
-from fastcoll.build import lock
+from fastcoll.extension import lock
 with lock.acquire(sys.argv[1], 5, print):
     print("locked", flush=True)
     time.sleep(600)
@@ -229,7 +229,7 @@ def test_build_once_then_hit(cache_dir, fake_build):
     lines = []
     first = jit.ensure(report=lines.append)
     assert first.how == jit.COMPILED and len(fake_build) == 1 and first.seconds is not None
-    assert len(lines) == 2 and "compiling" in lines[0] and "python -m fastcoll.build" in lines[0]
+    assert len(lines) == 2 and "compiling" in lines[0] and "python -m fastcoll.extension" in lines[0]
     assert str(cache_dir) in lines[0] and "compiled the extension in" in lines[1]
     meta = first.entry.meta()
     assert meta["key"] == first.plan.key and meta["size"] == 1000 and meta["torch"] == torch.__version__
@@ -278,7 +278,7 @@ def test_failed_build_is_reported_not_retried(cache_dir, monkeypatch):
     assert first.value.log == entry.failed_log and "expected ';'" in open(entry.failed_log).read()
     with pytest.raises(BuildFailed, match="earlier compile.*expected ';'") as second:
         jit.ensure(report=lambda m: None)
-    assert len(calls) == 1 and "python -m fastcoll.build" in str(second.value)
+    assert len(calls) == 1 and "python -m fastcoll.extension" in str(second.value)
     with pytest.raises(BuildFailed):
         jit.ensure(report=lambda m: None, retry_failed=True)
     assert len(calls) == 2
@@ -301,7 +301,7 @@ def test_unwritable_cache(tmp_path, monkeypatch, fake_build):
 
 CONCURRENT = """
 import os, sys, time
-from fastcoll.build import compile, jit
+from fastcoll.extension import compile, jit
 
 def fake(plan, build_dir):
     open(os.path.join(sys.argv[1], "built-%d" % os.getpid()), "w").close()
@@ -406,7 +406,7 @@ def test_setup_py_puts_the_sources_in_the_wheel(tmp_path):
     manifest = json.loads((shipped / spec.MANIFEST).read_text())
     assert manifest["files"] == spec.source_files(os.path.join(REPO, "csrc")) == spec.source_files(str(shipped))
     assert manifest["sha256"] == spec.sources_hash(os.path.join(REPO, "csrc")) == spec.sources_hash(str(shipped))
-    assert (out / "fastcoll" / "build" / "_worker.py").exists()
+    assert (out / "fastcoll" / "extension" / "_worker.py").exists()
 
 
 # ---------------------------------------------------------------------------
@@ -482,7 +482,7 @@ exit 1
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_compile_error_warns_once_then_reports(tmp_path):
     """A compiler that fails: one warning with the error and the log; the next import does not compile again;
-    python -m fastcoll.build does, and exits 1 with the compiler's error."""
+    python -m fastcoll.extension does, and exits 1 with the compiler's error."""
     tree = tree_copy(tmp_path)
     cxx = tmp_path / "bin" / "c++"
     cxx.parent.mkdir()
@@ -497,7 +497,7 @@ def test_compile_error_warns_once_then_reports(tmp_path):
     again = import_info(tree, tmp_path / "cache", CXX=str(cxx))
     assert "an earlier compile of this extension failed" in again["info"]["fallback_reason"]
     assert (tmp_path / "bin" / "calls").read_text().count("\n") == calls  # not compiled again
-    cli = run_python("", tree, tmp_path / "cache", args=["-m", "fastcoll.build"], CXX=str(cxx))
+    cli = run_python("", tree, tmp_path / "cache", args=["-m", "fastcoll.extension"], CXX=str(cxx))
     assert cli.returncode == 1 and "this compiler compiles nothing" in cli.stderr, cli.stderr
     assert (tmp_path / "bin" / "calls").read_text().count("\n") > calls
 

@@ -200,8 +200,8 @@ def test_ddp_step_and_op_round_trip(target, tmp_path):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_prebuild_command(target):
-    """python -m fastcoll.build: prints the key and the path; the build is there already."""
-    proc = run(target, "", args=["-m", "fastcoll.build"])
+    """python -m fastcoll.extension: prints the key and the path; the build is there already."""
+    proc = run(target, "", args=["-m", "fastcoll.extension"])
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.split(":", 1) for line in proc.stdout.splitlines() if line.startswith(("key:", "path:")))
     assert lines["path"].strip().startswith(target.cache) and lines["key"].strip() in lines["path"]

@@ -37,7 +37,7 @@ def _local(rank: int, round_: int, shape, sparse_dim: int, dtype, zero_ranks):
 def _exchange_worker(rank: int, world_size: int):
     import torch.distributed as dist
 
-    from fastcoll.dist.sparse import SparseExchange
+    from fastcoll.distributed.sparse import SparseExchange
 
     calls = []
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"

@@ -1,7 +1,7 @@
 """Construction checks of :class:`fastcoll.DDP`: arguments, devices, the process group, the module.
 
 Everything here runs on one rank before anything is built; the wrapper then
-shares a local failure with the other ranks (``fastcoll.dist._agree``) so that
+shares a local failure with the other ranks (``fastcoll.distributed._agree``) so that
 every rank raises the same error and none hangs.
 """
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..bucketing import AUTO, MIB, bucket_caps_from_mb
-from ..dist.backends import pick_comm_device
+from ..distributed.backends import pick_comm_device
 from ..ops.dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, is_dense
 
 

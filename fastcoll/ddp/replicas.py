@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..dist.backends import comm_device
-from ..dist.process import collectives_needed
+from ..distributed.backends import comm_device
+from ..distributed.process import collectives_needed
 from ..errors import ReplicaMismatchError
 from ..ops.dtypes import dtype_name, is_dense
 from ..stall import run_collective

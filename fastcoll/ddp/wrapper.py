@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ..bucketing import AUTO
-from ..dist._agree import agree
-from ..dist.backends import backend_name, bound_device
+from ..distributed._agree import agree
+from ..distributed.backends import backend_name, bound_device
 from ..ops.dtypes import dtype_name
 from ..reducer import Reducer
 from ..stall import resolve_stall_timeout

@@ -12,7 +12,7 @@ Where the extension comes from, in order (``ORIGIN`` records which):
 1. ``fastcoll/_C*.so`` built ahead of time (``pip install --no-build-isolation``,
    ``setup.py build_ext``), unless its record (``_C.build.json``, written by
    setup.py) says it was built for another torch;
-2. the build cache (fastcoll/build/): a build for this torch, Python and these
+2. the build cache (fastcoll/extension/): a build for this torch, Python and these
    sources, compiled at first import if there is none. The compile happens at
    import rather than at an op's first call because the ops are registered
    once, by whichever implementation loads (the compiled library's
@@ -153,16 +153,16 @@ def _import_library(path: str) -> ModuleType:
 
 
 def _load_from_cache() -> ModuleType:
-    """The extension from the build cache, compiled into it first if needed (fastcoll.build.jit)."""
+    """The extension from the build cache, compiled into it first if needed (fastcoll.extension.jit)."""
     global ORIGIN, EXT_PATH, CACHE_KEY, CUDA_MISSING, LOOKUP_SECONDS
-    from ..build import jit
+    from ..extension import jit
 
     start = time.perf_counter()
     got = jit.ensure()
     LOOKUP_SECONDS = time.perf_counter() - start  # on a cache hit: what the cache adds to the import
     try:
         module = _import_library(got.path)
-    except ImportError:  # replaced while this process looked (`python -m fastcoll.build --force`): load what is there now
+    except ImportError:  # replaced while this process looked (`python -m fastcoll.extension --force`): load what is there now
         got = jit.ensure()
         try:
             module = _import_library(got.path)
@@ -174,9 +174,9 @@ def _load_from_cache() -> ModuleType:
 
 
 def _running_build_cli() -> bool:
-    """Whether this process is ``python -m fastcoll.build``, which compiles itself (and reports how it went)."""
+    """Whether this process is ``python -m fastcoll.extension``, which compiles itself (and reports how it went)."""
     argv = list(getattr(sys, "orig_argv", []))
-    return any(a == "-m" and b == "fastcoll.build" for a, b in zip(argv, argv[1:])) or "-mfastcoll.build" in argv
+    return any(a == "-m" and b == "fastcoll.extension" for a, b in zip(argv, argv[1:])) or "-mfastcoll.extension" in argv
 
 
 def _load() -> None:
@@ -191,7 +191,7 @@ def _load() -> None:
         elif os.environ.get("FASTCOLL_JIT", "1").strip() == "0":
             FALLBACK_REASON = (why_not or "there is no ahead-of-time build (fastcoll._C)") + " and FASTCOLL_JIT=0"
         elif _running_build_cli():
-            FALLBACK_REASON, quiet = "this process is python -m fastcoll.build", True
+            FALLBACK_REASON, quiet = "this process is python -m fastcoll.extension", True
         else:
             try:
                 _C = _load_from_cache()

@@ -213,7 +213,7 @@ class Communicator:
         return self._record("comm_hook", what, t)
 
     def note_gather(self, what: str, t: torch.Tensor) -> int:
-        """Record a sparse exchange (all-gathers by :class:`fastcoll.dist.sparse.SparseExchange`); returns its group seq."""
+        """Record a sparse exchange (all-gathers by :class:`~fastcoll.distributed.sparse.SparseExchange`); returns its seq."""
         return self._record("all_gather", what, t)
 
 

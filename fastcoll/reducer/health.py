@@ -214,7 +214,7 @@ class GradHealth:
 
     def raise_nonfinite(self, comm: Any, group: Any, buckets: Sequence[GradBucket], iteration: int) -> None:
         """Every rank gets here alike (the same reduced values): gather every rank's findings, raise one message."""
-        from ..dist.objects import all_gather_object_gpu
+        from ..distributed.objects import all_gather_object_gpu
 
         per_rank = all_gather_object_gpu(self.blame, rank_zero_return_only=False, group=group) if comm.active else [self.blame]
         names = {b.pos: b.names for b in buckets}

@@ -22,7 +22,7 @@ from typing import Any, Callable, Collection, Dict, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..dist.sparse import SparseExchange, empty_sparse_grad
+from ..distributed.sparse import SparseExchange, empty_sparse_grad
 from .bucket import GradBucket, MainGradBucket, PackArgs
 from .comm import DONE, Communicator
 from .hooks import call_hook, hook_result
@@ -341,7 +341,7 @@ class _SparseSummed(InFlight):
 
 
 class SparseSum:
-    """A sparse gradient scaled by 1/divisor and summed as a sparse tensor (:class:`fastcoll.dist.sparse.SparseExchange`).
+    """A sparse gradient scaled by 1/divisor and summed as a sparse tensor (:class:`fastcoll.distributed.sparse.SparseExchange`).
 
     A parameter that got no gradient contributes an empty sparse tensor, so
     every rank issues the same collectives.

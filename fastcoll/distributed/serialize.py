@@ -71,7 +71,7 @@ def obj2tensor(pyobj: Any, device: str | torch.device | None = None) -> torch.Te
         pyobj: Any picklable object.
         device: Where to put the tensor. None picks the device the default
             process group communicates on (see
-            :func:`fastcoll.dist.backends.comm_device`; CPU when not distributed).
+            :func:`fastcoll.distributed.backends.comm_device`; CPU when not distributed).
 
     Returns:
         The pickled bytes as a uint8 tensor.

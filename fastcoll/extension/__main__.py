@@ -1,4 +1,4 @@
-"""``python -m fastcoll.build``: compile the extension into the cache ahead of time.
+"""``python -m fastcoll.extension``: compile the extension into the cache ahead of time.
 
 For a cluster: run it once (on a login node, say) with the environment the
 jobs use, so that no job compiles at import. Prints the cache key and the
@@ -28,7 +28,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit status: 0 when the build is in the cache, 1 when it could not be made.
     """
-    parser = argparse.ArgumentParser(prog="python -m fastcoll.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastcoll.extension", description=__doc__.split("\n\n")[0])
     parser.add_argument("--force", action="store_true", help="compile even if the cache already has this build")
     args = parser.parse_args(argv)
     try:
@@ -37,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if exc.log:
             with open(exc.log, errors="replace") as f:
                 print(compile.error_excerpt(f.read(), _LOG_LINES), file=sys.stderr)
-        print(f"fastcoll.build: {exc}", file=sys.stderr)
+        print(f"fastcoll.extension: {exc}", file=sys.stderr)
         return 1
     state = f"compiled in {got.seconds:.0f} s" if got.seconds is not None else "already in the cache"
     print(f"key:  {got.plan.key}\npath: {got.path}\n({state})")

@@ -35,7 +35,7 @@ Tensors on a device the backend cannot use are staged through that device.
 
 Errors that depend on one rank's data (a dict with other keys, an object that
 cannot be pickled) are agreed on through one small collective
-(:func:`fastcoll.dist._agree.agree`), so they raise the same exception on
+(:func:`fastcoll.distributed._agree.agree`), so they raise the same exception on
 *every* rank instead of leaving the others waiting in a collective that never
 completes. Messages read ``fastcoll.dist.<function>: what went wrong; how to
 fix it`` and name the ranks, keys or gradient indices at fault.

@@ -7,7 +7,7 @@ mean on the way), reduced with one asynchronous SUM all-reduce (the next
 buffer is packed meanwhile) and unpacked by :func:`fastcoll.ops.unflatten_scale`.
 Tensors the fused ops cannot pack (integers, sparse, non-dense) take small
 side paths. Tensors on a device the backend cannot use are staged through the
-communication device (see :mod:`fastcoll.dist.backends`).
+communication device (see :mod:`fastcoll.distributed.backends`).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def all_reduce_dict(
 
 def _mean_one(t: torch.Tensor, ws: int, group: Group, device: torch.device) -> Any | None:
     """Start averaging one tensor in place; the work handle when the reduce is still running."""
-    if t.layout == torch.sparse_coo:  # summed from all-gathers (see fastcoll.dist.sparse), then written back
+    if t.layout == torch.sparse_coo:  # summed from all-gathers (see fastcoll.distributed.sparse), then written back
         t.copy_(all_reduce_sparse(t, group, ws) / ws)
         return None
     if t.is_contiguous():

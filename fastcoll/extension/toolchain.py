@@ -30,7 +30,7 @@ def find_cxx() -> str:
         raise ExtensionUnavailable(
             f"no C++ compiler: `{cxx()}` was not found on PATH",
             "Install one (e.g. `apt install g++`, `conda install gxx`) or set CXX to it, then import fastcoll again "
-            "or run `python -m fastcoll.build`",
+            "or run `python -m fastcoll.extension`",
         )
     return path
 

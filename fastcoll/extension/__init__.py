@@ -4,7 +4,7 @@ A wheel built in isolation (``pip install .``) carries the extension's sources
 (``fastcoll/_csrc``) and compiles nothing; ``import fastcoll`` compiles them
 once against the torch it runs with (ninja, ``MAX_JOBS`` parallel jobs) into
 ``$FASTCOLL_CACHE_DIR`` (default ``~/.cache/fastcoll``), and later imports load
-that build. ``python -m fastcoll.build`` does the compile ahead of time.
+that build. ``python -m fastcoll.extension`` does the compile ahead of time.
 
 Modules, one concern each: spec (sources and flags, shared with setup.py),
 toolchain (compiler, nvcc, ninja, jobs), key (what a build is for, its cache

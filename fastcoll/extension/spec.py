@@ -2,7 +2,7 @@
 
 One description shared by the ahead-of-time build (setup.py, which loads this
 file by path: it imports neither torch nor fastcoll) and the build at first
-import (fastcoll.build), so the two compile the same thing the same way.
+import (fastcoll.extension), so the two compile the same thing the same way.
 
 The CPU inner loops come in several instruction-set builds (default, AVX2,
 AVX-512 BF16); they are selected inside the sources by target pragmas

@@ -124,6 +124,6 @@ def run(plan: Plan, build_dir: str) -> str:
         output = f.read()
     raise BuildFailed(
         f"compiling the C++ extension failed (exit {rc}): {first_error(output)}",
-        "Fix the cause shown in the log, then run `python -m fastcoll.build` to compile again",
+        "Fix the cause shown in the log, then run `python -m fastcoll.extension` to compile again",
         log=log_path,
     )

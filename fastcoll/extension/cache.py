@@ -8,7 +8,7 @@ Layout, under ``ext/``:
   which a reader checks before loading (a truncated or foreign file is rebuilt).
 * ``<key>.lock``: the build lock (lock.py).
 * ``<key>.failed.log``: the output of a failed build. Later imports report it
-  rather than compile again; ``python -m fastcoll.build`` retries.
+  rather than compile again; ``python -m fastcoll.extension`` retries.
 * ``tmp/``: builds in progress, one folder each; leftovers of killed builds
   older than a day are removed by the next successful build.
 """

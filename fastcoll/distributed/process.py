@@ -134,7 +134,7 @@ def synchronize(group: Group = None) -> None:
 
     A no-op when not distributed or when the group has a single process. On a
     CUDA backend the barrier runs on the group's communication device (see
-    :func:`fastcoll.dist.backends.comm_device`).
+    :func:`fastcoll.distributed.backends.comm_device`).
 
     Args:
         group: Process group to synchronize; the default group when None.

@@ -1,4 +1,4 @@
-"""Compiles the extension in a process of its own (run by fastcoll/build/compile.py, by path).
+"""Compiles the extension in a process of its own (run by fastcoll/extension/compile.py, by path).
 
 It imports neither fastcoll (whose import would compile) nor anything beside
 this file: only torch.utils.cpp_extension, whose ``load`` writes the ninja

@@ -1,7 +1,7 @@
 """The extension for the running torch: from the cache, or compiled once into it.
 
 :func:`ensure` is what ``import fastcoll`` runs when no ahead-of-time build is
-usable, and what ``python -m fastcoll.build`` runs to fill the cache early. A
+usable, and what ``python -m fastcoll.extension`` runs to fill the cache early. A
 cache hit costs a stat and two small file reads. A miss takes the key's lock
 (lock.py), looks again (another process may have built it meanwhile), compiles
 in a folder of its own (compile.py) and publishes the result by rename
@@ -87,7 +87,7 @@ def _build(plan: key.Plan, entry: cache.Entry, report: Callable[[str], None]) ->
     report(
         f"compiling the C++ extension ({kernels}) for torch {torch.__version__} with {toolchain.max_jobs()} jobs "
         f"into {entry.dir}; this happens once per torch, Python and fastcoll version ({takes}). "
-        "To do it ahead of time: python -m fastcoll.build"
+        "To do it ahead of time: python -m fastcoll.extension"
     )
     start, cpu_start = time.monotonic(), _children_cpu_seconds()
     build_dir = entry.new_build_dir()
@@ -124,6 +124,6 @@ def _earlier_failure(entry: cache.Entry) -> BuildFailed:
         first = compile.first_error(f.read())
     return BuildFailed(
         f"an earlier compile of this extension failed: {first}",
-        "Fix the cause shown in the log, then run `python -m fastcoll.build` to compile again",
+        "Fix the cause shown in the log, then run `python -m fastcoll.extension` to compile again",
         log=entry.failed_log,
     )

@@ -1,7 +1,7 @@
 """Messages for tensor collectives whose inputs differ across ranks.
 
 Each ``explain_*`` function receives every rank's description (in group-rank
-order, as :func:`fastcoll.dist._agree.agree` gathers them on a mismatch) and
+order, as :func:`fastcoll.distributed._agree.agree` gathers them on a mismatch) and
 names what differs: the arguments, the keys, the first differing gradient.
 """
 

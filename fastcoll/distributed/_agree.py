@@ -165,7 +165,7 @@ def agree(
         explain: Builds the mismatch message from every rank's ``desc``; the
             default lists them all.
         mismatch: Exception type raised on a mismatch.
-        device: Where the records travel; :func:`~fastcoll.dist.backends.comm_device`
+        device: Where the records travel; :func:`~fastcoll.distributed.backends.comm_device`
             of the group when None.
 
     Returns:

@@ -1,0 +1,9 @@
+"""``fastcoll.dist``: the distributed helpers' public import path (implemented in :mod:`fastcoll.distributed`).
+
+``from fastcoll.dist import get_rank, reduce_mean, init_dist, ...`` as the
+OpenMMLab and vis4d utilities are imported; see :mod:`fastcoll.distributed`
+for what each does.
+"""
+
+from .distributed import *  # noqa: F403 (the public names, as fastcoll.distributed.__all__ lists them)
+from .distributed import __all__  # noqa: F401
