@@ -28,9 +28,13 @@ PACKAGE = ROOT / "fastcoll"
 API_DIR = ROOT / "docs" / "api"
 
 # Not an import API: the benchmark command line (`python -m fastcoll.bench`), documented in docs/benchmarks.md.
-EXCLUDED = {"fastcoll.bench"}
+# fastcoll.distributed is read as fastcoll.dist, its public import path (fastcoll/dist.py re-exports its __all__).
+EXCLUDED = {"fastcoll.bench", "fastcoll.distributed", "fastcoll.dist"}
 # Modules below the first level that the user guide sends readers to.
-EXTRA_MODULES = {"fastcoll.optim.checkpoint": PACKAGE / "optim" / "checkpoint.py"}
+EXTRA_MODULES = {
+    "fastcoll.optim.checkpoint": PACKAGE / "optim" / "checkpoint.py",
+    "fastcoll.dist": PACKAGE / "distributed" / "__init__.py",
+}
 
 _DIRECTIVE = re.compile(r"^:::\s+(\S+)\s*$")
 _MEMBER = re.compile(r"^\s+-\s+(\S+)\s*$")
