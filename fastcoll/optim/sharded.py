@@ -20,7 +20,7 @@ Two ways to get the gradients:
 
 from __future__ import annotations
 
-import types
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -158,8 +158,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather = reducer.enable_param_gather(
             self._stepped, stages, self.overlap_param_gather, borrowed, self._buffers.moved, model.module
         )
+        gather = self._gather  # the reducer's: the hooks hold no reference to this optimizer
         for m in (model, model.module):
-            m.register_state_dict_pre_hook(lambda *args, **kwargs: self._gather.finish())
+            m.register_state_dict_pre_hook(lambda *args, **kwargs: gather.finish())
 
     # ------------------------------------------------------------- building
 
@@ -374,6 +375,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedOptimizer":
+        raise RuntimeError(
+            "fastcoll.ShardedOptimizer cannot be copied: it is bound to its model's buckets and process group. Build "
+            "a new one over the copied model, and load opt.state_dict() into it"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError("fastcoll.ShardedOptimizer cannot be pickled: save opt.state_dict() (or sharded_state_dict()) instead")
+
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.wrapped!r}, grads={self.grads!r}, ranks={self._layout.world_size})"
 
@@ -477,22 +487,38 @@ def _redirect(optimizer: torch.optim.Optimizer, sharded: "ShardedOptimizer") -> 
     """The wrapped optimizer answers for the ShardedOptimizer, or refuses: it no longer steps anything itself.
 
     Code that kept a reference to it (a training loop, a scheduler helper) zeroes the gradients, saves and
-    loads the state through the ShardedOptimizer; stepping it directly is refused.
+    loads the state through the ShardedOptimizer; stepping it directly is refused. Its class becomes a subclass
+    of its own class with those methods (isinstance holds), holding the ShardedOptimizer weakly: no cycle.
     """
+    cls = type(optimizer)
+    optimizer._fastcoll_sharded = weakref.ref(sharded)  # type: ignore[attr-defined]
+    optimizer.__dict__.pop("step", None)  # an LR scheduler's counting wrapper of the old step
+    optimizer.__class__ = type(cls.__name__, (cls,), {**_ANSWERS, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
-    def refused_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"fastcoll.ShardedOptimizer: this {type(self).__name__} is wrapped by a ShardedOptimizer, which "
-            "steps it over this rank's ranges and all-gathers the parameters; call step() on the ShardedOptimizer"
-        )
 
-    # LR schedulers mark the step they count (torch warns when it was replaced after them): the ShardedOptimizer's
-    # step() sets ``_opt_called`` on this optimizer itself.
-    refused_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = types.MethodType(refused_step, optimizer)  # type: ignore[method-assign]
-    optimizer.zero_grad = sharded.zero_grad  # type: ignore[method-assign]
-    optimizer.state_dict = sharded.state_dict  # type: ignore[method-assign]
-    optimizer.load_state_dict = sharded.load_state_dict  # type: ignore[method-assign]
+def _owner(optimizer: Any) -> "ShardedOptimizer":
+    sharded = optimizer._fastcoll_sharded()
+    if sharded is None:
+        raise RuntimeError(f"fastcoll.ShardedOptimizer: the ShardedOptimizer wrapping this {type(optimizer).__name__} is gone")
+    return sharded
+
+
+def _refused_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        f"fastcoll.ShardedOptimizer: this {type(self).__name__} is wrapped by a ShardedOptimizer, which steps it over "
+        "this rank's ranges and all-gathers the parameters; call step() on the ShardedOptimizer"
+    )
+
+
+# LR schedulers mark the step they count (torch warns when it was replaced after them): the ShardedOptimizer's
+# step() sets ``_opt_called`` on the wrapped optimizer itself.
+_refused_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+_ANSWERS = {
+    "step": _refused_step,
+    "zero_grad": lambda self, set_to_none=True: _owner(self).zero_grad(set_to_none),
+    "state_dict": lambda self: _owner(self).state_dict(),
+    "load_state_dict": lambda self, state_dict: _owner(self).load_state_dict(state_dict),
+}
 
 
 def _numbered(state_dict: Dict[str, Any]) -> Dict[str, Any]:

@@ -168,19 +168,20 @@ class KeptGradients:
             RuntimeError: at a step, a guarded parameter's ``.grad`` holds a tensor written by hand.
         """
         r = self.reducer
+        if at_step:
+            for i in self.guarded:
+                g = r.params[i].grad
+                if g is not None and not is_guard(g):
+                    raise RuntimeError(
+                        f"fastcoll: the gradient of '{r.names[i]}' was written by hand (p.grad = ...); its synchronized "
+                        f"gradient is not p.grad ({self.book.where}), so what was written there cannot be stepped. "
+                        f"Modify gradients in place (p.grad.mul_) instead. {self.book.advice}"
+                    )
         forgot = False
         for i, guard in list(self.placed.items()):
-            g = r.params[i].grad
-            if g is guard:
-                continue
-            if at_step and g is not None and not is_guard(g):
-                raise RuntimeError(
-                    f"fastcoll: the gradient of '{r.names[i]}' was replaced by hand after backward; its synchronized "
-                    f"gradient is not p.grad ({self.book.where}), so what was written there cannot be stepped. Modify "
-                    f"gradients in place (p.grad.mul_) instead. {self.book.advice}"
-                )
-            self._forget(i)
-            forgot = True
+            if r.params[i].grad is not guard:
+                self._forget(i)
+                forgot = True
         if forgot and not any(self.used[i] for i in self.guarded):
             self.zero_kept()
 
