@@ -245,3 +245,50 @@ def _errors_worker(rank: int, world_size: int) -> None:
 
 def test_accelerate_refuses_what_would_bypass_fastcoll():
     run_ranks(_errors_worker, WORLD, timeout=60, pg_timeout=30)
+
+
+def _save_two_ranks(rank: int, world_size: int, tmp: str) -> None:
+    from fastcoll.integrations.accelerate import FastCollKwargs
+
+    _env(rank, world_size)
+    acc, *_ = _run("fastcoll", rank, fastcoll_kwargs=FastCollKwargs(sharded_optimizer=True, grads="sharded"), steps=2)
+    acc.save_state(tmp)
+
+
+def _resume_three_ranks(rank: int, world_size: int, tmp: str) -> None:
+    """Resume the 2-rank sharded checkpoint at 3 ranks, with torch DDP + AdamW and with the sharded optimizer."""
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from fastcoll.integrations.accelerate import FastCollAccelerator, FastCollKwargs
+
+    _env(rank, world_size)
+    saved = torch.load(os.path.join(tmp, "optimizer.bin"), weights_only=True)
+    weights = {}
+    for kind in ("torch", "fastcoll"):
+        AcceleratorState._reset_state()
+        if kind == "torch":
+            acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+        else:
+            options = FastCollKwargs(sharded_optimizer=True, grads="sharded")
+            acc = FastCollAccelerator(cpu=True, gradient_accumulation_steps=ACCUM, fastcoll=options)
+        model, opt, sched = _setup(acc, _gpt2(seed=7))
+        acc.load_state(tmp)
+        state = opt.state_dict()  # the sharded optimizer's: gathered from 3 ranks' pieces
+        assert state["param_groups"] == saved["param_groups"], kind
+        for i, st in saved["state"].items():
+            for k, v in st.items():
+                assert torch.equal(state["state"][i][k], v), f"{kind}: state {i} {k} after load_state at 3 ranks"
+        _train(acc, model, opt, sched, rank, 1, first=2)
+        weights[kind] = _weights(acc, model)
+    _compare(weights["fastcoll"], weights["torch"], "a step after resuming at 3 ranks", exact=False)
+
+
+@pytest.mark.timeout(300)  # two launches (2 ranks, then 3)
+def test_accelerate_sharded_checkpoint_resumes_at_another_world_size(tmp_path):
+    """A sharded optimizer's save_state at 2 ranks resumes at 3: the state round-trips exactly, the next step is
+    torch DDP + AdamW's (resumed from the same files)."""
+    run_ranks(_save_two_ranks, 2, str(tmp_path), timeout=120, pg_timeout=60)
+    run_ranks(_resume_three_ranks, 3, str(tmp_path), timeout=160, pg_timeout=60)
