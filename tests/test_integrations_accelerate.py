@@ -292,3 +292,60 @@ def test_accelerate_sharded_checkpoint_resumes_at_another_world_size(tmp_path):
     torch DDP + AdamW's (resumed from the same files)."""
     run_ranks(_save_two_ranks, 2, str(tmp_path), timeout=120, pg_timeout=60)
     run_ranks(_resume_three_ranks, 3, str(tmp_path), timeout=160, pg_timeout=60)
+
+
+def _direct_bf16_run(rank: int, grads: str) -> tuple:
+    """The same loop written against fastcoll directly: fastcoll.DDP(main_grad_dtype) + ShardedOptimizer(master_dtype),
+    no_sync for the first micro-batch, the loss divided by ACCUM, the schedule stepped once per rank and step (as
+    accelerate's AcceleratedScheduler does)."""
+    import contextlib
+
+    from transformers import get_cosine_schedule_with_warmup
+
+    import fastcoll
+
+    ddp = fastcoll.DDP(_gpt2().to(torch.bfloat16), main_grad_dtype=torch.float32)
+    inner = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = fastcoll.ShardedOptimizer(inner, ddp, grads=grads, master_dtype=torch.float32)
+    sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=2 * STEPS * WORLD)
+    seen = []
+    for micro in range(STEPS * ACCUM):
+        last = (micro + 1) % ACCUM == 0
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            loss = ddp(input_ids=_batch(rank, micro), labels=_batch(rank, micro)).loss
+            (loss / ACCUM).backward()
+        if last:
+            seen.append(float(opt.clip_grad_norm_(MAX_NORM)))
+            opt.step()
+            for _ in range(WORLD):
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+    return ddp, seen
+
+
+def _bf16_worker(rank: int, world_size: int) -> None:
+    from accelerate.state import AcceleratorState
+
+    from fastcoll.integrations.accelerate import FastCollAccelerator, FastCollKwargs
+
+    _env(rank, world_size)
+    for grads in ("full", "sharded"):
+        AcceleratorState._reset_state()
+        options = FastCollKwargs(sharded_optimizer=True, grads=grads, main_grad_dtype=torch.float32, master_dtype=torch.float32)
+        acc = FastCollAccelerator(cpu=True, gradient_accumulation_steps=ACCUM, fastcoll=options)
+        model, opt, sched = _setup(acc, _gpt2().to(torch.bfloat16), schedule_on="prepared")
+        assert model.main_grad_dtype == torch.float32 and opt.optimizer.master_dtype == torch.float32
+        seen = _train(acc, model, opt, sched, rank, STEPS)[0::2]  # the clipping norms
+        direct, want = _direct_bf16_run(rank, grads)
+        assert seen == want, f"grads={grads}: norms {seen} != fastcoll used directly {want}"
+        got = _weights(acc, model)
+        assert all(v.dtype == torch.bfloat16 for v in got.values())
+        _compare(got, _weights(acc, direct), f"grads={grads}: bf16 weights vs fastcoll used directly", exact=True)
+        state = opt.state_dict()
+        assert all(st["fastcoll_master"].dtype == torch.float32 for st in state["state"].values())
+
+
+def test_accelerate_bf16_main_grads_and_masters_as_fastcoll_directly():
+    """bf16 weights, float32 main gradients and master weights through prepare(): bitwise the same loop written
+    against fastcoll.DDP + ShardedOptimizer directly (whose numerics fastcoll's own tests check), both grads modes."""
+    run_ranks(_bf16_worker, WORLD, timeout=160, pg_timeout=60)
