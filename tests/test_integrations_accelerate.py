@@ -16,6 +16,7 @@ import importlib.util
 
 import pytest
 import torch
+from hf_helpers import compare_states, tiny_gpt2, torchrun_env
 from multiproc import run_ranks
 
 for _pkg in ("accelerate", "transformers"):
@@ -30,24 +31,8 @@ STEPS = 3
 MAX_NORM = 0.05  # below the tiny GPT-2's gradient norm: every step clips
 
 
-def _gpt2(seed: int = 0, **overrides):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = dict(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(**cfg))
-
-
 def _batch(rank: int, micro: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1000 * micro + rank))
-
-
-def _env(rank: int, world_size: int) -> None:
-    import os
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
 
 
 def _setup(acc, model, schedule_on: str = "torch"):
@@ -99,18 +84,9 @@ def _run(kind: str, rank: int, fastcoll_kwargs=None, mixed_precision: str = "no"
     AcceleratorState._reset_state()  # the mixed precision is fixed per process otherwise (the process group stays)
     common = dict(cpu=True, gradient_accumulation_steps=ACCUM, mixed_precision=mixed_precision)
     acc = Accelerator(**common) if kind == "torch" else FastCollAccelerator(fastcoll=fastcoll_kwargs, **common)
-    model, opt, sched = _setup(acc, _gpt2(), schedule_on)
+    model, opt, sched = _setup(acc, tiny_gpt2(), schedule_on)
     seen = _train(acc, model, opt, sched, rank, steps)
     return acc, model, opt, sched, seen
-
-
-def _compare(got: dict, want: dict, what: str, exact: bool) -> None:
-    assert list(got) == list(want), what
-    for k in want:
-        if exact:
-            assert torch.equal(got[k], want[k]), f"{what}: {k} differs (max {float((got[k] - want[k]).abs().max())})"
-        else:
-            torch.testing.assert_close(got[k], want[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{what}: {k}: {m}")
 
 
 def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
@@ -122,14 +98,14 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
     import fastcoll
     from fastcoll.integrations.accelerate import FastCollAccelerator
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     for precision in ("no", "bf16"):
         _, tmodel, _, _, tseen = _run("torch", rank, mixed_precision=precision)
         assert type(tmodel) is TorchDDP
         acc, model, opt, sched, seen = _run("fastcoll", rank, mixed_precision=precision)
         assert type(model) is fastcoll.DDP and model._is_accelerate_prepared, type(model)
         assert seen == tseen, f"{precision}: norms/losses {seen} != torch DDP's {tseen}"
-        _compare(_weights(acc, model), _weights(acc, tmodel), f"{precision}: weights after {STEPS} steps", exact=True)
+        compare_states(_weights(acc, model), _weights(acc, tmodel), f"{precision}: weights after {STEPS} steps", exact=True)
 
     # DistributedDataParallelKwargs maps onto fastcoll.DDP; fastcoll's own options reach it too.
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
@@ -140,18 +116,18 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
     acc = FastCollAccelerator(
         cpu=True, kwargs_handlers=[handler], fastcoll=FastCollKwargs(stall_timeout=30.0, ddp_kwargs={"first_bucket_mb": 0.5})
     )
-    m = acc.prepare(_gpt2())
+    m = acc.prepare(tiny_gpt2())
     assert m.find_unused_parameters and m.stall_timeout == 30.0, vars(m).keys()
     assert "bf16" in str(m._comm_hook_desc), m._comm_hook_desc
     # Frozen and evaluation-only models are not wrapped, as accelerate does not wrap them.
-    frozen = _gpt2().requires_grad_(False)
+    frozen = tiny_gpt2().requires_grad_(False)
     assert not isinstance(acc.prepare(frozen), TorchDDP)
-    assert not isinstance(acc.prepare_model(_gpt2(), evaluation_mode=True), TorchDDP)
+    assert not isinstance(acc.prepare_model(tiny_gpt2(), evaluation_mode=True), TorchDDP)
     # A model the user wrapped in fastcoll.DDP is kept (not wrapped again in torch DDP); torch DDP is refused.
-    mine = fastcoll.DDP(_gpt2())
+    mine = fastcoll.DDP(tiny_gpt2())
     assert acc.prepare(mine) is mine
     with pytest.raises(TypeError, match="already wrapped in torch DDP"):
-        acc.prepare(TorchDDP(_gpt2()))
+        acc.prepare(TorchDDP(tiny_gpt2()))
 
     # save_state / load_state: a run resumed from step 2 ends where the uninterrupted run ends, bitwise.
     acc, model, opt, sched, _ = _run("fastcoll", rank, steps=2)
@@ -159,10 +135,10 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
     _train(acc, model, opt, sched, rank, 1, first=2)
     want = _weights(acc, model)
     acc2 = FastCollAccelerator(cpu=True, gradient_accumulation_steps=ACCUM)
-    model2, opt2, sched2 = _setup(acc2, _gpt2(seed=7))
+    model2, opt2, sched2 = _setup(acc2, tiny_gpt2(seed=7))
     acc2.load_state(os.path.join(tmp, "state"))
     _train(acc2, model2, opt2, sched2, rank, 1, first=2)
-    _compare(_weights(acc2, model2), want, "resumed from save_state", exact=True)
+    compare_states(_weights(acc2, model2), want, "resumed from save_state", exact=True)
     # save_model writes the bare model's weights
     acc2.save_model(model2, os.path.join(tmp, "model"))
     acc2.wait_for_everyone()
@@ -185,13 +161,13 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str, schedule_o
     import fastcoll
     from fastcoll.integrations.accelerate import FastCollAccelerator, FastCollKwargs
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     options = FastCollKwargs(sharded_optimizer=True, grads=grads)
     _, tmodel, topt, _, tseen = _run("torch", rank)
     acc, model, opt, sched, seen = _run("fastcoll", rank, fastcoll_kwargs=options, schedule_on=schedule_on)
     assert isinstance(opt.optimizer, fastcoll.ShardedOptimizer), type(opt.optimizer)
     torch.testing.assert_close(seen, tseen, rtol=1e-5, atol=0)
-    _compare(_weights(acc, model), _weights(acc, tmodel), f"grads={grads}: weights after {STEPS} steps", exact=False)
+    compare_states(_weights(acc, model), _weights(acc, tmodel), f"grads={grads}: weights after {STEPS} steps", exact=False)
     # The learning rate the schedule set is the one the optimizer steps with.
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in topt.param_groups]
 
@@ -201,13 +177,13 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str, schedule_o
     _train(acc, model, opt, sched, rank, 1, first=2)
     want = _weights(acc, model)
     acc2 = FastCollAccelerator(cpu=True, gradient_accumulation_steps=ACCUM, fastcoll=options)
-    model2, opt2, sched2 = _setup(acc2, _gpt2(seed=7), schedule_on)
+    model2, opt2, sched2 = _setup(acc2, tiny_gpt2(seed=7), schedule_on)
     acc2.load_state(os.path.join(tmp, "state"))
     _train(acc2, model2, opt2, sched2, rank, 1, first=2)
-    _compare(_weights(acc2, model2), want, "resumed from save_state", exact=True)
+    compare_states(_weights(acc2, model2), want, "resumed from save_state", exact=True)
     # The file is a torch AdamW state dict: the plain optimizer of a 1-process run loads it.
     saved = torch.load(os.path.join(tmp, "state", "optimizer.bin"), weights_only=True)
-    torch.optim.AdamW(_gpt2().parameters(), lr=1e-2).load_state_dict(saved)
+    torch.optim.AdamW(tiny_gpt2().parameters(), lr=1e-2).load_state_dict(saved)
 
 
 @pytest.mark.parametrize("grads,schedule_on", [("full", "torch"), ("sharded", "torch"), ("sharded", "prepared")])
@@ -227,7 +203,7 @@ def _errors_worker(rank: int, world_size: int) -> None:
 
     from fastcoll.integrations.accelerate import FastCollAccelerator, FastCollKwargs
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     with pytest.raises(ValueError, match="fsdp_plugin.* is configured.*fastcoll.DDP would not be used"):
         FastCollAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
     with pytest.raises(ValueError, match="ACCELERATE_USE_FSDP is configured"):  # the plugin's constructor set it
@@ -238,19 +214,19 @@ def _errors_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="no argument bucket_cap"):
         FastCollKwargs(ddp_kwargs={"bucket_cap": 1})
     acc = FastCollAccelerator(cpu=True, fastcoll=FastCollKwargs(sharded_optimizer=True))
-    opt = torch.optim.AdamW(_gpt2().parameters())
+    opt = torch.optim.AdamW(tiny_gpt2().parameters())
     with pytest.raises(ValueError, match="pass the model to prepare\\(\\) before the optimizer"):
         acc.prepare(opt)
 
 
 def test_accelerate_refuses_what_would_bypass_fastcoll():
-    run_ranks(_errors_worker, WORLD, timeout=60, pg_timeout=30)
+    run_ranks(_errors_worker, WORLD, timeout=160, pg_timeout=60)
 
 
 def _save_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     from fastcoll.integrations.accelerate import FastCollKwargs
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     acc, *_ = _run("fastcoll", rank, fastcoll_kwargs=FastCollKwargs(sharded_optimizer=True, grads="sharded"), steps=2)
     acc.save_state(tmp)
 
@@ -264,7 +240,7 @@ def _resume_three_ranks(rank: int, world_size: int, tmp: str) -> None:
 
     from fastcoll.integrations.accelerate import FastCollAccelerator, FastCollKwargs
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     saved = torch.load(os.path.join(tmp, "optimizer.bin"), weights_only=True)
     weights = {}
     for kind in ("torch", "fastcoll"):
@@ -274,7 +250,7 @@ def _resume_three_ranks(rank: int, world_size: int, tmp: str) -> None:
         else:
             options = FastCollKwargs(sharded_optimizer=True, grads="sharded")
             acc = FastCollAccelerator(cpu=True, gradient_accumulation_steps=ACCUM, fastcoll=options)
-        model, opt, sched = _setup(acc, _gpt2(seed=7))
+        model, opt, sched = _setup(acc, tiny_gpt2(seed=7))
         acc.load_state(tmp)
         state = opt.state_dict()  # the sharded optimizer's: gathered from 3 ranks' pieces
         assert state["param_groups"] == saved["param_groups"], kind
@@ -283,7 +259,7 @@ def _resume_three_ranks(rank: int, world_size: int, tmp: str) -> None:
                 assert torch.equal(state["state"][i][k], v), f"{kind}: state {i} {k} after load_state at 3 ranks"
         _train(acc, model, opt, sched, rank, 1, first=2)
         weights[kind] = _weights(acc, model)
-    _compare(weights["fastcoll"], weights["torch"], "a step after resuming at 3 ranks", exact=False)
+    compare_states(weights["fastcoll"], weights["torch"], "a step after resuming at 3 ranks", exact=False)
 
 
 @pytest.mark.timeout(300)  # two launches (2 ranks, then 3)
@@ -304,7 +280,7 @@ def _direct_bf16_run(rank: int, grads: str) -> tuple:
 
     import fastcoll
 
-    ddp = fastcoll.DDP(_gpt2().to(torch.bfloat16), main_grad_dtype=torch.float32)
+    ddp = fastcoll.DDP(tiny_gpt2().to(torch.bfloat16), main_grad_dtype=torch.float32)
     inner = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
     opt = fastcoll.ShardedOptimizer(inner, ddp, grads=grads, master_dtype=torch.float32)
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=2 * STEPS * WORLD)
@@ -328,19 +304,19 @@ def _bf16_worker(rank: int, world_size: int) -> None:
 
     from fastcoll.integrations.accelerate import FastCollAccelerator, FastCollKwargs
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     for grads in ("full", "sharded"):
         AcceleratorState._reset_state()
         options = FastCollKwargs(sharded_optimizer=True, grads=grads, main_grad_dtype=torch.float32, master_dtype=torch.float32)
         acc = FastCollAccelerator(cpu=True, gradient_accumulation_steps=ACCUM, fastcoll=options)
-        model, opt, sched = _setup(acc, _gpt2().to(torch.bfloat16), schedule_on="prepared")
+        model, opt, sched = _setup(acc, tiny_gpt2().to(torch.bfloat16), schedule_on="prepared")
         assert model.main_grad_dtype == torch.float32 and opt.optimizer.master_dtype == torch.float32
         seen = _train(acc, model, opt, sched, rank, STEPS)[0::2]  # the clipping norms
         direct, want = _direct_bf16_run(rank, grads)
         assert seen == want, f"grads={grads}: norms {seen} != fastcoll used directly {want}"
         got = _weights(acc, model)
         assert all(v.dtype == torch.bfloat16 for v in got.values())
-        _compare(got, _weights(acc, direct), f"grads={grads}: bf16 weights vs fastcoll used directly", exact=True)
+        compare_states(got, _weights(acc, direct), f"grads={grads}: bf16 weights vs fastcoll used directly", exact=True)
         state = opt.state_dict()
         assert all(st["fastcoll_master"].dtype == torch.float32 for st in state["state"].values())
 

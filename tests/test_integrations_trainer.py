@@ -16,6 +16,7 @@ import importlib.util
 
 import pytest
 import torch
+from hf_helpers import compare_states, tiny_gpt2, torchrun_env
 from multiproc import run_ranks
 
 for _pkg in ("accelerate", "transformers", "safetensors"):
@@ -26,15 +27,6 @@ pytestmark = pytest.mark.timeout(200)
 
 WORLD = 2
 STEPS = 3
-
-
-def _gpt2(seed: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(cfg)
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -55,17 +47,11 @@ class _WithUnusedHead(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.lm = _gpt2()
+        self.lm = tiny_gpt2()
         self.unused = torch.nn.Linear(16, 4)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
         return {"loss": self.lm(input_ids=input_ids, labels=labels).loss}
-
-
-def _env(rank: int, world_size: int) -> None:
-    import os
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
 
 
 def _trainer(kind: str, out: str, model=None, fastcoll=None, **overrides):
@@ -85,21 +71,12 @@ def _trainer(kind: str, out: str, model=None, fastcoll=None, **overrides):
     args = TrainingArguments(**settings)
     extra = {} if kind == "torch" else {"fastcoll": fastcoll}
     cls = Trainer if kind == "torch" else FastCollTrainer
-    return cls(model=model if model is not None else _gpt2(), args=args, train_dataset=_Tokens(32),
+    return cls(model=model if model is not None else tiny_gpt2(), args=args, train_dataset=_Tokens(32),
                eval_dataset=_Tokens(8, seed=1), **extra)  # fmt: skip
 
 
 def _weights(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _compare(got: dict, want: dict, what: str, exact: bool) -> None:
-    assert list(got) == list(want), what
-    for k in want:
-        if exact:
-            assert torch.equal(got[k], want[k]), f"{what}: {k} differs (max {float((got[k] - want[k]).abs().max())})"
-        else:
-            torch.testing.assert_close(got[k], want[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{what}: {k}: {m}")
 
 
 def _check_resume(kind: str, tmp: str, fastcoll=None) -> "object":
@@ -108,9 +85,9 @@ def _check_resume(kind: str, tmp: str, fastcoll=None) -> "object":
 
     full = _trainer(kind, os.path.join(tmp, kind), fastcoll=fastcoll, save_strategy="steps", save_steps=2)
     full.train()
-    resumed = _trainer(kind, os.path.join(tmp, kind + "_resumed"), model=_gpt2(seed=7), fastcoll=fastcoll)
+    resumed = _trainer(kind, os.path.join(tmp, kind + "_resumed"), model=tiny_gpt2(seed=7), fastcoll=fastcoll)
     resumed.train(resume_from_checkpoint=os.path.join(tmp, kind, "checkpoint-2"))
-    _compare(_weights(resumed.model), _weights(full.model), f"{kind}: resumed from checkpoint-2", exact=True)
+    compare_states(_weights(resumed.model), _weights(full.model), f"{kind}: resumed from checkpoint-2", exact=True)
     return full
 
 
@@ -123,7 +100,7 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
     import fastcoll
     from fastcoll.integrations.accelerate import FastCollAccelerator
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     runs = {}
     for kind in ("torch", "fastcoll"):
         trainer = _trainer(kind, os.path.join(tmp, "run_" + kind))
@@ -132,7 +109,7 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
         assert wrapper is (TorchDDP if kind == "torch" else fastcoll.DDP), (kind, wrapper)
         runs[kind] = (trainer, _weights(trainer.model), trainer.evaluate())
     assert isinstance(runs["fastcoll"][0].accelerator, FastCollAccelerator)
-    _compare(runs["fastcoll"][1], runs["torch"][1], f"weights after {STEPS} steps", exact=True)
+    compare_states(runs["fastcoll"][1], runs["torch"][1], f"weights after {STEPS} steps", exact=True)
     assert runs["fastcoll"][2]["eval_loss"] == runs["torch"][2]["eval_loss"], (runs["fastcoll"][2], runs["torch"][2])
 
     # save_model + from_pretrained
@@ -140,7 +117,7 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
     trainer.save_model(os.path.join(tmp, "saved"))
     trainer.accelerator.wait_for_everyone()
     loaded = GPT2LMHeadModel.from_pretrained(os.path.join(tmp, "saved"))
-    _compare(_weights(loaded), runs["fastcoll"][1], "from_pretrained(save_model)", exact=True)
+    compare_states(_weights(loaded), runs["fastcoll"][1], "from_pretrained(save_model)", exact=True)
 
     _check_resume("fastcoll", tmp)
 
@@ -156,12 +133,14 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str) -> None:
     import fastcoll
     from fastcoll.integrations.accelerate import FastCollKwargs
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     options = FastCollKwargs(sharded_optimizer=True, grads=grads)
     torch_run = _check_resume("torch", tmp)
     fast_run = _check_resume("fastcoll", tmp, fastcoll=options)
     assert isinstance(fast_run.optimizer.optimizer, fastcoll.ShardedOptimizer), type(fast_run.optimizer.optimizer)
-    _compare(_weights(fast_run.model), _weights(torch_run.model), f"grads={grads}: weights after {STEPS} steps", exact=False)
+    compare_states(
+        _weights(fast_run.model), _weights(torch_run.model), f"grads={grads}: weights after {STEPS} steps", exact=False
+    )
     # The checkpoint's optimizer.pt is the plain AdamW state dict, as the torch DDP run's.
     got = torch.load(os.path.join(tmp, "fastcoll", "checkpoint-2", "optimizer.pt"), weights_only=True)
     want = torch.load(os.path.join(tmp, "torch", "checkpoint-2", "optimizer.pt"), weights_only=True)
@@ -181,7 +160,7 @@ def test_trainer_sharded_optimizer_matches_torch_ddp(tmp_path, grads):
 def _unused_worker(rank: int, world_size: int, tmp: str) -> None:
     import os
 
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     weights = {}
     for kind in ("torch", "fastcoll"):
         trainer = _trainer(kind, os.path.join(tmp, kind), model=_WithUnusedHead(), ddp_find_unused_parameters=True)
@@ -191,7 +170,7 @@ def _unused_worker(rank: int, world_size: int, tmp: str) -> None:
         assert trainer.model_wrapped.find_unused_parameters
         assert torch.equal(trainer.model.unused.weight, before), f"{kind}: the unused head changed"
         weights[kind] = _weights(trainer.model)
-    _compare(weights["fastcoll"], weights["torch"], "unused head: weights", exact=True)
+    compare_states(weights["fastcoll"], weights["torch"], "unused head: weights", exact=True)
 
 
 def test_trainer_unused_head_find_unused_parameters(tmp_path):
