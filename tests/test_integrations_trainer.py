@@ -23,7 +23,7 @@ for _pkg in ("accelerate", "transformers", "safetensors"):
     if importlib.util.find_spec(_pkg) is None:
         pytest.skip(f"{_pkg} is not installed (`make test` installs the pinned HF_EXTRAS)", allow_module_level=True)
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = pytest.mark.timeout(300)
 
 WORLD = 2
 STEPS = 3
@@ -124,7 +124,7 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_trainer_fastcoll_ddp_matches_torch_ddp(tmp_path):
     """Trainer on fastcoll.DDP: accumulation, max_grad_norm, cosine: bitwise torch DDP; evaluate, save_model, resume."""
-    run_ranks(_ddp_worker, WORLD, str(tmp_path), timeout=180, pg_timeout=60)
+    run_ranks(_ddp_worker, WORLD, str(tmp_path), timeout=270, pg_timeout=60)
 
 
 def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str) -> None:
@@ -154,7 +154,7 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str) -> None:
 @pytest.mark.parametrize("grads", ["full", "sharded"])
 def test_trainer_sharded_optimizer_matches_torch_ddp(tmp_path, grads):
     """FastCollTrainer with the sharded optimizer vs the plain Trainer; its checkpoint is the plain optimizer's."""
-    run_ranks(_sharded_worker, WORLD, str(tmp_path), grads, timeout=180, pg_timeout=60)
+    run_ranks(_sharded_worker, WORLD, str(tmp_path), grads, timeout=270, pg_timeout=60)
 
 
 def _unused_worker(rank: int, world_size: int, tmp: str) -> None:
@@ -172,7 +172,12 @@ def _unused_worker(rank: int, world_size: int, tmp: str) -> None:
         weights[kind] = _weights(trainer.model)
     compare_states(weights["fastcoll"], weights["torch"], "unused head: weights", exact=True)
 
+    # FSDP asked of the Trainer: refused (on CPU accelerate would ignore it; on GPUs fastcoll would be bypassed).
+    with pytest.raises(ValueError, match="TrainingArguments.fsdp.* is configured"):
+        _trainer("fastcoll", os.path.join(tmp, "fsdp"), fsdp="full_shard")
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
+
 
 def test_trainer_unused_head_find_unused_parameters(tmp_path):
     """ddp_find_unused_parameters=True with a head no forward uses: fastcoll.DDP as torch DDP, bitwise."""
-    run_ranks(_unused_worker, WORLD, str(tmp_path), timeout=180, pg_timeout=60)
+    run_ranks(_unused_worker, WORLD, str(tmp_path), timeout=270, pg_timeout=60)

@@ -266,7 +266,7 @@ class FastCollAccelerator(Accelerator):
     def _fastcoll_model_of(self, optimizer: torch.optim.Optimizer) -> DDP:
         """The prepared fastcoll.DDP that synchronizes every parameter of ``optimizer``."""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for ddp in self._fastcoll_models:
+        for ddp in reversed(self._fastcoll_models):  # the newest wrapper of a model prepared again
             if ids <= {id(p) for p in ddp.module.parameters()}:
                 return ddp
         raise ValueError(
@@ -274,6 +274,11 @@ class FastCollAccelerator(Accelerator):
             f"{len(ids)} parameters; pass the model to prepare() before the optimizer (prepare(model, optimizer)), "
             "and build the optimizer over that model's parameters"
         )
+
+    def free_memory(self, *objects: Any) -> Any:
+        """accelerate's ``free_memory``; the fastcoll.DDP wrappers it prepared are forgotten too."""
+        self._fastcoll_models = []
+        return super().free_memory(*objects)
 
     def _sharded_optimizers(self) -> List[ShardedOptimizer]:
         out = []
