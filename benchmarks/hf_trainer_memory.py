@@ -1,6 +1,7 @@
 """Memory per rank of a bf16 fine-tuning run in the transformers Trainer: fastcoll against accelerate's own DDP.
 
     python benchmarks/hf_trainer_memory.py [--layers 12] [--embd 768] [--seq 128] [--steps 3] [--json FILE]
+                                           [--methods accelerate,fastcoll]
 
 Two fresh pairs of gloo ranks on CPU, one per method, each training a GPT-2
 built from its config (GPT-2 small's shapes by default: 12 layers, 768 wide,
@@ -32,7 +33,7 @@ import os
 import socket
 import sys
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clean clone
 
@@ -126,11 +127,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(opts: Dict[str, Any]) -> List[Dict[str, Any]]:
+def measure(opts: Dict[str, Any], methods: Sequence[str] = METHODS) -> List[Dict[str, Any]]:
     """One fresh pair of ranks per method; every rank's row."""
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
-        for method in METHODS:
+        for method in methods:
             mp.start_processes(_rank, args=(method, opts, _free_port(), out_dir), nprocs=WORLD_SIZE, start_method="spawn")
             for rank in range(WORLD_SIZE):
                 with open(os.path.join(out_dir, f"{method}-{rank}.json")) as f:
@@ -146,9 +147,14 @@ def main(argv: Any = None) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", help="write every rank's row to this file")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
     a = p.parse_args(argv)
+    methods = a.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     opts = {k: getattr(a, k) for k in ("layers", "embd", "vocab", "seq", "steps")}
-    rows = measure(opts)
+    rows = measure(opts, methods)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"options": opts, "rows": rows}, f, indent=1)
