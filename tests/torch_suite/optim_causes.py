@@ -1,0 +1,99 @@
+"""Classify a failure of PyTorch's optimizer tests under the fastcoll adapter: its kind and a one-line cause.
+
+Kinds: ``"refused"`` (fastcoll, or the DDP contract, refuses the pattern
+loudly: acceptable), ``"behaviour"`` (an assertion on a result failed: the
+wrapped optimizer did something else than the torch optimizer; a bug), and
+``"error"`` (any other error, or a hang: a bug unless :data:`KNOWN` explains it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Tuple
+
+#: (pattern searched in the failure's text, kind, cause). The first match wins.
+KNOWN: List[Tuple[str, str, str]] = [
+    (
+        r"is not known to update parameters elementwise|cannot be sharded:",
+        "refused",
+        "ShardedOptimizer refuses a class whose update is not elementwise (LBFGS, SparseAdam, Adafactor, Muon)",
+    ),
+    (r"fastcoll\.DDP: parameter '\w+' has dtype torch\.complex", "refused", "fastcoll.DDP refuses complex parameters"),
+    (
+        r"received no gradient in its backward",
+        "refused",
+        "a parameter of the optimizer gets no gradient in a synchronized backward (set by hand, or frozen mid-test): "
+        "fastcoll.DDP raises at the next forward, as torch DDP (find_unused_parameters=False) does",
+    ),
+    (
+        r"the module has no parameter that requires a gradient",
+        "refused",
+        "no parameter of the optimizer requires a gradient: fastcoll.DDP refuses such a module, as torch DDP does",
+    ),
+    (
+        r"post accumulate grad hooks cannot be registered on non-leaf tensors",
+        "refused",
+        "non-leaf tensors as parameters (the tests' differentiable=True clones): DDP cannot hook them; torch's own "
+        "RuntimeError, which does not name fastcoll",
+    ),
+    (
+        r"grads='sharded'\): the gradient of this parameter is divided",
+        "refused",
+        "grads='sharded': the test reads p.grad, which refuses to be read (the gradient lives in ranges)",
+    ),
+]
+
+
+def last_error_line(detail: str) -> str:
+    """The last ``SomethingError: ...`` line of a traceback (or its last line)."""
+    lines = [ln.strip() for ln in detail.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln)]
+    return (errors[-1] if errors else (lines[-1] if lines else ""))[:240]
+
+
+def classify(result: Dict[str, Any], config: str) -> Tuple[str, str]:
+    """``(kind, cause)`` of a failed test's result in ``config``."""
+    detail = result.get("detail", "")
+    if detail.startswith(("timeout", "crashed")):
+        return "error", detail.splitlines()[0]
+    for pattern, kind, cause in KNOWN:
+        if re.search(pattern, detail):
+            return kind, cause
+    line = last_error_line(detail)
+    generic = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", line)
+    if config == "plain":
+        return "error", "fails with the plain torch optimizer too: " + generic
+    if line.startswith("AssertionError"):
+        where = _test_line(detail)
+        if result.get("without_overlap") == "passed":
+            where = "stale parameters after step() (passes with overlap_param_gather=False); " + where
+        return "behaviour", f"{where}: {generic}"
+    if "fastcoll" in line:
+        return "refused", generic
+    return "error", generic
+
+
+def _test_line(detail: str) -> str:
+    """The test's own statement that failed: ``function: code`` (from the traceback's last upstream frame)."""
+    found = ""
+    lines = detail.splitlines()
+    for i, ln in enumerate(lines):
+        m = re.search(r'File ".*/upstream/.*", line \d+, in (\w+)', ln)
+        if m and i + 1 < len(lines):
+            found = f"{m.group(1)}: `{lines[i + 1].strip()}`"
+    return found
+
+
+_OPTIMS = "Adadelta|Adafactor|Adagrad|AdamW|Adamax|Adam|ASGD|LBFGS|Muon|NAdam|RAdam|RMSprop|Rprop|SGD|SparseAdam"
+
+
+def family(tests: List[str]) -> str:
+    """``tests`` compressed: each test function once, with the optimizer classes it failed for."""
+    by: Dict[str, List[str]] = {}
+    for t in sorted(tests):
+        m = re.fullmatch(rf"(.*)_({_OPTIMS})_cpu_\w+", t)
+        head, opt = (m.group(1), m.group(2)) if m else (t, "")
+        by.setdefault(head, [])
+        if opt and opt not in by[head]:
+            by[head].append(opt)
+    return "; ".join(f"`{h}` [{', '.join(o)}]" if o else f"`{h}`" for h, o in by.items())
