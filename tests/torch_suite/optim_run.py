@@ -174,6 +174,22 @@ def run_config(suite: str, config: str, tests: List[str], sources: str, timeout:
     return results
 
 
+#: How to read the report (printed under its title).
+NOTES = [
+    "How the tests see the wrapper: the optimizer a test constructs is the `ShardedOptimizer` itself (its "
+    "`param_groups`, `state`, hooks, `state_dict`); the test's tensors are the DDP's parameters (same objects). "
+    "A DDP reduces the backward that follows one of its forwards; the tests compute their losses from the tensors, "
+    "so the adapter runs the DDP's empty forward where a loop's forward would be: at construction and in every "
+    "`zero_grad()` (never after `step()`: what a test reads between `step()` and its next `zero_grad()` is what "
+    "`step()` left). At world size 2 both ranks run the same test with the same seeds (same tensors, same "
+    "gradients), so every result must equal the plain optimizer's bitwise.",
+    "",
+    "A failure whose kind is **behaviour** and whose cause starts with *stale parameters* passes when rerun with "
+    "`overlap_param_gather=False` (the runner reruns every non-refused failure that way): the parameters are not "
+    "current when `step()` returns (issue 30, item 2).",
+]
+
+
 def _md_table(rows: List[List[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     fmt = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
@@ -191,6 +207,8 @@ def report(data: Dict[str, Any]) -> str:
         'world size 1 or 2 (gloo), `grads="full"` or `"sharded"`, float32 masters for 16-bit parameters. '
         "A wrapped configuration runs the tests that pass with the plain torch optimizer.",
         "",
+        *NOTES,
+        "",
     ]
     for suite, per_config in data["suites"].items():
         plain = per_config.get("plain", {})
@@ -198,7 +216,7 @@ def report(data: Dict[str, Any]) -> str:
         rows = [["configuration", "tests run", "passed", "failed: refused loudly", "failed: behaviour differs",
                  "failed: other error / hang", "seconds"]]  # fmt: skip
         for config, res in per_config.items():
-            kinds = [classify(r, config)[0] for r in res.values() if r["outcome"] == "failed"]
+            kinds = [classify(r, config, t)[0] for t, r in res.items() if r["outcome"] == "failed"]
             passed = sum(r["outcome"] == "passed" for r in res.values())
             skipped = sum(r["outcome"] == "skipped" for r in res.values())
             extra = f" ({skipped} skipped)" if skipped else ""
@@ -215,7 +233,7 @@ def report(data: Dict[str, Any]) -> str:
             for test, r in res.items():
                 if r["outcome"] != "failed":
                     continue
-                kind, cause = classify(r, config)
+                kind, cause = classify(r, config, test)
                 groups.setdefault((kind, cause), {}).setdefault(config, []).append(test)
         order = {"behaviour": 0, "error": 1, "refused": 2}
         lines += ["### Failures by cause", "",
@@ -241,9 +259,17 @@ def main() -> int:
     parser.add_argument("--sources", default=os.path.join(HERE, "upstream"), help="folder holding test/test_optim.py")
     parser.add_argument("--json", default=os.path.join(HERE, "optim_results.json"))
     parser.add_argument("--md", default=os.path.join(HERE, "OPTIM_RESULTS.md"))
+    parser.add_argument("--report-only", action="store_true", help="rewrite --md from the existing --json; run nothing")
     parser.add_argument("--merge", action="store_true", help="update the tests run in the existing --json, keep the rest")
     parser.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "fastcoll_optim_suite.log"))
     args = parser.parse_args()
+    if args.report_only:
+        with open(args.json) as f:
+            text = report(json.load(f))
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
+        print(text)
+        return 0
     if not os.path.exists(os.path.join(args.sources, "test", "test_optim.py")):
         print(f"[torch-optim-suite] no test/test_optim.py under {args.sources}: run `make torch-optim-sources`")
         return 2
