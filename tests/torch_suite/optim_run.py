@@ -209,6 +209,9 @@ def report(data: Dict[str, Any]) -> str:
         "",
         *NOTES,
         "",
+        f"Run time: {data.get('total_seconds', 0.0) / 60:.0f} min for everything below (per configuration in the "
+        "tables), on 2 CPU cores shared with other jobs (load average about 30).",
+        "",
     ]
     for suite, per_config in data["suites"].items():
         plain = per_config.get("plain", {})
@@ -243,8 +246,11 @@ def report(data: Dict[str, Any]) -> str:
         for (kind, cause), by_config in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
             total = sum(len(v) for v in by_config.values())
             lines.append(f"- **{kind}** ({total}): {cause}")
+            same: Dict[Tuple[str, ...], List[str]] = {}  # configurations with the same failing tests share a line
             for config, tests in by_config.items():
-                lines.append(f"  - {config}: {family(tests)}")
+                same.setdefault(tuple(sorted(tests)), []).append(config)
+            for tests, configs in same.items():
+                lines.append(f"  - {', '.join(configs)}: {family(list(tests))}")
         lines.append("")
     return "\n".join(lines)
 
@@ -330,11 +336,11 @@ def _rerun_without_overlap(results: Dict[str, Any], suite: str, args: Any, confi
 
 
 def _trim(data: Dict[str, Any]) -> None:
-    """Keep the JSON small: a skip's reason, a failure's last 2,500 characters, no text for a pass."""
+    """Keep the JSON small: a skip's reason, a failure's last 600 characters, no text for a pass."""
     for per_config in data["suites"].values():
         for res in per_config.values():
             for r in res.values():
-                keep = {"passed": 0, "skipped": 200}.get(r["outcome"], 2500)
+                keep = {"passed": 0, "skipped": 200}.get(r["outcome"], 600)
                 r["detail"] = r["detail"][-keep:] if keep else ""
 
 
