@@ -35,6 +35,9 @@ import fastcoll
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
+#: How many ShardedOptimizers this process has built (the worker records it per test: proof of the substitution).
+built = 0
+
 
 @dataclass(frozen=True)
 class Config:
@@ -89,6 +92,8 @@ def wrap(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.Optimi
         optimizer, model, grads=config.grads, master_dtype=master, overlap_param_gather=config.overlap_param_gather
     )
     arm(model)
+    global built
+    built += 1
     return opt
 
 

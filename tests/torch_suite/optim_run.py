@@ -88,13 +88,14 @@ def _merge(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One test's outcome over the ranks: passed/skipped when all agree, else the first rank's failure."""
     outcomes = [r["outcome"] for r in per_rank]
     seconds = max(r["seconds"] for r in per_rank)
+    wrapped = per_rank[0].get("wrapped")
     if len(set(outcomes)) == 1 and outcomes[0] in ("passed", "skipped"):
-        return {"outcome": outcomes[0], "detail": per_rank[0]["detail"], "seconds": seconds}
+        return {"outcome": outcomes[0], "detail": per_rank[0]["detail"], "seconds": seconds, "wrapped": wrapped}
     bad = next(i for i, r in enumerate(per_rank) if r["outcome"] not in ("passed", "skipped"))
     detail = per_rank[bad]["detail"]
     if len(per_rank) > 1:
         detail = f"[rank {bad}; outcomes by rank: {outcomes}]\n" + detail
-    return {"outcome": "failed", "detail": detail, "seconds": seconds}
+    return {"outcome": "failed", "detail": detail, "seconds": seconds, "wrapped": wrapped}
 
 
 def run_config(suite: str, config: str, tests: List[str], sources: str, timeout: float, log: Any) -> Dict[str, Any]:
@@ -190,6 +191,12 @@ NOTES = [
 ]
 
 
+def _built(results: Dict[str, Any]) -> str:
+    """How many ShardedOptimizers the configuration's tests built (rank 0): 0 for plain; "?" for older results."""
+    counts = [r["wrapped"] for r in results.values() if r.get("wrapped") is not None]
+    return str(sum(counts)) if counts else "?"
+
+
 def _md_table(rows: List[List[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     fmt = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
@@ -217,14 +224,14 @@ def report(data: Dict[str, Any]) -> str:
         plain = per_config.get("plain", {})
         baseline = [t for t, r in plain.items() if r["outcome"] == "passed"]
         rows = [["configuration", "tests run", "passed", "failed: refused loudly", "failed: behaviour differs",
-                 "failed: other error / hang", "seconds"]]  # fmt: skip
+                 "failed: other error / hang", "ShardedOptimizers built", "seconds"]]  # fmt: skip
         for config, res in per_config.items():
             kinds = [classify(r, config, t)[0] for t, r in res.items() if r["outcome"] == "failed"]
             passed = sum(r["outcome"] == "passed" for r in res.values())
             skipped = sum(r["outcome"] == "skipped" for r in res.values())
             extra = f" ({skipped} skipped)" if skipped else ""
             rows.append([config, str(len(res)), f"{passed}{extra}", str(kinds.count("refused")),
-                         str(kinds.count("behaviour")), str(kinds.count("error")),
+                         str(kinds.count("behaviour")), str(kinds.count("error")), _built(res),
                          f"{data['seconds'][suite][config]:.0f}"])  # fmt: skip
         lines += [f"## {suite}", ""]
         if plain:

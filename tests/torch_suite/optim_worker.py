@@ -141,12 +141,13 @@ def main() -> int:
                 "gloo", store=dist.PrefixStore(f"{name}/", store), rank=args.rank, world_size=args.world_size, timeout=timeout
             )
             result = _One()
+            before = optim_adapter.built
             try:
                 tests[name].run(result)
             finally:
                 dist.destroy_process_group()
             _write(f, {"test": name, "outcome": result.outcome, "detail": result.detail[-6000:],
-                       "seconds": round(time.monotonic() - t0, 2)})  # fmt: skip
+                       "seconds": round(time.monotonic() - t0, 2), "wrapped": optim_adapter.built - before})  # fmt: skip
     return 0
 
 
