@@ -206,9 +206,9 @@ NOTES = [
 
 
 def _built(results: Dict[str, Any]) -> str:
-    """How many ShardedOptimizers the configuration's tests built (rank 0): 0 for plain; "?" for older results."""
-    counts = [r["wrapped"] for r in results.values() if r.get("wrapped") is not None]
-    return str(sum(counts)) if counts else "?"
+    """How many ShardedOptimizers the passing tests built (rank 0): 0 for plain; "?" where results predate the count."""
+    counts = [r.get("wrapped") for r in results.values() if r["outcome"] == "passed"]
+    return str(sum(counts)) if counts and None not in counts else "?"
 
 
 def _md_table(rows: List[List[str]]) -> str:
