@@ -371,9 +371,11 @@ def _merged(path: str, new: Dict[str, Any]) -> Dict[str, Any]:
         old = json.load(f)
     for suite, per_config in new["suites"].items():
         for config, res in per_config.items():
-            old["suites"].setdefault(suite, {}).setdefault(config, {}).update(res)
+            before = old["suites"].setdefault(suite, {}).setdefault(config, {})
             spent = old["seconds"].setdefault(suite, {})
-            spent[config] = spent.get(config, 0.0) + new["seconds"][suite][config]
+            # A rerun of every test replaces the time; a rerun of some adds to it.
+            spent[config] = new["seconds"][suite][config] + (0.0 if set(res) >= set(before) else spent.get(config, 0.0))
+            before.update(res)
     old["command"] += "; then " + new["command"]
     old["date"] = new["date"]
     old["total_seconds"] = old.get("total_seconds", 0.0) + new["total_seconds"]
