@@ -18,7 +18,7 @@ CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
 CUDA_HOME ?= /usr/local/cuda
 PYTEST_ARGS ?=
 
-.PHONY: all setup build test lint docs test-oldest-torch test-torch-ddp-suite bench bench-quick gpu-wheels gpu-check cmake-test \
+.PHONY: all setup build test lint docs test-oldest-torch test-torch-ddp-suite torch-optim-sources test-torch-optim-suite bench bench-quick gpu-wheels gpu-check cmake-test \
   cuda-build-check clean
 
 all: test
@@ -58,6 +58,29 @@ docs: setup
 SUITE_ARGS ?=
 test-torch-ddp-suite: build
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} OMP_NUM_THREADS=1 $(VPY) tests/torch_suite/run.py $(SUITE_ARGS)
+
+# PyTorch's own optimizer tests (test/test_optim.py's optim_db-driven TestOptimRenewed, test/optim/test_lrscheduler.py)
+# with every optimizer wrapped in fastcoll.ShardedOptimizer over a fastcoll.DDP (tests/torch_suite/optim_adapter.py):
+# plain torch first, then world size 1 and 2 (gloo) x grads "full"/"sharded"; report in
+# tests/torch_suite/OPTIM_RESULTS.md and optim_results.json. The test files are pytorch/pytorch's, downloaded
+# unmodified at the pinned torch's tag into tests/torch_suite/upstream/ (not in git; BSD-3-Clause, their LICENSE
+# beside them); TORCH_TESTS_DIR=<a pytorch checkout> uses one you have. Long (see OPTIM_RESULTS.md for the last
+# run's minutes), so not part of `make test`. OPTIM_SUITE_ARGS: e.g. `--configs plain,ws2-sharded --only Adam_`.
+TORCH_TESTS_TAG   ?= v$(patsubst torch==%,%,$(TORCH_CPU))
+TORCH_TESTS_DIR   ?= tests/torch_suite/upstream
+TORCH_TESTS_FILES := test/test_optim.py test/optim/test_lrscheduler.py test/optim/test_optim.py test/optim/test_swa_utils.py LICENSE
+OPTIM_SUITE_ARGS  ?=
+torch-optim-sources:
+	@test -f $(TORCH_TESTS_DIR)/test/test_optim.py || { \
+	  for f in $(TORCH_TESTS_FILES); do \
+	    curl -fsSL --create-dirs -o $(TORCH_TESTS_DIR)/$$f \
+	      https://raw.githubusercontent.com/pytorch/pytorch/$(TORCH_TESTS_TAG)/$$f || exit 1; \
+	  done; \
+	  echo "pytorch/pytorch $(TORCH_TESTS_TAG), unmodified (BSD-3-Clause, see LICENSE)" > $(TORCH_TESTS_DIR)/SOURCE; }
+
+test-torch-optim-suite: build torch-optim-sources
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} OMP_NUM_THREADS=1 $(VPY) tests/torch_suite/optim_run.py \
+	  --sources $(TORCH_TESTS_DIR) $(OPTIM_SUITE_ARGS)
 
 # ruff's checks and its formatter in check mode, configured in pyproject.toml [tool.ruff], one
 # line per finding. `.venv/bin/ruff check FILE` and `.venv/bin/ruff format --diff FILE` show them
