@@ -233,6 +233,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gather = self._gather
         gather.begin_step()
         self.reducer.kept.reconcile(at_step=True)
+        self._check_grads()
         self._buffers.check()
         self._refresh_masters()
         self._push_hyperparameters()
@@ -249,6 +250,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # LR schedulers built on the wrapped optimizer count its steps (torch warns of a scheduler step first).
         self.wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
+
+    def _check_grads(self) -> None:
+        """Every rank alike (all parameters, not only this rank's pieces): gradients the pieces cannot step are refused.
+
+        Raises:
+            RuntimeError: a stepped parameter's ``.grad`` is sparse, or not of its parameter's shape.
+        """
+        r = self.reducer
+        for i, p in enumerate(r.params):
+            g = p.grad
+            if g is None or not self._stepped[i] or type(g) is not torch.Tensor:
+                continue
+            if g.is_sparse or g.shape != p.shape:
+                what = "sparse" if g.is_sparse else f"of shape {tuple(g.shape)}, not {tuple(p.shape)}"
+                raise RuntimeError(
+                    f"fastcoll.ShardedOptimizer: the gradient of '{r.names[i]}' is {what}; each rank steps a dense "
+                    "range of every parameter, so its gradient must be dense and of the parameter's shape"
+                )
 
     def _step_bucket(self, pos: int) -> None:
         """The inner optimizer's step over the pieces in bucket ``pos`` only (its groups' other pieces left alone)."""
@@ -545,6 +564,8 @@ def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
         if not st:
             continue
         step = st.get("step")
+        if isinstance(step, torch.Tensor) and step.is_meta:
+            continue  # no value to read: construction goes on, and the step raises as torch's does
         if step is None or float(step) > 0:
             return True
     return False
