@@ -210,7 +210,6 @@ def _load_inner(opt: Any, groups: List[Dict[str, Any]], piece_state: List[Option
             "16-bit parameters (the rounding of the last step is lost)",
             stacklevel=3,
         )
-    opt._versions = [p._version for p in params]
     number = {id(t): k for k, t in enumerate(p for g in opt._local.param_groups for p in g["params"])}
     inner_state = {number[id(t)]: st for t, st in zip(opt._shard_params, piece_state) if st}
     inner_groups, start = [], 0

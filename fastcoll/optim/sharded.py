@@ -420,6 +420,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state = full_state_dict(self)
+        # Entries that are not a piece's (hooks and user code may keep their own keys in opt.state, as in torch's).
+        state["state"].update({k: v for k, v in self._local.state.items() if not isinstance(k, torch.Tensor)})
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             state = post_hook(self, state) or state
         return state

@@ -44,7 +44,7 @@ class Config:
     """How the optimizers are wrapped: the ShardedOptimizer's gradient mode and parameter all-gather overlap."""
 
     grads: str = "full"
-    overlap_param_gather: bool = True
+    overlap_param_gather: bool = False  # ShardedOptimizer's default
 
 
 class _Holder(nn.Module):
