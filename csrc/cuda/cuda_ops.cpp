@@ -12,6 +12,7 @@
 // instead of throwing; a failed launch is raised here, naming the op.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -19,12 +20,15 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cuda/chunk_table.h"
 #include "cuda/launch.h"
 #include "fastcoll.h"
+#include "plan.h"
 
 namespace fastcoll {
 
@@ -78,19 +82,34 @@ constexpr const char* kChunkFix = "use smaller buckets, or fewer tensors per cal
 // call: the launch has copied it by then), else uploaded to the device
 // through pinned memory on the current stream (the caching host allocator
 // keeps the pinned block until the copy has run).
+// The chunk count of `segments` and the way their table reaches the kernel
+// (chunks left null); refuses a call too large for one launch.
+cuda_launch::Table table_for(const std::vector<Segment>& segments, const char* op) {
+  const int64_t nchunks = cuda_chunks::count_chunks(segments);
+  TORCH_CHECK(nchunks <= INT_MAX, op, ": ", nchunks, " chunks exceed one launch's grid; split the bucket");
+  cuda_launch::Table table{nullptr, nchunks, TableKind::kDevice};
+  switch (cuda_chunks::choose_table(nchunks, max_inline_chunks())) {
+    case TablePath::kSmall: table.kind = TableKind::kInline32; break;
+    case TablePath::kMid: table.kind = TableKind::kInline120; break;
+    case TablePath::kLarge: table.kind = TableKind::kInline512; break;
+    case TablePath::kPinned: table.kind = TableKind::kDevice; break;
+  }
+  return table;
+}
+
+// Writes the descriptors of `segments` into pinned memory and copies them to
+// `device` on the current stream (the caching host allocator keeps the pinned
+// block until the copy has run); returns the device table.
+at::Tensor upload_chunks(const std::vector<Segment>& segments, int64_t nchunks, const at::Device& device) {
+  auto pinned = at::empty({nchunks * 4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  cuda_chunks::write_chunks(segments, reinterpret_cast<ChunkDesc*>(pinned.data_ptr<int64_t>()));
+  return pinned.to(device, /*non_blocking=*/true);
+}
+
 class CallTable {
  public:
-  CallTable(const std::vector<Segment>& segments, const at::Tensor& like, const char* op) {
-    const int64_t nchunks = cuda_chunks::count_chunks(segments);
-    TORCH_CHECK(nchunks <= INT_MAX, op, ": ", nchunks, " chunks exceed one launch's grid; split the bucket");
-    const int64_t limit = max_inline_chunks();
-    table_.nchunks = nchunks;
-    switch (cuda_chunks::choose_table(nchunks, limit)) {
-      case TablePath::kSmall: table_.kind = TableKind::kInline32; break;
-      case TablePath::kMid: table_.kind = TableKind::kInline120; break;
-      case TablePath::kLarge: table_.kind = TableKind::kInline512; break;
-      case TablePath::kPinned: table_.kind = TableKind::kDevice; break;
-    }
+  CallTable(const std::vector<Segment>& segments, const at::Tensor& like, const char* op)
+      : table_(table_for(segments, op)) {
     if (table_.kind != TableKind::kDevice) {
       static thread_local std::vector<ChunkDesc> host;
       host.resize(std::max<size_t>(host.size(), cuda_launch::inline_capacity(table_.kind)));
@@ -98,17 +117,15 @@ class CallTable {
       table_.chunks = host.data();
       return;
     }
-    refuse_upload_under_capture(op, "chunks", nchunks, limit, kChunkWhy, "its chunk table", kChunkFix);
-    auto pinned = at::empty({nchunks * 4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    cuda_chunks::write_chunks(segments, reinterpret_cast<ChunkDesc*>(pinned.data_ptr<int64_t>()));
-    device_ = pinned.to(like.device(), /*non_blocking=*/true);
+    refuse_upload_under_capture(op, "chunks", table_.nchunks, max_inline_chunks(), kChunkWhy, "its chunk table", kChunkFix);
+    device_ = upload_chunks(segments, table_.nchunks, like.device());
     table_.chunks = reinterpret_cast<const ChunkDesc*>(device_.data_ptr<int64_t>());
   }
 
   const cuda_launch::Table& table() const { return table_; }
 
  private:
-  cuda_launch::Table table_{nullptr, 0, TableKind::kDevice};
+  cuda_launch::Table table_;
   at::Tensor device_;
 };
 
@@ -132,6 +149,99 @@ void flatten_scale_cuda(at::TensorList tensors, const at::Tensor& out, double sc
 void unflatten_scale_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
   run_copy_scale(plan_segments(tensors, flat, /*pack=*/false), flat, scale, "fastcoll.unflatten_scale");
 }
+
+// ---- Calls with a bucket plan (plan.h) ----
+
+// Device tables that a CUDA graph captured, kept for the life of the process
+// once their plan drops them: a replay still reads them.
+std::vector<at::Tensor>& captured_tables() {
+  static auto* kept = new std::vector<at::Tensor>();  // never destroyed: no order to worry about at exit
+  return *kept;
+}
+
+// A plan entry's chunk table on CUDA, written once per (re)build of the entry:
+// kept in host memory when it is passed as the kernel argument, else uploaded
+// once to device memory, on the stream of the call that built it, and read
+// from there by every later call. A call on another stream first makes that
+// stream wait for the upload (an event; under graph capture an external event
+// node) and, outside capture, records the table's use on it for the caching
+// allocator; a table used under capture is never freed (captured_tables).
+class ResidentTable final : public PlanDeviceState {
+ public:
+  ResidentTable(const std::vector<Segment>& segments, const at::Tensor& like, const char* op, const at::cuda::CUDAStream& stream)
+      : table_(table_for(segments, op)) {
+    if (table_.kind != TableKind::kDevice) {
+      host_.resize(cuda_launch::inline_capacity(table_.kind));
+      cuda_chunks::write_chunks(segments, host_.data());
+      table_.chunks = host_.data();
+      return;
+    }
+    refuse_upload_under_capture(
+        op, "chunks", table_.nchunks, max_inline_chunks(), kChunkWhy, "its chunk table",
+        "make one call with this bucket plan before the capture (its table is then resident), or use smaller buckets");
+    device_ = upload_chunks(segments, table_.nchunks, like.device());
+    table_.chunks = reinterpret_cast<const ChunkDesc*>(device_.data_ptr<int64_t>());
+    check(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming), op, "creating an event");
+    check(cudaEventRecord(uploaded_, stream.stream()), op, "recording its upload");
+    streams_.push_back(stream.stream());
+  }
+
+  ResidentTable(const ResidentTable&) = delete;
+  ResidentTable& operator=(const ResidentTable&) = delete;
+
+  ~ResidentTable() override {
+    if (uploaded_ != nullptr) (void)cudaEventDestroy(uploaded_);  // released once its work completes
+    if (captured_) captured_tables().push_back(std::move(device_));
+  }
+
+  // Makes the table safe to read from `stream` (see the class comment).
+  void use_on(const at::cuda::CUDAStream& stream, const char* op) {
+    if (table_.kind != TableKind::kDevice) return;
+    for (cudaStream_t s : streams_) {
+      if (s == stream.stream()) return;
+    }
+    const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+    check(
+        cudaStreamWaitEvent(stream.stream(), uploaded_, capturing ? cudaEventWaitExternal : cudaEventWaitDefault), op,
+        "waiting for its chunk table's upload");
+    if (capturing) {
+      captured_ = true;
+    } else {
+      c10::cuda::CUDACachingAllocator::recordStream(device_.storage().data_ptr(), stream);
+    }
+    streams_.push_back(stream.stream());
+  }
+
+  const cuda_launch::Table& table() const { return table_; }
+
+ private:
+  static void check(cudaError_t err, const char* op, const char* what) {
+    TORCH_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ") ", what);
+  }
+
+  cuda_launch::Table table_;
+  std::vector<ChunkDesc> host_;
+  at::Tensor device_;
+  cudaEvent_t uploaded_ = nullptr;
+  std::vector<cudaStream_t> streams_;  // streams that may read the device table
+  bool captured_ = false;
+};
+
+void run_planned_cuda(PlanEntry& entry, const at::Tensor& like, double scale, const char* op) {
+  if (entry.segments.empty()) return;
+  c10::cuda::CUDAGuard guard(like.device());
+  const at::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+  auto* table = static_cast<ResidentTable*>(entry.state.get());
+  if (table == nullptr) {
+    auto made = std::make_unique<ResidentTable>(entry.segments, like, op, stream);
+    table = made.get();
+    entry.state = std::move(made);
+  }
+  table->use_on(stream, op);
+  raise_on_error(cuda_launch::launch_copy_scale(table->table(), scale, stream.stream()), op);
+}
+
+[[maybe_unused]] const bool planned_runner = register_planned_runner(at::DeviceType::CUDA, &run_planned_cuda);
 
 // ---- flatten_accumulate ----
 
