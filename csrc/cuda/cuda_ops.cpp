@@ -63,25 +63,21 @@ int64_t max_inline_chunks() {
 // current stream is being captured into a CUDA graph: a replay would read
 // host memory reused since.
 // `what`: the unit counted ("chunks", "tensors"); `why`: said after the count;
-// `table`: the table's name; `fix`: what to do instead.
+// `upload`: what would be uploaded, and when; `fix`: what to do instead.
 void refuse_upload_under_capture(
-    const char* op, const char* what, int64_t n, int64_t limit, const char* why, const char* table, const char* fix) {
+    const char* op, const char* what, int64_t n, int64_t limit, const char* why, const char* upload, const char* fix) {
   TORCH_CHECK(
       c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, op,
       ": not supported inside CUDA graph capture for more than ", limit, " ", what, " (this call has ", n, why, "): ",
-      table, " is then uploaded from host memory on every call; ", fix, ", or run it outside torch.cuda.graph(...)");
+      upload, "; ", fix, ", or run it outside torch.cuda.graph(...)");
 }
 
 constexpr const char* kChunkWhy =
     "; a chunk is at most 64 KiB of the wider dtype of one tensor, so every tensor is at least one chunk";
 static_assert(cuda_chunks::kChunkBytes == 64 * 1024, "kChunkWhy states the chunk size");
+constexpr const char* kChunkUpload = "its chunk table is then uploaded from host memory on every call";
 constexpr const char* kChunkFix = "use smaller buckets, or fewer tensors per call";
 
-// The chunk table of one call, ready to launch: in host memory for a table
-// passed as the kernel argument (this thread's buffer, reused by its next
-// call: the launch has copied it by then), else uploaded to the device
-// through pinned memory on the current stream (the caching host allocator
-// keeps the pinned block until the copy has run).
 // The chunk count of `segments` and the way their table reaches the kernel
 // (chunks left null); refuses a call too large for one launch.
 cuda_launch::Table table_for(const std::vector<Segment>& segments, const char* op) {
@@ -106,6 +102,10 @@ at::Tensor upload_chunks(const std::vector<Segment>& segments, int64_t nchunks, 
   return pinned.to(device, /*non_blocking=*/true);
 }
 
+// The chunk table of one call, ready to launch: in host memory for a table
+// passed as the kernel argument (this thread's buffer, reused by its next
+// call: the launch has copied it by then), else uploaded to the device
+// through pinned memory on the current stream.
 class CallTable {
  public:
   CallTable(const std::vector<Segment>& segments, const at::Tensor& like, const char* op)
@@ -117,7 +117,7 @@ class CallTable {
       table_.chunks = host.data();
       return;
     }
-    refuse_upload_under_capture(op, "chunks", table_.nchunks, max_inline_chunks(), kChunkWhy, "its chunk table", kChunkFix);
+    refuse_upload_under_capture(op, "chunks", table_.nchunks, max_inline_chunks(), kChunkWhy, kChunkUpload, kChunkFix);
     device_ = upload_chunks(segments, table_.nchunks, like.device());
     table_.chunks = reinterpret_cast<const ChunkDesc*>(device_.data_ptr<int64_t>());
   }
@@ -177,7 +177,8 @@ class ResidentTable final : public PlanDeviceState {
       return;
     }
     refuse_upload_under_capture(
-        op, "chunks", table_.nchunks, max_inline_chunks(), kChunkWhy, "its chunk table",
+        op, "chunks", table_.nchunks, max_inline_chunks(), kChunkWhy,
+        "this bucket plan was (re)built inside the capture, and its chunk table would be uploaded from host memory",
         "make one call with this bucket plan before the capture (its table is then resident), or use smaller buckets");
     device_ = upload_chunks(segments, table_.nchunks, like.device());
     table_.chunks = reinterpret_cast<const ChunkDesc*>(device_.data_ptr<int64_t>());
@@ -313,7 +314,8 @@ at::Tensor checksum_cuda(at::TensorList tensors) {
   const bool inline_spans = n <= cuda_launch::kChecksumInlineSpans;
   if (!inline_spans) {
     refuse_upload_under_capture(
-        op, "tensors", n, cuda_launch::kChecksumInlineSpans, "", "the table of tensors", "checksum fewer tensors per call");
+        op, "tensors", n, cuda_launch::kChecksumInlineSpans, "",
+        "the table of tensors is then uploaded from host memory on every call", "checksum fewer tensors per call");
   }
   std::vector<cuda_launch::Span> spans(std::max(n, cuda_launch::kChecksumInlineSpans));
   int64_t nchunks = 0;
