@@ -103,7 +103,8 @@ def _extension_and_command(torch):
     use_cuda = _want_cuda(torch, CUDA_HOME)
     sources = sorted(os.path.join("csrc", s) for s in spec.compiled_sources(CSRC, with_cuda=False))
     if use_cuda:
-        sources += [os.path.join("csrc", s) for s in spec.compiled_sources(CSRC, with_cuda=True) if s.endswith(".cu")]
+        cpu_only = set(spec.compiled_sources(CSRC, with_cuda=False))
+        sources += [os.path.join("csrc", s) for s in spec.compiled_sources(CSRC, with_cuda=True) if s not in cpu_only]
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", spec.DEFAULT_CUDA_ARCHS)
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST") if use_cuda else None
     define_macros = [("FASTCOLL_COMPILER", f'"{spec.compiler_name(os.environ.get("CXX", "c++"))}"')]

@@ -380,6 +380,10 @@ case "$step" in
     rc=$?
     pad_py > "$STATE/pad.py"
     logged ops "$(limit 100)" env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$STATE/pad.py" time "$GPU_OUT/pad_cuda.json" || rc=1
+    # Host time per call with and without a bucket plan (issue 32 item 3): 448 tensors of 25 MiB, 1024 tiny ones.
+    for shape in "--tensors 448 --elements 14628" "--tensors 1024"; do
+      logged ops "$(limit 60)" "$PYTHON" benchmarks/plan_host_time.py --device cuda --reps 15 $shape || rc=1
+    done
     bench_charts_out
     exit "$rc"
     ;;

@@ -28,6 +28,8 @@
 #include <optional>
 #include <vector>
 
+#include "plan.h"
+
 namespace fastcoll {
 namespace {
 
@@ -102,6 +104,8 @@ class BorrowedCall {
   }
 
   at::TensorList list() const { return list_; }
+  // The device type of the call's backend (after a successful add_*).
+  c10::DeviceType device_type() const { return *backend_ == c10::DispatchKey::CPU ? c10::kCPU : c10::kCUDA; }
   const at::Tensor& single(size_t i) const { return singles_[i]; }
   // The backend kernel's key: the dispatcher would reach it past the autograd
   // and autocast keys, which do nothing for these tensors.
@@ -216,6 +220,24 @@ bool sum_of_squares(py::handle tensors, py::handle out) {
   return run_direct(call, ok, [&](c10::DispatchKeySet ks) { handle.redispatch(ks, call.list(), call.single(0)); });
 }
 
+// ---- Planned calls (plan.h): the direct path's conditions, then the bucket's plan ----
+
+bool flatten_scale_planned(BucketPlan& plan, py::handle tensors, py::handle out, double scale) {
+  BorrowedCall call;
+  const bool ok = call.add_single(out) && call.add_list(tensors) && has_planned_runner(call.device_type());
+  return run_direct(call, ok, [&](c10::DispatchKeySet) {
+    plan.run(BucketPlan::kPack, call.list(), call.single(0), scale);
+  });
+}
+
+bool unflatten_scale_planned(BucketPlan& plan, py::handle flat, py::handle tensors, double scale) {
+  BorrowedCall call;
+  const bool ok = call.add_single(flat) && call.add_list(tensors) && has_planned_runner(call.device_type());
+  return run_direct(call, ok, [&](c10::DispatchKeySet) {
+    plan.run(BucketPlan::kUnpack, call.list(), call.single(0), scale);
+  });
+}
+
 py::dict eager_stats() {
   py::dict d;
   d["direct"] = direct_calls.load(std::memory_order_relaxed);
@@ -239,6 +261,25 @@ void bind_eager(py::module_& m) {
       "_unflatten_scale_ex", &unflatten_scale_ex, doc, py::arg("flat"), py::arg("tensors"), py::arg("scale"),
       py::arg("sumsq"));
   m.def("_sum_of_squares", &sum_of_squares, doc, py::arg("tensors"), py::arg("out"));
+  py::class_<BucketPlan>(m, "_BucketPlan", "A bucket's kept pack and unpack plans (csrc/plan.h; fastcoll.ops.BucketPlan)")
+      .def(py::init<>())
+      .def(
+          "stats",
+          [](const BucketPlan& p) {
+            py::dict d;
+            d["builds"] = p.builds();
+            d["reuses"] = p.reuses();
+            return d;
+          },
+          "Plans (re)built and calls that reused one")
+      .def("clear", &BucketPlan::clear, "Forget the kept plans", py::call_guard<py::gil_scoped_release>());
+  const char* planned = "Direct eager call with a bucket plan; False (nothing done) when torch.ops must take it";
+  m.def(
+      "_flatten_scale_planned", &flatten_scale_planned, planned, py::arg("plan"), py::arg("tensors"), py::arg("out"),
+      py::arg("scale"));
+  m.def(
+      "_unflatten_scale_planned", &unflatten_scale_planned, planned, py::arg("plan"), py::arg("flat"),
+      py::arg("tensors"), py::arg("scale"));
   m.def("_eager_stats", &eager_stats, "Calls taken by the direct eager entry points, and calls they deferred");
 }
 

@@ -374,6 +374,9 @@ def test_job_compiles_what_setup_py_compiles(cache_dir):
     cuda_plan = plan._replace(with_cuda=True, cuda_archs="8.0;9.0+PTX")
     cuda_job = compile.job(cuda_plan, "/tmp/b", "g++")
     assert any(s.endswith(".cu") for s in cuda_job["sources"])
+    # the CUDA ops' host side (every check and throw) is C++, compiled only with the kernels
+    assert os.path.join("cuda", "cuda_ops.cpp") not in names
+    assert os.path.join(plan.csrc, "cuda", "cuda_ops.cpp") in cuda_job["sources"]
     assert "'-DFASTCOLL_CUDA_ARCHS=\"8.0;9.0+PTX\"'" in cuda_job["extra_cuda_cflags"]
 
 

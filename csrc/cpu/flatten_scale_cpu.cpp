@@ -17,6 +17,7 @@
 #include <atomic>
 
 #include "fastcoll.h"
+#include "plan.h"
 
 namespace fastcoll {
 namespace cpu_default {
@@ -89,6 +90,12 @@ void run_plan(const std::vector<Segment>& segments, double scale) {
     }
   });
 }
+
+// Calls with a bucket plan (plan.h) run its kept segments.
+[[maybe_unused]] const bool planned_runner = register_planned_runner(
+    at::DeviceType::CPU, [](PlanEntry& entry, const at::Tensor&, double scale, const char*) {
+      run_plan(entry.segments, scale);
+    });
 
 void flatten_scale_cpu(at::TensorList tensors, const at::Tensor& out, double scale) {
   run_plan(plan_segments(tensors, out, /*pack=*/true), scale);

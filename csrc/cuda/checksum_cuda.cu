@@ -17,28 +17,20 @@
 // byte, so nothing outside the tensor's 8-byte granules is read.
 //
 // The table of tensors is a kernel argument (__grid_constant__) up to
-// kInlineSpans tensors (capturable in CUDA graphs), else uploaded from pinned
-// memory (refused under capture, as for the other fused ops).
-#include <ATen/ops/empty.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+// kChecksumInlineSpans tensors (capturable in CUDA graphs), else read from
+// device memory (uploaded from pinned memory, refused under capture, as for
+// the other fused ops). The arguments are checked, the spans and buffers made
+// and the accumulators zeroed by csrc/cuda/cuda_ops.cpp before the launcher is
+// entered (launch.h).
+#include <cuda_runtime.h>
 
-#include <algorithm>
-#include <climits>
 #include <cstdint>
-#include <vector>
+
+#include "cuda/inline_table.cuh"
+#include "cuda/launch.h"
 
 namespace fastcoll {
-
-// csrc/cpu/checksum_cpu.cpp: the argument checks of fastcoll.checksum.
-void check_checksum_args(at::TensorList tensors);
-
 namespace {
-
-constexpr const char* kOp = "fastcoll.checksum";
 
 // The hash's constants and mixer (as in checksum_cpu.cpp).
 constexpr uint64_t kK = 0x9E3779B97F4A7C15ull;
@@ -57,26 +49,19 @@ __host__ __device__ __forceinline__ uint64_t mix(uint64_t x) {
 constexpr int kThreads = 256;
 constexpr int kWordsPerThread = 8;
 constexpr int64_t kChunkWords = int64_t(kThreads) * kWordsPerThread;  // 16 KiB per chunk
+static_assert(kChunkWords * 8 == cuda_launch::kChecksumChunkBytes, "launch.h sizes the chunks the host counts");
 
 // One tensor: its bytes and where its chunks start in the list's numbering.
-struct Span {
-  const unsigned char* ptr;
-  int64_t nbytes;
-  int64_t chunk_begin;  // chunks of tensors 0..j-1
-};
+using cuda_launch::Span;
 static_assert(sizeof(Span) == 24, "Span is three 8-byte fields (the uploaded table is int64s)");
 
-constexpr int kInlineSpans = 160;  // 3840 bytes: with the other arguments, within the 4 KiB of kernel arguments
+constexpr int kInlineSpans = static_cast<int>(cuda_launch::kChecksumInlineSpans);  // 3840 bytes: within 4 KiB of arguments
 struct InlineSpans {
   Span spans[kInlineSpans];
 };
 
-struct Args {
-  int64_t nspans;
-  int64_t nchunks;
-  unsigned long long* acc;  // nspans accumulators, then the ticket counter; zeroed before the launch
-  int64_t* out;             // nspans finalized hashes
-};
+using Args = cuda_launch::ChecksumArgs;
+static_assert(sizeof(InlineSpans) + sizeof(Args) <= 4096, "the inline spans must fit in 4 KiB of arguments");
 
 // Whole word w (bytes [8w, 8w + 8) inside the tensor) of bytes at p, little-endian.
 __device__ __forceinline__ uint64_t load_word(const unsigned char* p, int64_t w, int shift) {
@@ -162,58 +147,19 @@ __global__ void __launch_bounds__(kThreads) checksum_table_kernel(const Span* sp
   checksum_body(spans, a);
 }
 
-at::Tensor checksum_cuda(at::TensorList tensors) {
-  check_checksum_args(tensors);
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  if (n == 0) return at::empty({0}, at::TensorOptions().dtype(at::kLong));
-  const at::Device device = tensors[0].device();
-  c10::cuda::CUDAGuard guard(device);
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
-
-  std::vector<Span> spans(n);
-  int64_t nchunks = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const at::Tensor& t = tensors[j];
-    const int64_t nbytes = t.numel() == 0 ? 0 : static_cast<int64_t>(t.nbytes());
-    spans[j].ptr = nbytes == 0 ? nullptr : static_cast<const unsigned char*>(t.const_data_ptr());
-    spans[j].nbytes = nbytes;
-    spans[j].chunk_begin = nchunks;
-    nchunks += ((nbytes + 7) / 8 + kChunkWords - 1) / kChunkWords;
-  }
-
-  at::Tensor out = at::empty({n}, options);
-  at::Tensor acc = at::empty({n + 1}, options);  // the accumulators and the ticket counter
-  C10_CUDA_CHECK(cudaMemsetAsync(acc.data_ptr(), 0, (n + 1) * sizeof(int64_t), stream));
-  Args args{n, nchunks, reinterpret_cast<unsigned long long*>(acc.data_ptr<int64_t>()), out.data_ptr<int64_t>()};
-
-  // Enough blocks to fill the GPU (8 of 256 threads per SM), at least one (it finalizes).
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const auto grid = static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(nchunks, sms * 8)));
-
-  if (n <= kInlineSpans) {
-    InlineSpans table;
-    std::copy(spans.begin(), spans.end(), table.spans);
-    checksum_inline_kernel<<<grid, kThreads, 0, stream>>>(table, args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return out;
-  }
-  TORCH_CHECK(
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, kOp,
-      ": not supported inside CUDA graph capture for more than ", kInlineSpans, " tensors (this call has ", n,
-      "): the table of tensors is then uploaded from host memory on every call; checksum fewer tensors per call, "
-      "or run it outside torch.cuda.graph(...)");
-  auto host = at::empty({n * 3}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::copy(spans.begin(), spans.end(), reinterpret_cast<Span*>(host.data_ptr<int64_t>()));
-  auto device_table = host.to(device, /*non_blocking=*/true);
-  checksum_table_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const Span*>(device_table.data_ptr<int64_t>()), args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-
 }  // namespace
-}  // namespace fastcoll
 
-TORCH_LIBRARY_IMPL(fastcoll, CUDA, m) {
-  m.impl("checksum", &fastcoll::checksum_cuda);
+namespace cuda_launch {
+
+cudaError_t launch_checksum(
+    const Span* spans, bool inline_spans, const ChecksumArgs& args, unsigned int grid, cudaStream_t stream) noexcept {
+  Args a = args;
+  const Span* device_spans = spans;
+  void* kernel_args[2] = {inline_spans ? const_cast<Span*>(spans) : static_cast<void*>(&device_spans), &a};
+  const void* kernel = inline_spans ? reinterpret_cast<const void*>(&checksum_inline_kernel)
+                                    : reinterpret_cast<const void*>(&checksum_table_kernel);
+  return cuda_chunks::launch_error(cudaLaunchKernel(kernel, dim3(grid), dim3(kThreads), kernel_args, 0, stream));
 }
+
+}  // namespace cuda_launch
+}  // namespace fastcoll

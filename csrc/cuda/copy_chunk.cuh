@@ -1,4 +1,9 @@
-// The per-chunk work of the CUDA kernel and its host-side chunk table.
+// The per-chunk work of the CUDA kernels and the chunk descriptor they read.
+//
+// Device code and constants only: nothing here throws, allocates or calls into
+// torch beyond c10's Half/BFloat16 conversions (tests/test_cuda_no_throw.py).
+// The host side, which cuts segments into chunks and writes the descriptors,
+// is chunk_table.h, compiled by the host compiler only (csrc/cuda/cuda_ops.cpp).
 //
 // Written so that it also compiles as plain C++: nvcc builds it into the
 // kernels (flatten_scale_cuda.cu, health_cuda.cu for the gradient-health
@@ -19,7 +24,6 @@
 #include <vector>
 
 #include "dtypes.h"
-#include "fastcoll.h"
 
 #if defined(__CUDACC__)
 #define FASTCOLL_HOST_DEVICE __host__ __device__ __forceinline__
@@ -55,14 +59,6 @@ static_assert(kChunkBytes % kPassBytes == 0, "a full chunk is whole passes of a 
 constexpr int64_t kMaxChunkElements = kChunkBytes / int64_t(kMinElementSize);
 static_assert(kMaxChunkElements + int64_t(kUnroll) * kThreads <= INT32_MAX, "per-chunk indices must fit in int");
 
-// Elements per chunk of a segment from `src` to `dst` dtype (>= 1), for chunks
-// of `chunk_bytes` of the wider side (the tests pass small sizes to split
-// tensors at many places).
-inline int64_t chunk_elements(at::ScalarType src, at::ScalarType dst, int64_t chunk_bytes = kChunkBytes) {
-  const int64_t widest = static_cast<int64_t>(std::max(c10::elementSize(src), c10::elementSize(dst)));
-  return std::max<int64_t>(1, chunk_bytes / widest);
-}
-
 // One block's work: `numel` elements from address `src` to address `dst`.
 struct ChunkDesc {
   int64_t src;    // address of the first source element
@@ -72,39 +68,11 @@ struct ChunkDesc {
 };
 static_assert(sizeof(ChunkDesc) == 4 * sizeof(int64_t), "ChunkDesc is sent as int64 words");
 
-// Number of chunks the segments are cut into.
-inline int64_t count_chunks(const std::vector<Segment>& segments, int64_t chunk_bytes = kChunkBytes) {
-  int64_t n = 0;
-  for (const auto& s : segments) {
-    const int64_t per_chunk = chunk_elements(s.src_dtype, s.dst_dtype, chunk_bytes);
-    n += (s.numel + per_chunk - 1) / per_chunk;
-  }
-  return n;
-}
-
-// Writes count_chunks(segments, chunk_bytes) descriptors to `out`, in flat order.
-inline void write_chunks(const std::vector<Segment>& segments, ChunkDesc* out, int64_t chunk_bytes = kChunkBytes) {
-  int64_t c = 0;
-  for (const auto& s : segments) {
-    const int64_t kinds = int64_t(dtype_code(s.src_dtype)) << kDtypeCodeBits | dtype_code(s.dst_dtype);
-    const int64_t src_size = c10::elementSize(s.src_dtype);
-    const int64_t dst_size = c10::elementSize(s.dst_dtype);
-    const int64_t per_chunk = chunk_elements(s.src_dtype, s.dst_dtype, chunk_bytes);
-    for (int64_t start = 0; start < s.numel; start += per_chunk) {
-      out[c].src = reinterpret_cast<int64_t>(s.src) + start * src_size;
-      out[c].dst = reinterpret_cast<int64_t>(s.dst) + start * dst_size;
-      out[c].numel = std::min(per_chunk, s.numel - start);
-      out[c].kinds = kinds;
-      ++c;
-    }
-  }
-}
-
-// How the chunk table reaches the kernel (flatten_scale_cuda.cu): as the
-// kernel argument itself, in a table of kSmallTable, kMidTable or kLargeTable
-// descriptors (the smallest that holds it, so that small calls copy few
-// argument bytes), or, past the largest table this process may pass, through
-// pinned host memory and an upload.
+// How the chunk table reaches the kernel (chosen by cuda/cuda_ops.cpp): as
+// the kernel argument itself, in a table of kSmallTable, kMidTable or
+// kLargeTable descriptors (the smallest that holds it, so that small calls
+// copy few argument bytes), or, past the largest table this process may pass,
+// from device memory (uploaded through pinned host memory).
 constexpr int kSmallTable = 32;
 constexpr int kMidTable = 120;    // 3840 bytes + the scale: within the classic 4 KiB of kernel arguments
 constexpr int kLargeTable = 512;  // 16 KiB: needs CUDA 12.1+, toolkit and driver (32764 bytes of arguments)

@@ -38,12 +38,12 @@ def compiled_sources(csrc: str, with_cuda: bool) -> List[str]:
 
     Args:
         csrc: The source directory (the repository's ``csrc/`` or a wheel's ``fastcoll/_csrc/``).
-        with_cuda: Whether the CUDA kernels (``cuda/*.cu``) are built.
+        with_cuda: Whether the CUDA kernels (``cuda/*.cu``, and their host side ``cuda/*.cpp``) are built.
 
     Returns:
-        Paths relative to ``csrc``, sorted: ``*.cpp``, ``cpu/*.cpp``, then ``cuda/*.cu``.
+        Paths relative to ``csrc``, sorted: ``*.cpp``, ``cpu/*.cpp``, then ``cuda/*.cpp`` and ``cuda/*.cu``.
     """
-    groups = [("", ".cpp"), ("cpu", ".cpp")] + ([("cuda", ".cu")] if with_cuda else [])
+    groups = [("", ".cpp"), ("cpu", ".cpp")] + ([("cuda", ".cpp"), ("cuda", ".cu")] if with_cuda else [])
     out: List[str] = []
     for sub, suffix in groups:
         folder = os.path.join(csrc, sub)

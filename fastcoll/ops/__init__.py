@@ -19,6 +19,11 @@ threads.
 gradients" (Megatron's grad_reduce_in_fp32): it adds ``scale * tensor`` into
 each tensor's slot of a wider flat buffer, one fused multiply-add per element.
 
+A :class:`BucketPlan` passed to ``flatten_scale`` / ``unflatten_scale``
+keeps a bucket's plan (and on CUDA its chunk table, resident on the device)
+from one call to the next, so that a call on the same tensors costs a few
+pointer comparisons per tensor instead of checking and planning them again.
+
 In eager mode, calls on plain CPU or CUDA tensors skip torch.ops' boxed call
 (about 130 ns per listed tensor) and go straight to the same backend kernel
 (csrc/eager.cpp); anything else (tensor subclasses, fake tensors, dispatch or
@@ -29,7 +34,7 @@ torch.ops. ``FASTCOLL_EAGER=0`` turns the direct path off;
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -37,6 +42,7 @@ from .. import _knobs
 from . import loader, reference
 
 __all__ = [
+    "BucketPlan",
     "flatten_scale",
     "flatten_accumulate",
     "unflatten_scale",
@@ -65,6 +71,74 @@ def _run(op: str, *args) -> None:
     getattr(torch.ops.fastcoll, op)(*args)
 
 
+class BucketPlan:
+    """The kept plan of one bucket's pack and unpack, reused while its tensors stay where they are.
+
+    A fused call spends host time on every listed tensor: checking it,
+    planning its slot, and on CUDA cutting it into chunks and writing (past
+    512 chunks, uploading) their table. A bucket packs and unpacks the same
+    tensors call after call, so a plan keeps, for each direction
+    (:func:`flatten_scale`: tensors to buffer; :func:`unflatten_scale`: back),
+    the last call's plan together with what its checks depended on: each
+    tensor's data pointer, element count, dtype and density, and the buffer's.
+    A call that matches runs the kept plan straight away (its table already
+    resident on the device); one that does not (a gradient reallocated, a
+    tensor replaced) is checked in full, with the usual errors, and replaces
+    it. Results are the same bits as without a plan.
+
+    Why an object the caller holds rather than a cache inside the extension:
+    finding a cached entry would itself cost a hash of every tensor per call,
+    and nothing would own, or know when to free, a bucket's device table. A
+    bucket keeps its plan for as long as it lives (one plan serves both
+    directions; give each bucket its own).
+
+    A plan is used by the direct eager path only (plain CPU or CUDA tensors,
+    outside torch.compile, without ``scale_by`` / ``nonfinite`` / ``sumsq``);
+    any other call ignores it and runs the op as usual. Under CUDA graph
+    capture a bucket of more than 512 chunks works when its plan was built
+    before the capture began (one call with the plan, then capture): the
+    table is resident, nothing is uploaded. Keep the plan alive for as long as
+    a graph that captured a call with it may be replayed.
+    """
+
+    __slots__ = ("_impl", "__weakref__")
+
+    def __init__(self) -> None:
+        make = getattr(_direct, "_BucketPlan", None)
+        self._impl = make() if make is not None else None
+
+    def __reduce__(self):
+        """A copy (or an unpickled plan) starts empty: a plan caches one process's addresses."""
+        return (BucketPlan, ())
+
+    @property
+    def active(self) -> bool:
+        """Whether calls can use the plan (the compiled extension's direct eager path is on)."""
+        return self._impl is not None
+
+    def stats(self) -> Dict[str, int]:
+        """``{"builds": plans (re)built, "reuses": calls that reused one}``, over both directions."""
+        if self._impl is None:
+            return {"builds": 0, "reuses": 0}
+        return self._impl.stats()
+
+    def clear(self) -> None:
+        """Forget the kept plans (and free their device tables); the next calls rebuild them."""
+        if self._impl is not None:
+            self._impl.clear()
+
+
+def _run_planned(op: str, plan: Optional[BucketPlan], *args) -> None:
+    """:func:`_run`, through ``plan`` when the direct path takes the call."""
+    if plan is not None:
+        if not isinstance(plan, BucketPlan):
+            raise TypeError(f"fastcoll.{op}: plan must be a fastcoll.ops.BucketPlan or None, got {type(plan).__name__}")
+        impl = plan._impl
+        if impl is not None and not torch.compiler.is_compiling() and getattr(_direct, f"_{op}_planned")(impl, *args):
+            return
+    _run(op, *args)
+
+
 def flatten_scale(
     tensors: Sequence[torch.Tensor],
     out: torch.Tensor,
@@ -72,6 +146,7 @@ def flatten_scale(
     *,
     scale_by: Optional[torch.Tensor] = None,
     nonfinite: Optional[torch.Tensor] = None,
+    plan: Optional[BucketPlan] = None,
 ) -> torch.Tensor:
     """Write ``tensors``, one after another, into ``out``, each multiplied by ``scale``.
 
@@ -101,6 +176,8 @@ def flatten_scale(
             float16 inf). It is never set to 0: zero it first; one flag can
             collect many calls. A scale of 0 does not hide a NaN or Inf source
             (Inf * 0 is NaN, and NaN is written and flagged).
+        plan: Optional :class:`BucketPlan` of this bucket: a call on the same
+            tensors reuses its plan (used without ``scale_by`` and ``nonfinite``).
 
     Returns:
         ``out``.
@@ -112,7 +189,7 @@ def flatten_scale(
     """
     tensors = _listed(tensors)
     if scale_by is None and nonfinite is None:
-        _run("flatten_scale", tensors, out, float(scale))
+        _run_planned("flatten_scale", plan, tensors, out, float(scale))
     else:
         _run("flatten_scale_ex", tensors, out, float(scale), scale_by, nonfinite)
     return out
@@ -174,6 +251,7 @@ def unflatten_scale(
     scale: float = 1.0,
     *,
     sumsq: Optional[torch.Tensor] = None,
+    plan: Optional[BucketPlan] = None,
 ) -> None:
     """Write consecutive slices of ``flat``, times ``scale``, into ``tensors`` in place.
 
@@ -194,6 +272,8 @@ def unflatten_scale(
             the unpacked gradients. Deterministic: the same inputs give the
             same bits whatever the number of CPU threads, run after run (CPU
             and CUDA results may differ in the last bits).
+        plan: Optional :class:`BucketPlan` of this bucket: a call on the same
+            tensors reuses its plan (used without ``sumsq``).
 
     Raises:
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
@@ -201,7 +281,7 @@ def unflatten_scale(
     """
     tensors = _listed(tensors)
     if sumsq is None:
-        _run("unflatten_scale", flat, tensors, float(scale))
+        _run_planned("unflatten_scale", plan, flat, tensors, float(scale))
     else:
         _run("unflatten_scale_ex", flat, tensors, float(scale), sumsq)
 

@@ -91,7 +91,7 @@ class GradBucket:
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
         "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views", "padded",
-        "flat_padded", "comm_padded",
+        "flat_padded", "comm_padded", "plan",
     )  # fmt: skip
 
     def __init__(
@@ -126,6 +126,7 @@ class GradBucket:
         self._allocate(wire_dtype, buffer)
         self._hook_buffer: Optional[torch.Tensor] = None
         self._hook_views: Optional[List[torch.Tensor]] = None
+        self.plan = ops.BucketPlan()  # the whole bucket's pack and write-back, planned once (fastcoll.ops.BucketPlan)
 
     def _allocate(self, wire_dtype: Optional[torch.dtype], buffer: Optional[torch.Tensor]) -> None:
         """The buffers: ``flat`` (and ``views`` of it), ``comm`` (what the collective carries), padded versions."""
@@ -262,7 +263,7 @@ class GradBucket:
                         in_place = False  # g is copied into its view below
         if done is None and all(g is not None for g in grads):
             if self.numel and not in_place:
-                how.flatten(grads, self.comm)
+                how.flatten(grads, self.comm, self.plan)
             return
         comm = self.comm
         todo = [g is not None and not (done and done[k]) for k, g in enumerate(grads)]
@@ -307,7 +308,7 @@ class GradBucket:
             return
         grads = [p.grad for p in params]
         if used is None and all(g is not None for g in grads):
-            _unflatten(src, grads, scale, sumsq)
+            _unflatten(src, grads, scale, sumsq, self.plan)
             return
         keep = []
         for k, p in enumerate(params):
@@ -335,9 +336,15 @@ def _padded_empty(numel: int, padded: int, dtype: torch.dtype, device: torch.dev
     return buf
 
 
-def _unflatten(src: torch.Tensor, dests: List[torch.Tensor], scale: float, sumsq: Optional[torch.Tensor]) -> None:
+def _unflatten(
+    src: torch.Tensor,
+    dests: List[torch.Tensor],
+    scale: float,
+    sumsq: Optional[torch.Tensor],
+    plan: Optional[ops.BucketPlan] = None,
+) -> None:
     if sumsq is None:
-        ops.unflatten_scale(src, dests, scale)
+        ops.unflatten_scale(src, dests, scale, plan=plan)
     else:
         ops.unflatten_scale(src, dests, scale, sumsq=sumsq)
 
@@ -357,9 +364,9 @@ class PackArgs(NamedTuple):
         """A plain copy: nothing to scale, nothing to check."""
         return self.scale == 1.0 and self.scale_by is None and self.nonfinite is None
 
-    def flatten(self, tensors: List[torch.Tensor], out: torch.Tensor) -> None:
+    def flatten(self, tensors: List[torch.Tensor], out: torch.Tensor, plan: Optional[ops.BucketPlan] = None) -> None:
         if self.scale_by is None and self.nonfinite is None:
-            ops.flatten_scale(tensors, out, self.scale)
+            ops.flatten_scale(tensors, out, self.scale, plan=plan)
         else:
             ops.flatten_scale(tensors, out, self.scale, scale_by=self.scale_by, nonfinite=self.nonfinite)
 

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/chunk_table.h"
 #include "cuda/copy_chunk.cuh"
 #include "dtypes.h"
 #include "fastcoll.h"
