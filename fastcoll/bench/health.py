@@ -286,7 +286,7 @@ def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, 
 
 def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
     """ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke."""
-    from . import ops as bench_ops
+    from . import models as bench_ops
 
     buckets = bench_ops.ddp_buckets(common.model_shapes()["resnet50"])
     b = min((b for b in buckets if b["cap"] == bench_ops.BUCKET_CAP), key=lambda b: abs(b["bytes"] - bench_ops.BUCKET_CAP))
