@@ -222,7 +222,7 @@ def targets_summary(name: str, targets: Sequence[Dict[str, Any]], where: Sequenc
             f"{counts[UNRESOLVED]} not resolved")  # fmt: skip
     for t, w in zip(targets, where):
         if t["verdict"] != MET:
-            say(f"  {w}: {target_cell(t, lambda v: f'{v:.3g}')} (target {t['op']} {t['threshold']})")
+            say(f"  {w}: {target_cell(t, lambda v: '-' if v is None else f'{v:.3g}')} (target {t['op']} {t['threshold']})")
 
 
 def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path:

@@ -279,6 +279,52 @@ def gather(obj: Any) -> List[Any]:
     return out
 
 
+def timed_rounds(
+    fns: Dict[str, Callable[[], object]], inner: int, lo: int, hi: int, checks: Sequence[Any] = (), device: str = "cpu",
+    tick: Optional[Callable[[], None]] = None, before: Optional[Callable[[str], None]] = None,
+    after: Optional[Callable[[str], None]] = None,
+) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:  # fmt: skip
+    """Rounds of ``inner`` calls of every callable (rotating order) on every rank, until the targets resolve.
+
+    Each sample is the slowest rank's (:func:`all_max` after every round), so
+    every rank sees the same samples and stops after the same round:
+    :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between
+    ``lo`` and ``hi`` rounds. ``before(name)`` and ``after(name)`` run around
+    each sample, untimed (a lead-in step, dropping gradients).
+
+    Returns:
+        Wall-clock seconds per call, and the calling thread's CPU seconds per
+        call (``time.thread_time``: what other processes on the cores inflate
+        less), per callable.
+    """
+    from .stats import enough_rounds
+
+    wall: Dict[str, List[float]] = {n: [] for n in fns}
+    cpu: Dict[str, List[float]] = {n: [] for n in fns}
+    for k in range(hi):
+        order, this = rotated(fns, k), []
+        for name in order:
+            if before is not None:
+                before(name)
+            synchronize(device)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(inner):
+                fns[name]()
+            synchronize(device)
+            this.append(((time.perf_counter() - t0) / inner, (time.thread_time() - c0) / inner))
+            if after is not None:
+                after(name)
+            if tick is not None:
+                tick()
+        synced = all_max([w for w, _ in this] + [c for _, c in this], device)
+        for i, name in enumerate(order):
+            wall[name].append(synced[i])
+            cpu[name].append(synced[len(order) + i])
+        if enough_rounds(wall, k + 1, lo, hi, checks):
+            break
+    return wall, cpu
+
+
 class Rank:
     """One rank of a measurement: joins the process group, reports progress, saves rank 0's result.
 
@@ -355,7 +401,7 @@ def _context(start_method: str) -> Any:
 
 
 def run_ranks(
-    fn: Callable[..., None], args: Tuple[Any, ...], ws: int, prog: Any = None, start_method: str = "spawn",
+    fn: Callable[..., None], args: Tuple[Any, ...], ws: int, prog: Any = None, start_method: str = "forkserver",
     grace_s: float = 60.0,
 ) -> Dict[str, Any]:  # fmt: skip
     """Start ``ws`` processes of ``fn(rank, ws, store_path, out_path, progress_q, *args)``; return rank 0's result.
