@@ -148,6 +148,13 @@ def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> 
     return all(a in params for a in arguments) and all(hasattr(fastcoll.DDP, m) for m in methods)
 
 
+def settle(opt: Any) -> None:
+    """Wait for a ShardedOptimizer's pending all-gathers (its public ``finish_param_sync``); a no-op otherwise."""
+    finish = getattr(opt, "finish_param_sync", None)
+    if finish is not None:
+        finish()
+
+
 # ---------------------------------------------------------------------------
 # Memory and traffic
 # ---------------------------------------------------------------------------
