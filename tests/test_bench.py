@@ -38,6 +38,14 @@ def test_ops_smoke_run(tmp_path, capsys):
     resnet = [r for r in rows if r["model"] == "resnet50"]
     assert resnet and set(resnet[0]["targets"]) == {"fused/floor", "per-param/fused"}
     assert all(t["pass"] in (True, False) for t in resnet[0]["targets"].values())
+    assert all(t["verdict"] in (stats.MET, stats.MISSED, stats.UNRESOLVED) for t in resnet[0]["targets"].values())
+    # the tables printed are recorded in the JSON; benchmarks/render_results.py renders them and every target
+    assert data["version"] == report.JSON_VERSION and any("dtype pairs" in t["title"] for t in data["tables"])
+    md = _renderer().render([path])
+    assert "## Every target" in md and "| ops | resnet50 b" in md and "**fastcoll ops: dtype pairs, CPU, 1 thread**" in md
+    old = {k: v for k, v in data.items() if k not in ("version", "tables", "notes")}  # the first JSON layout
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert "predates the recorded tables" in _renderer().render([tmp_path / "old.json"])
     assert path.with_suffix(".png").stat().st_size > 1000
 
     # dtype pairs: --smoke keeps the (shrunk) model bucket only, so one row per ordered pair of the 4 dtypes
@@ -51,6 +59,17 @@ def test_ops_smoke_run(tmp_path, capsys):
         assert r["ratios"]["fused/floor"] > 0 and r["targets"]["fused/floor"]["pass"] in (True, False)
         assert r["checks"]["ok"], r["checks"]
     assert data["config"]["dtype_pairs"]["threads"] == 1
+
+
+def _renderer():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "render_results.py"
+    spec = importlib.util.spec_from_file_location("render_results", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_ddp_bucket_assignment():
