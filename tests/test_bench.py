@@ -216,6 +216,7 @@ def test_targets_and_adaptive_rounds():
     goal = [(stats.median_ratio("a", "b"), 1.5, "le")]  # 2.0x: clearly missed, resolved after few rounds
     assert not stats.enough_rounds(clear, 2, 3, 20, goal)  # never before the minimum
     assert stats.enough_rounds(clear, 3, 3, 20, goal)
+    assert not stats.enough_rounds(clear, 2, 3, 20) and stats.enough_rounds(clear, 3, 3, 20)  # no target: the minimum
     noisy = {"a": [rng.uniform(0.5, 2.5) for _ in range(10)], "b": [rng.uniform(0.5, 2.5) for _ in range(10)]}
     close = [(stats.median_ratio("a", "b"), 1.0, "le")]  # a ratio near 1 with wide noise: not resolved
     assert not stats.enough_rounds(noisy, 9, 3, 20, close) and stats.enough_rounds(noisy, 20, 3, 20, close)  # the cap

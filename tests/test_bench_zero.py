@@ -20,7 +20,7 @@ from fastcoll.bench import __main__ as cli
 from fastcoll.bench import models, stats, tiny_lm, zero, zero_bf16
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
     sections = []  # the bfloat16 section runs after the tables (test_zero_bf16_smoke_run runs it)
     monkeypatch.setattr(zero_bf16, "run_section", lambda args: sections.append(args) or 0)
@@ -138,7 +138,7 @@ def test_analyze_targets():
 # --------------------------------------------------------------------------- the bfloat16 section
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_zero_bf16_smoke_run(tmp_path, capsys):
     """The bfloat16 section alone, tiny (about 15 s): bytes by kind, peaks, timing, quality runs, targets, JSON, chart."""
     path = tmp_path / "bf16.json"

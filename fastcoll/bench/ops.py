@@ -49,7 +49,7 @@ TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5), torch.
               torch.bfloat16: (1.6e-2, 1e-5)}  # fmt: skip
 CONFIGS = {  # rounds: at least reps, at most max_reps (until every target of the row resolves)
     "smoke": dict(reps=3, max_reps=3, warmup=1, target_s=0.0005, synth_total=1 << 14, counts=(1, 64)),
-    "default": dict(reps=5, max_reps=15, warmup=1, target_s=0.003, synth_total=SYNTH_TOTAL // 4, counts=SYNTH_COUNTS),
+    "default": dict(reps=5, max_reps=15, warmup=1, target_s=0.003, synth_total=SYNTH_TOTAL // 4, counts=(1, 64, 448)),
     "full": dict(reps=15, max_reps=30, warmup=3, target_s=0.02, synth_total=SYNTH_TOTAL, counts=SYNTH_COUNTS),
 }
 

@@ -161,9 +161,9 @@ def enough_rounds(
 
     The intervals are looked at every ``every`` rounds (a bootstrap costs tens of milliseconds).
     """
-    if done >= hi:
+    if done >= hi or (done >= lo and not checks):  # without targets: the minimum
         return True
-    if done < lo or not checks or (done - lo) % every:
+    if done < lo or (done - lo) % every:
         return False
     return resolved(checks, samples)
 

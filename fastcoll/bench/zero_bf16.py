@@ -549,267 +549,72 @@ def measure(args: Any = None) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
-_mib, _per_rank, _verdict_cell = report.mib, report.per_rank_mib, report.verdict_cell
-
-
-def _bpp(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _target_cells(t: Dict[str, Any]) -> Tuple[str, str, str]:
-    ci = t.get("ci90")
-    if t["interval"] == "exact":
-        return f"{t['value']:.4f}" if t["value"] is not None else "-", "exact", f"<= {t['threshold']}"
-    return f"{t['value']:.3f}x", (f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-"), f"<= {t['threshold']}x"
-
-
 def print_results(payload: Dict[str, Any]) -> None:
-    cfg = payload["config"]
-    device = cfg["device"]
-    (row,) = payload["results"]
-    m = row["methods"]
-    where = (
-        f"{cfg['world_size']} gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each"
-        if device == "cpu"
-        else f"{cfg['world_size']} NCCL ranks"
-    )
-    g = row["groups"][0]
+    """Step times, bytes per rank by kind, live heap by phase, the quality runs and the targets."""
+    cfg, (row,), mib = payload["config"], payload["results"], report.mib
+    m, device, g = row["methods"], cfg["device"], row["groups"][0]
     cells = [f"{row['label']} ({row['numel'] / 1e6:.1f} M)"]
     cells += [report.fmt_time(m[k].get("median_s")) if k in TIMED else "not timed" for k in METHODS]
     for k in ("bf16", "sharded"):
         r = row["ratios"].get(f"step {k}/autocast") or {}
-        ci = r.get("ci90")
-        cells.append(report.fmt_ratio(r.get("value")) + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""))
-    cells.append(f"{g['reps']} x {g['inner']}")
-    report.table(
-        f"fastcoll zero bf16: step time with AdamW, bfloat16 recipes ({device})",
-        ["model", *(METHOD_LABELS[k] for k in METHODS), "bf16/autocast", "sharded/autocast", "n x inner"],
-        [cells],
-        caption=f"{where}; ops: {payload['implementation']}; AdamW({', '.join(f'{k}={v}' for k, v in cfg['adamw'].items())}). "
-        "Median step (slowest rank) = zero_grad + forward + backward + step, steady state (each forward waits for the "
-        "previous step's all-gathers); samples interleaved, order rotated each round; ratios with 90% paired bootstrap "
-        "intervals. grads=full is not timed: on gloo it issues sharded's collectives (in-place all-reduce, broadcasts).",
-    )
-
-    table = []
+        t = stats.target(r.get("value"), STEP_VS_AUTOCAST, r.get("ci90"))
+        cells.append(report.target_cell(t) if k == "sharded" else report.fmt_ratio(r.get("value")))
+    adamw = ", ".join(f"{k}={v}" for k, v in cfg["adamw"].items())
+    report.table(f"fastcoll zero bf16: step time with AdamW, bfloat16 recipes ({device})",
+                 ["model", *(METHOD_LABELS[k] for k in METHODS), "bf16/autocast", "sharded/autocast", "rounds"],
+                 [cells + [g["reps"]]],
+                 f"{cfg['world_size']} {cfg['backend']} ranks; AdamW({adamw}); median step of the slowest rank, steady state, "
+                 "rounds until the step target resolves (90% paired interval). grads=full is not timed: on gloo it "
+                 "issues sharded's collectives.")  # fmt: skip
+    body = []
     for k in METHODS:
         e = m[k]
-        held = e.get("held") or []
-        h = max(held, key=lambda x: x["total"]) if held else {}
-        bpp = e.get("bytes_per_param") or {}
-        peak_ratio = row["ratios"].get(f"peak_bytes {k}/autocast")
-        table.append(
-            [
-                METHOD_LABELS[k],
-                _mib(h.get("params")),
-                _mib(h.get("grads")),
-                _mib(h.get("buckets")),
-                _mib(h.get("state", 0) + h.get("masters", 0)) + (f" ({_mib(h['masters'])})" if h.get("masters") else ""),
-                _mib(h.get("total")),
-                f"{_bpp(bpp.get('held'))} ({e['readme_bytes_per_param']:.0f})",
-                _per_rank(e.get("peak_bytes")),
-                _bpp(bpp.get("peak")),
-                _per_rank(e.get("live_peak_bytes")),
-                "-" if peak_ratio is None else f"{peak_ratio:.3f}x",
-            ]
-        )
-    report.table(
-        f"fastcoll zero bf16: bytes per rank, {row['label']} ({row['numel'] / 1e6:.1f} M parameters, {device})",
-        [
-            "method",
-            "params",
-            ".grad",
-            "buckets",
-            "state (masters)",
-            "held",
-            "held B/P (README)",
-            "peak (r0 / r1)",
-            "peak B/P",
-            "live (r0 / r1)",
-            "peak/autocast",
-        ],
-        table,
-        caption="MiB per rank; B/P: bytes per parameter. held: the distinct storages each rank holds (worst rank): "
-        "parameters; .grad right after backward (fastcoll frees each 16-bit .grad once added into the float32 main "
-        "gradients); buckets (torch DDP: its reducer's flat buckets; fastcoll: the float32 main-gradient buckets, "
-        "which also hold the parameters' all-gather); optimizer state (AdamW's, plus ShardedOptimizer's float32 "
-        "masters in brackets). README: bytes per parameter from README's table (Sharding the optimizer) at N = 2, "
-        "or derived the same way.\n"
-        "peak: growth of the resident set's high-water mark from before the model is built through its first "
-        "iterations, a fresh process pair per method; live: the most heap bytes alive (glibc mallinfo2) sampled "
-        "after each phase. autocast's peak includes its bfloat16 weight copies during the forward.",
-    )
-
-    by_phase = []
-    for k in METHODS:
-        phases = [p for p in (m[k].get("live_by_phase") or []) if p]
-        if phases:
-            by_phase.append([METHOD_LABELS[k], *(_mib(max(p[ph] for p in phases)) for ph in PHASES)])
+        h = max(e.get("held") or [{}], key=lambda x: x.get("total", 0))
+        bpp, peak = e.get("bytes_per_param") or {}, row["ratios"].get(f"peak_bytes {k}/autocast")
+        state = mib(h.get("state", 0) + h.get("masters", 0)) + (f" ({mib(h['masters'])})" if h.get("masters") else "")
+        body.append([METHOD_LABELS[k], mib(h.get("params")), mib(h.get("grads")), mib(h.get("buckets")), state,
+                     mib(h.get("total")),
+                     f"{bpp.get('held') or 0:.2f} ({e['readme_bytes_per_param']:.0f})", report.per_rank_mib(e.get("peak_bytes")),
+                     report.per_rank_mib(e.get("live_peak_bytes")), report.fmt_ratio(peak)])  # fmt: skip
+    report.table(f"fastcoll zero bf16: bytes per rank, {row['label']} ({row['numel'] / 1e6:.1f} M parameters, {device})",
+                 ["method", "params", ".grad", "buckets", "state (masters)", "held", "held B/P (README)", "peak (r0 / r1)",
+                  "live (r0 / r1)", "peak/autocast"], body,
+                 "MiB per rank; held: the distinct storages a rank holds (worst rank), .grad right after backward, buckets "
+                 "(fastcoll: float32 main-gradient buckets), optimizer state (+ float32 masters); B/P: bytes per "
+                 "parameter, README's at N = 2 in brackets; peak: resident high-water growth, a fresh process pair per "
+                 "method; live: most heap bytes alive after a phase (glibc mallinfo2).")  # fmt: skip
+    by_phase = [[METHOD_LABELS[k], *(mib(max(p[ph] for p in ps)) for ph in PHASES)]
+                for k in METHODS if (ps := [p for p in (m[k].get("live_by_phase") or []) if p])]  # fmt: skip
     if by_phase:
-        report.table(
-            f"fastcoll zero bf16: live heap MiB after each phase of an iteration (worst rank, {device})",
-            ["method", *(f"after {p}" for p in PHASES)],
-            by_phase,
-            caption="The most bytes alive at each point over every iteration (above the heap before the model was "
-            "built): after zero_grad, the persistent set; at the forward's end (the model's forward hook, still in "
-            "autocast's region), autocast's cached bfloat16 weight copies; after the forward (the region ended: "
-            "they are freed); after backward, the gradients; after step.",
-        )
-
+        report.table(f"fastcoll zero bf16: live heap MiB after each phase (worst rank, {device})",
+                     ["method", *(f"after {p}" for p in PHASES)], by_phase,
+                     "at the forward's end autocast's bfloat16 weight copies are still cached, after it freed")  # fmt: skip
     q = payload.get("quality")
     if q:
-        table = []
-        for name in [n for n in QUALITY_RUNS if n in q["runs"]]:
-            r = q["runs"][name]
-            table.append(
-                [
-                    QUALITY_LABELS[name],
-                    f"{r['final_loss']:.4f}",
-                    f"{r['loss_gap']:+.2%}",
-                    f"{r['weight_distance']:.2e}",
-                    f"{r['master_distance']:.2e}" if r.get("master_distance") is not None else "-",
-                    "-" if r.get("distance_vs_bf16") is None else f"{r['distance_vs_bf16']:.3f}",
-                    f"{r['seconds']:.1f} s",
-                ]
-            )
-        moved = q["runs"]["fp32"].get("moved")
-        report.table(
-            f"fastcoll zero bf16: quality, tiny causal LM, {q['steps']} AdamW steps (2 gloo ranks)",
-            ["run", "final loss", "gap vs (a)", "weight distance", "master distance", "distance / (b)'s", "time"],
-            table,
-            caption=f"{cfg['quality_model']}. final loss: the last step's (mean over micro-batches and ranks); "
-            "distance: ||w - w(a)|| / ||w(a)|| over every parameter (the model's, bfloat16 for (b) and (c)); master "
-            "distance: the float32 masters'"
-            + (f"; training moved (a)'s weights {moved:.2e} of their norm from the initial ones." if moved else "."),
-        )
-
-    table = []
-    for t in row["targets"].values():
-        value, interval, threshold = _target_cells(t)
-        table.append([t["what"], value, interval, threshold, _verdict_cell(t)])
-    report.table(
-        f"fastcoll zero bf16: targets ({device})",
-        ["target", "value", "interval", "target", "verdict"],
-        table,
-        caption="The issue's targets are sharded's; full's against the same levels for information. MET / MISSED when "
-        "the interval lies on one side, else not resolved. Informational, never asserted.",
-    )
-
-
-def _summary(payload: Dict[str, Any]) -> None:
-    counts = {MET: 0, MISSED: 0, UNRESOLVED: 0}
-    for t in payload["results"][0]["targets"].values():
-        counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
-    report.say(
-        f"[bold]bf16 targets (informational, never asserted):[/bold] {counts[MET]} met, {counts[MISSED]} missed, "
-        f"{counts[UNRESOLVED]} not resolved"
-    )
+        body = [[QUALITY_LABELS[n], f"{r['final_loss']:.4f}", f"{r['loss_gap']:+.2%}", f"{r['weight_distance']:.2e}",
+                 "-" if r.get("master_distance") is None else f"{r['master_distance']:.2e}",
+                 "-" if r.get("distance_vs_bf16") is None else f"{r['distance_vs_bf16']:.3f}", f"{r['seconds']:.1f} s"]
+                for n in QUALITY_RUNS if (r := q["runs"].get(n))]  # fmt: skip
+        report.table(f"fastcoll zero bf16: quality, tiny causal LM, {q['steps']} AdamW steps (2 gloo ranks)",
+                     ["run", "final loss", "gap vs (a)", "weight distance", "master distance", "distance / (b)'s", "time"], body,
+                     "distance: ||w - w(a)|| / ||w(a)|| over every parameter; master distance: the float32 masters'")  # fmt: skip
+    body = [[t["what"], report.target_cell(t, lambda v: "-" if v is None else f"{v:.4g}"), f"<= {t['threshold']}", t["interval"]]
+            for t in row["targets"].values()]  # fmt: skip
+    report.table(f"fastcoll zero bf16: targets ({device})", ["target", "value (interval) verdict", "target", "interval"], body,
+                 "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
 
 
 def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Four panels: bytes per parameter by kind, peak and step against autocast's, the loss curves and their gaps."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    """Bytes per parameter by kind, and each recipe's peak and step against autocast's."""
     (row,) = payload["results"]
-    m = row["methods"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    (ax_bytes, ax_ratio), (ax_loss, ax_gap) = axes
-    xs = list(range(len(METHODS)))
-    kinds = [("params", "parameters"), ("grads", ".grad"), ("buckets", "buckets / main grads"), ("state", "optimizer state"),
-             ("masters", "fp32 masters")]  # fmt: skip
-    bottom = [0.0] * len(METHODS)
-    for i, (key, label) in enumerate(kinds):
-        ys = [(m[k].get("bytes_per_param") or {}).get(key) or 0.0 for k in METHODS]
-        ax_bytes.bar(xs, ys, 0.55, bottom=bottom, label=label, color=f"C{i}")
-        bottom = [b + y for b, y in zip(bottom, ys)]
-    for k, x in zip(METHODS, xs):
-        bpp = m[k].get("bytes_per_param") or {}
-        if bpp.get("peak") is not None:
-            ax_bytes.scatter([x], [bpp["peak"]], marker="v", color="black", zorder=3, label="peak resident" if x == 0 else None)
-        if bpp.get("live") is not None:
-            ax_bytes.scatter(
-                [x], [bpp["live"]], marker="x", color="dimgray", zorder=3, label="live heap peak" if x == 0 else None
-            )
-        ax_bytes.scatter([x], [m[k]["readme_bytes_per_param"]], marker="_", s=400, color="red", zorder=3,
-                         label="README" if x == 0 else None)  # fmt: skip
-    ax_bytes.set_xticks(xs)
-    ax_bytes.set_xticklabels([METHOD_LABELS[k].replace(", ", ",\n") for k in METHODS], fontsize=7)
-    ax_bytes.set_ylabel("bytes per parameter, per rank")
-    ax_bytes.set_title(f"{row['label']} ({row['numel'] / 1e6:.1f} M), {row['world_size']} ranks: bytes per parameter", fontsize=9)
-    ax_bytes.legend(fontsize=7)
-    ax_bytes.grid(axis="y", alpha=0.3)
-
-    labels, vals, lo, hi, colours = [], [], [], [], []
-    for k in ("bf16", "sharded", "full"):
-        r = row["ratios"].get(f"peak_bytes {k}/autocast")
-        if r is not None:
-            labels.append(f"peak\n{k}")
-            vals.append(r)
-            lo.append(0.0)
-            hi.append(0.0)
-            colours.append("C0")
-    for k in ("bf16", "sharded"):
-        r = row["ratios"].get(f"step {k}/autocast") or {}
-        if r.get("value") is not None:
-            ci = r.get("ci90") or [r["value"], r["value"]]
-            labels.append(f"step\n{k}")
-            vals.append(r["value"])
-            lo.append(max(0.0, r["value"] - ci[0]))
-            hi.append(max(0.0, ci[1] - r["value"]))
-            colours.append("C1")
-    ax_ratio.bar(range(len(vals)), vals, 0.6, yerr=[lo, hi], capsize=3, color=colours)
-    ax_ratio.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax_ratio.axhline(MEMORY_VS_AUTOCAST, color="C0", linewidth=0.8, linestyle=":", label=f"memory target {MEMORY_VS_AUTOCAST}x")
-    ax_ratio.axhline(STEP_VS_AUTOCAST, color="C1", linewidth=0.8, linestyle=":", label=f"step target {STEP_VS_AUTOCAST}x")
-    ax_ratio.set_ylim(0, max([STEP_VS_AUTOCAST * 1.15] + [v + h + 0.05 for v, h in zip(vals, hi)]))
-    ax_ratio.set_xticks(range(len(vals)))
-    ax_ratio.set_xticklabels(labels, fontsize=8)
-    ax_ratio.set_title("against torch DDP fp32 + autocast (peak: worst rank; step: 90% intervals)", fontsize=9)
-    ax_ratio.legend(fontsize=7)
-    ax_ratio.grid(axis="y", alpha=0.3)
-
-    q = payload.get("quality")
-    if q:
-        ref = q["runs"]["fp32"]["losses"]
-        style = {
-            "fp32": ("-", 2.5, "black"),
-            "torch_bf16": ("-", 1.0, "C1"),
-            "sharded": ("-", 1.0, "C2"),
-            "full": ("--", 1.0, "C3"),
-        }
-        for name in QUALITY_RUNS:
-            if name not in q["runs"]:
-                continue
-            losses = q["runs"][name]["losses"]
-            ls, lw, colour = style[name]
-            steps = range(1, len(losses) + 1)
-            ax_loss.plot(steps, losses, ls, label=QUALITY_LABELS[name], color=colour, linewidth=lw)
-            if name != "fp32":
-                gaps = [max(abs(a - b) / b, 1e-7) for a, b in zip(losses, ref)]
-                ax_gap.plot(steps, gaps, ls, label=QUALITY_LABELS[name], color=colour, linewidth=lw)
-        ax_loss.set_xlabel("step")
-        ax_loss.set_ylabel("loss (mean over micro-batches and ranks)")
-        ax_loss.set_title(f"tiny causal LM, {q['steps']} AdamW steps at lr {QUALITY_LR}, {QUALITY_MICRO_BATCHES} micro-batches, "
-                          "2 ranks ((c) on (a))", fontsize=9)  # fmt: skip
-        ax_loss.legend(fontsize=7)
-        ax_loss.grid(alpha=0.3)
-        ax_gap.axhline(LOSS_GAP, color="red", linewidth=0.8, linestyle=":", label=f"{LOSS_GAP:.0%} (the target, last step)")
-        ax_gap.set_yscale("log")
-        ax_gap.set_xlabel("step")
-        ax_gap.set_ylabel("|loss - float32's| / float32's")
-        ax_gap.set_title("loss gap from the float32 run (a), per step (log scale)", fontsize=9)
-        ax_gap.legend(fontsize=7)
-        ax_gap.grid(alpha=0.3)
-    cfg = payload["config"]
-    fig.suptitle(f"fastcoll zero bf16 ({cfg['device']}, {cfg['world_size']} ranks): main gradients + sharded fp32 masters "
-                 "vs torch DDP bf16 and fp32 + autocast")  # fmt: skip
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    return report.save_figure(fig, path)
+    kinds = ("params", "grads", "buckets", "state", "masters")
+    held = {METHOD_LABELS[k]: {c: row["methods"][k].get("bytes_per_param", {}).get(c, 0.0) for c in kinds} for k in METHODS}
+    vs = {METHOD_LABELS[k]: {"peak": row["ratios"].get(f"peak_bytes {k}/autocast") or float("nan"),
+                             "step": (row["ratios"].get(f"step {k}/autocast") or {}).get("value") or float("nan")}
+          for k in METHODS if k != "autocast"}  # fmt: skip
+    panels = {"bytes per parameter held, by kind": held, "peak and step / fp32 + autocast's": vs}
+    return report.bar_chart(path, f"fastcoll zero bf16 ({payload['config']['device']}): main gradients + sharded fp32 masters",
+                            panels, "", None, log=False)  # fmt: skip
 
 
 def supported() -> bool:
@@ -848,7 +653,8 @@ def run_section(args: Any = None) -> int:
     )
     payload = measure(args)
     print_results(payload)
-    _summary(payload)
+    named = [(t["what"], t) for t in payload["results"][0]["targets"].values()]
+    report.targets_summary("bf16", [t for _, t in named], [w for w, _ in named])
     path = json_path(args, device)
     report.write_json(path, payload, device)
     png = chart(path.with_suffix(".png"), payload)
