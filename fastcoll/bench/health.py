@@ -14,6 +14,7 @@ with and without ``nonfinite``, on ResNet-50's 25 MiB bucket at 1 thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -206,7 +207,7 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
 
     rows = []
     threads = 1 if device == "cpu" else None
-    ctx = runner.num_threads(1) if device == "cpu" else _Null()
+    ctx = runner.num_threads(1) if device == "cpu" else contextlib.nullcontext()
     with ctx:
         for op, p in pairs.items():
             fns = {"plain": p["plain"], "health": p["health"]}
@@ -237,23 +238,6 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
                 }
             )
     return rows
-
-
-def ops_row_elsewhere() -> bool:
-    """Whether the ops benchmark (fastcoll/bench/ops.py) already times unflatten_scale with sumsq (then skip it here)."""
-    try:
-        text = Path(__file__).with_name("ops.py").read_text()
-    except OSError:  # pragma: no cover
-        return False
-    return "sumsq=" in text
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------
@@ -493,8 +477,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
     device = getattr(args, "device", "cpu") or "cpu"
     cfg = _config(args, device)
     specs = model_specs(cfg["smoke"])
-    skip_ops = ops_row_elsewhere()
-    ops_rows = [] if skip_ops else bench_ops_rows(cfg)
+    ops_rows = bench_ops_rows(cfg)
     results: List[Dict[str, Any]] = []
     health_ops, malloc = health_ops_implementation(), None
     libraries = {"parent (ops rows)": extension_file()}
@@ -524,7 +507,6 @@ def measure(args: Any = None) -> Dict[str, Any]:
                 "nonfinite": f"check_nonfinite=True costs <= {NONFINITE_TARGET:.0%} of fastcoll's step",
                 "ops": f"unflatten_scale with sumsq <= {OPS_TARGET}x without (25 MiB fp32, 1 thread)",
             },
-            "ops_rows_skipped": "fastcoll/bench/ops.py already times unflatten_scale with sumsq" if skip_ops else None,
         },
         "health_ops": health_ops,
         "extension_files": libraries,
@@ -533,282 +515,129 @@ def measure(args: Any = None) -> Dict[str, Any]:
     }
 
 
-def _pct(x: Optional[float]) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x * 100:+.1f}%"
-
-
-def _signed(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "-"
-    return ("-" if seconds < 0 else "+") + report.fmt_time(abs(seconds))
-
-
-def _pm(t: Optional[Dict[str, Any]]) -> str:
-    return "" if t is None else report.pass_miss(t["pass"])
-
-
 def costs_table(rows: List[Dict[str, Any]], title: str, key: Optional[str]) -> None:
-    """The costs of every row, from its wall-clock analysis (``key`` None) or ``row[key]`` (``"cpu_time"``)."""
+    """Each feature's cost per model: paired per-round differences, share of the step without it, targets."""
+    pct = lambda t: report.target_cell(t, report.fmt_pct) if t else ""  # noqa: E731
+    body = []
+    for r in rows:
+        a = r if key is None else r[key]
+        c, t, q = a["costs"], a["targets"], a["ratios"]
+        sign = lambda k: report.fmt_signed_time(c[k]["median_s"])  # noqa: E731
+        line = [
+            r["label"] + (" *" if r["synthetic"] else ""),
+            r["world_size"],
+            f"{sign('clip torch')} ({report.fmt_pct(q['clip torch/torch step'])})",
+            f"{sign('clip fastcoll')} ({report.fmt_pct(q['clip fastcoll/fastcoll step'])})",
+            report.target_cell(t.get("clip")) if "clip" in t else "",
+            f"{sign('norm')} {pct(t['norm'])}",
+            f"{sign('nonfinite')} {pct(t['nonfinite'])}",
+            sign("clip torch on fastcoll"),
+            sign("scaling pass fastcoll"),
+            f"{sign('A/A')} ({report.fmt_pct(q['A/A/fastcoll step'])})",
+        ]
+        body.append(line + (["[green]ok[/green]" if r["checks"]["ok"] else "[red]FAIL[/red]"] if key is None else []))
     columns = [
         "model",
         "ranks",
         "clip torch",
         "clip fastcoll",
-        f"fc/torch ≤{CLIP_TARGET}",
-        f"norm ≤{NORM_TARGET:.0%}",
-        f"nonfinite ≤{NONFINITE_TARGET:.0%}",
+        f"fc/torch (≤{CLIP_TARGET})",
+        f"norm (≤{NORM_TARGET:.0%})",
+        f"nonfinite (≤{NONFINITE_TARGET:.0%})",
         "fc+torch clip",
         "scaling",
         "A/A control",
-    ]
-    if key is None:
-        columns.append("checks")
-    table = []
-    for r in rows:
-        a = r if key is None else r[key]
-        c, t, q = a["costs"], a["targets"], a["ratios"]
-        line = [
-            r["label"] + (" *" if r["synthetic"] else ""),
-            str(r["world_size"]),
-            f"{_signed(c['clip torch']['median_s'])} ({_pct(q['clip torch/torch step'])})",
-            f"{_signed(c['clip fastcoll']['median_s'])} ({_pct(q['clip fastcoll/fastcoll step'])})",
-            f"{report.fmt_ratio(q['clip fastcoll/torch'])} {_pm(t.get('clip'))}".strip(),
-            f"{_signed(c['norm']['median_s'])} ({_pct(q['norm/fastcoll step'])}) {_pm(t['norm'])}",
-            f"{_signed(c['nonfinite']['median_s'])} ({_pct(q['nonfinite/fastcoll step'])}) {_pm(t['nonfinite'])}",
-            _signed(c["clip torch on fastcoll"]["median_s"]),
-            _signed(c["scaling pass fastcoll"]["median_s"]),
-            f"{_signed(c['A/A']['median_s'])} ({_pct(q['A/A/fastcoll step'])})",
-        ]
-        if key is None:
-            line.append("[green]ok[/green]" if r["checks"]["ok"] else "[red]FAIL[/red]")
-        table.append(line)
-    caption = (
-        "clip torch = (torch+clip) - torch; clip fastcoll = (fastcoll norm+clip) - fastcoll, the fused norm included; "
-        "(%) of the step without the feature.\n"
-        "norm = fastcoll(compute_grad_norm=True) - fastcoll; nonfinite = fastcoll(check_nonfinite=True) - fastcoll (% of "
-        "fastcoll's step). fc+torch clip = torch's clip_grad_norm_ on fastcoll.DDP's gradients; scaling = "
-        "(fastcoll norm+clip) - (fastcoll norm). A negative cost (or ratio) is below this machine's noise."
+    ] + (["checks"] if key is None else [])
+    report.table(
+        title,
+        columns,
+        body,
+        "clip torch = (torch+clip) - torch; clip fastcoll = (fastcoll norm+clip) - fastcoll, the fused norm "
+        "included (% of the step without); norm, nonfinite: fastcoll.DDP with the feature - without (% of "
+        "fastcoll's step); scaling = (norm+clip) - norm; A/A: a second identical fastcoll.DDP, the noise floor. "
+        f"max_norm = {CLIP_FRACTION} x the measured norm; 90% paired bootstrap intervals.",
     )
-    if key is None:
-        caption += (
-            f"\nmax_norm = {CLIP_FRACTION} x the measured norm; checks: the norm each clipping saw against the float64 norm "
-            "(fastcoll rel 1e-6, torch's float32 sum rel 1e-3), the clipped norm is max_norm, fastcoll's clipped gradients "
-            "match torch's. Targets informational, never asserted."
-        )
-    else:
-        caption += (
-            "\nCPU time of the thread that runs forward, backward (and the wrappers' hooks) and the clipping; slowest rank."
-        )
-    report.table(title, columns, table, caption=caption)
 
 
 def print_results(payload: Dict[str, Any]) -> None:
-    cfg = payload["config"]
-    device = cfg["device"]
-    rows = payload["results"]
-    where = (
-        f"gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each"
-        if device == "cpu"
-        else "1 rank on NCCL" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
-    )
-    impl = payload["health_ops"]
-    columns = ["model", "ranks", *METHODS, "IQR fastcoll"]
-    table = []
-    for r in rows:
-        m = r["methods"]
-        fc = m["fastcoll"]
-        table.append(
-            [r["label"] + (" *" if r["synthetic"] else ""), str(r["world_size"])]
-            + [report.fmt_time(m[k]["median_s"]) for k in METHODS]
-            + [f"{fc['iqr_s'] / fc['median_s'] * 100:.1f}%"]
-        )
+    cfg, rows = payload["config"], payload["results"]
+    body = [
+        [
+            r["label"] + (" *" if r["synthetic"] else ""),
+            r["world_size"],
+            *(report.fmt_time(r["methods"][k]["median_s"]) for k in METHODS),
+        ]
+        for r in rows
+    ]
     report.table(
-        f"fastcoll health: step time per method ({device})",
-        columns,
-        table,
-        caption=f"{where}; health ops: {impl}. Median step (slowest rank) = zero_grad + forward + backward (+ clipping), "
-        "no optimizer step; samples interleaved, order rotated each round.\n"
-        "* synthetic: parameters of the model's shapes, forward = sum_i p_i.sum() * x_i.",
+        f"fastcoll health: step time per method ({cfg['device']})",
+        ["model", "ranks", *METHODS],
+        body,
+        f"{cfg['backend']} ranks, {cfg['threads']} thread(s) each; health ops: {payload['health_ops']}. Median step of "
+        "the slowest rank (zero_grad + forward + backward, + clipping), rounds in rotating order. * synthetic.",
     )
-
-    costs_table(rows, f"fastcoll health: costs, wall clock (median of paired per-round differences; {device})", None)
-    if device == "cpu":
+    costs_table(rows, f"fastcoll health: costs, wall clock ({cfg['device']})", None)
+    if cfg["device"] == "cpu":
         costs_table(
-            rows,
-            "fastcoll health: the same costs in CPU time of the training thread (a cross-check less sensitive to other load)",
-            "cpu_time",
+            rows, "fastcoll health: the same costs in CPU time of the training thread (less sensitive to other load)", "cpu_time"
         )
-
-    if payload["ops"]:
-        table = []
-        for r in payload["ops"]:
-            m = r["methods"]
-            table.append(
-                [
-                    r["op"],
-                    r["with"],
-                    r["bucket"],
-                    str(r["threads"] or "-"),
-                    report.fmt_time(m["plain"]["median_s"]),
-                    report.fmt_time(m["health"]["median_s"]),
-                    report.fmt_ratio(r["ratio"]),
-                    _pm(r["targets"]["health/plain"]) if r["op"] == "unflatten_scale" else "",
-                    ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["check"].items()),
-                ]
-            )
+    body = [
+        [
+            r["op"],
+            r["with"],
+            r["bucket"],
+            r["threads"] or "-",
+            report.fmt_time(r["methods"]["plain"]["median_s"]),
+            report.fmt_time(r["methods"]["health"]["median_s"]),
+            report.target_cell(r["targets"]["health/plain"]) if r["op"] == "unflatten_scale" else report.fmt_ratio(r["ratio"]),
+            ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["check"].items()),
+        ]
+        for r in payload["ops"]
+    ]
+    if body:
         report.table(
-            f"fastcoll health: the fused ops with and without the health outputs ({device})",
-            ["op", "with", "bucket", "threads", "without", "with", "ratio", f"≤{OPS_TARGET}x", "check"],
-            table,
-            caption=f"health ops: {impl}. Median per call, samples interleaved; the target applies to unflatten_scale (sumsq).",
+            f"fastcoll health: the fused ops with and without the health outputs ({cfg['device']})",
+            ["op", "with", "bucket", "threads", "without", "with", f"ratio (≤{OPS_TARGET}x for sumsq)", "check"],
+            body,
         )
-    elif cfg.get("ops_rows_skipped"):
-        report.say(f"[dim]ops rows skipped: {cfg['ops_rows_skipped']}[/dim]")
-
-
-def _target_lines(payload: Dict[str, Any], key: Optional[str]) -> Tuple[List[str], int, int]:
-    lines, total, passed = [], 0, 0
-    for r in payload["results"]:
-        a = r if key is None else r[key]
-        for name, t in a["targets"].items():
-            if t["pass"] is None:
-                continue
-            total += 1
-            passed += bool(t["pass"])
-            fmt = (lambda x: f"{x:.2f}x") if name == "clip" else _pct
-            value = fmt(t["value"])
-            if t.get("ci90"):
-                value += f" (90%: {fmt(t['ci90'][0])} to {fmt(t['ci90'][1])}{'' if t['resolved'] else ', not resolved'})"
-            thr = f"{t['threshold']}x" if name == "clip" else f"{t['threshold']:.0%}"
-            lines.append(f"  {r['label']}, {r['world_size']} rank(s): {name} {value} (<= {thr}) {report.pass_miss(t['pass'])}")
-    return lines, total, passed
-
-
-def _summary(payload: Dict[str, Any]) -> None:
-    lines, total, passed = _target_lines(payload, None)
-    for r in payload["ops"]:
-        t = r["targets"]["health/plain"]
-        if r["op"] == "unflatten_scale" and t["pass"] is not None:
-            total += 1
-            passed += bool(t["pass"])
-            lines.append(
-                f"  ops {r['op']} {r['with'].split(' ')[0]}: {t['value']:.2f}x (<= {OPS_TARGET}x) {report.pass_miss(t['pass'])}"
-            )
-    if total:
-        report.say(f"[bold]targets (issue 11; informational, never asserted), wall clock:[/bold] {passed}/{total} PASS")
-        for line in lines:
-            report.say(line)
-    if payload["config"]["device"] == "cpu" and payload["results"]:
-        lines, total, passed = _target_lines(payload, "cpu_time")
-        report.say(f"[bold]the same targets in training-thread CPU time:[/bold] {passed}/{total} PASS")
-        for line in lines:
-            report.say(line)
-    for r in payload["results"]:
-        if not r["checks"]["ok"]:
-            report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
 
 
 def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Two panels: clipping cost (% of the step without clipping), torch vs fastcoll; norm and non-finite costs (%)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = payload["results"]
-    if not rows:
-        return None
-    names = [f"{r['label']}\n{r['world_size']} rank{'s' if r['world_size'] > 1 else ''}" for r in rows]
-    xs = list(range(len(rows)))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(rows) + 2), 8))
-    w = 0.38
-    ct = [100 * r["ratios"]["clip torch/torch step"] for r in rows]
-    cf = [100 * r["ratios"]["clip fastcoll/fastcoll step"] for r in rows]
-    top.bar([x - w / 2 for x in xs], ct, w, label="torch DDP + clip_grad_norm_(foreach=True)")
-    top.bar([x + w / 2 for x in xs], cf, w, label="fastcoll.DDP(compute_grad_norm=True) + clip_grad_norm_")
-    cpu = [r.get("cpu_time") for r in rows]
-    if payload["config"]["device"] == "cpu" and all(cpu):
-        top.scatter(
-            [x - w / 2 for x in xs],
-            [100 * a["ratios"]["clip torch/torch step"] for a in cpu],
-            marker="x",
-            color="k",
-            label="x: training-thread CPU time",
-        )
-        top.scatter(
-            [x + w / 2 for x in xs], [100 * a["ratios"]["clip fastcoll/fastcoll step"] for a in cpu], marker="x", color="k"
-        )
-    for x, r, a, b in zip(xs, rows, ct, cf):
-        ratio = r["ratios"]["clip fastcoll/torch"]
-        if ratio is not None:
-            top.annotate(f"{ratio:.2f}x", (x, max(a, b)), ha="center", va="bottom", fontsize=8)
-    top.set_ylabel("clipping cost, % of the step (bars: wall clock)")
-    top.set_title(
-        f"clipping cost (fastcoll/torch annotated; target <= {CLIP_TARGET}x on ResNet-50 and GPT-2 shapes)", fontsize=10
-    )
-    top.legend(fontsize=8)
-    nc = [100 * r["ratios"]["norm/fastcoll step"] for r in rows]
-    nf = [100 * r["ratios"]["nonfinite/fastcoll step"] for r in rows]
-    bottom.bar([x - w / 2 for x in xs], nc, w, label="compute_grad_norm=True (target <= 3%)", color="tab:green")
-    bottom.bar([x + w / 2 for x in xs], nf, w, label="check_nonfinite=True (target <= 2%)", color="tab:red")
-    if payload["config"]["device"] == "cpu" and all(cpu):
-        bottom.scatter(
-            [x - w / 2 for x in xs],
-            [100 * a["ratios"]["norm/fastcoll step"] for a in cpu],
-            marker="x",
-            color="k",
-            label="x: training-thread CPU time",
-        )
-        bottom.scatter(
-            [x + w / 2 for x in xs], [100 * a["ratios"]["nonfinite/fastcoll step"] for a in cpu], marker="x", color="k"
-        )
-    bottom.axhline(100 * NORM_TARGET, color="tab:green", linestyle="--", linewidth=0.8)
-    bottom.axhline(100 * NONFINITE_TARGET, color="tab:red", linestyle="--", linewidth=0.8)
-    bottom.axhline(0, color="black", linewidth=0.6)
-    bottom.set_ylabel("% of fastcoll.DDP's step")
-    bottom.set_title("cost of the fused norm and of the non-finite check (median of paired differences)", fontsize=10)
-    bottom.legend(fontsize=8)
-    for ax in (top, bottom):
-        ax.set_xticks(xs)
-        ax.set_xticklabels(names, fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"fastcoll health ({payload['config']['device']}; health ops: {payload['health_ops'].split(':')[0]})")
-    fig.tight_layout()
-    return report.save_figure(fig, path)
+    """Each cost as a share of the step without the feature, with its interval where it has a target."""
+    panels: Dict[str, Dict[str, Dict[str, float]]] = {"clipping cost / step": {}, "norm, non-finite, A/A / fastcoll's step": {}}
+    for r in payload["results"]:
+        name, q = f"{r['label']} ({r['world_size']})", r["ratios"]
+        panels["clipping cost / step"][name] = {"torch": q["clip torch/torch step"], "fastcoll": q["clip fastcoll/fastcoll step"]}
+        panels["norm, non-finite, A/A / fastcoll's step"][name] = {
+            "norm": q["norm/fastcoll step"],
+            "nonfinite": q["nonfinite/fastcoll step"],
+            "A/A": q["A/A/fastcoll step"],
+        }
+    return report.bar_chart(path, "fastcoll health: what each feature costs", panels, "share of the step", 0.0, log=False)
 
 
 def run(args: Any = None) -> int:
-    """CLI entry (``python -m fastcoll.bench health``): measure, print the tables, write JSON and a chart.
-
-    Returns:
-        0 on success (also when this checkout has no issue-11 API: it says so and skips),
-        1 if a clipping check failed, 2 if ``--device cuda`` is asked for without a GPU.
-    """
+    """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
     device = getattr(args, "device", "cpu") or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         report.say("[red]fastcoll.bench health: --device cuda but torch.cuda.is_available() is False[/red]")
         return 2
     if not supported():
-        report.say(
-            "[yellow]fastcoll.bench health: fastcoll.DDP has no compute_grad_norm/check_nonfinite (issue 11); skipping[/yellow]"
-        )
+        report.say("[yellow]fastcoll.bench health: fastcoll.DDP has no compute_grad_norm/check_nonfinite; skipping[/yellow]")
         return 0
-    impl = health_ops_implementation()
-    if impl != "extension":
-        report.say(
-            f"[yellow]fastcoll.bench health: the health ops run the {impl}; the fused numbers are not the kernels'[/yellow]"
-        )
-    report.say(
-        "[dim]ResNet-50 and GPT-2 rows (*) are synthetic: parameters of those shapes with a forward of one "
-        "read per parameter, so their step is dominated by gradient synchronization.[/dim]"
-    )
     payload = measure(args)
     print_results(payload)
-    _summary(payload)
-    path = report.json_path(args, f"health_{device}")
-    report.write_json(path, payload, device)
+    named = [(f"{r['label']}, {r['world_size']} rank(s): {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
+    named += [
+        (f"ops {r['op']} with {r['with'].split(' ')[0]}", r["targets"]["health/plain"])
+        for r in payload["ops"]
+        if r["op"] == "unflatten_scale"
+    ]
+    report.targets_summary("health", [t for _, t in named], [w for w, _ in named])
+    for r in payload["results"]:
+        if not r["checks"]["ok"]:
+            report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
+    path = report.write_json(report.json_path(args, f"health_{device}"), payload, device)
     png = chart(path.with_suffix(".png"), payload)
-    report.say(f"wrote {path}" + (f" and {png}" if png else " (matplotlib missing: no chart)"))
+    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
     return 0 if all(r["checks"]["ok"] for r in payload["results"]) else 1
