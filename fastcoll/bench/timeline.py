@@ -1,53 +1,14 @@
-"""Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain.
+"""Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain (docs/benchmarks.md).
 
-    python -m fastcoll.bench timeline [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]
-
-The command spawns its ranks as ``fastcoll.bench ddp`` does (on CPU 2 gloo
-ranks over loopback with 1 intra-op thread each; ``--device cuda``: 1 rank on
-NCCL) and, per bench model (those of :mod:`fastcoll.bench.ddp`), times one
-training step (zero_grad + forward + loss + backward, no optimizer) of
-
-* ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel(module)``, its default 25 MiB buckets;
-* ``1 MiB``, ``5 MiB``, ``25 MiB`` (the default), ``100 MiB``: ``fastcoll.DDP(module, bucket_cap_mb=cap)``;
-* ``auto``: ``fastcoll.DDP(module, bucket_cap_mb="auto")``, after its tuning
-  (``FASTCOLL_AUTOTUNE_STEPS`` + 5 steps, so every timed step runs the frozen layout).
-
-Samples are taken round-robin (sample k of every method before sample k+1,
-round k starting at the k-th method), a sample is ``inner`` back-to-back
-steps, its time the slowest rank's; medians are reported. Every method
-gets the same number of samples: at least 30, more (up to 100) while a
-model's sampling fits in 45 s (:func:`sample_count`). All methods of a model
-compute on the same weights (:func:`fastcoll.bench.models.build_storage`). On
-CPU the ranks keep freed heap memory
-(:func:`fastcoll.bench.runner.keep_freed_memory`), so that the gradients
-every step reallocates are not page-faulted in afresh, the largest source of
-noise on a small machine and the same for every method. Each ratio comes
-with a 90% bootstrap interval (:func:`fastcoll.bench.stats.bootstrap_ci`,
-resampling the rounds); a target whose interval includes its
-threshold is marked as not resolved by the run.
-Targets of issue 13, printed as PASS/MISS and never asserted: auto's step
-within 5% of the best fixed cap's, and at most 1.0x torch DDP's.
-
-Then, for the default (25 MiB) and the autotuned layout, the last recorded
-iterations of ``model.sync_timeline()`` on every rank give the exposed
-synchronization time (end of backward compute to the last gradient written
-back; median over iterations of the slowest rank) and a Gantt chart per model,
-``benchmarks/out/timeline_<device>_<model>.png``: rank by rank, the forward and
-backward compute, each bucket's gradient-ready span, pack, communication and
-write-back, for the default layout and the autotuned one (one iteration each,
-the one with the median exposed time). Both layouts' traces, every rank, go to
-``timeline_<device>_<model>.trace.json`` (open it in ui.perfetto.dev).
-
-``--quick`` times the MLP, the encoder and the ResNet-50-shaped set with 5
-to 30 samples of 30 ms (10 s per model); ``--smoke`` (hidden; tests) shrunken models, 2 one-step
-samples and a short tuning (``FASTCOLL_AUTOTUNE_STEPS=12`` unless set).
-
-The fastcoll.DDP API this relies on (issue 13): ``bucket_cap_mb`` taking a
-list or ``"auto"``, ``record_timeline=True`` (the default), ``sync_timeline()``
-(:meth:`fastcoll.reducer.timeline.Timeline.iterations`), ``export_chrome_trace(path)``,
-``tuning_report()`` (:meth:`fastcoll.reducer.autotune.AutoTuner.report`) and
-``bucket_info()``. Without it (:func:`supported` is False) the command says so
-and exits 0, so ``make bench`` runs in any checkout.
+Per model, a step (zero_grad + forward + backward, no optimizer) of torch DDP
+(25 MiB buckets), ``fastcoll.DDP(bucket_cap_mb=cap)`` for caps of 1, 5, 25
+and 100 MiB, and ``bucket_cap_mb="auto"`` after its tuning, in rounds on
+shared weights (2 gloo ranks on CPU, 1 NCCL rank on a GPU). Targets: auto's
+step within 5% of the best fixed cap's and at most torch DDP's. Then, for
+the 25 MiB and the tuned layout, the exposed synchronization from
+``model.sync_timeline()``, a Gantt chart per model (rank by rank: compute,
+each bucket's ready span, pack, communication, write-back) and a merged
+Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -532,8 +493,8 @@ def write_traces(path_for: Callable[[str], Path], payload: dict[str, Any]) -> li
 def print_results(payload: dict[str, Any]) -> None:
     cfg = payload["config"]
     cpu = cfg["device"] == "cpu"
-    columns = ["model", *(m if m != "torch" else "torch DDP" for m in METHODS), "auto chose", "auto/best fixed", "auto/torch"]
-    columns += [f"≤{AUTO_VS_BEST_FIXED}x best", f"≤{AUTO_VS_TORCH}x torch"]
+    columns = ["model", *(m if m != "torch" else "torch DDP" for m in METHODS), "auto chose"]
+    columns += [f"auto/best fixed (≤{AUTO_VS_BEST_FIXED}x)", f"auto/torch (≤{AUTO_VS_TORCH}x)"]
     table = []
     for r in payload["results"]:
         m = r["methods"]
@@ -543,10 +504,7 @@ def print_results(payload: dict[str, Any]) -> None:
             cells.append(f"[bold]{t}[/bold]" if meth == r["best_fixed"] else t)
         cells += [
             r["auto_choice"] or "-",
-            _fmt_with_ci(r["ratios"]["auto/best fixed"], r["targets"]["auto vs best fixed"].get("ci90")),
-            _fmt_with_ci(r["ratios"]["auto/torch"], r["targets"]["auto vs torch"].get("ci90")),
-            report.pass_miss(r["targets"]["auto vs best fixed"]["pass"]),
-            report.pass_miss(r["targets"]["auto vs torch"]["pass"]),
+            *(report.target_cell(r["targets"][k]) for k in ("auto vs best fixed", "auto vs torch")),
         ]
         table.append(cells)
     where = (
@@ -592,27 +550,6 @@ def print_results(payload: dict[str, Any]) -> None:
             report.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
 
 
-def _fmt_with_ci(value: float | None, ci: Sequence[float] | None) -> str:
-    text = report.fmt_ratio(value)
-    return f"{text} ({ci[0]:.2f}-{ci[1]:.2f})" if ci else text
-
-
-def _summary(payload: dict[str, Any]) -> None:
-    rows = payload["results"]
-    misses = [
-        f"{r['label']}: {name} {_fmt_with_ci(t['value'], t.get('ci90'))}"
-        + ("" if t.get("resolved") else " (the 90% interval includes the threshold: not resolved by this run)")
-        for r in rows
-        for name, t in r["targets"].items()
-        if not t["pass"]
-    ]
-    total = sum(len(r["targets"]) for r in rows)
-    if total:
-        report.say(f"[bold]targets (issue 13; informational, never asserted):[/bold] {total - len(misses)}/{total} PASS")
-        for m in misses:
-            report.say(f"  [red]MISS[/red] {m}")
-
-
 def sweep_chart(path: Path, payload: dict[str, Any]) -> Path | None:
     """Median step of every method relative to torch DDP's, per model."""
     panel: dict[str, dict[str, float]] = {}
@@ -649,7 +586,8 @@ def run(args: Any = None) -> int:
     path = report.json_path(args, f"timeline_{device}")
     traces = write_traces(lambda model: path.with_name(f"{path.stem}_{model}.trace.json"), payload)
     print_results(payload)
-    _summary(payload)
+    named = [(f"{r['label']}: {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
+    report.targets_summary("timeline", [t for _, t in named], [w for w, _ in named])
     pngs = [model_gantt(path.with_name(f"{path.stem}_{r['model']}.png"), r, device) for r in payload["results"]]
     report.write_json(path, payload, device)
     png = sweep_chart(path.with_suffix(".png"), payload)
