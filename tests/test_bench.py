@@ -225,3 +225,17 @@ def test_targets_and_adaptive_rounds():
                                      stop=lambda s, k: rounds.append(k) or k == 3)  # fmt: skip
     assert rounds == [1, 2, 3] and len(out["x"]) == len(out["y"]) == 3
     assert report.markdown_table(["a", "b|c"], [["1", "2"]]).splitlines() == ["| a | b\\|c |", "|---|---|", "| 1 | 2 |"]
+
+
+def test_progress_estimates_the_time_left(capsys, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    prog = report.Progress("demo", total=10)
+    assert prog.left_s() is None  # nothing done yet: no estimate
+    now[0] += 4.0
+    prog.advance(2)
+    assert prog.left_s() == pytest.approx(16.0)  # 2 s per unit, 8 units left
+    prog.apply("row", ("first row", 5))
+    assert "demo: row 1/5 done (first row); 4 s so far, about 16 s left" in capsys.readouterr().out
+    prog.advance(100)
+    assert prog.done == 10 and prog.left_s() == 0.0
