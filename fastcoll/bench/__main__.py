@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import List, Optional
 
 SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health", "zero")
-#: Seconds each benchmark took in a default run on the 2-core box (the estimate of the time left in ``all``).
-TYPICAL_S = {"ops": 30, "ddp": 120, "dist": 25, "timeline": 120, "health": 90, "zero": 200}
+#: Seconds each benchmark took in a default run on the 2-core box at load average 20 (2026-11-27); ``all`` scales
+#: them by its pace so far to estimate the time left, so only their proportions matter after the first benchmark.
+TYPICAL_S = {"ops": 271, "ddp": 584, "dist": 145, "timeline": 89, "health": 311, "zero": 596}
 
 
 def _threads(value: str):
