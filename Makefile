@@ -18,7 +18,8 @@ CUDA_VENV ?= $(HOME)/.cache/fastcoll/cuda-venv
 CUDA_HOME ?= /usr/local/cuda
 PYTEST_ARGS ?=
 
-.PHONY: all setup build test lint docs test-oldest-torch test-torch-ddp-suite torch-optim-sources test-torch-optim-suite bench bench-quick gpu-wheels gpu-check cmake-test \
+.PHONY: all setup build test lint docs test-oldest-torch test-torch-ddp-suite torch-optim-sources test-torch-optim-suite bench bench-full bench-quick results \
+  gpu-wheels gpu-check cmake-test \
   cuda-build-check clean
 
 all: test
@@ -129,11 +130,19 @@ oldest-build:
 	cd $(OLDEST_TREE) && $(OLDEST_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i)); \
 	  assert i['extension'] and i['torch'].split('+')[0] == '$(OLDEST_TORCH)', i"
 
+# `make bench`: every benchmark, rounds until each target's 90% interval resolves (capped): about 10 minutes on a
+# 2-core machine; `make bench-full`: every row, higher caps (about 30-40 minutes). `make results` renders
+# benchmarks/RESULTS.md from the JSON they wrote (docs/benchmarks.md).
 bench: build
-	$(VPY) -m fastcoll.bench all
+	OMP_NUM_THREADS=1 $(VPY) -m fastcoll.bench all
 
-bench-quick: build
-	$(VPY) -m fastcoll.bench all --quick
+bench-full: build
+	OMP_NUM_THREADS=1 $(VPY) -m fastcoll.bench all --full
+
+bench-quick: bench
+
+results:
+	$(VPY) benchmarks/render_results.py
 
 # C++ unit test of the CPU kernels through CMake + ctest, against the venv's torch.
 cmake-test: build

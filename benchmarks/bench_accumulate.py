@@ -4,7 +4,7 @@
 
 For each bucket (16-bit or float32 gradients added into a float32 main-gradient
 buffer by 1/8, as in 8 micro-batches), round-robin and interleaved
-(fastcoll.bench.common.measure_interleaved), median (and minimum) of R samples:
+(fastcoll.bench.runner.measure_interleaved), median (and minimum) of R samples:
 
 * fused:          ops.flatten_accumulate(grads, main, 1/8), one call;
 * add_ mixed:     view.add_(grad, alpha=1/8) per tensor (views of main; torch promotes in the kernel);
@@ -33,7 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from fastcoll import _C, ops  # noqa: E402
-from fastcoll.bench.common import MiB, measure_interleaved, model_shapes, num_threads, summarize  # noqa: E402
+from fastcoll.bench.models import MiB, model_shapes  # noqa: E402
+from fastcoll.bench.runner import measure_interleaved, num_threads  # noqa: E402
+from fastcoll.bench.stats import summarize  # noqa: E402
 
 
 def _first_25mib(shapes):

@@ -190,7 +190,7 @@ def bucket_rows(shapes, psize: int, wsize: int):
 
 
 def counts(verbose: bool = True):
-    from fastcoll.bench.common import model_shapes
+    from fastcoll.bench.models import model_shapes
 
     shapes = {k: [s for _, s in v] for k, v in model_shapes().items()}
     r50, bert = shapes["resnet50"], shapes["bert_base"]
@@ -253,7 +253,7 @@ def time_buckets(out_path: str):
         return 2
     import fastcoll
     from fastcoll import ops
-    from fastcoll.bench.common import machine_info
+    from fastcoll.bench.report import machine_info
 
     info = fastcoll.build_info()
     if not info.get("cuda_kernels"):

@@ -30,49 +30,48 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from fastcoll.bench import common, zero  # noqa: E402
-from fastcoll.bench import ddp as bench_ddp  # noqa: E402
+from fastcoll.bench import models, runner, zero  # noqa: E402
 
 WORLD_SIZE = 2
 ITERATIONS = 4
 
 
 def _mib_above(base: int, key: str) -> float:
-    return ((bench_ddp._proc_kib(key) or 0) * 1024 - base) / 2**20
+    return ((runner._proc_field("/proc/self/status", key) or 0) * 1024 - base) / 2**20
 
 
-def phases(rank: int, spec: bench_ddp.ModelSpec, method: str) -> Tuple[List[Tuple[str, float, float]], float]:
+def phases(rank: int, spec: models.ModelSpec, method: str) -> Tuple[List[Tuple[str, float, float]], float]:
     """This rank's (phase, RSS MiB, high-water MiB) after each phase, and its optimizer state in MiB."""
-    zero._warm_up(method, "cpu", rank)
-    probe = bench_ddp.MemoryProbe("cpu")
+    probe = runner.MemoryProbe("cpu")
     probe.start()
     marks: List[Tuple[str, float, float]] = []
 
     def mark(what: str) -> None:
         marks.append((what, _mib_above(probe.base, "VmRSS"), _mib_above(probe.base, "VmHWM")))
 
-    module = zero.build_model(spec, "cpu")
+    module = models.build_model(spec, "cpu", layered=True)
     mark("model built")
-    x = bench_ddp.make_input(spec, rank, "cpu")
+    x = models.make_input(spec, rank, "cpu")
     wrapper, opt = zero.make_method(method, module, "cpu")
     mark("wrapper + optimizer")
     for it in range(ITERATIONS):
         opt.zero_grad(set_to_none=True)
         mark(f"{it}: zero_grad")
-        loss = bench_ddp.loss_of(spec, wrapper(x))
+        loss = models.loss_of(spec, wrapper(x))
         mark(f"{it}: forward")
         loss.backward()
         mark(f"{it}: backward")
         opt.step()
         mark(f"{it}: step")
-    zero.settle(opt)
+    runner.settle(opt)
     mark("all-gathers done")
     return marks, zero.state_bytes(method, opt) / 2**20
 
 
 def _worker(rank: int, store_path: str, out: Dict[str, Any], model: str, method: str) -> None:
-    with common.rank_process_group(rank, WORLD_SIZE, store_path, threads=1):
-        spec = next(s for s in zero.model_specs(zero._config(None, "cpu")) if s.name == model)
+    with runner.Rank(rank, WORLD_SIZE, store_path, "", None, {"threads": 1}) as me:
+        zero.warm_up(me, method)
+        spec = next(s for s in zero.model_specs("full") if s.name == model)
         result = phases(rank, spec, method)
         if rank == 0:
             out["result"] = result

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from fastcoll.bench import __main__ as cli
-from fastcoll.bench import common
+from fastcoll.bench import models, report, runner, stats
 from fastcoll.bench import ops as bench_ops
 
 
@@ -38,6 +38,14 @@ def test_ops_smoke_run(tmp_path, capsys):
     resnet = [r for r in rows if r["model"] == "resnet50"]
     assert resnet and set(resnet[0]["targets"]) == {"fused/floor", "per-param/fused"}
     assert all(t["pass"] in (True, False) for t in resnet[0]["targets"].values())
+    assert all(t["verdict"] in (stats.MET, stats.MISSED, stats.UNRESOLVED) for t in resnet[0]["targets"].values())
+    # the tables printed are recorded in the JSON; benchmarks/render_results.py renders them and every target
+    assert data["version"] == report.JSON_VERSION and any("dtype pairs" in t["title"] for t in data["tables"])
+    md = _renderer().render([path])
+    assert "## Every target" in md and "| ops | resnet50 b" in md and "**fastcoll ops: dtype pairs, CPU, 1 thread**" in md
+    old = {k: v for k, v in data.items() if k not in ("version", "tables", "notes")}  # the first JSON layout
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert "predates the recorded tables" in _renderer().render([tmp_path / "old.json"])
     assert path.with_suffix(".png").stat().st_size > 1000
 
     # dtype pairs: --smoke keeps the (shrunk) model bucket only, so one row per ordered pair of the 4 dtypes
@@ -53,27 +61,38 @@ def test_ops_smoke_run(tmp_path, capsys):
     assert data["config"]["dtype_pairs"]["threads"] == 1
 
 
+def _renderer():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "render_results.py"
+    spec = importlib.util.spec_from_file_location("render_results", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_ddp_bucket_assignment():
-    MiB = common.MiB
+    MiB = models.MiB
     params = [("a", (MiB // 4,)), ("b", (3 * MiB // 4,)), ("c", (MiB // 8,)), ("d", (MiB // 8,)), ("e", (2 * MiB,))]
     # reverse order e, d, c, b, a; float32: e is 8 MiB (closes the first, 1 MiB bucket by itself)
-    buckets = bench_ops.ddp_buckets(params, element_size=4, first_cap=MiB, cap=3 * MiB)
+    buckets = models.ddp_buckets(params, element_size=4, first_cap=MiB, cap=3 * MiB)
     assert [b["names"] for b in buckets] == [["e"], ["d", "c", "b"], ["a"]]
     assert [b["cap"] for b in buckets] == [MiB, 3 * MiB, 3 * MiB]
     assert buckets[1]["bytes"] == 4 * MiB  # closes once its size reaches the cap, not before exceeding it
 
 
 def test_model_buckets_cover_every_parameter():
-    shapes = bench_ops.load_model_shapes()
+    shapes = models.model_shapes()
     expected = {"resnet50": 25_557_032, "gpt2_small": 124_439_808, "bert_base": 109_482_240}
     for model, numel in expected.items():
-        buckets = bench_ops.ddp_buckets(shapes[model])
+        buckets = models.ddp_buckets(shapes[model])
         assert sum(len(b["names"]) for b in buckets) == len(shapes[model])
         assert sum(sum(math.prod(s) for s in b["shapes"]) for b in buckets) == numel
         assert buckets[0]["names"][0] == shapes[model][-1][0]  # reverse parameter order
         for b in buckets[:-1]:
             assert b["bytes"] >= b["cap"]
-    layouts, skipped = bench_ops.model_layouts(quick=True)
+    layouts, skipped = bench_ops.model_layouts(one_per_model=True)
     assert sorted(lay.model for lay in layouts) == sorted(expected)
     assert all(lay.nbytes >= bench_ops.BUCKET_CAP for lay in layouts)
 
@@ -81,15 +100,17 @@ def test_model_buckets_cover_every_parameter():
 def test_cli_arguments(capsys):
     args = cli.build_parser().parse_args(["all", "--threads", "all", "--quick", "--device", "cpu"])
     assert args.command == "all" and args.threads == "all" and args.quick and not args.smoke
-    assert common.thread_counts(args) == [common.available_cpus()]
-    assert common.thread_counts(cli.build_parser().parse_args(["ops", "--threads", "3"])) == [3]
-    assert common.thread_counts(cli.build_parser().parse_args(["ops"])) == sorted({1, common.available_cpus()})
+    assert runner.thread_counts(args) == [report.available_cpus()]
+    assert runner.thread_counts(cli.build_parser().parse_args(["ops", "--threads", "3"])) == [3]
+    assert runner.thread_counts(cli.build_parser().parse_args(["ops"])) == sorted({1, report.available_cpus()})
+    levels = [cli.level(cli.build_parser().parse_args(a)) for a in (["ops"], ["ops", "--full"], ["ops", "--smoke"])]
+    assert levels == ["default", "full", "smoke"]
     for bad in (["ops", "--threads", "0"], ["ops", "--threads", "x"], ["nope"], ["ops", "--device", "tpu"]):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(bad)
     assert "--smoke" not in cli.build_parser().format_help()
     sub = cli._args_for(cli.build_parser().parse_args(["all", "--json", "/tmp/r.json"]), "ops")
-    assert sub.command == "ops" and sub.json == "/tmp/r_ops.json"
+    assert sub.command == "ops" and sub.json == "/tmp/r_ops.json" and sub.level == "default"
 
 
 def test_missing_benchmark_module_is_reported(capsys):
@@ -98,11 +119,11 @@ def test_missing_benchmark_module_is_reported(capsys):
 
 
 def test_timing_helpers():
-    samples = common.measure(lambda: sum(range(100)), warmup=1, reps=5, target_s=1e-4)
+    samples = runner.measure(lambda: sum(range(100)), warmup=1, reps=5, target_s=1e-4)
     assert len(samples) == 5 and all(s > 0 for s in samples)
-    st = common.summarize([3.0, 1.0, 2.0, 4.0])
+    st = stats.summarize([3.0, 1.0, 2.0, 4.0])
     assert st["median_s"] == 2.5 and st["q1_s"] <= st["median_s"] <= st["q3_s"] and st["n"] == 4
-    assert common.fmt_time(2e-6).endswith("µs") and common.fmt_time(2e-3).endswith("ms")
+    assert report.fmt_time(2e-6).endswith("µs") and report.fmt_time(2e-3).endswith("ms")
 
 
 def test_bootstrap_ci():
@@ -115,20 +136,20 @@ def test_bootstrap_ci():
     def ratio(s):
         return statistics.median(s["a"]) / statistics.median(s["b"])
 
-    lo, hi = common.bootstrap_ci(ratio, samples)
+    lo, hi = stats.bootstrap_ci(ratio, samples)
     assert lo < ratio(samples) < hi and 1.8 < lo and hi < 2.2 and hi - lo > 0.02
-    assert common.bootstrap_ci(ratio, samples) == (lo, hi)  # seeded
-    assert common.bootstrap_ci(ratio, samples, level=0.5)[1] - common.bootstrap_ci(ratio, samples, level=0.5)[0] < hi - lo
-    assert common.bootstrap_ci(lambda s: None, samples) is None
+    assert stats.bootstrap_ci(ratio, samples) == (lo, hi)  # seeded
+    assert stats.bootstrap_ci(ratio, samples, level=0.5)[1] - stats.bootstrap_ci(ratio, samples, level=0.5)[0] < hi - lo
+    assert stats.bootstrap_ci(lambda s: None, samples) is None
     same = {"a": [1.0] * 5, "b": [1.0] * 5}
-    assert common.bootstrap_ci(ratio, same) == (1.0, 1.0)
+    assert stats.bootstrap_ci(ratio, same) == (1.0, 1.0)
     # paired: rounds are resampled whole, so a drift shared by both methods cancels in their ratio
     drift = [rng.uniform(1.0, 2.0) for _ in range(60)]
     rounds = {"a": [2.0 * d for d in drift], "b": [1.0 * d for d in drift]}
-    lo_p, hi_p = common.bootstrap_ci(lambda s: statistics.median(x / y for x, y in zip(s["a"], s["b"])), rounds, paired=True)
+    lo_p, hi_p = stats.bootstrap_ci(lambda s: statistics.median(x / y for x, y in zip(s["a"], s["b"])), rounds, paired=True)
     assert lo_p == pytest.approx(2.0) and hi_p == pytest.approx(2.0)
     with pytest.raises(ValueError, match="different sample counts"):
-        common.bootstrap_ci(ratio, {"a": [1.0, 2.0], "b": [1.0]}, paired=True)
+        stats.bootstrap_ci(ratio, {"a": [1.0, 2.0], "b": [1.0]}, paired=True)
 
 
 def test_health_targets_carry_paired_intervals():
@@ -179,3 +200,42 @@ def test_health_smoke_run(tmp_path, capsys):
     for r in data["ops"]:
         assert all(r["check"].values()) and r["ratio"] > 0
     assert path.with_suffix(".png").stat().st_size > 1000
+
+
+def test_targets_and_adaptive_rounds():
+    import random
+
+    assert stats.verdict(0.7, 0.8, (0.65, 0.75)) == stats.MET
+    assert stats.verdict(0.9, 0.8, (0.85, 0.95)) == stats.MISSED
+    assert stats.verdict(0.79, 0.8, (0.7, 0.9)) == stats.UNRESOLVED
+    assert stats.verdict(5.0, 0.0, (1.0, 9.0), op="ge") == stats.MET and stats.verdict(None, 1.0) == "not measured"
+    t = stats.target(1.1, 1.0, (1.05, 1.2))
+    assert t["verdict"] == stats.MISSED and t["resolved"] and t["pass"] is False and t["ci90"] == [1.05, 1.2]
+    rng = random.Random(4)
+    clear = {"a": [2.0 + rng.random() * 0.01 for _ in range(30)], "b": [1.0 + rng.random() * 0.01 for _ in range(30)]}
+    goal = [(stats.median_ratio("a", "b"), 1.5, "le")]  # 2.0x: clearly missed, resolved after few rounds
+    assert not stats.enough_rounds(clear, 2, 3, 20, goal)  # never before the minimum
+    assert stats.enough_rounds(clear, 3, 3, 20, goal)
+    assert not stats.enough_rounds(clear, 2, 3, 20) and stats.enough_rounds(clear, 3, 3, 20)  # no target: the minimum
+    noisy = {"a": [rng.uniform(0.5, 2.5) for _ in range(10)], "b": [rng.uniform(0.5, 2.5) for _ in range(10)]}
+    close = [(stats.median_ratio("a", "b"), 1.0, "le")]  # a ratio near 1 with wide noise: not resolved
+    assert not stats.enough_rounds(noisy, 9, 3, 20, close) and stats.enough_rounds(noisy, 20, 3, 20, close)  # the cap
+    rounds = []
+    out = runner.measure_interleaved({"x": lambda: None, "y": lambda: None}, reps=8, inner=1, warmup=0,
+                                     stop=lambda s, k: rounds.append(k) or k == 3)  # fmt: skip
+    assert rounds == [1, 2, 3] and len(out["x"]) == len(out["y"]) == 3
+    assert report.markdown_table(["a", "b|c"], [["1", "2"]]).splitlines() == ["| a | b\\|c |", "|---|---|", "| 1 | 2 |"]
+
+
+def test_progress_estimates_the_time_left(capsys, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    prog = report.Progress("demo", total=10)
+    assert prog.left_s() is None  # nothing done yet: no estimate
+    now[0] += 4.0
+    prog.advance(2)
+    assert prog.left_s() == pytest.approx(16.0)  # 2 s per unit, 8 units left
+    prog.apply("row", ("first row", 5))
+    assert "demo: row 1/5 done (first row); 4 s so far, about 16 s left" in capsys.readouterr().out
+    prog.advance(100)
+    assert prog.done == 10 and prog.left_s() == 0.0

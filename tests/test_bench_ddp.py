@@ -15,6 +15,7 @@ import torch
 
 from fastcoll.bench import __main__ as cli
 from fastcoll.bench import ddp as bench_ddp
+from fastcoll.bench import models, stats
 
 
 @pytest.mark.timeout(120)
@@ -45,6 +46,8 @@ def test_ddp_smoke_run(tmp_path, capsys):
         assert r["ratios"]["fastcoll/torch"] > 0
         assert set(r["targets"]) == {"step", "sync"}
         assert all(t["pass"] in (True, False) for t in r["targets"].values())
+        assert r["targets"]["step"]["value"] == pytest.approx(r["ratios"]["fastcoll/torch"])
+        assert r["targets"]["step"]["verdict"] in (stats.MET, stats.MISSED, stats.UNRESOLVED)
     comm = [r for r in data["results"] if r["section"] == "comm_dtype"]
     assert data["comm_dtype"]["supported"] == bench_ddp.comm_dtype_supported()
     if bench_ddp.comm_dtype_supported():
@@ -56,13 +59,13 @@ def test_ddp_smoke_run(tmp_path, capsys):
 
 
 def test_shape_model_gradients():
-    spec = bench_ddp.ModelSpec("r", "r", "shapes", {"model": "resnet50", "limit": 5, "divide": 1024})
-    storage = bench_ddp.build_storage(spec, "cpu")
-    a, b = bench_ddp.build_model(spec, "cpu", storage), bench_ddp.build_model(spec, "cpu", storage)
+    spec = models.ModelSpec("r", "r", "shapes", {"model": "resnet50", "limit": 5, "divide": 1024})
+    storage = models.build_storage(spec, "cpu")
+    a, b = models.build_model(spec, "cpu", storage), models.build_model(spec, "cpu", storage)
     params = list(a.parameters())
     assert len(params) == 5 and all(p.data_ptr() == q.data_ptr() for p, q in zip(params, b.parameters()))
-    x = bench_ddp.make_input(spec, rank=1, device="cpu")
-    bench_ddp.loss_of(spec, a(x)).backward()
+    x = models.make_input(spec, rank=1, device="cpu")
+    models.loss_of(spec, a(x)).backward()
     for i, p in enumerate(params):
         assert torch.equal(p.grad, torch.full_like(p, float(x[i])))
     assert b.params[0].grad is None  # shared storage, separate autograd leaves
@@ -71,34 +74,36 @@ def test_shape_model_gradients():
 def test_real_models_share_weights_between_instances():
     import torch
 
-    spec = bench_ddp.ModelSpec("c", "c", "convbn", {"channels": (4, 8)}, batch=2)
-    storage = bench_ddp.build_storage(spec, "cpu")
-    a, b = bench_ddp.build_model(spec, "cpu", storage), bench_ddp.build_model(spec, "cpu", storage)
-    fresh = bench_ddp.build_model(spec, "cpu")
+    spec = models.ModelSpec("c", "c", "convbn", {"channels": (4, 8)}, batch=2)
+    storage = models.build_storage(spec, "cpu")
+    a, b = models.build_model(spec, "cpu", storage), models.build_model(spec, "cpu", storage)
+    fresh = models.build_model(spec, "cpu")
     for p, q, f in zip(a.state_dict().values(), b.state_dict().values(), fresh.state_dict().values()):
         assert p.data_ptr() == q.data_ptr() and torch.equal(p, f)  # shared, and the seed-0 values
-    x = bench_ddp.make_input(spec, rank=0, device="cpu")
-    bench_ddp.loss_of(spec, a(x)).backward()
+    x = models.make_input(spec, rank=0, device="cpu")
+    models.loss_of(spec, a(x)).backward()
     assert all(p.grad is not None for p in a.parameters()) and all(q.grad is None for q in b.parameters())
 
 
 def test_cases_and_comparisons():
-    for args, n_fp32 in ((["ddp", "--smoke"], 4), (["ddp", "--quick"], 9), (["ddp"], 10)):
-        cfg = bench_ddp._config(cli.build_parser().parse_args(args), "cpu")
-        cases = bench_ddp.build_cases(cfg, with_comm=True)
+    for level, n_fp32, n_comm in (("smoke", 4, 1), ("default", 7, 2), ("full", 10, 4)):
+        cases = bench_ddp.build_cases(level, with_comm=True)
         assert len([c for c in cases if c.section == "fp32"]) == n_fp32
-        assert all(c.methods == bench_ddp.COMM_METHODS for c in cases if c.section == "comm_dtype")
-        assert bench_ddp.progress_units(cases, cfg) > 0
-    cuda = bench_ddp._config(cli.build_parser().parse_args(["ddp", "--device", "cuda"]), "cuda")
-    assert cuda["world_size"] == 1 and cuda["backend"] == "nccl"
+        comm = [c for c in cases if c.section == "comm_dtype"]
+        assert len(comm) == n_comm and all(c.methods == bench_ddp.COMM_METHODS for c in comm)
+    assert not [c for c in bench_ddp.build_cases("default", with_comm=False) if c.section == "comm_dtype"]
+    # every model has a row without bucket view in the default run
+    names = {c.spec.name for c in bench_ddp.build_cases("default", True) if c.section == "fp32" and not c.gabv}
+    assert names == {"mlp96", "convbn", "encoder", "resnet50", "gpt2_small"}
+    assert bench_ddp.collective_passes(2) == [None]
 
     m1, m2 = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     m2.load_state_dict(m1.state_dict())
     for m in (m1, m2):
         m(torch.ones(4, 3)).sum().backward()
-    assert bench_ddp.compare_grads(m1, m2, 1e-5)["equal"]
+    assert models.compare_grads(m1, m2, 1e-5)["equal"]
     with torch.no_grad():
         m1.weight.grad[0, 0] += 1e-3
-    check = bench_ddp.compare_grads(m1, m2, 1e-5)
+    check = models.compare_grads(m1, m2, 1e-5)
     assert not check["equal"] and not check["close"] and check["max_abs_diff"] > 0
-    assert bench_ddp.compare_grads(m1, m2, 1e-2)["close"]
+    assert models.compare_grads(m1, m2, 1e-2)["close"]

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from fastcoll.bench import __main__ as cli
-from fastcoll.bench import common, tiny_lm, zero, zero_bf16
+from fastcoll.bench import models, stats, tiny_lm, zero, zero_bf16
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
     sections = []  # the bfloat16 section runs after the tables (test_zero_bf16_smoke_run runs it)
     monkeypatch.setattr(zero_bf16, "run_section", lambda args: sections.append(args) or 0)
@@ -32,7 +32,7 @@ def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
         return
     assert rc == 0, out
     assert len(sections) == 1 and sections[0].smoke and zero_bf16.json_path(sections[0], "cpu") == tmp_path / "zero_bf16.json"
-    assert "fastcoll zero: step time" in out and "all-gather" in out and "targets" in out
+    assert "fastcoll zero: step time" in out and "sharded+overlap" in out and "targets" in out
 
     data = json.loads(path.read_text())
     assert data["benchmark"] == "zero" and data["machine"]["torch"]
@@ -40,7 +40,8 @@ def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
     assert cfg["smoke"] and cfg["world_size"] == 2 and cfg["backend"] == "gloo" and cfg["threads"] == 1
     (row,) = data["results"]
     assert row["model"] == "resnet50" and len(row["groups"]) == 1
-    for m in zero.METHODS:
+    assert set(row["methods"]) == set(zero.METHODS)  # the default overlap_param_gather and True, a row each
+    for m in zero.MEMORY_METHODS:
         st = row["methods"][m]
         assert st["median_s"] > 0 and st["n"] == cfg["reps"]
         assert len(st["state_bytes"]) == 2 and all(b > 0 for b in st["state_bytes"])
@@ -49,72 +50,54 @@ def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
     torch_state = max(row["methods"]["torch"]["state_bytes"])
     for m in zero.SHARDED:  # each rank holds about half of DDP's state
         assert max(row["methods"][m]["state_bytes"]) < 0.6 * torch_state
-        g = row["gather"][m]
-        assert g["gather_s"] > 0 and g["exposed_s"] >= 0 and g["steps"] >= 1 and g["buckets"] >= 1
+    assert row["methods"]["overlap"]["median_s"] > 0 and row["ratios"]["sharded/overlap"] > 0
     names = set(row["targets"])
     assert {"state full", "state sharded", "step full/zero", "step sharded/zero", "step sharded/torch"} <= names
+    assert {"step overlap/zero", "step overlap/torch", "memory full", "memory sharded"} <= names
     for t in row["targets"].values():
-        assert t["verdict"] in (zero.MET, zero.MISSED, zero.UNRESOLVED)
+        assert t["verdict"] in (stats.MET, stats.MISSED, stats.UNRESOLVED)
     assert path.with_suffix(".png").stat().st_size > 1000
 
 
 def test_verdicts_and_labels():
-    assert zero.verdict(0.7, 0.8, (0.65, 0.75)) == zero.MET
-    assert zero.verdict(0.9, 0.8, (0.85, 0.95)) == zero.MISSED
-    assert zero.verdict(0.79, 0.8, (0.7, 0.9)) == zero.UNRESOLVED
-    assert zero.verdict(1.004, 1.01) == zero.MET and zero.verdict(1.02, 1.01) == zero.MISSED  # exact values
-    assert zero.verdict(5.0, 0.0, (1.0, 9.0), op="ge") == zero.MET
-    assert zero.verdict(-1.0, 0.0, (-2.0, 3.0), op="ge") == zero.UNRESOLVED
+    assert zero.verdict(0.7, 0.8, (0.65, 0.75)) == stats.MET
+    assert zero.verdict(0.9, 0.8, (0.85, 0.95)) == stats.MISSED
+    assert zero.verdict(0.79, 0.8, (0.7, 0.9)) == stats.UNRESOLVED
+    assert zero.verdict(1.004, 1.01) == stats.MET and zero.verdict(1.02, 1.01) == stats.MISSED  # exact values
+    assert zero.verdict(5.0, 0.0, (1.0, 9.0), op="ge") == stats.MET
+    assert zero.verdict(-1.0, 0.0, (-2.0, 3.0), op="ge") == stats.UNRESOLVED
     assert zero.verdict(None, 1.0) == "not measured"
     assert zero.target_label("step sharded/zero") == "step, grads=sharded / torch ZeRO's"
     assert "grads=full" in zero.target_label("state full") and "grads=sharded" in zero.target_label("memory sharded")
 
 
 def test_plans():
-    MiB = common.MiB
-    assert zero.timing_groups(100 * MiB, zero.GROUP_LIMIT_BYTES) == [zero.METHODS]  # ResNet-50's 97.5 MiB
-    groups = zero.timing_groups(475 * MiB, zero.GROUP_LIMIT_BYTES)  # GPT-2's
+    MiB = models.MiB
+    assert zero.timing_groups(100 * MiB) == [zero.METHODS]  # ResNet-50's 97.5 MiB
+    groups = zero.timing_groups(475 * MiB)  # GPT-2's
     assert groups == [tuple(g) for g in zero.SPLIT_GROUPS]
-    # every target's pair of methods is timed together, and every method somewhere
-    for a, b in (("full", "zero"), ("sharded", "zero"), ("sharded", "torch")):
+    for a, b, _ in zero.step_goals("gpt2_small", zero.METHODS):  # every target's pair of methods is timed together
         assert any(a in g and b in g for g in groups)
     assert set().union(*groups) == set(zero.METHODS)
-    cfg = zero._config(cli.build_parser().parse_args(["zero", "--quick"]), "cpu")
-    assert zero.sample_count(cfg, False, 1e-3) == cfg["max_reps"] and zero.sample_count(cfg, False, 1e3) == cfg["reps"]
-    assert zero.sample_count(cfg, True, 1e3) == cfg["reps_large"]
-    assert [s.name for s in zero.model_specs(cfg)] == ["mlp96", "resnet50"]
-    full = zero._config(cli.build_parser().parse_args(["zero"]), "cpu")
-    assert [s.name for s in zero.model_specs(full)] == ["mlp96", "resnet50", "gpt2_small"]
+    assert ("sharded", "torch", 1.0) not in zero.step_goals("mlp96", zero.METHODS)
+    assert [s.name for s in zero.model_specs("default")] == ["mlp96", "resnet50"]
+    assert [s.name for s in zero.model_specs("full")] == ["mlp96", "resnet50", "gpt2_small"]
 
 
 def test_layered_shape_model_calls_a_module_per_parameter():
-    spec = zero.model_specs(zero._config(cli.build_parser().parse_args(["zero", "--smoke"]), "cpu"))[0]
-    storage = zero.bench_ddp.build_storage(spec, "cpu")
-    model = zero.build_model(spec, "cpu", storage)
+    spec = zero.model_specs("smoke")[0]
+    storage = models.build_storage(spec, "cpu")
+    model = models.build_model(spec, "cpu", storage, layered=True)
     params = list(model.parameters())
     assert len(params) == 24 and all(p.data_ptr() == t.data_ptr() for p, t in zip(params, storage))
     called = []
     for i, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(lambda _m, _inp, i=i: called.append(i))
-    x = zero.bench_ddp.make_input(spec, rank=1, device="cpu")
+    x = models.make_input(spec, rank=1, device="cpu")
     model(x).backward()
     assert called == list(range(24))  # registration order, one pre-hook per parameter
     for i, p in enumerate(params):
         assert torch.equal(p.grad, torch.full_like(p, float(x[i])))
-
-
-def test_gather_metrics():
-    times = {
-        0: {"step": 0, "pack": 3, "issued": 10, "completed": 50, "wait": 60, "waited": 60, "written": 65},
-        1: {"step": 10, "pack": 12, "issued": 20, "completed": 90, "wait": 70, "waited": 95, "written": 100},
-    }
-    g = zero.gather_metrics({k: {e: v * 1000 for e, v in d.items()} for k, d in times.items()})
-    assert g == pytest.approx(
-        {"issue_s": 15e-6, "step_s": 5e-6, "gather_s": 80e-6, "exposed_s": 25e-6, "hidden_s": 55e-6, "write_s": 10e-6,
-         "buckets": 2}
-    )  # fmt: skip
-    assert zero.gather_metrics({0: {"pack": 0, "issued": 1}}) is None  # never waited for: not counted
-    assert zero.gather_metrics({}) is None
 
 
 def _fake_row(model: str, ratios: dict, rounds: int = 30) -> dict:
@@ -127,33 +110,27 @@ def _fake_row(model: str, ratios: dict, rounds: int = 30) -> dict:
     def rank(m: str, r: int) -> dict:
         return {"state_bytes": state[m], "peak_bytes": peak[m] + r, "sent_bytes": 1, "digest": [1.0, 2.0]}
 
-    mem = {m: {"ranks": [rank(m, r) for r in (0, 1)]} for m in zero.METHODS}
-    gather = {"gather_s": 0.02, "exposed_s": 0.015, "hidden_s": 0.005, "issue_s": 0.001, "write_s": 0.002, "buckets": 3.0}
-    group = {
-        "samples": samples,
-        "inner": 1,
-        "reps": rounds,
-        "gather_per_rank": [{"full": gather, "sharded": gather}] * 2,
-        "forward_per_rank": [{"fastcoll": 0.01, "full": 0.02, "sharded": 0.025}] * 2,
-    }
+    mem = {m: {"ranks": [rank(m, r) for r in (0, 1)]} for m in zero.MEMORY_METHODS}
+    group = {"samples": samples, "inner": 1, "reps": rounds}
     return {"model": model, "world_size": 2, "memory": mem, "groups": [group]}
 
 
 def test_analyze_targets():
-    ratios = {"torch": 1.0, "zero": 1.25, "fastcoll": 0.98, "full": 0.9, "sharded": 1.2}
+    ratios = {"torch": 1.0, "zero": 1.25, "fastcoll": 0.98, "full": 0.9, "sharded": 1.2, "overlap": 0.95}
     row = zero.analyze(_fake_row("resnet50", ratios))
     t = row["targets"]
-    assert t["state full"]["value"] == pytest.approx(401 / 400) and t["state full"]["verdict"] == zero.MET
-    assert t["step full/zero"]["value"] == pytest.approx(0.72, rel=0.02) and t["step full/zero"]["verdict"] == zero.MET
+    assert t["state full"]["value"] == pytest.approx(401 / 400) and t["state full"]["verdict"] == stats.MET
+    assert t["step full/zero"]["value"] == pytest.approx(0.72, rel=0.02) and t["step full/zero"]["verdict"] == stats.MET
     lo, hi = t["step full/zero"]["ci90"]
     assert lo <= t["step full/zero"]["value"] <= hi and hi - lo < 0.02  # the shared drift cancels: paired rounds
-    assert t["step sharded/zero"]["verdict"] == zero.MISSED  # 0.96x
-    assert t["step sharded/torch"]["verdict"] == zero.MISSED  # 1.2x
+    assert t["step sharded/zero"]["verdict"] == stats.MISSED  # 0.96x
+    assert t["step sharded/torch"]["verdict"] == stats.MISSED  # 1.2x
     # memory: torch's peak - full's = 410, state saved 399 -> margin 11 (both ranks); sharded: 600 - 399
-    assert t["memory full"]["value"] == 11 and t["memory full"]["verdict"] == zero.MET
+    assert t["memory full"]["value"] == 11 and t["memory full"]["verdict"] == stats.MET
     assert t["memory sharded"]["value"] == 201
-    assert row["gather"]["sharded"]["hidden_share"] == pytest.approx(0.25)
-    assert row["gather"]["full"]["forward_fastcoll_s"] == 0.01
+    assert t["step overlap/torch"]["verdict"] == stats.MET and row["ratios"]["sharded/overlap"] == pytest.approx(
+        1.2 / 0.95, rel=0.02
+    )
     assert all(c["ok"] for c in row["checks"].values())
     assert "step sharded/torch" not in zero.analyze(_fake_row("mlp96", ratios))["targets"]  # ResNet-50 and GPT-2 only
 
@@ -161,11 +138,13 @@ def test_analyze_targets():
 # --------------------------------------------------------------------------- the bfloat16 section
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_zero_bf16_smoke_run(tmp_path, capsys):
     """The bfloat16 section alone, tiny (about 15 s): bytes by kind, peaks, timing, quality runs, targets, JSON, chart."""
     path = tmp_path / "bf16.json"
-    rc = zero_bf16.main(["--smoke", "--json", str(path)])
+    args = cli._args_for(cli.build_parser().parse_args(["zero", "--smoke", "--json", str(path)]), "zero")
+    args.command = "zero_bf16"  # the section alone writes where it is told
+    rc = zero_bf16.run(args)
     out = capsys.readouterr().out
     if not zero_bf16.supported():
         assert rc == 0 and "skipping" in out
@@ -197,21 +176,21 @@ def test_zero_bf16_smoke_run(tmp_path, capsys):
     names = set(row["targets"])
     assert {"memory sharded/autocast", "step sharded/autocast", "distance sharded/torch_bf16", "loss sharded"} <= names
     for t in row["targets"].values():
-        assert t["verdict"] in (zero.MET, zero.MISSED, zero.UNRESOLVED)
+        assert t["verdict"] in (stats.MET, stats.MISSED, stats.UNRESOLVED)
     assert path.with_suffix(".png").stat().st_size > 1000
 
 
 def test_gpt2_shapes_are_gpt2_small():
-    assert zero_bf16.GPT2_SMALL.shapes() == common.model_shapes()["gpt2_small"]
+    assert zero_bf16.GPT2_SMALL.shapes() == models.model_shapes()["gpt2_small"]
     assert zero_bf16.GPT2_SMALL.numel() == 124_439_808
     assert zero_bf16.GPT2_QUICK.numel() < zero_bf16.GPT2_SMALL.numel() / 4
 
 
 def test_matmul_model_under_autocast():
     shapes = [(5, 3), (4,), (2, 6)]
-    x = zero_bf16.make_input(len(shapes), 0, "cpu")
+    x = models.shape_input(len(shapes), 0, "cpu")
     for method in ("autocast", "bf16"):
-        model = zero_bf16.MatmulShapeModel(shapes, zero_bf16.param_dtype(method))
+        model = zero_bf16.build_model(shapes, method)
         casts = []
         model.layers[0].register_forward_hook(lambda _m, _i, out: casts.append(torch.is_autocast_enabled("cpu")))
         with zero_bf16.forward_context(method, "cpu"):
@@ -252,18 +231,19 @@ def test_bf16_analysis_and_targets():
     t = zero_bf16.analyze(row, quality)["targets"]
     assert (
         t["memory sharded/autocast"]["value"] == pytest.approx(1401 / 2501)
-        and t["memory sharded/autocast"]["verdict"] == zero.MET
+        and t["memory sharded/autocast"]["verdict"] == stats.MET
     )
-    assert t["memory full/autocast"]["verdict"] == zero.MISSED  # 0.64
+    assert t["memory full/autocast"]["verdict"] == stats.MISSED  # 0.64
     assert (
-        t["step sharded/autocast"]["value"] == pytest.approx(1.02, rel=0.02) and t["step sharded/autocast"]["verdict"] == zero.MET
+        t["step sharded/autocast"]["value"] == pytest.approx(1.02, rel=0.02)
+        and t["step sharded/autocast"]["verdict"] == stats.MET
     )
     assert (
         t["distance sharded/torch_bf16"]["value"] == pytest.approx(0.0025 / 0.09)
-        and t["distance sharded/torch_bf16"]["verdict"] == zero.MET
+        and t["distance sharded/torch_bf16"]["verdict"] == stats.MET
     )
-    assert t["distance full/torch_bf16"]["verdict"] == zero.MISSED and t["loss full"]["verdict"] == zero.MISSED  # |-2 %|
-    assert t["loss sharded"]["verdict"] == zero.MET
+    assert t["distance full/torch_bf16"]["verdict"] == stats.MISSED and t["loss full"]["verdict"] == stats.MISSED  # |-2 %|
+    assert t["loss sharded"]["verdict"] == stats.MET
     assert "step full/autocast" not in t  # not timed
     assert row["methods"]["sharded"]["bytes_per_param"]["held"] == 12
     assert quality["runs"]["sharded"]["distance_vs_bf16"] == pytest.approx(0.0025 / 0.09)
@@ -281,8 +261,8 @@ def test_quality_metrics_and_paths():
     assert str(zero_bf16.json_path(args, "cpu")) == "/tmp/x/zero_bf16.json"
     args.command = "zero_bf16"  # the section alone writes where it is told
     assert str(zero_bf16.json_path(args, "cpu")) == "/tmp/x/zero.json"
-    quick = zero_bf16._config(parser.parse_args(["zero", "--quick"]), "cpu")
+    quick = zero_bf16.config(cli._args_for(parser.parse_args(["zero"]), "zero"))
     assert zero_bf16.model_shapes(quick) == zero_bf16.GPT2_QUICK and quick["quality_steps"] == 100
-    full = zero_bf16._config(parser.parse_args(["zero"]), "cpu")
+    full = zero_bf16.config(cli._args_for(parser.parse_args(["zero", "--full"]), "zero"))
     assert zero_bf16.model_shapes(full) == zero_bf16.GPT2_SMALL and full["quality_steps"] == 300
     assert full["quality_runs"] == zero_bf16.QUALITY_RUNS

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_ops import examples
 
 from fastcoll import ops
-from fastcoll.bench.common import num_threads
+from fastcoll.bench.runner import num_threads
 from fastcoll.ops import reference
 
 CUDA = pytest.mark.cuda

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import fastcoll
 from fastcoll import ops
-from fastcoll.bench.common import num_threads
+from fastcoll.bench.runner import num_threads
 from fastcoll.ops import dtypes, loader, reference
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64

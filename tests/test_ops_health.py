@@ -73,7 +73,7 @@ from test_ops import (
 
 import fastcoll
 from fastcoll import ops
-from fastcoll.bench.common import num_threads
+from fastcoll.bench.runner import num_threads
 from fastcoll.ops import loader, reference
 
 INF, NAN = float("inf"), float("nan")

@@ -1,22 +1,12 @@
-"""Command line of the fastcoll benchmarks.
+"""Command line of the fastcoll benchmarks (docs/benchmarks.md).
 
-    python -m fastcoll.bench {ops,ddp,dist,timeline,health,zero,all} [--device cpu|cuda] [--threads N|all] [--quick] [--json PATH]
+    python -m fastcoll.bench {ops,ddp,dist,timeline,health,zero,all} [--full] [--device cpu|cuda] [--threads N|all] [--json PATH]
 
-``ops`` times the fused flatten/unflatten ops against torch's ways of doing the
-same work (fastcoll.bench.ops); ``ddp`` and ``dist`` time the DDP wrapper and
-the distributed utilities (fastcoll.bench.ddp, fastcoll.bench.dist);
-``timeline`` sweeps bucket caps against ``bucket_cap_mb="auto"`` and torch DDP
-and charts each bucket's pack, communication and write-back rank by rank
-(fastcoll.bench.timeline); ``health`` times gradient clipping with torch DDP
-and with fastcoll.DDP's fused norm, and what ``compute_grad_norm`` and
-``check_nonfinite`` cost (fastcoll.bench.health); ``zero`` times
-``fastcoll.ShardedOptimizer`` against torch's ZeroRedundancyOptimizer and
-DDP with AdamW, with optimizer state, peak memory and the parameters'
-all-gather per step (fastcoll.bench.zero); ``all`` runs them in turn.
-Each writes a table to the terminal and JSON (plus a PNG chart where it has
-one) to benchmarks/out/.
-Every subcommand module is imported only when it runs and exposes
-``run(args) -> int``.
+Each benchmark prints its tables and writes ``benchmarks/out/<name>_<device>.json``
+(and a PNG chart). The default run takes rounds until every target's 90%
+interval resolves, within caps sized so that ``all`` takes about 10 minutes on
+a 2-core machine; ``--full`` runs every row with higher caps. A benchmark
+module exposes ``run(args) -> int`` and is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -29,62 +19,57 @@ from pathlib import Path
 from typing import List, Optional
 
 SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health", "zero")
+#: Seconds each benchmark took in a default run on the 2-core box at load average 20 (2026-11-27); ``all`` scales
+#: them by its pace so far to estimate the time left, so only their proportions matter after the first benchmark.
+TYPICAL_S = {"ops": 271, "ddp": 584, "dist": 145, "timeline": 89, "health": 311, "zero": 596}
 
 
 def _threads(value: str):
     if value == "all":
         return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {value!r}") from None
-    if n < 1:
+    if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {value!r}")
-    return n
+    return int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fastcoll.bench",
-        description="fastcoll benchmarks: tables on the terminal, JSON and charts in benchmarks/out/.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m fastcoll.bench", description="fastcoll benchmarks: tables on the "
+                                     "terminal, JSON and charts in benchmarks/out/ (docs/benchmarks.md).")  # fmt: skip
     parser.add_argument("command", choices=SUBCOMMANDS + ("all",), help="which benchmark to run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default: cpu)")
-    parser.add_argument(
-        "--threads",
-        type=_threads,
-        default=None,
-        metavar="N|all",
-        help="CPU intra-op threads (torch.set_num_threads); default: both 1 and all",
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer layouts and repetitions (about a minute)")
-    parser.add_argument(
-        "--json",
-        metavar="PATH",
-        default=None,
-        help="where to write the JSON results (default benchmarks/out/<benchmark>_<device>.json); "
-        "with 'all', PATH's stem gets _<benchmark> appended for each",
-    )
-    # A tiny configuration for tests/test_bench.py: checks the code runs, measures nothing useful.
+    parser.add_argument("--threads", type=_threads, default=None, metavar="N|all",
+                        help="intra-op threads (ops: default 1 and all; multi-rank benchmarks: per rank, default 1)")  # fmt: skip
+    parser.add_argument("--full", action="store_true", help="every row, more rounds (make bench-full: about 30 minutes)")
+    parser.add_argument("--quick", action="store_true", help="the default run (kept for old scripts)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="where to write the JSON (default benchmarks/out/"
+                        "<benchmark>_<device>.json); with 'all', PATH's stem gets _<benchmark> appended")  # fmt: skip
+    # A tiny configuration for the tests: checks the code runs, measures nothing useful.
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
+def level(args: argparse.Namespace) -> str:
+    """``smoke``, ``full`` or ``default``: which configuration each benchmark runs."""
+    return "smoke" if args.smoke else "full" if args.full else "default"
+
+
 def _load(name: str):
-    """The benchmark module ``fastcoll.bench.<name>``, or None (with a message) if it does not exist yet."""
+    """The benchmark module ``fastcoll.bench.<name>``, or None (with a message) if it does not exist."""
     modname = f"fastcoll.bench.{name}"
     try:
         return importlib.import_module(modname)
     except ModuleNotFoundError as exc:
         if exc.name != modname:
-            raise  # a real missing dependency inside the module: show it
+            raise
         print(f"fastcoll.bench: the '{name}' benchmark ({modname}) is not available in this checkout; skipping it")
         return None
 
 
 def _args_for(args: argparse.Namespace, name: str) -> argparse.Namespace:
     sub = argparse.Namespace(**vars(args))
-    sub.command = name
+    sub.command, sub.level = name, level(args)
+    sub.quick = sub.level != "full"
+
     if args.command == "all" and args.json:
         p = Path(args.json)
         sub.json = str(p.with_name(f"{p.stem}_{name}{p.suffix or '.json'}"))
@@ -94,15 +79,20 @@ def _args_for(args: argparse.Namespace, name: str) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     names = SUBCOMMANDS if args.command == "all" else (args.command,)
-    status = 0
-    for name in names:
+    status, started, spent_typical = 0, time.perf_counter(), 0.0
+    for i, name in enumerate(names):
         module = _load(name)
         if module is None:
             if args.command != "all":
                 return 2
             continue
+        if len(names) > 1:  # the time left: the typical durations still to come, scaled by this run's pace so far
+            pace = (time.perf_counter() - started) / spent_typical if spent_typical else 1.0
+            left = pace * sum(TYPICAL_S[n] for n in names[i:])
+            print(f"fastcoll.bench: {name} ({i + 1}/{len(names)}), about {left / 60:.0f} min left in all", flush=True)
         t0 = time.perf_counter()
         rc = module.run(_args_for(args, name)) or 0
+        spent_typical += TYPICAL_S[name]
         print(f"fastcoll.bench {name}: done in {time.perf_counter() - t0:.1f} s" + (f" (exit status {rc})" if rc else ""))
         status = status or rc
     return status

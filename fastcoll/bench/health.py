@@ -1,107 +1,34 @@
-"""What gradient health costs: clipping, the fused norm and the non-finite check (issue 11).
+"""What gradient health costs: clipping, the fused norm and the non-finite check (docs/benchmarks.md, "health").
 
-    python -m fastcoll.bench health [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]
-
-The command spawns its ranks as ``fastcoll.bench ddp`` does: on CPU first 2
-gloo ranks over loopback, then 1 gloo rank, each rank with 1 intra-op thread
-(``--threads`` changes that); with ``--device cuda`` 1 rank on NCCL. Models
-are :mod:`fastcoll.bench.ddp`'s: the MLP of 96 small layers and the synthetic
-models holding ResNet-50's and GPT-2 small's parameter shapes (forward =
-``sum_i p_i.sum() * x_i``, so the step is dominated by writing and
-synchronizing 97.5 and 475 MiB of gradients). Per model, these steps are
-timed side by side (zero_grad(set_to_none=True) + forward + loss + backward,
-then the clipping where there is one; **no optimizer step**):
-
-* ``torch``: ``torch.nn.parallel.DistributedDataParallel(module)``;
-* ``torch+clip``: the same wrapper, then
-  ``torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)``;
-* ``fastcoll``: ``fastcoll.DDP(module)`` (``compute_grad_norm=False``);
-* ``fastcoll+torch clip``: the same wrapper, then torch's ``clip_grad_norm_``
-  (a control: fastcoll's synchronization with torch's clipping);
-* ``fastcoll norm``: ``fastcoll.DDP(module, compute_grad_norm=True)``, no clipping;
-* ``fastcoll norm+clip``: the same wrapper, then ``model.clip_grad_norm_(max_norm)``
-  (the norm is already there: one scaling pass);
-* ``fastcoll nonfinite``: ``fastcoll.DDP(module, check_nonfinite=True)``, no clipping;
-* ``fastcoll again``: a second ``fastcoll.DDP(module)``, the control. Two
-  identical wrappers differ by a few percent (where each one's gradients and
-  buckets happen to lie in memory), which bounds what the costs below can
-  resolve; its difference from ``fastcoll`` is printed as the A/A column.
-
-Five wrappers serve the eight steps (a step with clipping uses the wrapper of
-the step without). ``max_norm`` is half the gradients' global norm, measured
-once after the warm-up steps, so clipping really scales every gradient; the
-norm each clipping returns is compared with the float64 norm, the clipped
-norm with ``max_norm``, and fastcoll's clipped gradients with torch's
-(``checks``; a failed check makes the command exit 1).
-
-Samples are taken round-robin, the order rotated by one method each round so
-that every method takes every position equally often; a sample is ``inner``
-back-to-back steps (the same on every rank; 1 for the large models), its
-time the slowest rank's. After each sample the gradients are dropped (outside
-the timing), so a rank holds only the gradients being timed. On CPU the rank
-processes tell glibc to keep freed memory (:func:`fastcoll.bench.common.keep_freed_memory`), so
-that a step does not page-fault its freshly allocated gradients back in, a
-cost common to every method and this benchmark's main source of noise on a
-shared 2-core machine. Reported per model: median step time and
-interquartile range per method, and each cost as the median over rounds of
-the paired difference (sample k of the step with the feature minus sample k
-of the step without, taken in the same round), which a slow drift of a
-shared machine does not bias:
-
-* clipping cost, torch: ``torch+clip - torch``; fastcoll: ``fastcoll norm+clip - fastcoll``
-  (the norm's fused cost included); their ratio, target <= 0.75 on the
-  ResNet-50 and GPT-2 shapes;
-* norm cost: ``fastcoll norm - fastcoll``, target <= 3% of ``fastcoll``'s step;
-* non-finite check cost: ``fastcoll nonfinite - fastcoll``, target <= 2%;
-* A/A: ``fastcoll again - fastcoll``, no target (ideally 0).
-
-Each target also gets a 90% bootstrap interval (the rounds resampled); a
-verdict whose interval includes the threshold is marked "not resolved".
-
-On CPU every sample also records the CPU time of the training thread
-(``time.thread_time``; on the slowest rank), which runs the forward, the
-backward with the wrappers' hooks, the write-backs and the clipping, while
-gloo moves the bytes on its own threads. Processes competing for the cores
-inflate wall-clock samples far more than that thread's CPU time, so the same
-costs computed from it are printed too, as a cross-check on a shared machine.
-
-Targets are printed as PASS/MISS, never asserted. An ops-level row times
-``ops.unflatten_scale(flat, grads, sumsq=s)`` against
-``ops.unflatten_scale(flat, grads)`` (and ``ops.flatten_scale`` with and
-without ``nonfinite=flag``) on ResNet-50's 25 MiB float32 bucket at 1
-intra-op thread, target <= 1.05x. The report says whether these ops ran the
-compiled kernels or the pure-PyTorch reference (an extension built before
-they existed uses the reference for them). The ops rows are left out when
-``fastcoll/bench/ops.py`` times ``unflatten_scale`` with ``sumsq`` itself.
-
-``--quick`` (about 2-3 minutes on 2 cores) takes 9 samples (6 for the GPT-2
-shapes) of at least 30 ms; the full run 21 for every model (11 for the GPT-2
-shapes left them at the mercy of one or two slow samples). ``--smoke`` (hidden;
-tests/test_bench.py) runs shrunken models, 2 one-step samples, 2 ranks only.
-Output: tables on the terminal, ``benchmarks/out/health_<device>.json`` and a
-PNG chart next to it.
+On CPU 2 gloo ranks then 1 (1 intra-op thread each); with ``--device cuda``
+1 NCCL rank. Per model (the MLP, the ResNet-50 and GPT-2 shape sets) eight
+steps are timed in rounds (zero_grad + forward + backward, then the clipping
+if any; no optimizer step): torch DDP with and without torch's clipping;
+fastcoll.DDP plain, with torch's clipping, with ``compute_grad_norm`` (with
+and without its own clipping), with ``check_nonfinite``, and a second plain
+instance (the A/A control). Each cost is the median over rounds of the paired
+difference; each target has a 90% bootstrap interval. Also the ops-level
+rows: ``unflatten_scale`` with and without ``sumsq`` and ``flatten_scale``
+with and without ``nonfinite``, on ResNet-50's 25 MiB bucket at 1 thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
-import json
 import math
 import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from . import common
-from . import ddp as bench_ddp
-from .common import MiB
+from . import models, report, runner, stats
+from .models import MiB, ModelSpec
 
 CPU_WORLD_SIZES = (2, 1)
 CUDA_WORLD_SIZES = (1,)
@@ -149,7 +76,7 @@ COSTS = {
 
 def supported() -> bool:
     """Whether this checkout's fastcoll.DDP has the issue-11 API (compute_grad_norm, check_nonfinite, clip_grad_norm_)."""
-    return common.ddp_supports(("compute_grad_norm", "check_nonfinite"), ("clip_grad_norm_",))
+    return runner.ddp_supports(("compute_grad_norm", "check_nonfinite"), ("clip_grad_norm_",))
 
 
 def health_ops_implementation() -> str:
@@ -175,7 +102,7 @@ def extension_file() -> Optional[Dict[str, Any]]:
         return None
     st = os.stat(path)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.st_mtime))
-    return {"path": os.path.relpath(path, common.repo_root()), "bytes": st.st_size, "modified": when}
+    return {"path": os.path.relpath(path, report.repo_root()), "bytes": st.st_size, "modified": when}
 
 
 # ---------------------------------------------------------------------------
@@ -183,40 +110,35 @@ def extension_file() -> Optional[Dict[str, Any]]:
 # ---------------------------------------------------------------------------
 
 
-def model_specs(smoke: bool) -> List[bench_ddp.ModelSpec]:
-    ModelSpec = bench_ddp.ModelSpec
+def model_specs(smoke: bool) -> List[ModelSpec]:
     if smoke:
-        return [
-            ModelSpec("mlp", "MLP 8 layers", "mlp", {"width": 8, "depth": 8}, batch=4),
-            ModelSpec("resnet50", "ResNet-50 shapes (24, x1/256)", "shapes", {"model": "resnet50", "limit": 24, "divide": 256}),
-            ModelSpec("gpt2_small", "GPT-2 shapes (12, x1/4096)", "shapes", {"model": "gpt2_small", "limit": 12, "divide": 4096}),
-        ]
-    return [
-        ModelSpec("mlp96", "MLP 96x(32x32)", "mlp", {"width": 32, "depth": 96}, batch=32),
-        ModelSpec("resnet50", "ResNet-50 shapes", "shapes", {"model": "resnet50"}, note="synthetic"),
-        ModelSpec("gpt2_small", "GPT-2 small shapes", "shapes", {"model": "gpt2_small"}, note="synthetic"),
-    ]
+        return [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
+    return [models.MLP96, models.RESNET50, models.GPT2]
+
+
+CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-finite and clip targets resolve
+    "smoke": dict(reps=2, max_reps=2, reps_large=2, max_large=2, setup_steps=2, target_s=0.0, max_inner=1, ops_reps=3,
+                  ops_target_s=0.0),
+    "default": dict(reps=9, max_reps=21, reps_large=6, max_large=12, setup_steps=2, target_s=0.03, max_inner=50, ops_reps=15,
+                    ops_target_s=0.03),
+    "full": dict(reps=21, max_reps=41, reps_large=21, max_large=31, setup_steps=3, target_s=0.1, max_inner=200, ops_reps=25,
+                 ops_target_s=0.1),
+}  # fmt: skip
 
 
 def _config(args: Any, device: str) -> Dict[str, Any]:
-    smoke, quick = bool(getattr(args, "smoke", False)), bool(getattr(args, "quick", False))
-    if smoke:
-        cfg = dict(reps=2, reps_large=2, setup_steps=2, target_s=0.0, max_inner=1, ops_reps=3, ops_target_s=0.0)
-    elif quick:
-        cfg = dict(reps=9, reps_large=6, setup_steps=2, target_s=0.03, max_inner=50, ops_reps=15, ops_target_s=0.03)
-    else:
-        cfg = dict(reps=21, reps_large=21, setup_steps=3, target_s=0.1, max_inner=200, ops_reps=25, ops_target_s=0.1)
-    cfg.update(smoke=smoke, quick=quick or smoke, device=device)
+    cfg = {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
+           "device": device}  # fmt: skip
     if device == "cuda":
         cfg.update(world_sizes=list(CUDA_WORLD_SIZES), backend="nccl")
-    else:
-        cfg.update(world_sizes=[2] if smoke else list(CPU_WORLD_SIZES), backend="gloo")
-    cfg["threads"] = bench_ddp._threads_per_rank(args, 2 if device == "cpu" else 1)
+    else:  # the 1-rank pass (no communication) only in the full run
+        cfg.update(world_sizes=list(CPU_WORLD_SIZES) if args.level == "full" else [2], backend="gloo")
+    cfg["threads"] = runner.threads_per_rank(args, 2 if device == "cpu" else 1)
     return cfg
 
 
-def _reps_for(spec: bench_ddp.ModelSpec, cfg: Dict[str, Any]) -> int:
-    return cfg["reps_large"] if spec.name == "gpt2_small" else cfg["reps"]
+def _reps_for(spec: ModelSpec, cfg: Dict[str, Any]) -> Tuple[int, int]:
+    return (cfg["reps_large"], cfg["max_large"]) if spec.name == "gpt2_small" else (cfg["reps"], cfg["max_reps"])
 
 
 # ---------------------------------------------------------------------------
@@ -224,59 +146,11 @@ def _reps_for(spec: bench_ddp.ModelSpec, cfg: Dict[str, Any]) -> int:
 # ---------------------------------------------------------------------------
 
 
-def interleave(
-    fns: Dict[str, Callable[[], Any]],
-    reps: int,
-    inner: Dict[str, int],
-    device: str,
-    after: Optional[Callable[[str], None]] = None,
-) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
-    """Seconds per call, ``reps`` samples per callable, taken round-robin in rotating order.
-
-    Returns the wall-clock samples and the calling thread's CPU-time samples
-    (``time.thread_time``: the training thread's own work, which other
-    processes competing for the cores do not inflate as much; on CPU the
-    backward, the wrappers' hooks and the clipping all run on it, gloo's
-    transfers on its own threads). ``after(name)`` runs after each sample,
-    outside the timing (dropping gradients, progress).
-    """
-    wall: Dict[str, List[float]] = {n: [] for n in fns}
-    cpu: Dict[str, List[float]] = {n: [] for n in fns}
-    for k in range(reps):
-        for name in common.rotated(fns, k):
-            fn, n = fns[name], inner[name]
-            common.synchronize(device)
-            c0, t0 = time.thread_time(), time.perf_counter()
-            for _ in range(n):
-                fn()
-            common.synchronize(device)
-            wall[name].append((time.perf_counter() - t0) / n)
-            cpu[name].append((time.thread_time() - c0) / n)
-            if after is not None:
-                after(name)
-    return wall, cpu
-
-
-def paired_cost(with_feature: Sequence[float], without: Sequence[float]) -> Dict[str, float]:
-    """Median and quartiles of the per-round differences ``with_feature[k] - without[k]``."""
-    diffs = [a - b for a, b in zip(with_feature, without)]
-    st = common.summarize(diffs)
-    return {
-        "median_s": st["median_s"],
-        "q1_s": st["q1_s"],
-        "q3_s": st["q3_s"],
-        "diff_of_medians_s": statistics.median(with_feature) - statistics.median(without),
-    }
+paired_cost = stats.paired_cost
 
 
 def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:
-    return {
-        "op": "le",
-        "threshold": threshold,
-        "value": value,
-        "pass": None if value is None else value <= threshold,
-        **common.interval_fields(ci, threshold),
-    }
+    return stats.target(value, threshold, ci, "le", "90% bootstrap (rounds)")
 
 
 # ---------------------------------------------------------------------------
@@ -286,9 +160,9 @@ def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, 
 
 def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
     """ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke."""
-    from . import ops as bench_ops
+    from . import models as bench_ops
 
-    buckets = bench_ops.ddp_buckets(common.model_shapes()["resnet50"])
+    buckets = bench_ops.ddp_buckets(models.model_shapes()["resnet50"])
     b = min((b for b in buckets if b["cap"] == bench_ops.BUCKET_CAP), key=lambda b: abs(b["bytes"] - bench_ops.BUCKET_CAP))
     shapes = [tuple(s) for s in b["shapes"]]
     name = f"resnet50 b{b['index']} ({len(shapes)} tensors, {b['bytes'] / MiB:.1f} MiB fp32)"
@@ -333,21 +207,20 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
 
     rows = []
     threads = 1 if device == "cpu" else None
-    ctx = common.num_threads(1) if device == "cpu" else _Null()
+    ctx = runner.num_threads(1) if device == "cpu" else contextlib.nullcontext()
     with ctx:
         for op, p in pairs.items():
             fns = {"plain": p["plain"], "health": p["health"]}
             for fn in fns.values():
                 for _ in range(3):
                     fn()
-            inner = {
-                k: 1 if cfg["ops_target_s"] <= 0 else common.calibrate(f, device, cfg["ops_target_s"], 1000)
-                for k, f in fns.items()
-            }
-            inner = dict.fromkeys(fns, max(inner.values()))
-            samples, _ = interleave(fns, cfg["ops_reps"], inner, device)
-            stats = {k: common.summarize(s) for k, s in samples.items()}
-            ratio = stats["health"]["median_s"] / stats["plain"]["median_s"]
+            target_s = cfg["ops_target_s"]
+            one = max(1 if target_s <= 0 else runner.calibrate(f, device, target_s, 1000) for f in fns.values())
+            inner = dict.fromkeys(fns, one)
+            samples = runner.measure_interleaved(fns, device, 0, cfg["ops_reps"], one)
+            summary = {k: stats.summarize(s) for k, s in samples.items()}
+            ratio = summary["health"]["median_s"] / summary["plain"]["median_s"]
+            ci = stats.bootstrap_ci(stats.median_ratio("health", "plain"), samples, paired=True)
             rows.append(
                 {
                     "op": op,
@@ -356,32 +229,15 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
                     "bytes": 4 * n,
                     "threads": threads,
                     "inner": inner["plain"],
-                    "methods": stats,
+                    "methods": summary,
                     "samples": samples,
                     "paired": paired_cost(samples["health"], samples["plain"]),
                     "ratio": ratio,
                     "check": {"sumsq matches float64": sumsq_ok} if op == "unflatten_scale" else {"flag clear": flag_ok},
-                    "targets": {"health/plain": _target(ratio, OPS_TARGET)},
+                    "targets": {"health/plain": _target(ratio, OPS_TARGET, ci)},
                 }
             )
     return rows
-
-
-def ops_row_elsewhere() -> bool:
-    """Whether the ops benchmark (fastcoll/bench/ops.py) already times unflatten_scale with sumsq (then skip it here)."""
-    try:
-        text = Path(__file__).with_name("ops.py").read_text()
-    except OSError:  # pragma: no cover
-        return False
-    return "sumsq=" in text
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------
@@ -407,12 +263,12 @@ def make_wrapper(kind: str, module: nn.Module, device: str) -> nn.Module:
 
 
 def make_step(
-    wrapper: nn.Module, clip: Optional[str], spec: bench_ddp.ModelSpec, x: torch.Tensor, max_norm: List[float]
+    wrapper: nn.Module, clip: Optional[str], spec: ModelSpec, x: torch.Tensor, max_norm: List[float]
 ) -> Callable[[], Optional[torch.Tensor]]:
     """One step: zero_grad + forward + loss + backward, then the clipping; returns the norm clipping saw (or None)."""
     module = wrapper.module
     params = [p for p in module.parameters() if p.requires_grad]
-    loss_of = bench_ddp.loss_of
+    loss_of = models.loss_of
 
     if clip is None:
 
@@ -443,18 +299,12 @@ def global_norm(module: nn.Module) -> float:
     return math.sqrt(sum(float(torch.sum(g.double() * g.double())) for g in grads))
 
 
-def _all_max(values: List[float], device: str) -> List[float]:
-    return bench_ddp._all_max(values, device)
-
-
-def bench_model(
-    spec: bench_ddp.ModelSpec, rank: int, ws: int, cfg: Dict[str, Any], tick: Callable[[int], None]
-) -> Dict[str, Any]:
-    device = cfg["device"]
+def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
+    rank, ws, cfg, tick, device = me.rank, me.ws, me.cfg, me.tick, me.device
     started = time.perf_counter()
-    storage = bench_ddp.build_storage(spec, device)  # synthetic models: every wrapper shares the weights
-    x = bench_ddp.make_input(spec, rank, device)
-    wrappers = {kind: make_wrapper(kind, bench_ddp.build_model(spec, device, storage), device) for kind in WRAPPERS}
+    storage = models.build_storage(spec, device)  # synthetic models: every wrapper shares the weights
+    x = models.make_input(spec, rank, device)
+    wrappers = {kind: make_wrapper(kind, models.build_model(spec, device, storage), device) for kind in WRAPPERS}
     max_norm = [float("inf")]
     steps = {m: make_step(wrappers[w], clip, spec, x, max_norm) for m, (w, clip) in METHODS.items()}
 
@@ -468,10 +318,10 @@ def bench_model(
             steps[plain]()
     slowest = 0.0
     for m, step in steps.items():
-        common.synchronize(device)
+        runner.synchronize(device)
         t0 = time.perf_counter()
         step()
-        common.synchronize(device)
+        runner.synchronize(device)
         slowest = max(slowest, time.perf_counter() - t0)
         drop_grads(m)
         tick(1)
@@ -486,7 +336,7 @@ def bench_model(
     fc_norm = float(steps["fastcoll norm+clip"]())
     fc_torch_norm = float(steps["fastcoll+torch clip"]())
     after = global_norm(wrappers["fastcoll_norm"].module)
-    grads = bench_ddp.compare_grads(wrappers["fastcoll_norm"].module, wrappers["torch"].module, rtol=1e-3)
+    grads = models.compare_grads(wrappers["fastcoll_norm"].module, wrappers["torch"].module, rtol=1e-3)
     rel = lambda a, b: abs(a - b) / max(abs(b), 1e-30)  # noqa: E731
     checks = {
         "norm float64": norm,
@@ -508,20 +358,11 @@ def bench_model(
         drop_grads(m)
     gc.collect()
 
-    slowest = _all_max([slowest], device)[0]
-    if cfg["target_s"] <= 0:
-        n_inner = 1
-    else:
-        n_inner = max(1, min(cfg["max_inner"], int(math.ceil(cfg["target_s"] / max(slowest, 1e-6)))))
-    inner = dict.fromkeys(steps, n_inner)
-
-    def after_sample(method: str) -> None:
-        drop_grads(method)
-        tick(1)
-
-    wall, cpu = interleave(steps, _reps_for(spec, cfg), inner, device, after_sample)
-    samples = {m: _all_max(s, device) for m, s in wall.items()}
-    cpu_samples = {m: _all_max(s, device) for m, s in cpu.items()}
+    n_inner = runner.inner_for(runner.all_max([slowest], device)[0], cfg["target_s"], cfg["max_inner"])
+    lo, hi = _reps_for(spec, cfg)
+    goals = [(lambda s, n=n: _target_value(s, n), thr, "le") for n, thr in _thresholds(spec.name).items()]
+    samples, cpu_samples = runner.timed_rounds(steps, n_inner, lo, hi, goals, device, tick, after=drop_grads)
+    tick(len(steps) * (hi - len(samples["torch"])))
     params = [p for p in wrappers["fastcoll"].module.parameters() if p.requires_grad]
     buckets = len(wrappers["fastcoll"].bucket_info())
     steps.clear()
@@ -558,30 +399,32 @@ def _target_value(samples: Dict[str, List[float]], name: str) -> Optional[float]
     return _paired_median(samples, name) / statistics.median(samples["fastcoll"])
 
 
+def _thresholds(model: str) -> Dict[str, float]:
+    out = {"norm": NORM_TARGET, "nonfinite": NONFINITE_TARGET}
+    return {**out, "clip": CLIP_TARGET} if model in CLIP_TARGET_MODELS else out
+
+
 def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     """Per-method summaries, paired costs, the cost ratios and the targets of one model's samples.
 
     Each target also carries the 90% bootstrap interval of its statistic (rounds resampled).
     """
-    stats = {m: common.summarize(s) for m, s in samples.items()}
+    summary = {m: stats.summarize(s) for m, s in samples.items()}
     costs = {name: paired_cost(samples[a], samples[b]) for name, (a, b) in COSTS.items()}
-    base_fc = stats["fastcoll"]["median_s"]
+    base_fc = summary["fastcoll"]["median_s"]
     ct, cf = costs["clip torch"]["median_s"], costs["clip fastcoll"]["median_s"]
     values = {name: _target_value(samples, name) for name in ("norm", "nonfinite", "clip")}
     clip_ratio, norm_frac, nonfinite_frac = values["clip"], values["norm"], values["nonfinite"]
-    thresholds = {"norm": NORM_TARGET, "nonfinite": NONFINITE_TARGET}
-    if model in CLIP_TARGET_MODELS:
-        thresholds["clip"] = CLIP_TARGET
     targets = {}
-    for name, threshold in thresholds.items():
+    for name, threshold in _thresholds(model).items():
 
         def stat(s: Dict[str, List[float]], name: str = name) -> Optional[float]:
             return _target_value(s, name)
 
-        ci = common.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
+        ci = stats.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
         targets[name] = _target(values[name], threshold, ci)
     return {
-        "methods": stats,
+        "methods": summary,
         "samples": samples,
         "costs": costs,
         "ratios": {
@@ -589,63 +432,32 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
             "norm/fastcoll step": norm_frac,
             "nonfinite/fastcoll step": nonfinite_frac,
             "A/A/fastcoll step": costs["A/A"]["median_s"] / base_fc,
-            "clip torch/torch step": ct / stats["torch"]["median_s"],
+            "clip torch/torch step": ct / summary["torch"]["median_s"],
             "clip fastcoll/fastcoll step": cf / base_fc,
         },
         "targets": targets,
     }
 
 
-def _warm_up_code_paths(device: str, rank: int) -> None:
-    """Run every wrapper kind and clipping once on a tiny model, so that no measured case pays one-time costs."""
-    spec = bench_ddp.ModelSpec("warmup", "", "mlp", {"width": 4, "depth": 2}, batch=2)
-    x = bench_ddp.make_input(spec, rank, device)
-    for w, clip in METHODS.values():
-        wrapper = make_wrapper(w, bench_ddp.build_model(spec, device), device)
-        step = make_step(wrapper, clip, spec, x, [1e-3])
-        for _ in range(3):
-            step()
-        del wrapper, step
-
-
-def _worker(rank: int, ws: int, store_path: str, cfg: Dict[str, Any], specs, out_path: str, progress_q: Any) -> None:
-    device = cfg["device"]
-    malloc = common.keep_freed_memory() if device == "cpu" else None
+def _worker(
+    rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any], specs: List[ModelSpec]
+) -> None:  # noqa: E501
     library = extension_file()  # the one this process loaded (another build may replace the file later)
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-
-    tick = common.rank_ticker(rank, progress_q)
-
-    with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
-        _warm_up_code_paths(device, rank)
+    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
+        x = models.make_input(models.WARMUP, rank, me.device)
+        for w, clip in METHODS.values():  # every wrapper kind and clipping once on a tiny model: no one-time costs later
+            wrapper = make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device)
+            step = make_step(wrapper, clip, models.WARMUP, x, [1e-3])
+            for _ in range(3):
+                step()
         gc.collect()
         gc.freeze()
         rows = []
         for spec in specs:
-            if rank == 0 and progress_q is not None:
-                progress_q.put(("describe", f"health, {ws} rank{'s' if ws > 1 else ''}: {spec.label}"))
-            rows.append(bench_model(spec, rank, ws, cfg, tick))
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump({"rows": rows, "health_ops": health_ops_implementation(), "malloc": malloc, "library": library}, f)
-
-
-def _spawn(ws: int, cfg: Dict[str, Any], specs) -> Dict[str, Any]:
-    import torch.multiprocessing as tmp
-
-    units = sum(len(METHODS) * (_reps_for(s, cfg) + 1) for s in specs)
-    with tempfile.TemporaryDirectory(prefix="fastcoll_bench_health_") as tmpdir:
-        out_path = os.path.join(tmpdir, "result.json")
-        mpctx = tmp.get_context("spawn")
-        progress_q = mpctx.Queue()
-        ctx = tmp.spawn(
-            _worker, args=(ws, os.path.join(tmpdir, "store"), cfg, specs, out_path, progress_q), nprocs=ws, join=False
-        )
-        with common.progress(units, f"health: starting {ws} rank{'s' if ws > 1 else ''}") as bar:
-            common.follow_ranks(ctx, progress_q, bar)
-        with open(out_path) as f:
-            return json.load(f)
+            me.describe(f"health, {ws} rank{'s' if ws > 1 else ''}: {spec.label}")
+            rows.append(bench_model(spec, me))
+            me.row(f"{spec.label}, {ws} rank{'s' if ws > 1 else ''}", len(specs) * len(cfg["world_sizes"]))
+        me.save({"rows": rows, "health_ops": health_ops_implementation(), "library": library})
 
 
 # ---------------------------------------------------------------------------
@@ -665,13 +477,14 @@ def measure(args: Any = None) -> Dict[str, Any]:
     device = getattr(args, "device", "cpu") or "cpu"
     cfg = _config(args, device)
     specs = model_specs(cfg["smoke"])
-    skip_ops = ops_row_elsewhere()
-    ops_rows = [] if skip_ops else bench_ops_rows(cfg)
+    ops_rows = bench_ops_rows(cfg)
     results: List[Dict[str, Any]] = []
     health_ops, malloc = health_ops_implementation(), None
     libraries = {"parent (ops rows)": extension_file()}
-    for ws in cfg["world_sizes"]:
-        out = _spawn(ws, cfg, specs)
+    units = len(cfg["world_sizes"]) * sum(len(METHODS) * (_reps_for(s, cfg)[1] + 1) for s in specs)
+    with report.progress("health", units) as prog:
+        outs = [(ws, runner.run_ranks(_worker, (cfg, specs), ws, prog)) for ws in cfg["world_sizes"]]
+    for ws, out in outs:
         results += out["rows"]
         health_ops, malloc = out["health_ops"], out["malloc"]
         libraries[f"{ws} rank{'s' if ws > 1 else ''}"] = out["library"]
@@ -694,7 +507,6 @@ def measure(args: Any = None) -> Dict[str, Any]:
                 "nonfinite": f"check_nonfinite=True costs <= {NONFINITE_TARGET:.0%} of fastcoll's step",
                 "ops": f"unflatten_scale with sumsq <= {OPS_TARGET}x without (25 MiB fp32, 1 thread)",
             },
-            "ops_rows_skipped": "fastcoll/bench/ops.py already times unflatten_scale with sumsq" if skip_ops else None,
         },
         "health_ops": health_ops,
         "extension_files": libraries,
@@ -703,293 +515,129 @@ def measure(args: Any = None) -> Dict[str, Any]:
     }
 
 
-def _pct(x: Optional[float]) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x * 100:+.1f}%"
-
-
-def _signed(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "-"
-    return ("-" if seconds < 0 else "+") + common.fmt_time(abs(seconds))
-
-
-def _pm(t: Optional[Dict[str, Any]]) -> str:
-    return "" if t is None else common.pass_miss(t["pass"])
-
-
 def costs_table(rows: List[Dict[str, Any]], title: str, key: Optional[str]) -> None:
-    """The costs of every row, from its wall-clock analysis (``key`` None) or ``row[key]`` (``"cpu_time"``)."""
+    """Each feature's cost per model: paired per-round differences, share of the step without it, targets."""
+    pct = lambda t: report.target_cell(t, report.fmt_pct) if t else ""  # noqa: E731
+    body = []
+    for r in rows:
+        a = r if key is None else r[key]
+        c, t, q = a["costs"], a["targets"], a["ratios"]
+        sign = lambda k: report.fmt_signed_time(c[k]["median_s"])  # noqa: E731
+        line = [
+            r["label"] + (" *" if r["synthetic"] else ""),
+            r["world_size"],
+            f"{sign('clip torch')} ({report.fmt_pct(q['clip torch/torch step'])})",
+            f"{sign('clip fastcoll')} ({report.fmt_pct(q['clip fastcoll/fastcoll step'])})",
+            report.target_cell(t.get("clip")) if "clip" in t else "",
+            f"{sign('norm')} {pct(t['norm'])}",
+            f"{sign('nonfinite')} {pct(t['nonfinite'])}",
+            sign("clip torch on fastcoll"),
+            sign("scaling pass fastcoll"),
+            f"{sign('A/A')} ({report.fmt_pct(q['A/A/fastcoll step'])})",
+        ]
+        body.append(line + (["[green]ok[/green]" if r["checks"]["ok"] else "[red]FAIL[/red]"] if key is None else []))
     columns = [
         "model",
         "ranks",
         "clip torch",
         "clip fastcoll",
-        f"fc/torch ≤{CLIP_TARGET}",
-        f"norm ≤{NORM_TARGET:.0%}",
-        f"nonfinite ≤{NONFINITE_TARGET:.0%}",
+        f"fc/torch (≤{CLIP_TARGET})",
+        f"norm (≤{NORM_TARGET:.0%})",
+        f"nonfinite (≤{NONFINITE_TARGET:.0%})",
         "fc+torch clip",
         "scaling",
         "A/A control",
-    ]
-    if key is None:
-        columns.append("checks")
-    table = []
-    for r in rows:
-        a = r if key is None else r[key]
-        c, t, q = a["costs"], a["targets"], a["ratios"]
-        line = [
-            r["label"] + (" *" if r["synthetic"] else ""),
-            str(r["world_size"]),
-            f"{_signed(c['clip torch']['median_s'])} ({_pct(q['clip torch/torch step'])})",
-            f"{_signed(c['clip fastcoll']['median_s'])} ({_pct(q['clip fastcoll/fastcoll step'])})",
-            f"{common.fmt_ratio(q['clip fastcoll/torch'])} {_pm(t.get('clip'))}".strip(),
-            f"{_signed(c['norm']['median_s'])} ({_pct(q['norm/fastcoll step'])}) {_pm(t['norm'])}",
-            f"{_signed(c['nonfinite']['median_s'])} ({_pct(q['nonfinite/fastcoll step'])}) {_pm(t['nonfinite'])}",
-            _signed(c["clip torch on fastcoll"]["median_s"]),
-            _signed(c["scaling pass fastcoll"]["median_s"]),
-            f"{_signed(c['A/A']['median_s'])} ({_pct(q['A/A/fastcoll step'])})",
-        ]
-        if key is None:
-            line.append("[green]ok[/green]" if r["checks"]["ok"] else "[red]FAIL[/red]")
-        table.append(line)
-    caption = (
-        "clip torch = (torch+clip) - torch; clip fastcoll = (fastcoll norm+clip) - fastcoll, the fused norm included; "
-        "(%) of the step without the feature.\n"
-        "norm = fastcoll(compute_grad_norm=True) - fastcoll; nonfinite = fastcoll(check_nonfinite=True) - fastcoll (% of "
-        "fastcoll's step). fc+torch clip = torch's clip_grad_norm_ on fastcoll.DDP's gradients; scaling = "
-        "(fastcoll norm+clip) - (fastcoll norm). A negative cost (or ratio) is below this machine's noise."
+    ] + (["checks"] if key is None else [])
+    report.table(
+        title,
+        columns,
+        body,
+        "clip torch = (torch+clip) - torch; clip fastcoll = (fastcoll norm+clip) - fastcoll, the fused norm "
+        "included (% of the step without); norm, nonfinite: fastcoll.DDP with the feature - without (% of "
+        "fastcoll's step); scaling = (norm+clip) - norm; A/A: a second identical fastcoll.DDP, the noise floor. "
+        f"max_norm = {CLIP_FRACTION} x the measured norm; 90% paired bootstrap intervals.",
     )
-    if key is None:
-        caption += (
-            f"\nmax_norm = {CLIP_FRACTION} x the measured norm; checks: the norm each clipping saw against the float64 norm "
-            "(fastcoll rel 1e-6, torch's float32 sum rel 1e-3), the clipped norm is max_norm, fastcoll's clipped gradients "
-            "match torch's. Targets informational, never asserted."
-        )
-    else:
-        caption += (
-            "\nCPU time of the thread that runs forward, backward (and the wrappers' hooks) and the clipping; slowest rank."
-        )
-    common.render_table(title, columns, table, caption=caption)
 
 
 def print_results(payload: Dict[str, Any]) -> None:
-    cfg = payload["config"]
-    device = cfg["device"]
-    rows = payload["results"]
-    where = (
-        f"gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each"
-        if device == "cpu"
-        else "1 rank on NCCL" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
+    cfg, rows = payload["config"], payload["results"]
+    body = [
+        [
+            r["label"] + (" *" if r["synthetic"] else ""),
+            r["world_size"],
+            *(report.fmt_time(r["methods"][k]["median_s"]) for k in METHODS),
+        ]
+        for r in rows
+    ]
+    report.table(
+        f"fastcoll health: step time per method ({cfg['device']})",
+        ["model", "ranks", *METHODS],
+        body,
+        f"{cfg['backend']} ranks, {cfg['threads']} thread(s) each; health ops: {payload['health_ops']}. Median step of "
+        "the slowest rank (zero_grad + forward + backward, + clipping), rounds in rotating order. * synthetic.",
     )
-    impl = payload["health_ops"]
-    columns = ["model", "ranks", *METHODS, "IQR fastcoll"]
-    table = []
-    for r in rows:
-        m = r["methods"]
-        fc = m["fastcoll"]
-        table.append(
-            [r["label"] + (" *" if r["synthetic"] else ""), str(r["world_size"])]
-            + [common.fmt_time(m[k]["median_s"]) for k in METHODS]
-            + [f"{fc['iqr_s'] / fc['median_s'] * 100:.1f}%"]
-        )
-    common.render_table(
-        f"fastcoll health: step time per method ({device})",
-        columns,
-        table,
-        caption=f"{where}; health ops: {impl}. Median step (slowest rank) = zero_grad + forward + backward (+ clipping), "
-        "no optimizer step; samples interleaved, order rotated each round.\n"
-        "* synthetic: parameters of the model's shapes, forward = sum_i p_i.sum() * x_i.",
-    )
-
-    costs_table(rows, f"fastcoll health: costs, wall clock (median of paired per-round differences; {device})", None)
-    if device == "cpu":
+    costs_table(rows, f"fastcoll health: costs, wall clock ({cfg['device']})", None)
+    if cfg["device"] == "cpu":
         costs_table(
-            rows,
-            "fastcoll health: the same costs in CPU time of the training thread (a cross-check less sensitive to other load)",
-            "cpu_time",
+            rows, "fastcoll health: the same costs in CPU time of the training thread (less sensitive to other load)", "cpu_time"
         )
-
-    if payload["ops"]:
-        table = []
-        for r in payload["ops"]:
-            m = r["methods"]
-            table.append(
-                [
-                    r["op"],
-                    r["with"],
-                    r["bucket"],
-                    str(r["threads"] or "-"),
-                    common.fmt_time(m["plain"]["median_s"]),
-                    common.fmt_time(m["health"]["median_s"]),
-                    common.fmt_ratio(r["ratio"]),
-                    _pm(r["targets"]["health/plain"]) if r["op"] == "unflatten_scale" else "",
-                    ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["check"].items()),
-                ]
-            )
-        common.render_table(
-            f"fastcoll health: the fused ops with and without the health outputs ({device})",
-            ["op", "with", "bucket", "threads", "without", "with", "ratio", f"≤{OPS_TARGET}x", "check"],
-            table,
-            caption=f"health ops: {impl}. Median per call, samples interleaved; the target applies to unflatten_scale (sumsq).",
+    body = [
+        [
+            r["op"],
+            r["with"],
+            r["bucket"],
+            r["threads"] or "-",
+            report.fmt_time(r["methods"]["plain"]["median_s"]),
+            report.fmt_time(r["methods"]["health"]["median_s"]),
+            report.target_cell(r["targets"]["health/plain"]) if r["op"] == "unflatten_scale" else report.fmt_ratio(r["ratio"]),
+            ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["check"].items()),
+        ]
+        for r in payload["ops"]
+    ]
+    if body:
+        report.table(
+            f"fastcoll health: the fused ops with and without the health outputs ({cfg['device']})",
+            ["op", "with", "bucket", "threads", "without", "with", f"ratio (≤{OPS_TARGET}x for sumsq)", "check"],
+            body,
         )
-    elif cfg.get("ops_rows_skipped"):
-        common.say(f"[dim]ops rows skipped: {cfg['ops_rows_skipped']}[/dim]")
-
-
-def _target_lines(payload: Dict[str, Any], key: Optional[str]) -> Tuple[List[str], int, int]:
-    lines, total, passed = [], 0, 0
-    for r in payload["results"]:
-        a = r if key is None else r[key]
-        for name, t in a["targets"].items():
-            if t["pass"] is None:
-                continue
-            total += 1
-            passed += bool(t["pass"])
-            fmt = (lambda x: f"{x:.2f}x") if name == "clip" else _pct
-            value = fmt(t["value"])
-            if t.get("ci90"):
-                value += f" (90%: {fmt(t['ci90'][0])} to {fmt(t['ci90'][1])}{'' if t['resolved'] else ', not resolved'})"
-            thr = f"{t['threshold']}x" if name == "clip" else f"{t['threshold']:.0%}"
-            lines.append(f"  {r['label']}, {r['world_size']} rank(s): {name} {value} (<= {thr}) {common.pass_miss(t['pass'])}")
-    return lines, total, passed
-
-
-def _summary(payload: Dict[str, Any]) -> None:
-    lines, total, passed = _target_lines(payload, None)
-    for r in payload["ops"]:
-        t = r["targets"]["health/plain"]
-        if r["op"] == "unflatten_scale" and t["pass"] is not None:
-            total += 1
-            passed += bool(t["pass"])
-            lines.append(
-                f"  ops {r['op']} {r['with'].split(' ')[0]}: {t['value']:.2f}x (<= {OPS_TARGET}x) {common.pass_miss(t['pass'])}"
-            )
-    if total:
-        common.say(f"[bold]targets (issue 11; informational, never asserted), wall clock:[/bold] {passed}/{total} PASS")
-        for line in lines:
-            common.say(line)
-    if payload["config"]["device"] == "cpu" and payload["results"]:
-        lines, total, passed = _target_lines(payload, "cpu_time")
-        common.say(f"[bold]the same targets in training-thread CPU time:[/bold] {passed}/{total} PASS")
-        for line in lines:
-            common.say(line)
-    for r in payload["results"]:
-        if not r["checks"]["ok"]:
-            common.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
 
 
 def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Two panels: clipping cost (% of the step without clipping), torch vs fastcoll; norm and non-finite costs (%)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = payload["results"]
-    if not rows:
-        return None
-    names = [f"{r['label']}\n{r['world_size']} rank{'s' if r['world_size'] > 1 else ''}" for r in rows]
-    xs = list(range(len(rows)))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(rows) + 2), 8))
-    w = 0.38
-    ct = [100 * r["ratios"]["clip torch/torch step"] for r in rows]
-    cf = [100 * r["ratios"]["clip fastcoll/fastcoll step"] for r in rows]
-    top.bar([x - w / 2 for x in xs], ct, w, label="torch DDP + clip_grad_norm_(foreach=True)")
-    top.bar([x + w / 2 for x in xs], cf, w, label="fastcoll.DDP(compute_grad_norm=True) + clip_grad_norm_")
-    cpu = [r.get("cpu_time") for r in rows]
-    if payload["config"]["device"] == "cpu" and all(cpu):
-        top.scatter(
-            [x - w / 2 for x in xs],
-            [100 * a["ratios"]["clip torch/torch step"] for a in cpu],
-            marker="x",
-            color="k",
-            label="x: training-thread CPU time",
-        )
-        top.scatter(
-            [x + w / 2 for x in xs], [100 * a["ratios"]["clip fastcoll/fastcoll step"] for a in cpu], marker="x", color="k"
-        )
-    for x, r, a, b in zip(xs, rows, ct, cf):
-        ratio = r["ratios"]["clip fastcoll/torch"]
-        if ratio is not None:
-            top.annotate(f"{ratio:.2f}x", (x, max(a, b)), ha="center", va="bottom", fontsize=8)
-    top.set_ylabel("clipping cost, % of the step (bars: wall clock)")
-    top.set_title(
-        f"clipping cost (fastcoll/torch annotated; target <= {CLIP_TARGET}x on ResNet-50 and GPT-2 shapes)", fontsize=10
-    )
-    top.legend(fontsize=8)
-    nc = [100 * r["ratios"]["norm/fastcoll step"] for r in rows]
-    nf = [100 * r["ratios"]["nonfinite/fastcoll step"] for r in rows]
-    bottom.bar([x - w / 2 for x in xs], nc, w, label="compute_grad_norm=True (target <= 3%)", color="tab:green")
-    bottom.bar([x + w / 2 for x in xs], nf, w, label="check_nonfinite=True (target <= 2%)", color="tab:red")
-    if payload["config"]["device"] == "cpu" and all(cpu):
-        bottom.scatter(
-            [x - w / 2 for x in xs],
-            [100 * a["ratios"]["norm/fastcoll step"] for a in cpu],
-            marker="x",
-            color="k",
-            label="x: training-thread CPU time",
-        )
-        bottom.scatter(
-            [x + w / 2 for x in xs], [100 * a["ratios"]["nonfinite/fastcoll step"] for a in cpu], marker="x", color="k"
-        )
-    bottom.axhline(100 * NORM_TARGET, color="tab:green", linestyle="--", linewidth=0.8)
-    bottom.axhline(100 * NONFINITE_TARGET, color="tab:red", linestyle="--", linewidth=0.8)
-    bottom.axhline(0, color="black", linewidth=0.6)
-    bottom.set_ylabel("% of fastcoll.DDP's step")
-    bottom.set_title("cost of the fused norm and of the non-finite check (median of paired differences)", fontsize=10)
-    bottom.legend(fontsize=8)
-    for ax in (top, bottom):
-        ax.set_xticks(xs)
-        ax.set_xticklabels(names, fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"fastcoll health ({payload['config']['device']}; health ops: {payload['health_ops'].split(':')[0]})")
-    fig.tight_layout()
-    return common.save_figure(fig, path)
+    """Each cost as a share of the step without the feature, with its interval where it has a target."""
+    panels: Dict[str, Dict[str, Dict[str, float]]] = {"clipping cost / step": {}, "norm, non-finite, A/A / fastcoll's step": {}}
+    for r in payload["results"]:
+        name, q = f"{r['label']} ({r['world_size']})", r["ratios"]
+        panels["clipping cost / step"][name] = {"torch": q["clip torch/torch step"], "fastcoll": q["clip fastcoll/fastcoll step"]}
+        panels["norm, non-finite, A/A / fastcoll's step"][name] = {
+            "norm": q["norm/fastcoll step"],
+            "nonfinite": q["nonfinite/fastcoll step"],
+            "A/A": q["A/A/fastcoll step"],
+        }
+    return report.bar_chart(path, "fastcoll health: what each feature costs", panels, "share of the step", 0.0, log=False)
 
 
 def run(args: Any = None) -> int:
-    """CLI entry (``python -m fastcoll.bench health``): measure, print the tables, write JSON and a chart.
-
-    Returns:
-        0 on success (also when this checkout has no issue-11 API: it says so and skips),
-        1 if a clipping check failed, 2 if ``--device cuda`` is asked for without a GPU.
-    """
+    """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
     device = getattr(args, "device", "cpu") or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        common.say("[red]fastcoll.bench health: --device cuda but torch.cuda.is_available() is False[/red]")
+        report.say("[red]fastcoll.bench health: --device cuda but torch.cuda.is_available() is False[/red]")
         return 2
     if not supported():
-        common.say(
-            "[yellow]fastcoll.bench health: fastcoll.DDP has no compute_grad_norm/check_nonfinite (issue 11); skipping[/yellow]"
-        )
+        report.say("[yellow]fastcoll.bench health: fastcoll.DDP has no compute_grad_norm/check_nonfinite; skipping[/yellow]")
         return 0
-    impl = health_ops_implementation()
-    if impl != "extension":
-        common.say(
-            f"[yellow]fastcoll.bench health: the health ops run the {impl}; the fused numbers are not the kernels'[/yellow]"
-        )
-    common.say(
-        "[dim]ResNet-50 and GPT-2 rows (*) are synthetic: parameters of those shapes with a forward of one "
-        "read per parameter, so their step is dominated by gradient synchronization.[/dim]"
-    )
     payload = measure(args)
     print_results(payload)
-    _summary(payload)
-    path = common.resolve_json_path(args, f"health_{device}")
-    common.write_json(path, payload, device)
+    named = [(f"{r['label']}, {r['world_size']} rank(s): {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
+    named += [
+        (f"ops {r['op']} with {r['with'].split(' ')[0]}", r["targets"]["health/plain"])
+        for r in payload["ops"]
+        if r["op"] == "unflatten_scale"
+    ]
+    report.targets_summary("health", [t for _, t in named], [w for w, _ in named])
+    for r in payload["results"]:
+        if not r["checks"]["ok"]:
+            report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
+    path = report.write_json(report.json_path(args, f"health_{device}"), payload, device)
     png = chart(path.with_suffix(".png"), payload)
-    common.say(f"wrote {path}" + (f" and {png}" if png else " (matplotlib missing: no chart)"))
+    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
     return 0 if all(r["checks"]["ok"] for r in payload["results"]) else 1
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m fastcoll.bench.health [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]``."""
-    from .__main__ import main as cli
-
-    return cli(["health", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,53 +1,14 @@
-"""Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain.
+"""Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain (docs/benchmarks.md).
 
-    python -m fastcoll.bench timeline [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]
-
-The command spawns its ranks as ``fastcoll.bench ddp`` does (on CPU 2 gloo
-ranks over loopback with 1 intra-op thread each; ``--device cuda``: 1 rank on
-NCCL) and, per bench model (those of :mod:`fastcoll.bench.ddp`), times one
-training step (zero_grad + forward + loss + backward, no optimizer) of
-
-* ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel(module)``, its default 25 MiB buckets;
-* ``1 MiB``, ``5 MiB``, ``25 MiB`` (the default), ``100 MiB``: ``fastcoll.DDP(module, bucket_cap_mb=cap)``;
-* ``auto``: ``fastcoll.DDP(module, bucket_cap_mb="auto")``, after its tuning
-  (``FASTCOLL_AUTOTUNE_STEPS`` + 5 steps, so every timed step runs the frozen layout).
-
-Samples are taken round-robin (sample k of every method before sample k+1,
-round k starting at the k-th method), a sample is ``inner`` back-to-back
-steps, its time the slowest rank's; medians are reported. Every method
-gets the same number of samples: at least 30, more (up to 100) while a
-model's sampling fits in 45 s (:func:`sample_count`). All methods of a model
-compute on the same weights (:func:`fastcoll.bench.ddp.build_storage`). On
-CPU the ranks keep freed heap memory
-(:func:`fastcoll.bench.common.keep_freed_memory`), so that the gradients
-every step reallocates are not page-faulted in afresh, the largest source of
-noise on a small machine and the same for every method. Each ratio comes
-with a 90% bootstrap interval (:func:`fastcoll.bench.common.bootstrap_ci`,
-resampling the rounds); a target whose interval includes its
-threshold is marked as not resolved by the run.
-Targets of issue 13, printed as PASS/MISS and never asserted: auto's step
-within 5% of the best fixed cap's, and at most 1.0x torch DDP's.
-
-Then, for the default (25 MiB) and the autotuned layout, the last recorded
-iterations of ``model.sync_timeline()`` on every rank give the exposed
-synchronization time (end of backward compute to the last gradient written
-back; median over iterations of the slowest rank) and a Gantt chart per model,
-``benchmarks/out/timeline_<device>_<model>.png``: rank by rank, the forward and
-backward compute, each bucket's gradient-ready span, pack, communication and
-write-back, for the default layout and the autotuned one (one iteration each,
-the one with the median exposed time). Both layouts' traces, every rank, go to
-``timeline_<device>_<model>.trace.json`` (open it in ui.perfetto.dev).
-
-``--quick`` times the MLP, the encoder and the ResNet-50-shaped set with 5
-to 30 samples of 30 ms (10 s per model); ``--smoke`` (hidden; tests) shrunken models, 2 one-step
-samples and a short tuning (``FASTCOLL_AUTOTUNE_STEPS=12`` unless set).
-
-The fastcoll.DDP API this relies on (issue 13): ``bucket_cap_mb`` taking a
-list or ``"auto"``, ``record_timeline=True`` (the default), ``sync_timeline()``
-(:meth:`fastcoll.reducer.timeline.Timeline.iterations`), ``export_chrome_trace(path)``,
-``tuning_report()`` (:meth:`fastcoll.reducer.autotune.AutoTuner.report`) and
-``bucket_info()``. Without it (:func:`supported` is False) the command says so
-and exits 0, so ``make bench`` runs in any checkout.
+Per model, a step (zero_grad + forward + backward, no optimizer) of torch DDP
+(25 MiB buckets), ``fastcoll.DDP(bucket_cap_mb=cap)`` for caps of 1, 5, 25
+and 100 MiB, and ``bucket_cap_mb="auto"`` after its tuning, in rounds on
+shared weights (2 gloo ranks on CPU, 1 NCCL rank on a GPU). Targets: auto's
+step within 5% of the best fixed cap's and at most torch DDP's. Then, for
+the 25 MiB and the tuned layout, the exposed synchronization from
+``model.sync_timeline()``, a Gantt chart per model (rank by rank: compute,
+each bucket's ready span, pack, communication, write-back) and a merged
+Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -55,10 +16,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -68,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import common
+from . import models, report, runner, stats
 
 CPU_WORLD_SIZE = 2
 CUDA_WORLD_SIZE = 1
@@ -100,7 +59,7 @@ LANE_COLOURS = {
 
 def supported() -> bool:
     """Whether this checkout's fastcoll.DDP has the timeline and autotuning API (issue 13)."""
-    return common.ddp_supports(("record_timeline",), ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info"))
+    return runner.ddp_supports(("record_timeline",), ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info"))
 
 
 # ---------------------------------------------------------------------------
@@ -108,38 +67,28 @@ def supported() -> bool:
 # ---------------------------------------------------------------------------
 
 
+CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
+    "smoke": {"reps": 2, "max_reps": 2, "budget_s": 0.0, "setup_steps": 3, "target_s": 0.0, "max_inner": 1},
+    "default": {"reps": 5, "max_reps": 30, "budget_s": 10.0, "setup_steps": 3, "target_s": 0.03, "max_inner": 50},
+    "full": {"reps": 30, "max_reps": 100, "budget_s": 45.0, "setup_steps": 3, "target_s": 0.1, "max_inner": 200},
+}
+
+
 def _config(args: Any, device: str) -> dict[str, Any]:
-    # reps: the fewest samples per method; budget_s: a model's sampling time that raises them, up to max_reps
-    if getattr(args, "smoke", False):
-        cfg = {"reps": 2, "max_reps": 2, "budget_s": 0.0, "setup_steps": 3, "target_s": 0.0, "max_inner": 1}
-        cfg.update(smoke=True, quick=True)
-    elif getattr(args, "quick", False):
-        cfg = {"reps": 5, "max_reps": 30, "budget_s": 10.0, "setup_steps": 3, "target_s": 0.03, "max_inner": 50}
-        cfg.update(smoke=False, quick=True)
-    else:
-        cfg = {"reps": 30, "max_reps": 100, "budget_s": 45.0, "setup_steps": 3, "target_s": 0.1, "max_inner": 200}
-        cfg.update(smoke=False, quick=False)
-    cfg["device"] = device
-    cfg["world_size"] = CUDA_WORLD_SIZE if device == "cuda" else CPU_WORLD_SIZE
-    cfg["backend"] = "nccl" if device == "cuda" else "gloo"
-    spec = getattr(args, "threads", None)
-    if spec is None:
-        cfg["threads"] = 1
-    elif str(spec) == "all":
-        cfg["threads"] = max(1, common.available_cpus() // cfg["world_size"])
-    else:
-        cfg["threads"] = max(1, int(spec))
-    return cfg
+    level = getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
+    ws = CUDA_WORLD_SIZE if device == "cuda" else CPU_WORLD_SIZE
+    return {**CONFIGS[level], "level": level, "smoke": level == "smoke", "quick": level != "full", "device": device,
+            "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
+            "threads": runner.threads_per_rank(args, ws)}  # fmt: skip
 
 
 def model_specs(cfg: dict[str, Any]) -> list[Any]:
-    """The bench models of :mod:`fastcoll.bench.ddp`; ``--quick``: the MLP, the encoder and the ResNet-50 shapes."""
-    from . import ddp
-
-    specs = ddp.model_specs(cfg)
-    if cfg["quick"] and not cfg["smoke"]:
-        specs = [s for s in specs if s.name in ("mlp96", "encoder", "resnet50")]
-    return specs
+    """The ddp benchmark's models (default run: the MLP, the encoder and the ResNet-50 shapes; smoke: tiny ones)."""
+    if cfg["smoke"]:
+        return [models.SMOKE_MLP, models.SMOKE_CONVBN, models.SMOKE_ENCODER, models.SMOKE_RESNET50]
+    if cfg["quick"]:
+        return [models.MLP96, models.ENCODER, models.RESNET50]
+    return [models.MLP96, models.CONVBN, models.ENCODER, models.RESNET50, models.GPT2]
 
 
 def autotune_env(cfg: dict[str, Any]) -> dict[str, str]:
@@ -180,23 +129,6 @@ def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
     return max(cfg["reps"], min(cfg["max_reps"], fit))
 
 
-def _all_max(values: list[float], device: str) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _autotune_steps() -> int:
     from ..reducer.autotune import autotune_steps
 
@@ -208,33 +140,30 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     from . import ddp
 
     device = cfg["device"]
-    storage = ddp.build_storage(spec, device)
-    x = ddp.make_input(spec, rank, device)
+    storage = models.build_storage(spec, device)
+    x = models.make_input(spec, rank, device)
     wrappers: dict[str, nn.Module] = {}
     steps: dict[str, Callable[[], None]] = {}
     setup_s: dict[str, float] = {}
     tune_steps = _autotune_steps() + 5
     for method in METHODS:
-        wrapper = make_wrapper(method, ddp.build_model(spec, device, storage), device)
+        wrapper = make_wrapper(method, models.build_model(spec, device, storage), device)
         step = ddp.make_step("fastcoll", wrapper, spec, x)
         n = tune_steps if method == "auto" else cfg["setup_steps"]
         for _ in range(n - 1):  # the rebuild (and auto's tuning) happen here
             step()
-        common.synchronize(device)
+        runner.synchronize(device)
         t0 = time.perf_counter()
         step()
-        common.synchronize(device)
+        runner.synchronize(device)
         setup_s[method] = time.perf_counter() - t0
         wrappers[method], steps[method] = wrapper, step
         tick(1)
-    per_step = _all_max([max(setup_s.values())], device)[0]
-    if cfg["target_s"] <= 0:
-        inner = 1
-    else:
-        inner = max(1, min(cfg["max_inner"], int(math.ceil(cfg["target_s"] / max(per_step, 1e-6)))))
+    per_step = runner.all_max([max(setup_s.values())], device)[0]
+    inner = runner.inner_for(per_step, cfg["target_s"], cfg["max_inner"])
     reps = sample_count(cfg, inner * per_step)  # the same on every rank: per_step is the slowest rank's
-    samples = common.measure_interleaved(steps, device, warmup=0, reps=reps, inner=inner, on_sample=lambda: tick(1))
-    samples = {m: _all_max(s, device) for m, s in samples.items()}
+    samples = runner.measure_interleaved(steps, device, warmup=0, reps=reps, inner=inner, on_sample=lambda: tick(1))
+    samples = {m: runner.all_max(s, device) for m, s in samples.items()}
     tick((cfg["max_reps"] - reps) * len(METHODS))
 
     layouts: dict[str, Any] = {}
@@ -243,12 +172,12 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
         path = os.path.join(trace_dir, f"{spec.name}_{method.replace(' ', '')}_rank{rank}.json")
         w.export_chrome_trace(path)
         layouts[method] = {
-            "timeline": _gather(w.sync_timeline()),  # per rank
+            "timeline": runner.gather(w.sync_timeline()),  # per rank
             "buckets": len(w.bucket_info()),
             "bucket_bytes": [b["bytes"] for b in w.bucket_info()],
-            "traces": _gather(path),
+            "traces": runner.gather(path),
         }
-    report = wrappers["auto"].tuning_report()
+    tuning = wrappers["auto"].tuning_report()
     params = [p for p in wrappers["torch"].module.parameters() if p.requires_grad]
     row = {
         "model": spec.name,
@@ -257,10 +186,10 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
         "params": len(params),
         "numel": sum(p.numel() for p in params),
         "inner": inner,
-        "methods": {m: {**common.summarize(s), "setup_step_s": setup_s[m]} for m, s in samples.items()},
+        "methods": {m: {**stats.summarize(s), "setup_step_s": setup_s[m]} for m, s in samples.items()},
         "samples_s": samples,
         "buckets": {m: (len(w.bucket_info()) if m != "torch" else None) for m, w in wrappers.items()},
-        "tuning_report": report,
+        "tuning_report": tuning,
         "layouts": layouts,
     }
     del wrappers, steps, storage
@@ -268,25 +197,18 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     return row
 
 
-def _worker(rank: int, ws: int, store_path: str, cfg: dict[str, Any], out_path: str, trace_dir: str, progress_q: Any) -> None:
+def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: dict[str, Any], trace_dir: str) -> None:
     os.environ.update(autotune_env(cfg))
-    device = cfg["device"]
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    else:  # every step frees and reallocates its gradients: keep the heap instead of page-faulting it back in
-        common.keep_freed_memory()
-
-    tick = common.rank_ticker(rank, progress_q)
-
-    with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
+    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
         gc.collect()
         gc.freeze()
         rows = []
-        for spec in model_specs(cfg):
-            if rank == 0 and progress_q is not None:
-                progress_q.put(("describe", f"timeline: {spec.label}"))
-            rows.append(bench_model(spec, rank, cfg, tick, trace_dir))
-        common.save_rank_rows(rank, out_path, rows)
+        specs = model_specs(cfg)
+        for spec in specs:
+            me.describe(f"timeline: {spec.label}")
+            rows.append(bench_model(spec, rank, cfg, me.tick, trace_dir))
+            me.row(spec.label, len(specs))
+        me.save({"rows": rows})
 
 
 # ---------------------------------------------------------------------------
@@ -342,8 +264,8 @@ def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     auto_vs_torch = _ratio(med["auto"], med["torch"])
     samples = row.get("samples_s") or {}
     ci = {
-        "auto vs best fixed": common.bootstrap_ci(_auto_vs_best_fixed, samples, paired=True) if samples else None,
-        "auto vs torch": common.bootstrap_ci(_auto_vs_torch, samples, paired=True) if samples else None,
+        "auto vs best fixed": stats.bootstrap_ci(_auto_vs_best_fixed, samples, paired=True) if samples else None,
+        "auto vs torch": stats.bootstrap_ci(_auto_vs_torch, samples, paired=True) if samples else None,
     }
     row["best_fixed"] = best
     row["ratios"] = {
@@ -351,21 +273,10 @@ def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
         "auto/torch": auto_vs_torch,
         "25 MiB/torch": _ratio(med["25 MiB"], med["torch"]),
     }
+    how = "90% bootstrap (rounds)"
     row["targets"] = {
-        "auto vs best fixed": {
-            "op": "le",
-            "threshold": AUTO_VS_BEST_FIXED,
-            "value": auto_vs_best,
-            "pass": auto_vs_best is not None and auto_vs_best <= AUTO_VS_BEST_FIXED,
-            **common.interval_fields(ci["auto vs best fixed"], AUTO_VS_BEST_FIXED),
-        },
-        "auto vs torch": {
-            "op": "le",
-            "threshold": AUTO_VS_TORCH,
-            "value": auto_vs_torch,
-            "pass": auto_vs_torch is not None and auto_vs_torch <= AUTO_VS_TORCH,
-            **common.interval_fields(ci["auto vs torch"], AUTO_VS_TORCH),
-        },
+        "auto vs best fixed": stats.target(auto_vs_best, AUTO_VS_BEST_FIXED, ci["auto vs best fixed"], "le", how),
+        "auto vs torch": stats.target(auto_vs_torch, AUTO_VS_TORCH, ci["auto vs torch"], "le", how),
     }
     chosen = next((r for r in row.get("tuning_report") or [] if r.get("chosen")), None)
     row["auto_choice"] = chosen["label"] if chosen else None
@@ -499,7 +410,7 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
-    return common.save_figure(fig, path)
+    return report.save_figure(fig, path)
 
 
 def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
@@ -510,7 +421,7 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
         exposed = max((it["exposed_sync_us"] for it in recs if it), default=None)
         what = f"auto ({row.get('auto_choice') or '?'})" if method == "auto" else f"default ({method})"
         panels[
-            f"{what}: {lay['buckets']} buckets, iteration {num}, exposed sync {common.fmt_time(exposed and exposed / 1e6)}"
+            f"{what}: {lay['buckets']} buckets, iteration {num}, exposed sync {report.fmt_time(exposed and exposed / 1e6)}"
         ] = recs
     return gantt_chart(path, f"fastcoll timeline ({device}): {row['label']}", panels)
 
@@ -526,25 +437,13 @@ def progress_units(n_models: int, cfg: dict[str, Any]) -> int:
 
 def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized); traces are merged into ``trace_out``."""
-    import torch.multiprocessing as tmp
-
     device = getattr(args, "device", "cpu") or "cpu"
     cfg = _config(args, device)
     ws = cfg["world_size"]
     specs = model_specs(cfg)
-    with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as tmpdir:
-        out_path = os.path.join(tmpdir, "result.json")
-        trace_dir = os.path.join(tmpdir, "traces")
-        os.makedirs(trace_dir)
-        mpctx = tmp.get_context("spawn")
-        progress_q = mpctx.Queue()
-        ctx = tmp.spawn(
-            _worker, args=(ws, os.path.join(tmpdir, "store"), cfg, out_path, trace_dir, progress_q), nprocs=ws, join=False
-        )
-        with common.progress(progress_units(len(specs), cfg), f"timeline: starting {ws} rank(s)") as bar:
-            common.follow_ranks(ctx, progress_q, bar)
-        with open(out_path) as f:
-            result = json.load(f)
+    with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as trace_dir:
+        with report.progress("timeline", progress_units(len(specs), cfg)) as prog:
+            result = runner.run_ranks(_worker, (cfg, trace_dir), ws, prog)
         rows = [summarize_row(r) for r in result["rows"]]
         for r in rows:  # the per-rank traces live in tmpdir: read them now
             for lay in r["layouts"].values():
@@ -594,21 +493,18 @@ def write_traces(path_for: Callable[[str], Path], payload: dict[str, Any]) -> li
 def print_results(payload: dict[str, Any]) -> None:
     cfg = payload["config"]
     cpu = cfg["device"] == "cpu"
-    columns = ["model", *(m if m != "torch" else "torch DDP" for m in METHODS), "auto chose", "auto/best fixed", "auto/torch"]
-    columns += [f"≤{AUTO_VS_BEST_FIXED}x best", f"≤{AUTO_VS_TORCH}x torch"]
+    columns = ["model", *(m if m != "torch" else "torch DDP" for m in METHODS), "auto chose"]
+    columns += [f"auto/best fixed (≤{AUTO_VS_BEST_FIXED}x)", f"auto/torch (≤{AUTO_VS_TORCH}x)"]
     table = []
     for r in payload["results"]:
         m = r["methods"]
         cells = [r["label"] + (" *" if r["synthetic"] else "")]
         for meth in METHODS:
-            t = common.fmt_time(m[meth]["median_s"])
+            t = report.fmt_time(m[meth]["median_s"])
             cells.append(f"[bold]{t}[/bold]" if meth == r["best_fixed"] else t)
         cells += [
             r["auto_choice"] or "-",
-            _fmt_with_ci(r["ratios"]["auto/best fixed"], r["targets"]["auto vs best fixed"].get("ci90")),
-            _fmt_with_ci(r["ratios"]["auto/torch"], r["targets"]["auto vs torch"].get("ci90")),
-            common.pass_miss(r["targets"]["auto vs best fixed"]["pass"]),
-            common.pass_miss(r["targets"]["auto vs torch"]["pass"]),
+            *(report.target_cell(r["targets"][k]) for k in ("auto vs best fixed", "auto vs torch")),
         ]
         table.append(cells)
     where = (
@@ -616,7 +512,7 @@ def print_results(payload: dict[str, Any]) -> None:
         if cpu
         else f"{cfg['world_size']} rank on NCCL"
     )
-    common.render_table(
+    report.table(
         f"fastcoll timeline: bucket caps sweep, median step ({cfg['device']})",
         columns,
         table,
@@ -634,11 +530,11 @@ def print_results(payload: dict[str, Any]) -> None:
                     r["label"],
                     name,
                     str(lay["buckets"]),
-                    common.fmt_time(r["exposed_sync_s"].get(method)),
-                    common.fmt_time(r["methods"][method]["median_s"]),
+                    report.fmt_time(r["exposed_sync_s"].get(method)),
+                    report.fmt_time(r["methods"][method]["median_s"]),
                 ]
             )
-    common.render_table(
+    report.table(
         f"fastcoll timeline: exposed synchronization ({cfg['device']})",
         columns,
         table,
@@ -649,30 +545,9 @@ def print_results(payload: dict[str, Any]) -> None:
         rep = [x for x in r.get("tuning_report") or [] if not x.get("pruned")]
         if rep:
             alts = ", ".join(
-                f"{x['label']}{' (chosen)' if x.get('chosen') else ''} {common.fmt_time(x.get('step_median_s'))}" for x in rep
+                f"{x['label']}{' (chosen)' if x.get('chosen') else ''} {report.fmt_time(x.get('step_median_s'))}" for x in rep
             )
-            common.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
-
-
-def _fmt_with_ci(value: float | None, ci: Sequence[float] | None) -> str:
-    text = common.fmt_ratio(value)
-    return f"{text} ({ci[0]:.2f}-{ci[1]:.2f})" if ci else text
-
-
-def _summary(payload: dict[str, Any]) -> None:
-    rows = payload["results"]
-    misses = [
-        f"{r['label']}: {name} {_fmt_with_ci(t['value'], t.get('ci90'))}"
-        + ("" if t.get("resolved") else " (the 90% interval includes the threshold: not resolved by this run)")
-        for r in rows
-        for name, t in r["targets"].items()
-        if not t["pass"]
-    ]
-    total = sum(len(r["targets"]) for r in rows)
-    if total:
-        common.say(f"[bold]targets (issue 13; informational, never asserted):[/bold] {total - len(misses)}/{total} PASS")
-        for m in misses:
-            common.say(f"  [red]MISS[/red] {m}")
+            report.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
 
 
 def sweep_chart(path: Path, payload: dict[str, Any]) -> Path | None:
@@ -681,7 +556,7 @@ def sweep_chart(path: Path, payload: dict[str, Any]) -> Path | None:
     for r in payload["results"]:
         base = r["methods"]["torch"]["median_s"]
         panel[r["label"]] = {("torch DDP" if m == "torch" else m): r["methods"][m]["median_s"] / base for m in METHODS}
-    return common.bar_chart(
+    return report.bar_chart(
         path,
         f"fastcoll timeline ({payload['config']['device']}): step time relative to torch DDP (dashed = 1, lower is better)",
         {"step / torch DDP step": panel},
@@ -699,37 +574,27 @@ def run(args: Any = None) -> int:
     """
     device = getattr(args, "device", "cpu") or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        common.say("[red]fastcoll.bench timeline: --device cuda but torch.cuda.is_available() is False[/red]")
+        report.say("[red]fastcoll.bench timeline: --device cuda but torch.cuda.is_available() is False[/red]")
         return 2
     if not supported():
-        common.say(
+        report.say(
             "[yellow]fastcoll.bench timeline: this checkout's fastcoll.DDP has no record_timeline / sync_timeline / "
             "tuning_report (issue 13); skipping[/yellow]"
         )
         return 0
     payload = measure(args)
-    path = common.resolve_json_path(args, f"timeline_{device}")
+    path = report.json_path(args, f"timeline_{device}")
     traces = write_traces(lambda model: path.with_name(f"{path.stem}_{model}.trace.json"), payload)
     print_results(payload)
-    _summary(payload)
+    named = [(f"{r['label']}: {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
+    report.targets_summary("timeline", [t for _, t in named], [w for w, _ in named])
     pngs = [model_gantt(path.with_name(f"{path.stem}_{r['model']}.png"), r, device) for r in payload["results"]]
-    common.write_json(path, payload, device)
+    report.write_json(path, payload, device)
     png = sweep_chart(path.with_suffix(".png"), payload)
     written = [p for p in (png, *pngs) if p is not None]
-    common.say(
+    report.say(
         f"wrote {path}"
         + (f", {len(written)} chart(s) ({', '.join(p.name for p in written)})" if written else " (matplotlib missing: no charts)")
         + (f" and {len(traces)} Chrome trace(s)" if traces else "")
     )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fastcoll.bench.timeline [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]``."""
-    from .__main__ import main as cli
-
-    return cli(["timeline", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,80 +1,13 @@
-"""bfloat16 training at float32 quality: fastcoll's main gradients + sharded float32 masters against what users do today.
+"""bfloat16 training at float32 quality: fastcoll's main gradients + sharded float32 masters (docs/benchmarks.md).
 
-    python -m fastcoll.bench zero [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]   (after the ZeRO-1 section)
-    python -m fastcoll.bench.zero_bf16 [...]                                                      (this section alone)
-
-Part of ``python -m fastcoll.bench zero`` (:func:`fastcoll.bench.zero.run`
-calls :func:`run_section` after its own tables). On CPU 2 gloo ranks over
-loopback, 1 intra-op thread each; with ``--device cuda`` one NCCL rank per GPU.
-
-**Memory and step time** on GPT-2 small's parameter shapes (124.4 M; ``--quick``:
-the same structure at width 256, 22.6 M), AdamW (:data:`fastcoll.bench.zero.ADAMW`,
-``fused=True`` where torch has it for both dtypes), four recipes:
-
-* ``bf16``: the model in bfloat16 under torch DDP + AdamW: bfloat16
-  parameters, gradients, buckets and optimizer state (the cheap recipe, not
-  float32 quality);
-* ``autocast``: float32 parameters under torch DDP + AdamW, the forward in
-  ``torch.autocast(dtype=torch.bfloat16)``: what users do today for float32
-  quality (float32 gradients, buckets and state);
-* ``sharded``: the model in bfloat16 under ``fastcoll.DDP(main_grad_dtype=
-  torch.float32)`` + ``fastcoll.ShardedOptimizer(AdamW, master_dtype=
-  torch.float32, grads="sharded")``: float32 main gradients (reduce-scattered
-  in place), float32 master weights and state for 1/N of every bucket;
-* ``full``: the same with ``grads="full"`` (memory only: on gloo its
-  collectives are sharded's, an in-place all-reduce and broadcasts).
-
-The model (:class:`MatmulShapeModel`) holds each parameter in a module of its
-own, called in registration order (so ShardedOptimizer's forward pre-hooks
-wait per parameter), whose forward takes each row's dot product with ones
-(``torch.linalg.vecdot``, a product autocast runs in bfloat16: it casts the
-weight and caches the copy for the rest of the forward, as it does a
-``nn.Linear``'s weight) and sums them; 1-D parameters are summed. The cached copies are freed when the
-forward's autocast region ends (a real model's backward needs them, so there
-they live on into the backward): autocast's peak here is the lower bound of a
-real model's, which makes the memory target harder, not easier.
-
-Measured like the ZeRO-1 section:
-
-1. **Bytes per rank**, each recipe in a fresh process pair (forkserver):
-   the tensors each rank holds, counted by storage: parameters; gradients
-   (``.grad``, right after backward) and buckets (torch DDP: its reducer's
-   flat buckets, from ``_get_ddp_logging_data()``; fastcoll: the float32
-   main-gradient buckets, wire buffers, kept ranges and all-gather stages);
-   optimizer state (``opt.state``, and ShardedOptimizer's float32 masters).
-   Then the growth of the resident set's high-water mark (VmHWM; CUDA:
-   ``max_memory_allocated``) from before the model is built through its first
-   iterations, and the live heap (glibc ``mallinfo2``) after each phase of
-   every iteration (zero_grad, forward, backward, step).
-2. **Step time**, ``bf16``, ``autocast`` and ``sharded`` side by side in one
-   process pair, samples round-robin in rotating order, a sample's time the
-   slowest rank's: ``opt.zero_grad(set_to_none=True)``, forward (in autocast
-   for ``autocast``), backward, ``opt.step()``. Steady state: an untimed lead-in
-   iteration, then ``inner`` timed ones, each forward waiting for the
-   previous step's all-gathers; the last all-gathers drained untimed.
-3. **Quality** (:mod:`fastcoll.bench.tiny_lm`, the model and data of
-   ``tests/test_main_grads.py``): a 2-layer causal transformer trained 300
-   AdamW steps at lr 1e-4 on a fixed synthetic next-token task, 2 ranks, 4
-   micro-batches of accumulation per step, as (a) float32 everything, (b) the
-   bfloat16 model under torch DDP + AdamW, (c) the bfloat16 model with main
-   gradients + sharded float32 masters (``grads="sharded"``; ``"full"``
-   too). The relative L2 distance of the final weights from (a)'s, and the
-   last step's loss against (a)'s; the loss of every step is charted.
-
-Targets (the issue's; printed MET / MISSED / not resolved, never asserted):
-``sharded``'s peak resident growth per rank at most :data:`MEMORY_VS_AUTOCAST`
-x ``autocast``'s (interval: the range over ranks); its step at most
-:data:`STEP_VS_AUTOCAST` x ``autocast``'s (90% paired bootstrap interval);
-(c)'s weight distance at most :data:`DISTANCE_VS_BF16` of (b)'s; (c)'s final
-loss within :data:`LOSS_GAP` of (a)'s. ``full`` is reported against the same
-levels.
-
-About 3.5 minutes on the 2-core box (the quality runs 90 s of it). ``--quick``
-(about 1 minute) takes the width-256 GPT-2 shapes, 5 to 10 samples (the full
-run 6 to 12), and 100 quality steps of (a), (b) and (c) only. ``--smoke``
-(hidden; tests) runs tiny shapes with 2 one-iteration samples and 3 quality
-steps. Output: tables on the terminal, ``benchmarks/out/zero_bf16_<device>.json``
-and a PNG chart next to it.
+Part of ``python -m fastcoll.bench zero``. On GPT-2's parameter shapes (the
+default run: width 256), four recipes: ``bf16`` (the model in bfloat16 under
+torch DDP), ``autocast`` (float32 under torch DDP, the forward in
+``torch.autocast(bfloat16)``), ``sharded`` and ``full`` (the bfloat16 model
+under ``fastcoll.DDP(main_grad_dtype=torch.float32)`` +
+``ShardedOptimizer(master_dtype=torch.float32)``). Bytes per rank by kind,
+peak memory and step time; then the quality of a tiny causal LM trained
+each way (:mod:`fastcoll.bench.tiny_lm`).
 """
 
 from __future__ import annotations
@@ -82,9 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
-import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -92,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import common, tiny_lm, zero
-from . import ddp as bench_ddp
+from . import models, report, runner, stats, tiny_lm
+from .models import GPT2_QUICK, GPT2_SMALL, GPT2_SMOKE, GPT2Shapes
 
 METHODS = ("bf16", "autocast", "sharded", "full")
 TIMED = ("bf16", "autocast", "sharded")
@@ -137,7 +67,7 @@ QUALITY_STEPS_QUICK = 100  # --quick: 100 steps, (a), (b) and (c) (about 25 s in
 QUALITY_LR = 1e-4
 QUALITY_MICRO_BATCHES = 4
 
-MET, MISSED, UNRESOLVED = zero.MET, zero.MISSED, zero.UNRESOLVED
+MET, MISSED, UNRESOLVED = stats.MET, stats.MISSED, stats.UNRESOLVED
 BF16 = torch.bfloat16
 
 
@@ -146,157 +76,34 @@ BF16 = torch.bfloat16
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class GPT2Shapes:
-    """GPT-2's parameter shapes (Hugging Face's names and order) for a vocabulary, context, width and depth."""
-
-    name: str
-    label: str
-    vocab: int = 50257
-    ctx: int = 1024
-    d: int = 768
-    layers: int = 12
-
-    def shapes(self) -> List[Tuple[str, Tuple[int, ...]]]:
-        d = self.d
-        out: List[Tuple[str, Tuple[int, ...]]] = [("wte.weight", (self.vocab, d)), ("wpe.weight", (self.ctx, d))]
-        for i in range(self.layers):
-            h = f"h.{i}."
-            out += [
-                (h + "ln_1.weight", (d,)), (h + "ln_1.bias", (d,)),
-                (h + "attn.c_attn.weight", (d, 3 * d)), (h + "attn.c_attn.bias", (3 * d,)),
-                (h + "attn.c_proj.weight", (d, d)), (h + "attn.c_proj.bias", (d,)),
-                (h + "ln_2.weight", (d,)), (h + "ln_2.bias", (d,)),
-                (h + "mlp.c_fc.weight", (d, 4 * d)), (h + "mlp.c_fc.bias", (4 * d,)),
-                (h + "mlp.c_proj.weight", (4 * d, d)), (h + "mlp.c_proj.bias", (d,)),
-            ]  # fmt: skip
-        return out + [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
-
-    def numel(self) -> int:
-        return sum(math.prod(s) for _, s in self.shapes())
+CONFIGS = {  # rounds: reps..max_reps until the step target resolves
+    "smoke": dict(reps=2, max_reps=2, setup_steps=2, quality_steps=3, quality_runs=QUALITY_RUNS),
+    "default": dict(reps=5, max_reps=10, setup_steps=3, quality_steps=QUALITY_STEPS_QUICK, quality_runs=QUALITY_RUNS[:3]),
+    "full": dict(reps=6, max_reps=12, setup_steps=3, quality_steps=QUALITY_STEPS, quality_runs=QUALITY_RUNS),
+}
 
 
-GPT2_SMALL = GPT2Shapes("gpt2_small_bf16", "GPT-2 small shapes")
-GPT2_QUICK = GPT2Shapes("gpt2_d256_bf16", "GPT-2 shapes, width 256", d=256)
-GPT2_SMOKE = GPT2Shapes("gpt2_tiny_bf16", "GPT-2 shapes, tiny", vocab=512, ctx=64, d=32, layers=2)
-
-
-def _config(args: Any, device: str) -> Dict[str, Any]:
-    smoke, quick = bool(getattr(args, "smoke", False)), bool(getattr(args, "quick", False))
-    if smoke:
-        cfg: Dict[str, Any] = dict(reps=2, max_reps=2, budget_s=0.0, setup_steps=2, target_s=0.0, max_inner=1)
-        cfg.update(quality_steps=3, quality_runs=QUALITY_RUNS)
-    elif quick:
-        cfg = dict(reps=5, max_reps=10, budget_s=12.0, setup_steps=3, target_s=0.0, max_inner=1)
-        cfg.update(quality_steps=QUALITY_STEPS_QUICK, quality_runs=QUALITY_RUNS[:3])
-    else:
-        cfg = dict(reps=6, max_reps=12, budget_s=70.0, setup_steps=3, target_s=0.0, max_inner=1)
-        cfg.update(quality_steps=QUALITY_STEPS, quality_runs=QUALITY_RUNS)
-    cfg.update(smoke=smoke, quick=quick or smoke, device=device)
-    if device == "cuda":
-        cfg["world_size"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        cfg["backend"] = "nccl"
-    else:
-        cfg["world_size"] = zero.CPU_WORLD_SIZE
-        cfg["backend"] = "gloo"
-    cfg["threads"] = bench_ddp._threads_per_rank(args, max(cfg["world_size"], 1))
-    cfg["quality"] = {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES, "world_size": 2}
-    return cfg
+def config(args: Any) -> Dict[str, Any]:
+    """The configuration of ``args.level`` on ``args.device`` (2 gloo ranks on CPU, one NCCL rank per GPU)."""
+    device = getattr(args, "device", "cpu") or "cpu"
+    ws = torch.cuda.device_count() if device == "cuda" else 2
+    return {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
+            "device": device, "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
+            "threads": runner.threads_per_rank(args, ws),
+            "quality": {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES, "world_size": 2}}  # fmt: skip
 
 
 def model_shapes(cfg: Dict[str, Any]) -> GPT2Shapes:
-    return GPT2_SMOKE if cfg["smoke"] else GPT2_QUICK if cfg["quick"] else GPT2_SMALL
-
-
-def sample_count(cfg: Dict[str, Any], round_s: float) -> int:
-    """Samples per method: as many rounds (``round_s`` each) as the budget allows, within the configured bounds."""
-    return max(cfg["reps"], min(cfg["max_reps"], int(cfg["budget_s"] / max(round_s, 1e-6))))
-
-
-# ---------------------------------------------------------------------------
-# The model and the recipes
-# ---------------------------------------------------------------------------
-
-_ONES: Dict[Tuple[int, torch.dtype, str], torch.Tensor] = {}
-
-
-def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (n, dtype, str(device))
-    t = _ONES.get(key)
-    if t is None:
-        t = _ONES[key] = torch.ones(n, dtype=dtype, device=device)
-    return t
-
-
-class MatmulHolder(nn.Module):
-    """One parameter in a module of its own; ``forward()`` = ``torch.linalg.vecdot(W, ones(cols)).sum()`` as float32.
-
-    A 1-D parameter is summed. ``vecdot`` is one of the products autocast
-    runs in bfloat16: under autocast the weight is cast and the copy cached,
-    as a ``nn.Linear``'s is. It costs one multiply-add per element both ways
-    (torch's bfloat16 GEMMs on a CPU without oneDNN's bfloat16 are 10-25x
-    slower than float32's, which would leave only compute to compare).
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-
-    def forward(self) -> torch.Tensor:
-        w = self.weight
-        if w.dim() < 2:
-            return w.sum().float()
-        w2 = w if w.dim() == 2 else w.reshape(w.shape[0], -1)
-        return torch.linalg.vecdot(w2, _ones(w2.shape[1], w.dtype, w.device)).sum().float()
-
-
-class MatmulShapeModel(nn.Module):
-    """Parameters of given shapes, each in a :class:`MatmulHolder`, called in registration order.
-
-    ``forward(x) = sum_i holder_i() * x[i]`` (float32). ``storage``: share
-    these tensors (one copy per dtype for the methods timed side by side).
-    """
-
-    def __init__(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype, storage: Optional[Sequence[torch.Tensor]] = None,
-                 device: Any = "cpu"):  # fmt: skip
-        super().__init__()
-        if storage is None:
-            storage = build_storage(shapes, dtype, device)
-        self.layers = nn.ModuleList(MatmulHolder(t) for t in storage)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([m() for m in self.layers]) @ x
-
-
-def build_storage(shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: Any) -> List[torch.Tensor]:
-    return [torch.full(tuple(s), 0.01, dtype=dtype, device=device) for s in shapes]
+    return {"smoke": GPT2_SMOKE, "default": GPT2_QUICK, "full": GPT2_SMALL}[cfg["level"]]
 
 
 def param_dtype(method: str) -> torch.dtype:
     return torch.float32 if method == "autocast" else BF16
 
 
-def make_input(n: int, rank: int, device: str) -> torch.Tensor:
-    """This rank's weights of the parameters' terms (float32; a different vector per rank, as the ddp bench's)."""
-    return ((rank + 1) * torch.arange(1, n + 1, dtype=torch.float32) / n).to(device)
-
-
-_FUSED: Dict[str, bool] = {}
-
-
-def adamw_kwargs(device: str) -> Dict[str, Any]:
-    """:data:`fastcoll.bench.zero.ADAMW`, plus ``fused=True`` when torch's fused AdamW steps both dtypes on ``device``."""
-    if device not in _FUSED:
-        ok = True
-        for dtype in (torch.float32, BF16):
-            try:
-                p = torch.zeros(2, dtype=dtype, device=device, requires_grad=True)
-                p.grad = torch.ones_like(p)
-                torch.optim.AdamW([p], fused=True).step()
-            except (RuntimeError, ValueError, TypeError):
-                ok = False
-        _FUSED[device] = ok
-    return {**zero.ADAMW, **({"fused": True} if _FUSED[device] else {})}
+def build_model(shapes: Sequence[Sequence[int]], method: str, storage: Any = None, device: Any = "cpu") -> nn.Module:
+    """GPT-2's shapes, one module each, whose forward is a row-wise dot product autocast runs in bfloat16."""
+    return models.LayeredShapeModel(shapes, storage, device, param_dtype(method), matmul=True)
 
 
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
@@ -308,7 +115,7 @@ def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module,
     kw: Dict[str, Any] = {}
     if device == "cuda":
         kw["device_ids"] = [torch.cuda.current_device()]
-    adamw = adamw_kwargs(device)
+    adamw = models.adamw_kwargs(device, (torch.float32, BF16))
     if method in FASTCOLL:
         wrapper: nn.Module = fastcoll.DDP(module, main_grad_dtype=torch.float32, **kw)
         opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
@@ -381,7 +188,17 @@ def torch_bucket_bytes(wrapper: nn.Module) -> Optional[int]:
 
 
 def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
-    """fastcoll's gradient-side buffers: bucket storage, narrower wire buffers, kept ranges, all-gather stages."""
+    """fastcoll's gradient-side buffers: bucket storage, narrower wire buffers, kept ranges, all-gather stages.
+
+    These are internals (the byte accounting needs them); a layout this does not know counts as none.
+    """
+    try:
+        return _fastcoll_buffers(wrapper, opt)
+    except AttributeError:  # pragma: no cover (another internal layout)
+        return []
+
+
+def _fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
     r = wrapper.reducer  # type: ignore[attr-defined]
     out: List[torch.Tensor] = []
     for b in r.buckets:
@@ -396,7 +213,7 @@ def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[tor
 
 def masters(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
     """ShardedOptimizer's float32 master copies of this rank's pieces (none for a plain optimizer)."""
-    if not hasattr(opt, "_has_master"):
+    if not hasattr(opt, "_has_master") or not hasattr(opt, "_shard_params"):  # internals: none where they moved
         return []
     return [t for k, t in enumerate(opt._shard_params) if opt._has_master(k)]  # type: ignore[attr-defined]
 
@@ -434,12 +251,12 @@ PHASES = ("zero_grad", "forward end", "forward", "backward", "step")
 def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """This rank's bytes by kind, its peak resident growth and its live heap per phase for ``method``."""
     device = cfg["device"]
-    probe = bench_ddp.MemoryProbe(device)
+    probe = runner.MemoryProbe(device)
     probe.start()
-    live = zero.LiveBytes() if device == "cpu" else None
+    live = runner.LiveBytes() if device == "cpu" else None
     dims = [s for _, s in shapes.shapes()]
-    module = MatmulShapeModel(dims, param_dtype(method), device=device)
-    x = make_input(len(dims), rank, device)
+    module = build_model(dims, method, device=device)
+    x = models.shape_input(len(dims), rank, device)
     wrapper, opt = make_method(method, module, device)
     by_phase: Dict[str, int] = {p: 0 for p in PHASES}
     kept: List[torch.Tensor] = []
@@ -456,8 +273,8 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     module.register_forward_hook(lambda *_: sample("forward end"))
     for _ in range(cfg["setup_steps"] + 1):
         step()
-    zero.settle(opt)
-    common.synchronize(device)
+    runner.settle(opt)
+    runner.synchronize(device)
     held = account(method, module, wrapper, opt, kept)
     kept.clear()
     return {
@@ -475,30 +292,24 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
 def _warm_up(method: str, device: str, rank: int) -> None:
     """A few iterations of ``method`` on tiny shapes, so the measured model pays no one-time costs."""
     shapes = [(4, 3), (5,), (3, 2)]
-    module = MatmulShapeModel(shapes, param_dtype(method), device=device)
+    module = build_model(shapes, method, device=device)
     wrapper, opt = make_method(method, module, device)
-    step = make_step(method, wrapper, opt, make_input(len(shapes), rank, device), device)
+    step = make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device)
     for _ in range(3):
         step()
-    zero.settle(opt)
+    runner.settle(opt)
     del wrapper, opt, step
     gc.collect()
 
 
 def _memory_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
                    shapes: GPT2Shapes, method: str) -> None:  # fmt: skip
-    device = cfg["device"]
-    zero._set_device(device, rank)
-    with common.rank_process_group(rank, ws, store_path, cfg["threads"], cfg["backend"]):
-        _warm_up(method, device, rank)
+    with runner.Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
+        _warm_up(method, me.device, rank)
         info = measure_memory(shapes, method, rank, cfg)
         gc.collect()  # the wrappers go while their process group is alive
-        infos = zero._gather(info)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump({"ranks": infos}, f)
-            if progress_q is not None:
-                progress_q.put(("advance", 1))
+        me.tick()
+        me.save({"ranks": runner.gather(info)})
 
 
 # ---------------------------------------------------------------------------
@@ -506,62 +317,38 @@ def _memory_worker(rank: int, ws: int, store_path: str, out_path: str, progress_
 # ---------------------------------------------------------------------------
 
 
-def time_methods(
-    shapes: GPT2Shapes, methods: Sequence[str], rank: int, cfg: Dict[str, Any], tick: Callable[[int], None]
-) -> Dict[str, Any]:
-    """Time ``methods`` side by side (this rank's part; samples are the slowest rank's). Methods of a dtype share weights."""
-    device = cfg["device"]
-    dims = [s for _, s in shapes.shapes()]
-    storage: Dict[torch.dtype, List[torch.Tensor]] = {}
-    x = make_input(len(dims), rank, device)
-    runs: Dict[str, Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
-    setup_s: Dict[str, float] = {}
-    for m in methods:
-        dtype = param_dtype(m)
-        if dtype not in storage:
-            storage[dtype] = build_storage(dims, dtype, device)
-        wrapper, opt = make_method(m, MatmulShapeModel(dims, dtype, storage[dtype], device), device)
-        step = make_step(m, wrapper, opt, x, device)
-        for _ in range(cfg["setup_steps"] - 1):  # bucket rebuilds, optimizer state allocation
-            step()
-        zero.settle(opt)
-        common.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        zero.settle(opt)
-        common.synchronize(device)
-        setup_s[m] = time.perf_counter() - t0
-        opt.zero_grad(set_to_none=True)
-        runs[m] = (wrapper, opt, step)
-        tick(1)
-    per_step = bench_ddp._all_max([max(setup_s.values())], device)[0]
-    inner = 1 if cfg["target_s"] <= 0 else max(1, min(cfg["max_inner"], math.ceil(cfg["target_s"] / max(per_step, 1e-6))))
-    reps = sample_count(cfg, len(methods) * (inner + 1) * per_step)
-    samples: Dict[str, List[float]] = {m: [] for m in methods}
-    for k in range(reps):
-        for m in common.rotated(methods, k):
-            _wrapper, opt, step = runs[m]
-            step()  # lead-in: its all-gathers are pending when the timing starts, as in steady state
-            common.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                step()
-            common.synchronize(device)
-            samples[m].append((time.perf_counter() - t0) / inner)
-            zero.settle(opt)  # the last step's all-gathers, outside the timing
-            opt.zero_grad(set_to_none=True)
-            tick(1)
-    tick((cfg["max_reps"] - reps) * len(methods))
-    samples = {m: bench_ddp._all_max(s, device) for m, s in samples.items()}
-    runs.clear()
-    storage.clear()
-    gc.collect()
-    return {"methods": list(methods), "inner": inner, "reps": reps, "setup_step_s": per_step, "samples": samples}
-
-
 def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
                    shapes: GPT2Shapes, methods: Sequence[str]) -> None:  # fmt: skip
-    zero.timing_rank(rank, ws, store_path, out_path, progress_q, cfg, lambda tick: time_methods(shapes, methods, rank, cfg, tick))
+    """The timed recipes side by side on shared weights (one copy per dtype), rounds until the step target resolves."""
+    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
+        gc.collect()
+        gc.freeze()
+        device, dims = me.device, [s for _, s in shapes.shapes()]
+        storage: Dict[torch.dtype, List[torch.Tensor]] = {}
+        x = models.shape_input(len(dims), rank, device)
+        runs: Dict[str, Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
+        for m in methods:
+            dtype = param_dtype(m)
+            storage.setdefault(dtype, models.filled(dims, dtype, device))
+            wrapper, opt = make_method(m, build_model(dims, m, storage[dtype], device), device)
+            step = make_step(m, wrapper, opt, x, device)
+            for _ in range(cfg["setup_steps"]):  # bucket rebuilds, optimizer state allocation
+                step()
+            runner.settle(opt)
+            opt.zero_grad(set_to_none=True)
+            runs[m] = (wrapper, opt, step)
+            me.tick()
+
+        def after(m: str) -> None:  # the last step's all-gathers drained untimed
+            runner.settle(runs[m][1])
+            runs[m][1].zero_grad(set_to_none=True)
+
+        goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
+        samples, _ = runner.timed_rounds({m: r[2] for m, r in runs.items()}, 1, cfg["reps"], cfg["max_reps"], goal, device,
+                                         me.tick, before=lambda m: runs[m][2](), after=after)  # fmt: skip
+        me.tick(len(methods) * (cfg["max_reps"] - len(samples[methods[0]])))
+        runs.clear()
+        me.save({"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples})
 
 
 # ---------------------------------------------------------------------------
@@ -571,7 +358,7 @@ def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_
 
 def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]) -> None:
     steps = cfg["quality_steps"]
-    with common.rank_process_group(rank, ws, store_path, 1, "gloo"):
+    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}) as me:
         runs: Dict[str, Dict[str, Any]] = {}
         seconds: Dict[str, float] = {}
         for name in cfg["quality_runs"]:
@@ -581,8 +368,7 @@ def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress
                                        lr=QUALITY_LR, micro_batches=QUALITY_MICRO_BATCHES, masters=True)  # fmt: skip
             seconds[name] = time.perf_counter() - t0
             gc.collect()
-            if rank == 0 and progress_q is not None:
-                progress_q.put(("advance", 1))
+            me.tick()
         if rank == 0:
             init = tiny_lm.flat_weights(tiny_lm.TinyCausalLM())
             metrics = tiny_lm.quality_metrics(runs, init)
@@ -591,8 +377,7 @@ def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress
                 "params": int(init.numel()),
                 "runs": {n: {**metrics[n], "losses": runs[n]["losses"], "seconds": seconds[n]} for n in runs},
             }
-            with open(out_path, "w") as f:
-                json.dump(out, f)
+            me.save(out)
 
 
 # ---------------------------------------------------------------------------
@@ -601,9 +386,18 @@ def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress
 
 
 def _target(value: Optional[float], threshold: float, ci: Optional[Sequence[float]], what: str, interval: str) -> Dict[str, Any]:
-    t = zero._target(value, threshold, ci, "le", interval)
+    t = stats.target(value, threshold, ci, "le", interval)
     t["what"] = what
     return t
+
+
+def step_ratio(groups: Sequence[Dict[str, Any]], a: str, b: str) -> Tuple[Optional[float], Optional[Sequence[float]]]:
+    """``a``'s median step over ``b``'s and its paired 90% interval, from the group timing both."""
+    g = next((g for g in groups if a in g["samples"] and b in g["samples"]), None)
+    if g is None:
+        return None, None
+    t = stats.ratio_target(g["samples"], a, b, 1.0)
+    return t["value"], t["ci90"]
 
 
 def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -614,7 +408,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
         entry: Dict[str, Any] = {}
         g = next((grp for grp in groups if m in grp["samples"]), None)
         if g is not None:
-            entry.update(common.summarize(g["samples"][m]))
+            entry.update(stats.summarize(g["samples"][m]))
         ranks = mem.get(m, {}).get("ranks") or []
         if ranks:
             numel = ranks[0]["numel"]
@@ -644,7 +438,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
             targets[f"memory {m}/autocast"] = _target(max(per_rank), MEMORY_VS_AUTOCAST, (min(per_rank), max(per_rank)),
                                                       f"peak resident growth per rank, {METHOD_LABELS[m]} / autocast's",
                                                       "range over ranks")  # fmt: skip
-        value, ci = zero.step_ratio(groups, m, "autocast")
+        value, ci = step_ratio(groups, m, "autocast")
         if value is not None:
             targets[f"step {m}/autocast"] = _target(value, STEP_VS_AUTOCAST, ci, f"step, {METHOD_LABELS[m]} / autocast's",
                                                     "90% bootstrap (rounds)")  # fmt: skip
@@ -652,7 +446,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     for m in METHODS:
         if m == "autocast":
             continue
-        value, ci = zero.step_ratio(groups, m, "autocast")
+        value, ci = step_ratio(groups, m, "autocast")
         ratios[f"step {m}/autocast"] = {"value": value, "ci90": list(ci) if ci else None}
         me = methods[m]
         for what in ("peak_bytes", "live_peak_bytes"):
@@ -688,23 +482,22 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the three phases; return ``{"benchmark": "zero_bf16", "config", "implementation", "results": [row], "quality"}``."""
     device = getattr(args, "device", "cpu") or "cpu"
-    cfg = _config(args, device)
+    cfg = config(args)
     ws = cfg["world_size"]
     shapes = model_shapes(cfg)
     units = len(METHODS) + len(TIMED) * (cfg["max_reps"] + 1) + len(cfg["quality_runs"])
-    progress_q = zero._context().Queue()
     started = time.perf_counter()
     implementation, malloc = None, None
-    with common.progress(units, f"zero bf16: {ws} ranks") as bar:
+    with report.progress("zero bf16", units) as bar:
         memory: Dict[str, Any] = {}
         for m in METHODS:
             bar.describe(f"zero bf16: {shapes.label}, memory of {METHOD_LABELS[m]}")
-            memory[m] = zero._run_ranks(_memory_worker, (cfg, shapes, m), ws, progress_q, bar)
+            memory[m] = runner.run_ranks(_memory_worker, (cfg, shapes, m), ws, bar)
         bar.describe(f"zero bf16: {shapes.label}, timing {', '.join(METHOD_LABELS[m] for m in TIMED)}")
-        timed = zero._run_ranks(_timing_worker, (cfg, shapes, TIMED), ws, progress_q, bar)
+        timed = runner.run_ranks(_timing_worker, (cfg, shapes, TIMED), ws, bar)
         implementation, malloc = timed.pop("implementation"), timed.pop("malloc")
         bar.describe(f"zero bf16: quality, the tiny causal LM ({len(cfg['quality_runs'])} runs)")
-        quality = zero._run_ranks(_quality_worker, (cfg,), 2, progress_q, bar)
+        quality = runner.run_ranks(_quality_worker, (cfg,), 2, bar)
     row = {
         "model": shapes.name,
         "label": shapes.label,
@@ -721,7 +514,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
             **cfg,
             "methods": METHOD_DESCRIPTIONS,
             "timed": list(TIMED),
-            "adamw": adamw_kwargs(device),
+            "adamw": models.adamw_kwargs(device, (torch.float32, BF16)),
             "model": "MatmulShapeModel: one module per parameter of GPT-2's shapes, forward = sum_i "
             "linalg.vecdot(W_i, ones(cols_i)).sum() * x_i (1-D: W_i.sum()), float32 terms",
             "step": "opt.zero_grad(set_to_none=True); loss = wrapper(x) (autocast: in torch.autocast(bfloat16)); "
@@ -756,276 +549,72 @@ def measure(args: Any = None) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
-def _mib(nbytes: Optional[float]) -> str:
-    return zero._mib(nbytes)
-
-
-def _per_rank(values: Optional[Sequence[Optional[float]]]) -> str:
-    return zero._per_rank_mib(values)
-
-
-def _verdict_cell(t: Optional[Dict[str, Any]]) -> str:
-    return zero._verdict_cell(t)
-
-
-def _bpp(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _target_cells(t: Dict[str, Any]) -> Tuple[str, str, str]:
-    ci = t.get("ci90")
-    if t["interval"] == "exact":
-        return f"{t['value']:.4f}" if t["value"] is not None else "-", "exact", f"<= {t['threshold']}"
-    return f"{t['value']:.3f}x", (f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-"), f"<= {t['threshold']}x"
-
-
 def print_results(payload: Dict[str, Any]) -> None:
-    cfg = payload["config"]
-    device = cfg["device"]
-    (row,) = payload["results"]
-    m = row["methods"]
-    where = (
-        f"{cfg['world_size']} gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each"
-        if device == "cpu"
-        else f"{cfg['world_size']} NCCL ranks"
-    )
-    g = row["groups"][0]
+    """Step times, bytes per rank by kind, live heap by phase, the quality runs and the targets."""
+    cfg, (row,), mib = payload["config"], payload["results"], report.mib
+    m, device, g = row["methods"], cfg["device"], row["groups"][0]
     cells = [f"{row['label']} ({row['numel'] / 1e6:.1f} M)"]
-    cells += [common.fmt_time(m[k].get("median_s")) if k in TIMED else "not timed" for k in METHODS]
+    cells += [report.fmt_time(m[k].get("median_s")) if k in TIMED else "not timed" for k in METHODS]
     for k in ("bf16", "sharded"):
         r = row["ratios"].get(f"step {k}/autocast") or {}
-        ci = r.get("ci90")
-        cells.append(common.fmt_ratio(r.get("value")) + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""))
-    cells.append(f"{g['reps']} x {g['inner']}")
-    common.render_table(
-        f"fastcoll zero bf16: step time with AdamW, bfloat16 recipes ({device})",
-        ["model", *(METHOD_LABELS[k] for k in METHODS), "bf16/autocast", "sharded/autocast", "n x inner"],
-        [cells],
-        caption=f"{where}; ops: {payload['implementation']}; AdamW({', '.join(f'{k}={v}' for k, v in cfg['adamw'].items())}). "
-        "Median step (slowest rank) = zero_grad + forward + backward + step, steady state (each forward waits for the "
-        "previous step's all-gathers); samples interleaved, order rotated each round; ratios with 90% paired bootstrap "
-        "intervals. grads=full is not timed: on gloo it issues sharded's collectives (in-place all-reduce, broadcasts).",
-    )
-
-    table = []
+        t = stats.target(r.get("value"), STEP_VS_AUTOCAST, r.get("ci90"))
+        cells.append(report.target_cell(t) if k == "sharded" else report.fmt_ratio(r.get("value")))
+    adamw = ", ".join(f"{k}={v}" for k, v in cfg["adamw"].items())
+    report.table(f"fastcoll zero bf16: step time with AdamW, bfloat16 recipes ({device})",
+                 ["model", *(METHOD_LABELS[k] for k in METHODS), "bf16/autocast", "sharded/autocast", "rounds"],
+                 [cells + [g["reps"]]],
+                 f"{cfg['world_size']} {cfg['backend']} ranks; AdamW({adamw}); median step of the slowest rank, steady state, "
+                 "rounds until the step target resolves (90% paired interval). grads=full is not timed: on gloo it "
+                 "issues sharded's collectives.")  # fmt: skip
+    body = []
     for k in METHODS:
         e = m[k]
-        held = e.get("held") or []
-        h = max(held, key=lambda x: x["total"]) if held else {}
-        bpp = e.get("bytes_per_param") or {}
-        peak_ratio = row["ratios"].get(f"peak_bytes {k}/autocast")
-        table.append(
-            [
-                METHOD_LABELS[k],
-                _mib(h.get("params")),
-                _mib(h.get("grads")),
-                _mib(h.get("buckets")),
-                _mib(h.get("state", 0) + h.get("masters", 0)) + (f" ({_mib(h['masters'])})" if h.get("masters") else ""),
-                _mib(h.get("total")),
-                f"{_bpp(bpp.get('held'))} ({e['readme_bytes_per_param']:.0f})",
-                _per_rank(e.get("peak_bytes")),
-                _bpp(bpp.get("peak")),
-                _per_rank(e.get("live_peak_bytes")),
-                "-" if peak_ratio is None else f"{peak_ratio:.3f}x",
-            ]
-        )
-    common.render_table(
-        f"fastcoll zero bf16: bytes per rank, {row['label']} ({row['numel'] / 1e6:.1f} M parameters, {device})",
-        [
-            "method",
-            "params",
-            ".grad",
-            "buckets",
-            "state (masters)",
-            "held",
-            "held B/P (README)",
-            "peak (r0 / r1)",
-            "peak B/P",
-            "live (r0 / r1)",
-            "peak/autocast",
-        ],
-        table,
-        caption="MiB per rank; B/P: bytes per parameter. held: the distinct storages each rank holds (worst rank): "
-        "parameters; .grad right after backward (fastcoll frees each 16-bit .grad once added into the float32 main "
-        "gradients); buckets (torch DDP: its reducer's flat buckets; fastcoll: the float32 main-gradient buckets, "
-        "which also hold the parameters' all-gather); optimizer state (AdamW's, plus ShardedOptimizer's float32 "
-        "masters in brackets). README: bytes per parameter from README's table (Sharding the optimizer) at N = 2, "
-        "or derived the same way.\n"
-        "peak: growth of the resident set's high-water mark from before the model is built through its first "
-        "iterations, a fresh process pair per method; live: the most heap bytes alive (glibc mallinfo2) sampled "
-        "after each phase. autocast's peak includes its bfloat16 weight copies during the forward.",
-    )
-
-    by_phase = []
-    for k in METHODS:
-        phases = [p for p in (m[k].get("live_by_phase") or []) if p]
-        if phases:
-            by_phase.append([METHOD_LABELS[k], *(_mib(max(p[ph] for p in phases)) for ph in PHASES)])
+        h = max(e.get("held") or [{}], key=lambda x: x.get("total", 0))
+        bpp, peak = e.get("bytes_per_param") or {}, row["ratios"].get(f"peak_bytes {k}/autocast")
+        state = mib(h.get("state", 0) + h.get("masters", 0)) + (f" ({mib(h['masters'])})" if h.get("masters") else "")
+        body.append([METHOD_LABELS[k], mib(h.get("params")), mib(h.get("grads")), mib(h.get("buckets")), state,
+                     mib(h.get("total")),
+                     f"{bpp.get('held') or 0:.2f} ({e['readme_bytes_per_param']:.0f})", report.per_rank_mib(e.get("peak_bytes")),
+                     report.per_rank_mib(e.get("live_peak_bytes")), report.fmt_ratio(peak)])  # fmt: skip
+    report.table(f"fastcoll zero bf16: bytes per rank, {row['label']} ({row['numel'] / 1e6:.1f} M parameters, {device})",
+                 ["method", "params", ".grad", "buckets", "state (masters)", "held", "held B/P (README)", "peak (r0 / r1)",
+                  "live (r0 / r1)", "peak/autocast"], body,
+                 "MiB per rank; held: the distinct storages a rank holds (worst rank), .grad right after backward, buckets "
+                 "(fastcoll: float32 main-gradient buckets), optimizer state (+ float32 masters); B/P: bytes per "
+                 "parameter, README's at N = 2 in brackets; peak: resident high-water growth, a fresh process pair per "
+                 "method; live: most heap bytes alive after a phase (glibc mallinfo2).")  # fmt: skip
+    by_phase = [[METHOD_LABELS[k], *(mib(max(p[ph] for p in ps)) for ph in PHASES)]
+                for k in METHODS if (ps := [p for p in (m[k].get("live_by_phase") or []) if p])]  # fmt: skip
     if by_phase:
-        common.render_table(
-            f"fastcoll zero bf16: live heap MiB after each phase of an iteration (worst rank, {device})",
-            ["method", *(f"after {p}" for p in PHASES)],
-            by_phase,
-            caption="The most bytes alive at each point over every iteration (above the heap before the model was "
-            "built): after zero_grad, the persistent set; at the forward's end (the model's forward hook, still in "
-            "autocast's region), autocast's cached bfloat16 weight copies; after the forward (the region ended: "
-            "they are freed); after backward, the gradients; after step.",
-        )
-
+        report.table(f"fastcoll zero bf16: live heap MiB after each phase (worst rank, {device})",
+                     ["method", *(f"after {p}" for p in PHASES)], by_phase,
+                     "at the forward's end autocast's bfloat16 weight copies are still cached, after it freed")  # fmt: skip
     q = payload.get("quality")
     if q:
-        table = []
-        for name in [n for n in QUALITY_RUNS if n in q["runs"]]:
-            r = q["runs"][name]
-            table.append(
-                [
-                    QUALITY_LABELS[name],
-                    f"{r['final_loss']:.4f}",
-                    f"{r['loss_gap']:+.2%}",
-                    f"{r['weight_distance']:.2e}",
-                    f"{r['master_distance']:.2e}" if r.get("master_distance") is not None else "-",
-                    "-" if r.get("distance_vs_bf16") is None else f"{r['distance_vs_bf16']:.3f}",
-                    f"{r['seconds']:.1f} s",
-                ]
-            )
-        moved = q["runs"]["fp32"].get("moved")
-        common.render_table(
-            f"fastcoll zero bf16: quality, tiny causal LM, {q['steps']} AdamW steps (2 gloo ranks)",
-            ["run", "final loss", "gap vs (a)", "weight distance", "master distance", "distance / (b)'s", "time"],
-            table,
-            caption=f"{cfg['quality_model']}. final loss: the last step's (mean over micro-batches and ranks); "
-            "distance: ||w - w(a)|| / ||w(a)|| over every parameter (the model's, bfloat16 for (b) and (c)); master "
-            "distance: the float32 masters'"
-            + (f"; training moved (a)'s weights {moved:.2e} of their norm from the initial ones." if moved else "."),
-        )
-
-    table = []
-    for t in row["targets"].values():
-        value, interval, threshold = _target_cells(t)
-        table.append([t["what"], value, interval, threshold, _verdict_cell(t)])
-    common.render_table(
-        f"fastcoll zero bf16: targets ({device})",
-        ["target", "value", "interval", "target", "verdict"],
-        table,
-        caption="The issue's targets are sharded's; full's against the same levels for information. MET / MISSED when "
-        "the interval lies on one side, else not resolved. Informational, never asserted.",
-    )
-
-
-def _summary(payload: Dict[str, Any]) -> None:
-    counts = {MET: 0, MISSED: 0, UNRESOLVED: 0}
-    for t in payload["results"][0]["targets"].values():
-        counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
-    common.say(
-        f"[bold]bf16 targets (informational, never asserted):[/bold] {counts[MET]} met, {counts[MISSED]} missed, "
-        f"{counts[UNRESOLVED]} not resolved"
-    )
+        body = [[QUALITY_LABELS[n], f"{r['final_loss']:.4f}", f"{r['loss_gap']:+.2%}", f"{r['weight_distance']:.2e}",
+                 "-" if r.get("master_distance") is None else f"{r['master_distance']:.2e}",
+                 "-" if r.get("distance_vs_bf16") is None else f"{r['distance_vs_bf16']:.3f}", f"{r['seconds']:.1f} s"]
+                for n in QUALITY_RUNS if (r := q["runs"].get(n))]  # fmt: skip
+        report.table(f"fastcoll zero bf16: quality, tiny causal LM, {q['steps']} AdamW steps (2 gloo ranks)",
+                     ["run", "final loss", "gap vs (a)", "weight distance", "master distance", "distance / (b)'s", "time"], body,
+                     "distance: ||w - w(a)|| / ||w(a)|| over every parameter; master distance: the float32 masters'")  # fmt: skip
+    body = [[t["what"], report.target_cell(t, lambda v: "-" if v is None else f"{v:.4g}"), f"<= {t['threshold']}", t["interval"]]
+            for t in row["targets"].values()]  # fmt: skip
+    report.table(f"fastcoll zero bf16: targets ({device})", ["target", "value (interval) verdict", "target", "interval"], body,
+                 "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
 
 
 def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Four panels: bytes per parameter by kind, peak and step against autocast's, the loss curves and their gaps."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    """Bytes per parameter by kind, and each recipe's peak and step against autocast's."""
     (row,) = payload["results"]
-    m = row["methods"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    (ax_bytes, ax_ratio), (ax_loss, ax_gap) = axes
-    xs = list(range(len(METHODS)))
-    kinds = [("params", "parameters"), ("grads", ".grad"), ("buckets", "buckets / main grads"), ("state", "optimizer state"),
-             ("masters", "fp32 masters")]  # fmt: skip
-    bottom = [0.0] * len(METHODS)
-    for i, (key, label) in enumerate(kinds):
-        ys = [(m[k].get("bytes_per_param") or {}).get(key) or 0.0 for k in METHODS]
-        ax_bytes.bar(xs, ys, 0.55, bottom=bottom, label=label, color=f"C{i}")
-        bottom = [b + y for b, y in zip(bottom, ys)]
-    for k, x in zip(METHODS, xs):
-        bpp = m[k].get("bytes_per_param") or {}
-        if bpp.get("peak") is not None:
-            ax_bytes.scatter([x], [bpp["peak"]], marker="v", color="black", zorder=3, label="peak resident" if x == 0 else None)
-        if bpp.get("live") is not None:
-            ax_bytes.scatter(
-                [x], [bpp["live"]], marker="x", color="dimgray", zorder=3, label="live heap peak" if x == 0 else None
-            )
-        ax_bytes.scatter([x], [m[k]["readme_bytes_per_param"]], marker="_", s=400, color="red", zorder=3,
-                         label="README" if x == 0 else None)  # fmt: skip
-    ax_bytes.set_xticks(xs)
-    ax_bytes.set_xticklabels([METHOD_LABELS[k].replace(", ", ",\n") for k in METHODS], fontsize=7)
-    ax_bytes.set_ylabel("bytes per parameter, per rank")
-    ax_bytes.set_title(f"{row['label']} ({row['numel'] / 1e6:.1f} M), {row['world_size']} ranks: bytes per parameter", fontsize=9)
-    ax_bytes.legend(fontsize=7)
-    ax_bytes.grid(axis="y", alpha=0.3)
-
-    labels, vals, lo, hi, colours = [], [], [], [], []
-    for k in ("bf16", "sharded", "full"):
-        r = row["ratios"].get(f"peak_bytes {k}/autocast")
-        if r is not None:
-            labels.append(f"peak\n{k}")
-            vals.append(r)
-            lo.append(0.0)
-            hi.append(0.0)
-            colours.append("C0")
-    for k in ("bf16", "sharded"):
-        r = row["ratios"].get(f"step {k}/autocast") or {}
-        if r.get("value") is not None:
-            ci = r.get("ci90") or [r["value"], r["value"]]
-            labels.append(f"step\n{k}")
-            vals.append(r["value"])
-            lo.append(max(0.0, r["value"] - ci[0]))
-            hi.append(max(0.0, ci[1] - r["value"]))
-            colours.append("C1")
-    ax_ratio.bar(range(len(vals)), vals, 0.6, yerr=[lo, hi], capsize=3, color=colours)
-    ax_ratio.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax_ratio.axhline(MEMORY_VS_AUTOCAST, color="C0", linewidth=0.8, linestyle=":", label=f"memory target {MEMORY_VS_AUTOCAST}x")
-    ax_ratio.axhline(STEP_VS_AUTOCAST, color="C1", linewidth=0.8, linestyle=":", label=f"step target {STEP_VS_AUTOCAST}x")
-    ax_ratio.set_ylim(0, max([STEP_VS_AUTOCAST * 1.15] + [v + h + 0.05 for v, h in zip(vals, hi)]))
-    ax_ratio.set_xticks(range(len(vals)))
-    ax_ratio.set_xticklabels(labels, fontsize=8)
-    ax_ratio.set_title("against torch DDP fp32 + autocast (peak: worst rank; step: 90% intervals)", fontsize=9)
-    ax_ratio.legend(fontsize=7)
-    ax_ratio.grid(axis="y", alpha=0.3)
-
-    q = payload.get("quality")
-    if q:
-        ref = q["runs"]["fp32"]["losses"]
-        style = {
-            "fp32": ("-", 2.5, "black"),
-            "torch_bf16": ("-", 1.0, "C1"),
-            "sharded": ("-", 1.0, "C2"),
-            "full": ("--", 1.0, "C3"),
-        }
-        for name in QUALITY_RUNS:
-            if name not in q["runs"]:
-                continue
-            losses = q["runs"][name]["losses"]
-            ls, lw, colour = style[name]
-            steps = range(1, len(losses) + 1)
-            ax_loss.plot(steps, losses, ls, label=QUALITY_LABELS[name], color=colour, linewidth=lw)
-            if name != "fp32":
-                gaps = [max(abs(a - b) / b, 1e-7) for a, b in zip(losses, ref)]
-                ax_gap.plot(steps, gaps, ls, label=QUALITY_LABELS[name], color=colour, linewidth=lw)
-        ax_loss.set_xlabel("step")
-        ax_loss.set_ylabel("loss (mean over micro-batches and ranks)")
-        ax_loss.set_title(f"tiny causal LM, {q['steps']} AdamW steps at lr {QUALITY_LR}, {QUALITY_MICRO_BATCHES} micro-batches, "
-                          "2 ranks ((c) on (a))", fontsize=9)  # fmt: skip
-        ax_loss.legend(fontsize=7)
-        ax_loss.grid(alpha=0.3)
-        ax_gap.axhline(LOSS_GAP, color="red", linewidth=0.8, linestyle=":", label=f"{LOSS_GAP:.0%} (the target, last step)")
-        ax_gap.set_yscale("log")
-        ax_gap.set_xlabel("step")
-        ax_gap.set_ylabel("|loss - float32's| / float32's")
-        ax_gap.set_title("loss gap from the float32 run (a), per step (log scale)", fontsize=9)
-        ax_gap.legend(fontsize=7)
-        ax_gap.grid(alpha=0.3)
-    cfg = payload["config"]
-    fig.suptitle(f"fastcoll zero bf16 ({cfg['device']}, {cfg['world_size']} ranks): main gradients + sharded fp32 masters "
-                 "vs torch DDP bf16 and fp32 + autocast")  # fmt: skip
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    return common.save_figure(fig, path)
+    kinds = ("params", "grads", "buckets", "state", "masters")
+    held = {METHOD_LABELS[k]: {c: row["methods"][k].get("bytes_per_param", {}).get(c, 0.0) for c in kinds} for k in METHODS}
+    vs = {METHOD_LABELS[k]: {"peak": row["ratios"].get(f"peak_bytes {k}/autocast") or float("nan"),
+                             "step": (row["ratios"].get(f"step {k}/autocast") or {}).get("value") or float("nan")}
+          for k in METHODS if k != "autocast"}  # fmt: skip
+    panels = {"bytes per parameter held, by kind": held, "peak and step / fp32 + autocast's": vs}
+    return report.bar_chart(path, f"fastcoll zero bf16 ({payload['config']['device']}): main gradients + sharded fp32 masters",
+                            panels, "", None, log=False)  # fmt: skip
 
 
 def supported() -> bool:
@@ -1034,7 +623,7 @@ def supported() -> bool:
 
     import fastcoll
 
-    if not zero.supported() or not common.ddp_supports(("main_grad_dtype",)):
+    if not hasattr(fastcoll, "ShardedOptimizer") or not runner.ddp_supports(("main_grad_dtype",)):
         return False
     return "master_dtype" in inspect.signature(fastcoll.ShardedOptimizer).parameters
 
@@ -1043,7 +632,7 @@ def json_path(args: Any, device: str) -> Path:
     """``benchmarks/out/zero_bf16_<device>.json``; with ``--json PATH``: PATH run alone, else ``<stem>_bf16.json`` beside it."""
     given = getattr(args, "json", None)
     if not given:
-        return common.out_dir() / f"zero_bf16_{device}.json"
+        return report.json_path(args, f"zero_bf16_{device}")
     p = Path(given)
     p.parent.mkdir(parents=True, exist_ok=True)
     if getattr(args, "command", None) == "zero_bf16":
@@ -1055,20 +644,21 @@ def run_section(args: Any = None) -> int:
     """Measure, print, write JSON and the chart (the caller checked the device). Returns 0 (nothing is asserted)."""
     device = getattr(args, "device", "cpu") or "cpu"
     if not supported():
-        common.say("[yellow]fastcoll.bench zero bf16: this checkout has no main_grad_dtype / master_dtype; skipping[/yellow]")
+        report.say("[yellow]fastcoll.bench zero bf16: this checkout has no main_grad_dtype / master_dtype; skipping[/yellow]")
         return 0
-    common.say(
+    report.say(
         "[dim]bf16 section: GPT-2 shapes (synthetic: one module per parameter, forward = each "
         "weight's rows dotted with ones) in bfloat16 with torch DDP, in float32 with autocast, and with fastcoll's "
         "main gradients + sharded float32 masters; then the tiny causal LM's quality runs.[/dim]"
     )
     payload = measure(args)
     print_results(payload)
-    _summary(payload)
+    named = [(t["what"], t) for t in payload["results"][0]["targets"].values()]
+    report.targets_summary("bf16", [t for _, t in named], [w for w, _ in named])
     path = json_path(args, device)
-    common.write_json(path, payload, device)
+    report.write_json(path, payload, device)
     png = chart(path.with_suffix(".png"), payload)
-    common.say(f"wrote {path}" + (f" and {png}" if png else " (matplotlib missing: no chart)"))
+    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
     return 0
 
 
@@ -1076,25 +666,9 @@ def run(args: Any = None) -> int:
     """This section alone (``python -m fastcoll.bench.zero_bf16``), with :func:`fastcoll.bench.zero.run`'s device checks."""
     device = getattr(args, "device", "cpu") or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        common.say("[red]fastcoll.bench zero bf16: --device cuda but torch.cuda.is_available() is False[/red]")
+        report.say("[red]fastcoll.bench zero bf16: --device cuda but torch.cuda.is_available() is False[/red]")
         return 2
     if device == "cuda" and torch.cuda.device_count() < 2:
-        common.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
+        report.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
         return 0
     return run_section(args)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m fastcoll.bench.zero_bf16 [--device cpu|cuda] [--quick] [--threads N|all] [--json PATH]``."""
-    from .__main__ import build_parser
-
-    args = build_parser().parse_args(["zero", *(sys.argv[1:] if argv is None else argv)])
-    args.command = "zero_bf16"
-    t0 = time.perf_counter()
-    rc = run(args)
-    print(f"fastcoll.bench zero bf16: done in {time.perf_counter() - t0:.1f} s")
-    return rc
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,454 @@
+"""Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner.
+
+:func:`run_ranks` starts the rank processes of one measurement (gloo over
+loopback on CPU, a FileStore in a temporary folder), follows their progress
+and returns rank 0's result. Inside a rank, :class:`Rank` joins the process
+group and reports progress; :func:`all_max` makes a sample the slowest
+rank's; :func:`gather` collects what every rank measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import gc
+import json
+import math
+import os
+import queue
+import tempfile
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import report
+from .stats import rotated
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work (a no-op on CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_calls(fn: Callable[[], object], inner: int, device: str) -> float:
+    """Seconds per call over ``inner`` back-to-back calls (CUDA: events on the current stream)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / inner
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def inner_for(per_call_s: float, target_s: float, max_inner: int) -> int:
+    """Back-to-back calls that make a sample last about ``target_s`` (1 when ``target_s`` is 0)."""
+    if target_s <= 0:
+        return 1
+    return max(1, min(max_inner, int(math.ceil(target_s / max(per_call_s, 1e-9)))))
+
+
+def calibrate(fn: Callable[[], object], device: str, target_s: float, max_inner: int = 10_000) -> int:
+    """How many back-to-back calls make one sample last about ``target_s``."""
+    synchronize(device)
+    one = time_calls(fn, 1, device)
+    if one >= target_s:
+        return 1
+    probe = inner_for(one * 4, target_s, max_inner)  # a few calls together: one short call is mostly overhead
+    return inner_for(time_calls(fn, probe, device), target_s, max_inner)
+
+
+def measure_interleaved(
+    fns: Dict[str, Callable[[], object]], device: str = "cpu", warmup: int = 3, reps: int = 10, inner: Optional[int] = None,
+    target_s: float = 0.005, on_sample: Optional[Callable[[], None]] = None,
+    stop: Optional[Callable[[Dict[str, List[float]], int], bool]] = None,
+) -> Dict[str, List[float]]:  # fmt: skip
+    """Per-call seconds of several callables, taken round-robin (round k starts at the k-th callable).
+
+    Args:
+        fns: The callables by name.
+        device: "cpu" or "cuda".
+        warmup: Untimed calls of each first.
+        reps: Rounds (the most, with ``stop``).
+        inner: Calls per sample (default: calibrated to last ``target_s``).
+        target_s: A sample's length when calibrating.
+        on_sample: Called after every sample (progress).
+        stop: ``stop(samples, rounds_done)``, asked after every round: True ends the sampling early.
+    """
+    inners = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        synchronize(device)
+        inners[name] = inner or calibrate(fn, device, target_s)
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for k in range(reps):
+        for name in rotated(fns, k):
+            samples[name].append(time_calls(fns[name], inners[name], device))
+            if on_sample is not None:
+                on_sample()
+        if stop is not None and stop(samples, k + 1):
+            break
+    return samples
+
+
+def measure(
+    fn: Callable[[], object], device: str = "cpu", warmup: int = 3, reps: int = 10, target_s: float = 5e-3
+) -> List[float]:
+    """Per-call seconds of one callable, ``reps`` samples."""
+    return measure_interleaved({"fn": fn}, device, warmup, reps, None, target_s)["fn"]
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run a block with ``torch.set_num_threads(n)``, restoring the previous count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def thread_counts(args: Any) -> List[int]:
+    """The intra-op thread counts a one-process CPU benchmark runs at: ``--threads N|all``, default 1 and all."""
+    spec, every = getattr(args, "threads", None), report.available_cpus()
+    if spec is None:
+        return sorted({1, every})
+    return [every] if str(spec) == "all" else [int(spec)]
+
+
+def threads_per_rank(args: Any, world_size: int) -> int:
+    """Intra-op threads of each rank: ``--threads N``, ``all`` (the CPUs shared out), default 1."""
+    spec = getattr(args, "threads", None)
+    if spec is None:
+        return 1
+    return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
+
+
+def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:
+    """Whether this checkout's ``fastcoll.DDP`` takes ``arguments`` and has ``methods``."""
+    import inspect
+
+    import fastcoll
+
+    params = inspect.signature(fastcoll.DDP).parameters
+    return all(a in params for a in arguments) and all(hasattr(fastcoll.DDP, m) for m in methods)
+
+
+def settle(opt: Any) -> None:
+    """Wait for a ShardedOptimizer's pending all-gathers (its public ``finish_param_sync``); a no-op otherwise."""
+    finish = getattr(opt, "finish_param_sync", None)
+    if finish is not None:
+        finish()
+
+
+# ---------------------------------------------------------------------------
+# Memory and traffic
+# ---------------------------------------------------------------------------
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # pragma: no cover (not glibc)
+        return None
+
+
+def keep_freed_memory() -> Optional[str]:
+    """Make glibc keep freed heap memory (as a caching allocator would); returns what was set, None if not glibc.
+
+    Every step drops its gradients and the next backward allocates them again;
+    with glibc's defaults that memory goes back to the kernel and is
+    page-faulted in every step (on the 2-core box, over 40% of a run's CPU
+    time and its largest source of noise, the same for every method).
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):  # pragma: no cover
+        return None
+    ok = libc.mallopt(-1, 2**31 - 1) == 1 and libc.mallopt(-3, 32 * report.MiB) == 1 and libc.mallopt(-4, 0) == 1
+    return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB, M_MMAP_MAX 0" if ok else None
+
+
+def _proc_field(path: str, field: str) -> Optional[int]:
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def bytes_written() -> Optional[int]:
+    """Bytes this process wrote through write()/send() so far (``/proc/self/io`` wchar: gloo's sockets included)."""
+    return _proc_field("/proc/self/io", "wchar")
+
+
+class MemoryProbe:
+    """Peak memory growth of a block: resident high-water mark on CPU (reset first), allocator peak on CUDA."""
+
+    def __init__(self, device: str):
+        self.device, self.base, self.ok = device, 0, True
+
+    def start(self) -> None:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        libc = _libc()
+        if libc is not None:
+            libc.malloc_trim(0)  # free heap goes back to the OS, so reusing it shows in the RSS again
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:  # pragma: no cover
+            self.ok = False
+        self.base = (_proc_field("/proc/self/status", "VmRSS") or 0) * 1024
+
+    def peak(self) -> Optional[int]:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        hwm = _proc_field("/proc/self/status", "VmHWM")
+        return None if not self.ok or hwm is None else max(0, hwm * 1024 - self.base)
+
+
+class LiveBytes:
+    """Bytes the C heap has handed out and not taken back (glibc ``mallinfo2``), sampled between the phases of a step.
+
+    Unlike the resident set it leaves out freed memory the allocator keeps, so
+    the two together tell retention from live data. Off glibc (< 2.33) every
+    reading is None.
+    """
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                   "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    def __init__(self) -> None:
+        libc = _libc()
+        self._fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+        if self._fn is not None:
+            self._fn.restype = LiveBytes._Info
+        self.base, self.peak = self.read() or 0, 0
+
+    @property
+    def available(self) -> bool:
+        return self._fn is not None
+
+    def read(self) -> Optional[int]:
+        if self._fn is None:
+            return None
+        info = self._fn()
+        return int(info.uordblks + info.hblkhd)
+
+    def sample(self) -> None:
+        """Note the bytes alive now (above the construction-time base) if they are the most so far."""
+        now = self.read()
+        if now is not None:
+            self.peak = max(self.peak, now - self.base)
+
+
+# ---------------------------------------------------------------------------
+# Inside a rank process
+# ---------------------------------------------------------------------------
+
+
+def all_max(values: Sequence[float], device: str = "cpu") -> List[float]:
+    """Element-wise maximum over the ranks (a sample's time is the slowest rank's)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def gather(obj: Any) -> List[Any]:
+    """Every rank's ``obj``, in rank order."""
+    import torch.distributed as dist
+
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def timed_rounds(
+    fns: Dict[str, Callable[[], object]], inner: int, lo: int, hi: int, checks: Sequence[Any] = (), device: str = "cpu",
+    tick: Optional[Callable[[], None]] = None, before: Optional[Callable[[str], None]] = None,
+    after: Optional[Callable[[str], None]] = None,
+) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:  # fmt: skip
+    """Rounds of ``inner`` calls of every callable (rotating order) on every rank, until the targets resolve.
+
+    Each sample is the slowest rank's (:func:`all_max` after every round), so
+    every rank sees the same samples and stops after the same round:
+    :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between
+    ``lo`` and ``hi`` rounds. ``before(name)`` and ``after(name)`` run around
+    each sample, untimed (a lead-in step, dropping gradients).
+
+    Returns:
+        Wall-clock seconds per call, and the calling thread's CPU seconds per
+        call (``time.thread_time``: what other processes on the cores inflate
+        less), per callable.
+    """
+    from .stats import enough_rounds
+
+    wall: Dict[str, List[float]] = {n: [] for n in fns}
+    cpu: Dict[str, List[float]] = {n: [] for n in fns}
+    for k in range(hi):
+        order, this = rotated(fns, k), []
+        for name in order:
+            if before is not None:
+                before(name)
+            synchronize(device)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(inner):
+                fns[name]()
+            synchronize(device)
+            this.append(((time.perf_counter() - t0) / inner, (time.thread_time() - c0) / inner))
+            if after is not None:
+                after(name)
+            if tick is not None:
+                tick()
+        synced = all_max([w for w, _ in this] + [c for _, c in this], device)
+        for i, name in enumerate(order):
+            wall[name].append(synced[i])
+            cpu[name].append(synced[len(order) + i])
+        if enough_rounds(wall, k + 1, lo, hi, checks):
+            break
+    return wall, cpu
+
+
+class Rank:
+    """One rank of a measurement: joins the process group, reports progress, saves rank 0's result.
+
+    Use as a context manager inside the function :func:`run_ranks` starts:
+    it sets the device and intra-op threads, joins the group over the
+    FileStore, and tears it down after (collecting garbage first, so that
+    wrappers go while their process group is alive).
+    """
+
+    def __init__(self, rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]):
+        self.rank, self.ws, self.cfg = rank, ws, cfg
+        self.device: str = cfg.get("device", "cpu")
+        self._store, self._out, self._q = store_path, out_path, progress_q
+        self.malloc = keep_freed_memory() if cfg.get("keep_freed_memory") and self.device == "cpu" else None
+
+    def __enter__(self) -> "Rank":
+        import torch.distributed as dist
+
+        if self.device == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        torch.set_num_threads(self.cfg.get("threads", 1))
+        store = dist.FileStore(self._store, self.ws)
+        timeout = datetime.timedelta(seconds=600)
+        dist.init_process_group(self.cfg.get("backend", "gloo"), store=store, rank=self.rank, world_size=self.ws, timeout=timeout)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        gc.collect()
+        dist.destroy_process_group()
+
+    def _put(self, what: str, value: Any) -> None:
+        if self.rank == 0 and self._q is not None:
+            self._q.put((what, value))
+
+    def tick(self, n: int = 1) -> None:
+        """``n`` units of work done (rank 0 reports them)."""
+        self._put("advance", n)
+
+    def describe(self, text: str) -> None:
+        """What the ranks are doing now (the progress bar's text)."""
+        self._put("describe", text)
+
+    def row(self, label: str, rows: Optional[int] = None) -> None:
+        """A row finished: the parent prints a line with the time left."""
+        self._put("row", (label, rows))
+
+    def save(self, result: Dict[str, Any]) -> None:
+        """Rank 0 writes its result (with the op implementation and allocator settings) for the parent."""
+        if self.rank == 0:
+            from .. import ops
+
+            with open(self._out, "w") as f:
+                json.dump({**result, "implementation": ops.implementation(), "malloc": self.malloc}, f)
+
+
+# ---------------------------------------------------------------------------
+# In the parent
+# ---------------------------------------------------------------------------
+
+#: What forkserver rank processes import once (a start then costs a fork, not seconds of imports).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "fastcoll", "fastcoll.bench.models")
+_QUEUES: Dict[str, Any] = {}
+
+
+def _context(start_method: str) -> Any:
+    import multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def run_ranks(
+    fn: Callable[..., None], args: Tuple[Any, ...], ws: int, prog: Any = None, start_method: str = "forkserver",
+    grace_s: float = 60.0,
+) -> Dict[str, Any]:  # fmt: skip
+    """Start ``ws`` processes of ``fn(rank, ws, store_path, out_path, progress_q, *args)``; return rank 0's result.
+
+    ``fn`` (a module-level function) uses :class:`Rank`. Progress reports go
+    to ``prog`` (:class:`fastcoll.bench.report.Progress`). Ranks still alive
+    ``grace_s`` after rank 0 wrote its result are killed: their work is done,
+    and a process stuck in its exit (a gloo destructor once deadlocked there)
+    must not hang the benchmark.
+    """
+    import torch.multiprocessing as tmp
+
+    if start_method not in _QUEUES:
+        _QUEUES[start_method] = _context(start_method).Queue()
+    progress_q = _QUEUES[start_method]
+    with tempfile.TemporaryDirectory(prefix="fastcoll_bench_") as tmpdir:
+        out_path = os.path.join(tmpdir, "result.json")
+        ctx = tmp.start_processes(fn, args=(ws, os.path.join(tmpdir, "store"), out_path, progress_q, *args), nprocs=ws,
+                                  join=False, start_method=start_method)  # fmt: skip
+        written_at: Optional[float] = None
+        while not ctx.join(timeout=0.2):
+            _drain(progress_q, prog)
+            if written_at is None and os.path.exists(out_path):
+                written_at = time.perf_counter()
+            if written_at is not None and time.perf_counter() - written_at > grace_s:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                report.say(f"[yellow]rank processes still alive {grace_s:.0f} s after their result: killed[/yellow]")
+                break
+        _drain(progress_q, prog)
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def _drain(progress_q: Any, prog: Any) -> None:
+    while True:
+        try:
+            what, value = progress_q.get_nowait()
+        except queue.Empty:
+            return
+        if prog is not None:
+            prog.apply(what, value)
