@@ -205,9 +205,9 @@ def _fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[to
         out += [getattr(b, "flat_padded", None), getattr(b, "comm_padded", None)]
     if getattr(r, "shard_grads", None) is not None:
         out += list(r.shard_grads.grads.values())
-    sync = getattr(opt, "_sync", None)
-    if sync is not None:
-        out += list(sync.stages.values())
+    gather = getattr(r, "param_gather", None)  # the parameters' all-gather stages (the reducer's)
+    if gather is not None:
+        out += list(gather.stages.values())
     return [t for t in out if t is not None]
 
 

@@ -215,5 +215,7 @@ class KeptGradients:
         if r.shard_grads is not None:
             r.shard_grads.zero(busy)
         r.zero_main_grads(busy)
+        for b in r.main_buckets:  # a busy one is zeroed once its all-gather is written: accumulating then is right
+            b.consumed = False
         self.used = [False] * len(self.used)
         r.unsynchronized = False

@@ -29,8 +29,7 @@ nets catch what module hooks cannot see:
 * the first gradient of a backward, the next ``step()``, ``state_dict()``
   and ``verify_replicas()`` wait for everything (:meth:`finish`).
 
-With :attr:`ParamGather.record_times` on (benchmarks: ``python -m fastcoll.bench
-zero``), each step also records, per bucket, when it was stepped, packed,
+With :attr:`ParamGather.record_times` on (for profiling), each step also records, per bucket, when it was stepped, packed,
 issued, completed (the collective's own completion callback, on the backend's
 thread), waited for and written into the parameters.
 """
