@@ -103,7 +103,7 @@ class FastCollKwargs:
     sharded_optimizer: bool = False
     grads: str = "full"
     master_dtype: Optional[torch.dtype] = None
-    overlap_param_gather: bool = True
+    overlap_param_gather: bool = False
     ddp_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
