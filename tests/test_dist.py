@@ -25,7 +25,7 @@ from multiproc import run_ranks
 import fastcoll
 from fastcoll import bucketing
 from fastcoll import dist as fd
-from fastcoll.dist import _agree, backends, serialize
+from fastcoll.distributed import _agree, backends, serialize
 
 # --------------------------------------------------------------------------- #
 # Deterministic per-rank inputs (any rank can rebuild any other rank's input)
