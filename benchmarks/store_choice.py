@@ -31,6 +31,7 @@ Writes benchmarks/out/store_choice.json (``--json PATH`` elsewhere).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,15 +39,58 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 import fastcoll
 from fastcoll import _knobs
-from fastcoll.bench import common
 from fastcoll.bench import ops as bench_ops
+from fastcoll.bench import report, runner, stats
 from fastcoll.ops import loader, stores
+
+
+class common:  # noqa: N801 (the benchmark framework's pieces this script uses, under one name)
+    bootstrap_ci = staticmethod(stats.bootstrap_ci)
+    summarize = staticmethod(stats.summarize)
+    fmt_time = staticmethod(report.fmt_time)
+    machine_info = staticmethod(report.machine_info)
+    repo_root = staticmethod(report.repo_root)
+    render_table = staticmethod(report.table)
+    keep_freed_memory = staticmethod(runner.keep_freed_memory)
+    measure_interleaved = staticmethod(runner.measure_interleaved)
+    num_threads = staticmethod(runner.num_threads)
+    thread_counts = staticmethod(runner.thread_counts)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def rank_process_group(rank: int, world_size: int, store_path: str, threads: int) -> Iterator[None]:
+        """Inside a spawned rank: its threads set, the gloo group joined over a FileStore, torn down after."""
+        torch.set_num_threads(threads)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+class Case(NamedTuple):
+    """One bucket's round trip: the gradients packed, the tensors unpacked into, the bucket, the scale."""
+
+    grads: List[torch.Tensor]
+    dests: List[torch.Tensor]
+    bucket: torch.Tensor
+    scale: float
+
+
+def make_case(layout: bench_ops.Layout, device: str, seed: int = 0) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(s, generator=gen, dtype=layout.dtype).to(device) for s in layout.shapes]
+    bucket = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+    return Case(grads, [torch.empty_like(g) for g in grads], bucket, 1.0 / 8)
+
 
 MiB = 1 << 20
 TARGET = 1.05  # the automatic choice within 5% of the faster kind
@@ -81,7 +125,7 @@ def sweep_layouts(llc_bytes: int, count: int = 64) -> List[bench_ops.Layout]:
             bench_ops.Layout(
                 name=f"sweep {share:g} LLC",
                 kind="synthetic",
-                shapes=bench_ops.synthetic_shapes(count, numel),
+                shapes=bench_ops.equal_split(count, numel),
                 dtype=torch.float32,
                 note=f"{count} float32 tensors, {share:g} x the usable last-level cache",
             )
@@ -89,7 +133,7 @@ def sweep_layouts(llc_bytes: int, count: int = 64) -> List[bench_ops.Layout]:
     return out
 
 
-def round_trip(case: bench_ops.Case, threshold: int) -> Callable[[], None]:
+def round_trip(case: Case, threshold: int) -> Callable[[], None]:
     """One pack + unpack with the streaming threshold set to ``threshold`` (a call each: noise-free next to ms)."""
     ext = loader._C
 
@@ -101,7 +145,7 @@ def round_trip(case: bench_ops.Case, threshold: int) -> Callable[[], None]:
     return run
 
 
-def check_identical(case: bench_ops.Case, fns: Dict[str, Callable[[], None]]) -> None:
+def check_identical(case: Case, fns: Dict[str, Callable[[], None]]) -> None:
     """Both kinds leave the same bits in the bucket and the unpacked tensors, equal to the float64 reference."""
     results = {}
     for kind, fn in fns.items():
@@ -141,7 +185,7 @@ def verdict(ci: Tuple[float, float]) -> str:
 
 def bench_bucket(layout: bench_ops.Layout, threads: int, threshold: int, reps: int, target_s: float) -> Dict[str, object]:
     """Time both store kinds on one bucket at ``threads``; the row of the table."""
-    case = bench_ops.make_case(layout, "cpu")
+    case = make_case(layout, "cpu")
     fns = {kind: round_trip(case, THRESHOLDS[kind]) for kind in KINDS}
     try:
         check_identical(case, fns)
@@ -268,8 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"machine: {machine['lscpu'] or platform.processor()}")
     print(f"usable last-level cache: {llc_how}")
     print(f"automatic choice: {choice.rule}: {choice.reason}")
-    layouts, _ = bench_ops.model_layouts(quick=False)
-    layouts += bench_ops.synthetic_layouts()
+    layouts, _ = bench_ops.model_layouts(one_per_model=False)
+    layouts += bench_ops.synthetic_layouts(counts=(1, 64, 448), total=25 * 2**18)
     if args.sweep:
         layouts += sweep_layouts(llc or stores.FALLBACK_MIN_BYTES * 2)
     layouts = [lay for lay in layouts if args.only in lay.name]

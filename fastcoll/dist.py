@@ -6,4 +6,14 @@ for what each does.
 """
 
 from .distributed import *  # noqa: F403 (the public names, as fastcoll.distributed.__all__ lists them)
-from .distributed import __all__  # noqa: F401
+from .distributed import (  # noqa: F401 (reachable here as they were before the package moved)
+    DEFAULT_PORT,
+    LARGE_PAYLOAD_BYTES,
+    LAUNCHERS,
+    LOCAL_TMP_ROOT,
+    LaunchInfo,
+    __all__,  # noqa: F401
+    expand_slurm_nodelist,
+    resolve_launch,
+    slurm_first_host,
+)
