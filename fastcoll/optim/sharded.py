@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from .. import ops
 from ..reducer.bucket import MainGradBucket
 from ..reducer.shards import Piece, flat_view
 from .clip import clip_grad_norm
@@ -158,6 +159,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather = reducer.enable_param_gather(
             self._stepped, stages, self.overlap_param_gather, borrowed, self._buffers.moved, model.module
         )
+        self._written_hash: Optional[torch.Tensor] = None  # see _refresh_masters
         gather = self._gather  # the reducer's: the hooks hold no reference to this optimizer
         for m in (model, model.module):
             m.register_state_dict_pre_hook(lambda *args, **kwargs: gather.finish())
@@ -247,6 +249,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gather.start_bucket(pos, self._gather_sources(pos))
         gather.end_step()
         self._grads.detach_all()
+        self._remember_written()
         # LR schedulers built on the wrapped optimizer count its steps (torch warns of a scheduler step first).
         self.wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
@@ -308,19 +311,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
             out.append(value)
         return out
 
+    def _master_pieces(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(master, the parameter's piece it rounds to) for every piece with a float32 master copy."""
+        params = self.reducer.params
+        return [(self._shard_params[k], flat_view(params[pc.param].detach())[pc.lo : pc.hi])
+                for k, (_, pc) in enumerate(self._pieces) if self._has_master(k)]  # fmt: skip
+
+    def _remember_written(self) -> None:
+        """After the parameters were written from the masters: a hash of those pieces (one fused pass)."""
+        pieces = self._master_pieces() if self.master_dtype is not None else []
+        self._written_hash = ops.checksum([v for _, v in pieces]) if pieces else None
+
     def _refresh_masters(self) -> None:
-        """A parameter changed outside the optimizer (a checkpoint loaded into the model): its masters follow it."""
+        """A parameter changed outside the optimizer (a checkpoint loaded into the model): its masters follow it.
+
+        After a step each parameter holds its master rounded, and the hash of those pieces is kept: a different
+        hash means something was written since (a write through ``p.data`` moves no version counter), and only
+        then are the pieces compared value by value.
+        """
         if self.master_dtype is None:
             return
-        params = self.reducer.params
-        for k, (_, pc) in enumerate(self._pieces):
-            i = pc.param
-            if not self._has_master(k):
-                continue
-            value = flat_view(params[i].detach())[pc.lo : pc.hi]
-            master = self._shard_params[k]
-            # After a step each parameter holds its master rounded: anything else was written since (a checkpoint
-            # loaded into the model, a write through p.data, which moves no version counter).
+        pieces = self._master_pieces()
+        if not pieces:
+            return
+        now = ops.checksum([v for _, v in pieces])
+        if self._written_hash is not None and torch.equal(now, self._written_hash):
+            return
+        for master, value in pieces:
             if not torch.equal(master.to(value.dtype), value):
                 master.copy_(value)
 
