@@ -329,8 +329,6 @@ def main() -> int:
                 c0 = time.monotonic()
                 data["suites"][suite][config] = run_config(suite, config, run, args.sources, args.timeout, log)
                 data["seconds"][suite][config] = time.monotonic() - c0
-                if config != "plain" and _config(config)[2]:
-                    _rerun_without_overlap(data["suites"][suite][config], suite, args, config, log)
     data["total_seconds"] = time.monotonic() - t0
     if args.merge and os.path.exists(args.json):
         data = _merged(args.json, data)
@@ -343,22 +341,6 @@ def main() -> int:
     print(text)
     print(f"[torch-optim-suite] total {data['total_seconds']:.0f} s; {args.json}, {args.md}; worker log {args.log}")
     return 0
-
-
-def _rerun_without_overlap(results: Dict[str, Any], suite: str, args: Any, config: str, log: Any) -> None:
-    """Rerun the failures with ``overlap_param_gather=False``; note in each result whether it then passes.
-
-    A no-op since ``overlap_param_gather=False`` became ShardedOptimizer's default (every configuration runs so).
-    """
-    if not config.endswith("-overlap"):
-        return
-    failed = [t for t, r in results.items() if r["outcome"] == "failed" and classify(r, config)[0] != "refused"]
-    if not failed:
-        return
-    print(f"[torch-optim-suite] {suite} {config}: {len(failed)} failures rerun with overlap_param_gather=False", flush=True)
-    again = run_config(suite, config + "-sync", failed, args.sources, args.timeout, log)
-    for t in failed:
-        results[t]["without_overlap"] = again[t]["outcome"]
 
 
 def _trim(data: Dict[str, Any]) -> None:
