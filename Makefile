@@ -210,7 +210,8 @@ gpu-wheels:
 # device call (README, "On a GPU machine, step by step"); benchmarks/gpu_check.sh runs each.
 # gpu-build: build in place with the CUDA kernels (TORCH_CUDA_ARCH_LIST, default 9.0+PTX), print
 # build_info; gpu-test: pytest -m cuda (junit XML); gpu-bench-ops: the ops benchmark and the
-# slot-padding timings; gpu-bench-ddp: the DDP benchmark twice, FASTCOLL_FORCE_COLLECTIVES=0 and =1.
+# slot-padding timings; gpu-bench-plan: bucket plans' host and device time; gpu-bench-zero: the ZeRO benchmark and its bf16 section (one GPU: one NCCL
+# rank, collectives forced); gpu-bench-ddp: the DDP benchmark twice, FASTCOLL_FORCE_COLLECTIVES=0 and =1.
 # Each step installs the carried wheels from .gpu-wheels when that folder exists, builds first when
 # no usable build is there, and writes its log (and JSON) to GPU_OUT even when it fails ("exit=N"
 # ends each log); gpu-check runs them all, a failing one not stopping the others.
@@ -218,19 +219,23 @@ gpu-wheels:
 GPU_OUT ?= $${OUT:-benchmarks/out/gpu}
 GPU_STEP = GPU_OUT="$(GPU_OUT)" PYTHON="$(PYTHON)" PYTEST_ARGS="$(PYTEST_ARGS)" GPU_WHEELS='$(GPU_WHEELS)' \
   bash benchmarks/gpu_check.sh
-.PHONY: gpu-build gpu-test gpu-bench-ops gpu-bench-ddp gpu-pad-counts
+.PHONY: gpu-build gpu-test gpu-bench-ops gpu-bench-plan gpu-bench-zero gpu-bench-ddp gpu-pad-counts
 gpu-build:
 	$(GPU_STEP) build
 gpu-test:
 	$(GPU_STEP) test
 gpu-bench-ops:
 	$(GPU_STEP) bench-ops
+gpu-bench-plan:
+	$(GPU_STEP) bench-plan
+gpu-bench-zero:
+	$(GPU_STEP) bench-zero
 gpu-bench-ddp:
 	$(GPU_STEP) bench-ddp
 gpu-pad-counts:
 	$(GPU_STEP) pad-counts
 gpu-check:
-	rc=0; for s in build test bench-ops bench-ddp; do $(GPU_STEP) $$s || rc=1; done; exit $$rc
+	rc=0; for s in build test bench-ops bench-plan bench-zero bench-ddp; do $(GPU_STEP) $$s || rc=1; done; exit $$rc
 
 clean:
 	rm -rf build *.egg-info fastcoll/*.so fastcoll/_C.build.json $(VENV)/.build-stamp

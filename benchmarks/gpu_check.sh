@@ -5,6 +5,10 @@
 #   benchmarks/gpu_check.sh test        # make gpu-test:      pytest -m cuda tests (junit XML)
 #   benchmarks/gpu_check.sh bench-ops   # make gpu-bench-ops: python -m fastcoll.bench ops --device cuda, then the
 #                                       #                     slot-padding measurement (issue 14 item 7)
+#   benchmarks/gpu_check.sh bench-plan  # make gpu-bench-plan: benchmarks/plan_host_time.py on 25 MiB buckets of
+#                                       #                     448 and 1024 tensors (host time, device time vs floor)
+#   benchmarks/gpu_check.sh bench-zero  # make gpu-bench-zero: python -m fastcoll.bench zero --device cuda (and its
+#                                       #                     bf16 section); one GPU: one NCCL rank, collectives forced
 #   benchmarks/gpu_check.sh bench-ddp   # make gpu-bench-ddp: python -m fastcoll.bench ddp --device cuda: two passes,
 #                                       #                     FASTCOLL_FORCE_COLLECTIVES=0 and =1, both in one JSON
 #   benchmarks/gpu_check.sh pad-counts  # make gpu-pad-counts: the slot-padding counts (no GPU needed)
@@ -13,8 +17,9 @@
 # ${OUT:-benchmarks/out/gpu}: the device tool brings $OUT back) even when it fails or hangs (each
 # command runs under `timeout`, its output tee'd as it comes), ends the log with "exit=N" and exits N.
 # What a step writes there: build: build.log (+ ext.so, ext.sha256 on the device tool, see below);
-# test: test.log, test.xml; bench-ops: ops.log, ops_cuda.json, pad_cuda.json; bench-ddp: ddp.log,
-# ddp_cuda.json. Charts go to build/gpu-check/ (the device tool brings back 8 files a call);
+# test: test.log, test.xml; bench-ops: ops.log, ops_cuda.json, pad_cuda.json; bench-plan: plan.log; bench-zero:
+# zero.log, zero_cuda.json, zero_cuda_bf16.json; bench-ddp: ddp.log, ddp_cuda.json. Charts go to build/gpu-check/
+# (the device tool brings back 8 files a call);
 # benchmarks/render_results.py and the benches' chart() functions redo them from the JSON.
 #
 # Steps other than build build first when the extension is missing, lacks the CUDA kernels or was
@@ -26,10 +31,11 @@
 #
 # Environment: PYTHON (python3), GPU_OUT, PYTEST_ARGS, TORCH_CUDA_ARCH_LIST (9.0+PTX), MAX_JOBS (cores),
 # GPU_WHEELS (what to install from .gpu-wheels when that folder exists), GPU_STEP_TIMEOUT (seconds,
-# overrides every step's limit: build 300, test 290, ops 200, pad 100, ddp 560), BENCH_ARGS (more arguments
+# overrides every step's limit: build 300, test 290, ops 200, pad 100, plan 60, zero 300, ddp 560), GPU_DEADLINE
+# (epoch seconds no command may pass), GPU_LOG (one log file for every step), GPU_DDP_PASS, BENCH_ARGS (more arguments
 # for the benchmarks, e.g. --quick; benchmarks/gpu_session.sh runs every step in one call that way).
 set -u
-step=${1:?usage: benchmarks/gpu_check.sh build|test|bench-ops|bench-ddp|pad-counts}
+step=${1:?usage: benchmarks/gpu_check.sh build|test|bench-ops|bench-plan|bench-zero|bench-ddp|pad-counts}
 PYTHON=${PYTHON:-python3}
 GPU_OUT=${GPU_OUT:-${OUT:-benchmarks/out/gpu}}
 STATE=build/gpu-check
@@ -39,11 +45,22 @@ export PYTHONUNBUFFERED=1
 export FASTCOLL_JIT=${FASTCOLL_JIT:-0}
 mkdir -p "$GPU_OUT" "$STATE"
 
-limit() { echo "${GPU_STEP_TIMEOUT:-$1}"; }
+# limit CAP: a command's limit in seconds: CAP, or GPU_STEP_TIMEOUT, cut to what is left before GPU_DEADLINE
+# (epoch seconds; gpu_session.sh gives each step one).
+limit() {
+  local c=${GPU_STEP_TIMEOUT:-$1} left
+  if [ -n "${GPU_DEADLINE:-}" ]; then
+    left=$((GPU_DEADLINE - $(date +%s)))
+    [ "$left" -lt "$c" ] && c=$left
+    [ "$c" -lt 1 ] && c=1
+  fi
+  echo "$c"
+}
 
-# logged NAME SECONDS CMD...: run CMD under timeout, its output appended to $GPU_OUT/NAME.log as it comes.
+# logged NAME SECONDS CMD...: run CMD under timeout, its output appended to $GPU_OUT/NAME.log as it comes
+# ($GPU_LOG.log instead when GPU_LOG is set: gpu_session.sh puts every benchmark's log in one file).
 logged() {
-  local name=$1 secs=$2 rc
+  local name=${GPU_LOG:-$1} secs=$2 rc
   shift 2
   echo "== $(date -u +%FT%TZ) $name: $* (limit ${secs}s)" | tee -a "$GPU_OUT/$name.log"
   set -o pipefail
@@ -91,6 +108,8 @@ assert i['cuda_kernels'], 'the CUDA kernels are not in the build'" || rc=1
     return "$rc"
   fi
   so=$(ext_path)
+  # The library's headers and sections, for reading back here (issue 32 item 2).
+  { echo "== readelf -Wh -Wd, objdump -h: $so"; readelf -Wh -Wd "$so"; objdump -h "$so"; } >>"$GPU_OUT/build.log" 2>&1
   cp "$so" "$STATE/ext.so" && (strip --strip-debug "$STATE/ext.so" 2>/dev/null || true)
   sources_hash > "$STATE/ext.sha256"
   if [ -n "${OUT:-}" ] && [ "$(stat -c %s "$STATE/ext.so")" -lt 16000000 ]; then
@@ -378,19 +397,38 @@ case "$step" in
     ensure_built || echo "gpu_check: benchmarking without the CUDA kernels" | tee -a "$GPU_OUT/ops.log"
     logged ops "$(limit 200)" "$PYTHON" -m fastcoll.bench ops --device cuda --json "$GPU_OUT/ops_cuda.json" ${BENCH_ARGS:-}
     rc=$?
+    [ "${GPU_PAD:-1}" = 0 ] && { bench_charts_out; exit "$rc"; }  # GPU_PAD=0: no slot-padding timings
     pad_py > "$STATE/pad.py"
     logged ops "$(limit 100)" env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$STATE/pad.py" time "$GPU_OUT/pad_cuda.json" || rc=1
-    # Host time per call with and without a bucket plan (issue 32 item 3): 448 tensors of 25 MiB, 1024 tiny ones.
-    for shape in "--tensors 448 --elements 14628" "--tensors 1024"; do
-      logged ops "$(limit 60)" "$PYTHON" benchmarks/plan_host_time.py --device cuda --reps 15 $shape || rc=1
+    bench_charts_out
+    exit "$rc"
+    ;;
+  bench-plan)
+    ensure_built || echo "gpu_check: benchmarking without the CUDA kernels" | tee -a "$GPU_OUT/${GPU_LOG:-plan}.log"
+    # Bucket plans (issue 32 item 3): host time per call with and without a plan, and the planned pack +
+    # unpack's device time against the copy floor, on 25 MiB buckets of 448 and of 1024 float32 tensors.
+    rc=0
+    for shape in "--tensors 448 --elements 14628" "--tensors 1024 --elements 6400"; do
+      # shellcheck disable=SC2086
+      logged plan "$(limit 60)" "$PYTHON" benchmarks/plan_host_time.py --device cuda --reps 15 --inner 50 $shape || rc=1
     done
+    exit "$rc"
+    ;;
+  bench-zero)
+    ensure_built || echo "gpu_check: benchmarking without the CUDA kernels" | tee -a "$GPU_OUT/${GPU_LOG:-zero}.log"
+    # One GPU: one NCCL rank with FASTCOLL_FORCE_COLLECTIVES=1 (the bench sets it); then the bf16 section.
+    logged zero "$(limit 300)" "$PYTHON" -m fastcoll.bench zero --device cuda --json "$GPU_OUT/zero_cuda.json" ${BENCH_ARGS:-}
+    rc=$?
     bench_charts_out
     exit "$rc"
     ;;
   bench-ddp)
     ensure_built || echo "gpu_check: benchmarking without the CUDA kernels" | tee -a "$GPU_OUT/ddp.log"
     # FASTCOLL_FORCE_COLLECTIVES unset: the bench runs both passes (=0, then =1) and writes the JSON after each.
-    logged ddp "$(limit 560)" env -u FASTCOLL_FORCE_COLLECTIVES "$PYTHON" -m fastcoll.bench ddp --device cuda \
+    # GPU_DDP_PASS=forced (or plain): that pass alone.
+    case "${GPU_DDP_PASS:-}" in forced) force=(env FASTCOLL_FORCE_COLLECTIVES=1) ;; plain) force=(env FASTCOLL_FORCE_COLLECTIVES=0) ;;
+      *) force=(env -u FASTCOLL_FORCE_COLLECTIVES) ;; esac
+    logged ddp "$(limit 560)" "${force[@]}" "$PYTHON" -m fastcoll.bench ddp --device cuda \
       --json "$GPU_OUT/ddp_cuda.json" ${BENCH_ARGS:-}
     rc=$?
     bench_charts_out
@@ -402,7 +440,7 @@ case "$step" in
     exit $?
     ;;
   *)
-    echo "gpu_check: unknown step '$step' (build, test, bench-ops, bench-ddp, pad-counts)" >&2
+    echo "gpu_check: unknown step '$step' (build, test, bench-ops, bench-plan, bench-zero, bench-ddp, pad-counts)" >&2
     exit 2
     ;;
 esac

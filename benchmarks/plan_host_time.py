@@ -39,7 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from fastcoll import ops  # noqa: E402
-from fastcoll.bench.common import bootstrap_ci, cpu_model, rotated, summarize, synchronize  # noqa: E402
+from fastcoll.bench.report import cpu_model  # noqa: E402
+from fastcoll.bench.runner import synchronize  # noqa: E402
+from fastcoll.bench.stats import bootstrap_ci, rotated, summarize  # noqa: E402
 
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 
@@ -58,6 +60,66 @@ def bucket(n: int, elements: int, device: str) -> Dict[str, object]:
     grads = [torch.randn(elements or 1 + (7 * k) % 64, generator=g).to(device) for k in range(n)]
     flat = torch.empty(sum(t.numel() for t in grads), device=device)
     return {"grads": grads, "flat": flat, "plan": ops.BucketPlan()}
+
+
+def device_time(args: argparse.Namespace) -> Dict[str, object]:
+    """CUDA: device time of a planned pack + unpack against the copy floor, side by side.
+
+    The floor is two plain device copies of the bucket's bytes (into the flat buffer and back) between
+    contiguous buffers. Several bucket sets, each with its own plan, rotate past the L2 cache; CUDA events
+    around ``--inner`` calls; round-robin samples; median and 90 % paired bootstrap interval of the ratio.
+    """
+    numel = sum(1 + (7 * k) % 64 for k in range(args.tensors)) if not args.elements else args.elements * args.tensors
+    sets = max(2, -(-240 * 2**20 // (8 * numel)))
+    buckets = [bucket(args.tensors, args.elements, "cuda") for _ in range(sets)]
+    contig = [(torch.randn(numel, device="cuda"), torch.empty(numel, device="cuda")) for _ in range(sets)]
+    state = {"i": 0}
+
+    def planned() -> None:
+        b = buckets[state["i"] % sets]
+        state["i"] += 1
+        ops.flatten_scale(b["grads"], b["flat"], 0.5, plan=b["plan"])
+        ops.unflatten_scale(b["flat"], b["grads"], 2.0, plan=b["plan"])
+
+    def floor() -> None:
+        src, flat = contig[state["i"] % sets]
+        state["i"] += 1
+        flat.copy_(src)
+        src.copy_(flat)
+
+    fns = {"planned": planned, "floor": floor}
+    for fn in fns.values():
+        for _ in range(2 * sets):
+            fn()
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for k in range(args.reps):
+        for name in rotated(list(fns), k):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.inner):
+                fns[name]()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e-3 / args.inner)
+    b = buckets[0]
+    back = [g.clone() for g in b["grads"]]
+    b["flat"].fill_(float("nan"))
+    ops.flatten_scale(b["grads"], b["flat"], 0.5, plan=b["plan"])
+    correct = torch.equal(b["flat"], torch.cat(back) * 0.5)
+
+    def ratio(s: Dict[str, List[float]]) -> float:
+        return summarize(s["planned"])["median_s"] / summarize(s["floor"])["median_s"]
+
+    ci = bootstrap_ci(ratio, samples, paired=True)
+    return {
+        "sets": sets,
+        "bytes": 4 * numel,
+        "correct": correct,
+        "planned_us": summarize(samples["planned"])["median_s"] * 1e6,
+        "floor_us": summarize(samples["floor"])["median_s"] * 1e6,
+        "planned_over_floor": ratio(samples),
+        "planned_over_floor_ci90": list(ci) if ci else None,
+    }
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
@@ -129,6 +191,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         "plan_builds_while_timed": after["builds"] - before["builds"],
         "plan_reuses_while_timed": after["reuses"] - before["reuses"],
         "samples_s": samples,
+        "device_time": device_time(args) if args.device == "cuda" else None,
     }
 
 
@@ -161,6 +224,15 @@ def main() -> None:
         f"planned / unplanned: {result['planned_over_unplanned']:.3f}x{ci_text}; medians [quartiles]; "
         f"plan rebuilds while timed: {result['plan_builds_while_timed']}, reuses: {result['plan_reuses_while_timed']}"
     )
+    d = result["device_time"]
+    if d:
+        ci = d["planned_over_floor_ci90"]
+        ci_text = f" (90% CI {ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
+        print(
+            f"device time, planned pack + unpack {d['planned_us']:.1f} us vs copy floor {d['floor_us']:.1f} us "
+            f"({d['bytes'] / 2**20:.1f} MiB, {d['sets']} sets rotated): {d['planned_over_floor']:.3f}x{ci_text}"
+            f"{'' if d['correct'] else '  WRONG RESULT'}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
