@@ -5,7 +5,8 @@
 Default input: every ``benchmarks/out/<benchmark>_<device>.json`` (ops, ddp,
 dist, timeline, health, zero, zero_bf16). Per benchmark: its machine line, the
 tables it printed (JSON version 2 records them) and its notes; first, every
-target of every file in one summary table. Files of the first layout (no
+target of every file in one summary table; last, benchmarks/gpu_sessions.md (what a
+GPU session measured outside the JSON, written by hand). Files of the first layout (no
 ``version``) give their targets only. History lives in git, not in the file.
 """
 
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
+# What a GPU session measured outside the benchmarks' JSON (the CUDA tests, crashes, plan timings), by hand.
+SESSIONS = HERE / "gpu_sessions.md"
 ORDER = ("ops", "ddp", "dist", "timeline", "health", "zero", "zero_bf16")
 TITLES = {
     "ops": "ops: the fused flatten/unflatten round trip",
@@ -87,7 +90,8 @@ def summary(files: Sequence[Dict[str, Any]]) -> str:
         for where, key, t in targets(d):
             ci = t.get("ci90")
             interval = f"{_number(ci[0])} .. {_number(ci[1])}" if ci else t.get("interval", "exact")
-            body.append([d["benchmark"], where, key, _number(t.get("value")), interval,
+            bench = f"{d['benchmark']} ({d.get('config', {}).get('device', 'cpu')})"
+            body.append([bench, where, key, _number(t.get("value")), interval,
                          f"{t.get('op', '')} {t.get('threshold', '')}", verdict(t)])  # fmt: skip
     return table(["benchmark", "row", "target", "value", "90% interval", "target", "verdict"], body)
 
@@ -110,7 +114,8 @@ def section(d: Dict[str, Any]) -> str:
 
 def render(paths: Sequence[Path]) -> str:
     files = [json.loads(p.read_text()) for p in paths]
-    files.sort(key=lambda d: ORDER.index(d["benchmark"]) if d.get("benchmark") in ORDER else len(ORDER))
+    files.sort(key=lambda d: (ORDER.index(d["benchmark"]) if d.get("benchmark") in ORDER else len(ORDER),
+                              d.get("config", {}).get("device", "cpu")))  # fmt: skip
     head = [
         "# Benchmark results",
         "",
@@ -124,7 +129,8 @@ def render(paths: Sequence[Path]) -> str:
         summary(files),
         "",
     ]
-    return "\n".join(head + [section(d) for d in files]).rstrip() + "\n"
+    sessions = [SESSIONS.read_text().strip(), ""] if SESSIONS.exists() else []
+    return "\n".join(head + [section(d) for d in files] + sessions).rstrip() + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
