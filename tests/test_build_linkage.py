@@ -5,11 +5,14 @@ linked libstdc++ statically into shared libraries. fastcoll's extension then
 carried a second libstdc++ beside the shared one that python and torch load, and
 every error message that formatted a number crashed the process (SIGSEGV inside
 std::ostream's integer insertion; the native backtrace is in benchmarks/RESULTS.md).
-The extension is linked with ``-lstdc++`` named explicitly (fastcoll/extension/spec.py
-``LD_FLAGS``), which keeps the runtime shared whatever the driver adds. Tested here:
+The extension is linked with ``-l:libstdc++.so.6`` (fastcoll/extension/spec.py ``LD_FLAGS``):
+the runtime's shared library by its file name, which no static archive or linker script
+named ``libstdc++.so`` in the driver's own folders can stand in for (a plain ``-lstdc++``
+did not help there). Tested here:
 
-* the mechanism: a small shared library linked as that wrapper links, with and
-  without ``LD_FLAGS`` (the test fails if the flag is dropped);
+* the mechanism: a small shared library linked by a driver that links libstdc++ statically
+  (``-static-libstdc++``; a toolchain folder whose ``libstdc++.so`` resolves to the static
+  archive, as the H200 image's), with and without ``LD_FLAGS`` (fails if the flag is dropped);
 * the extension built in this tree lists ``libstdc++.so.6`` among its needed libraries
   and defines none of the runtime's stream code itself.
 """
@@ -64,18 +67,37 @@ def tools() -> None:
             pytest.skip(f"{tool} (binutils) is not installed")
 
 
+def static_driver_flags(kind: str, cxx: str, tmp_path) -> List[str]:
+    """Link flags that make a g++ driver link libstdc++ statically, as two kinds of toolchain do."""
+    if kind == "static-libstdc++":  # the driver's own flag
+        return ["-static-libstdc++"]
+    # The H200 image's compiler: a wrapper whose -B library folder holds a libstdc++.so that resolves to the
+    # static archive, so even an explicit -lstdc++ links it statically (modelled by a linker script here).
+    archive = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(archive):
+        pytest.skip("this g++ has no libstdc++.a")
+    folder = tmp_path / "toolchain"
+    folder.mkdir()
+    (folder / "libstdc++.so").write_text(f"INPUT({archive})\n")
+    return [f"-B{folder}/", f"-L{folder}"]
+
+
+@pytest.mark.parametrize("kind", ["static-libstdc++", "wrapper-folder"])
 @pytest.mark.parametrize("with_flags", [False, True], ids=["driver-flags-only", "with-LD_FLAGS"])
-def test_a_driver_that_links_libstdcxx_statically_is_overridden(tmp_path, with_flags):
+def test_a_driver_that_links_libstdcxx_statically_is_overridden(tmp_path, kind, with_flags):
     tools()
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if cxx is None or "clang" in os.path.basename(cxx):
-        pytest.skip("needs g++ (-static-libstdc++ is a GNU driver flag)")
+        pytest.skip("needs g++ (a GNU driver's flags)")
     src = tmp_path / "message.cpp"
     src.write_text(SOURCE)
     lib = tmp_path / "libmessage.so"
-    # The link as the H200 image's wrapper made it: the driver's own -static-libstdc++ after the user's flags.
+    driver = static_driver_flags(kind, cxx, tmp_path)
+    # The driver's own flags come first, the user's link flags after them, as setuptools orders a link.
     extra = [f for f in spec.LD_FLAGS if f != "-fopenmp"] if with_flags else []
-    cmd = [cxx, "-shared", "-fPIC", "-O2", str(src), "-o", str(lib), *extra, "-static-libstdc++"]
+    cmd = [cxx, *driver, "-shared", "-fPIC", "-O2", str(src), "-o", str(lib), *extra]
+    if kind == "static-libstdc++":
+        cmd = [cxx, "-shared", "-fPIC", "-O2", str(src), "-o", str(lib), *extra, *driver]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     shared = any(n.startswith("libstdc++.so") for n in needed(str(lib)))
     static_copy = defines(str(lib), STREAM_INSERT)

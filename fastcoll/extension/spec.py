@@ -25,11 +25,11 @@ CXX_FLAGS: Tuple[str, ...] = ("-O3", "-fopenmp")  # OpenMP: at::parallel_for is 
 #: code (NDEBUG turns off torch's debug-only checks). Not -g: a 30 MB library instead of 1.3 MB.
 JIT_CXX_FLAGS: Tuple[str, ...] = ("-DNDEBUG", "-fwrapv")
 NVCC_FLAGS: Tuple[str, ...] = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")
-#: -lstdc++: the C++ runtime as a shared library, named even where the compiler driver would link it
-#: statically (a g++ wrapper adding -static-libstdc++, as on the H200 image this project was tested on):
-#: a second, static copy of libstdc++ inside the extension, beside the process's shared one (torch's),
-#: crashed every error message that formatted a number (std::ostream's integer insertion, SIGSEGV).
-LD_FLAGS: Tuple[str, ...] = ("-fopenmp",) + (("-lstdc++",) if sys.platform.startswith("linux") else ())
+#: -l:libstdc++.so.6: the C++ runtime's shared library, by file name, whatever the compiler driver links
+#: by default. The H200 image's g++ wrapper resolved libstdc++ (even an explicit -lstdc++) to the static
+#: archive; the second C++ runtime inside the extension, beside the one python and torch load, crashed
+#: every error message that formatted a number (SIGSEGV in std::ostream's integer insertion).
+LD_FLAGS: Tuple[str, ...] = ("-fopenmp",) + (("-l:libstdc++.so.6",) if sys.platform.startswith("linux") else ())
 #: sm_80 and sm_90 machine code, plus sm_90 PTX that the driver compiles for newer GPUs.
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 #: Files of the source tree that a build reads (compiled or included); their hash is part of the key.
