@@ -580,6 +580,19 @@ def p_data_write(new: Callable[..., Run]) -> Obs:
     return _train(new(), after_step=reset)
 
 
+def p_data_swap(new: Callable[..., Run]) -> Obs:
+    """p.data replaced by a new tensor between steps (a checkpoint loaded by assignment): new storage, new values."""
+
+    def swap(r: Run, step: int) -> None:
+        if step == 1:
+            r.read_point()
+            torch.manual_seed(6)
+            w = r.model.mid.weight
+            w.data = torch.randn(w.shape, dtype=w.dtype) * 0.1
+
+    return _train(new(), after_step=swap)
+
+
 # name -> (pattern, allows a loud refusal: True, "sharded" (with grads="sharded" only) or False; rounding: sums in
 # another order than torch's; runs in bf16 too: only where the pattern's route differs from the canonical one, which
 # is the bf16 reference (elsewhere the comparison could not fail; tests/test_main_grads.py covers those routes)
@@ -619,6 +632,7 @@ PATTERNS: Dict[str, tuple] = {
     "requires_grad_change": (p_requires_grad_change, True, False, False),
     "grad_by_hand": (p_grad_by_hand, "sharded", False, False),
     "data_write": (p_data_write, True, False, True),
+    "data_swap": (p_data_swap, True, False, True),
 }
 
 

@@ -357,7 +357,7 @@ def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         ValueError, TypeError, RuntimeError: a non-dense or non-strided tensor,
             or tensors on several devices, naming the offending index.
     """
-    tensors = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
+    tensors = [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in tensors]
     if not tensors:
         return torch.empty(0, dtype=torch.int64)
     return torch.ops.fastcoll.checksum(tensors)

@@ -160,6 +160,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._stepped, stages, self.overlap_param_gather, borrowed, self._buffers.moved, model.module
         )
         self._written_hash: Optional[torch.Tensor] = None  # see _refresh_masters
+        #: The pieces with a master copy, and (the parameters' storage, their views) once built: see _master_pieces.
+        self._master_ks = [k for k in range(len(self._pieces)) if self._has_master(k)]
+        self._master_views: Optional[Tuple[Tuple[Any, ...], List[Tuple[torch.Tensor, torch.Tensor]]]] = None
+        #: The pieces the inner optimizer steps as views of their parameter (no master, not in a buffer), and the
+        #: storage of those parameters when the views were taken: see _follow_storage.
+        self._view_ks = [k for k in range(len(self._pieces))
+                         if k not in set(self._master_ks) and self._pieces[k][1].param not in self._buffers.moved]  # fmt: skip
+        self._view_key = self._storage_key(self._view_ks)
+        self._view_numel = {self._pieces[k][1].param: self.reducer.params[self._pieces[k][1].param].numel()
+                            for k in self._view_ks}  # fmt: skip
         gather = self._gather  # the reducer's: the hooks hold no reference to this optimizer
         for m in (model, model.module):
             m.register_state_dict_pre_hook(lambda *args, **kwargs: gather.finish())
@@ -237,6 +247,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.reducer.kept.reconcile(at_step=True)
         self._check_grads()
         self._buffers.check()
+        self._follow_storage()
         self._refresh_masters()
         self._push_hyperparameters()
         self._grads.attach()  # as the gradients are now (unscaled, clipped, zeroed since backward)
@@ -312,10 +323,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     def _master_pieces(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(master, the parameter's piece it rounds to) for every piece with a float32 master copy."""
+        """(master, the parameter's piece it rounds to) for every piece with a float32 master copy.
+
+        The views are built once and kept while every such parameter keeps its storage and strides (a
+        ``p.data = ...`` gives it new ones): building them is a few tensor operations per piece, per step.
+        """
         params = self.reducer.params
-        return [(self._shard_params[k], flat_view(params[pc.param].detach())[pc.lo : pc.hi])
-                for k, (_, pc) in enumerate(self._pieces) if self._has_master(k)]  # fmt: skip
+        key = self._storage_key(self._master_ks)
+        if self._master_views is None or self._master_views[0] != key:
+            views = [(self._shard_params[k], flat_view(params[pc.param].detach())[pc.lo : pc.hi])
+                     for k, pc in ((k, self._pieces[k][1]) for k in self._master_ks)]  # fmt: skip
+            self._master_views = (key, views)
+        return self._master_views[1]
+
+    def _storage_key(self, ks: Sequence[int]) -> Tuple[Any, ...]:
+        """Where the parameters of pieces ``ks`` keep their values (address and strides): ``p.data = ...`` changes it."""
+        params = self.reducer.params
+        return tuple((params[self._pieces[k][1].param].data_ptr(), params[self._pieces[k][1].param].stride()) for k in ks)
+
+    def _follow_storage(self) -> None:
+        """Pieces stepped as views of their parameter follow a parameter given new storage (``p.data = ...``).
+
+        The inner optimizer keeps each piece's tensor (its state is keyed by it); only what it views changes, to
+        the same range of the parameter's new storage, so the step updates the values the model now holds.
+        """
+        key = self._storage_key(self._view_ks)
+        if key == self._view_key:
+            return
+        r = self.reducer
+        for k in self._view_ks:
+            pc, t = self._pieces[k][1], self._shard_params[k]
+            p = r.params[pc.param]
+            numel = self._view_numel[pc.param]
+            if p.numel() != numel or p.dtype != t.dtype or p.device != t.device:
+                raise RuntimeError(
+                    f"fastcoll.ShardedOptimizer: parameter '{r.names[pc.param]}' is now {tuple(p.shape)} {p.dtype} on "
+                    f"{p.device} (p.data replaced); its bucket layout holds {numel} {t.dtype} elements on "
+                    f"{t.device}. Give a parameter new values of its own shape, dtype and device, or wrap the model again"
+                )
+            fresh = flat_view(p.detach())[pc.lo : pc.hi]
+            if t.data_ptr() != fresh.data_ptr():
+                t.data = fresh
+        self._view_key = key
 
     def _remember_written(self) -> None:
         """After the parameters were written from the masters: a hash of those pieces (one fused pass)."""
