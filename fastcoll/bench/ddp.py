@@ -377,7 +377,7 @@ def run(args: Any) -> int:
         for r in rows
         for k, t in r.get("targets", {}).items()
     ]
-    report.targets_summary("ddp", [t for _, t in named], [w for w, _ in named])
+    report.targets_summary("ddp", named)
     bad = [r["label"] for r in rows for c in r["grads"].values() if not c["close"]]
     for label in bad:
         report.say(f"[red]warning: {label}: fastcoll's gradients differ from torch DDP's[/red]")

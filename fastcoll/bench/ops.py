@@ -445,7 +445,7 @@ def run(args: Any) -> int:
     torch.set_flush_denormal(False) if flush else None
     targets = [(f"{setting(r['device'], r['threads'])}, {r['layout']}: {k}", t) for r in results for k, t in r["targets"].items()]
     targets += [(f"dtype pair {r['pair']}, {r['layout']}", r["targets"]["fused/floor"]) for r in pairs]
-    report.targets_summary("ops", [t for _, t in targets], [w for w, _ in targets])
+    report.targets_summary("ops", targets)
     path = report.json_path(args, f"ops_{device}")
     config = {
         "device": device, "threads": settings, "level": level, "quick": level != "full", "smoke": level == "smoke", **cfg,

@@ -18,11 +18,11 @@ import platform
 import re
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .stats import MET, MISSED, UNRESOLVED
+from .stats import MET, MISSED, UNRESOLVED, count_verdicts
 
 MiB = 1 << 20
 #: Version of the JSON layout: 2 adds ``version``, ``tables`` and ``notes``, and a ``verdict`` in every target.
@@ -212,17 +212,35 @@ def say(message: str, record: bool = True) -> None:
     console.print(message) if console is not None else print(strip_markup(message))  # pragma: no branch
 
 
-def targets_summary(name: str, targets: Sequence[Dict[str, Any]], where: Sequence[str]) -> None:
-    """One line of verdict counts, then one line per target that is not met (``where[i]`` names target i)."""
-    counts = {MET: 0, MISSED: 0, UNRESOLVED: 0}
-    for t in targets:
-        counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
-    if targets:
+def targets_summary(name: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> None:
+    """One line of verdict counts, then one line per target that is not met; ``named``: (where, target) pairs."""
+    counts = count_verdicts(t for _, t in named)
+    if named:
         say(f"[bold]{name} targets (reported, never asserted):[/bold] {counts[MET]} met, {counts[MISSED]} missed, "
             f"{counts[UNRESOLVED]} not resolved")  # fmt: skip
-    for t, w in zip(targets, where):
+    for w, t in named:
         if t["verdict"] != MET:
             say(f"  {w}: {target_cell(t, lambda v: '-' if v is None else f'{v:.3g}')} (target {t['op']} {t['threshold']})")
+
+
+def no_gpu(name: str, device: str) -> bool:
+    """True (with a message) when ``--device cuda`` is asked for without a GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        say(f"[red]fastcoll.bench {name}: --device cuda but torch.cuda.is_available() is False[/red]")
+        return True
+    return False
+
+
+def conclude(
+    name: str, path: Path, payload: Dict[str, Any], named: Sequence[Tuple[str, Dict[str, Any]]] = (), chart: Any = None,
+) -> Path:  # fmt: skip
+    """The targets' summary (:func:`targets_summary`), the JSON at ``path`` and ``chart(png_path, payload)`` beside it."""
+    targets_summary(name, named)
+    device = payload.get("config", {}).get("device", "cpu")
+    write_json(path, payload, device)
+    png = chart(path.with_suffix(".png"), payload) if chart is not None else None
+    say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    return path
 
 
 def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path:

@@ -138,6 +138,32 @@ def threads_per_rank(args: Any, world_size: int) -> int:
     return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
 
 
+def level_of(args: Any) -> str:
+    """``smoke``, ``full`` or ``default``: ``args.level``, else from ``--smoke`` / ``--full``."""
+    return getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
+
+
+def level_config(args: Any, configs: Dict[str, Dict[str, Any]], world_size: int, **extra: Any) -> Dict[str, Any]:
+    """A multi-rank benchmark's configuration: ``configs[level]``, the level, device, ranks, backend and threads."""
+    level, device = level_of(args), getattr(args, "device", "cpu") or "cpu"
+    return {**configs[level], "level": level, "smoke": level == "smoke", "quick": level != "full", "device": device,
+            "world_size": world_size, "backend": "nccl" if device == "cuda" else "gloo",
+            "threads": threads_per_rank(args, world_size), **extra}  # fmt: skip
+
+
+def wrap(kind: str, module: Any, device: str, **kw: Any) -> Any:
+    """``torch`` DDP or (any other ``kind``) ``fastcoll.DDP`` around ``module``, on the current GPU with CUDA."""
+    if device == "cuda":
+        kw["device_ids"] = [torch.cuda.current_device()]
+    if kind == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, **kw)
+    import fastcoll
+
+    return fastcoll.DDP(module, **kw)
+
+
 def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:
     """Whether this checkout's ``fastcoll.DDP`` takes ``arguments`` and has ``methods``."""
     import inspect

@@ -142,6 +142,14 @@ def ratio_target(samples: Samples, a: str, b: str, threshold: float, op: str = "
     return target(median_ratio(a, b)(sub), threshold, ci, op, "90% bootstrap (rounds)")
 
 
+def group_target(groups: Sequence[Dict[str, Any]], a: str, b: str, threshold: float = 1.0) -> Dict[str, Any]:
+    """:func:`ratio_target` of ``a`` over ``b`` from the first group (``{"samples": ...}``) timing both."""
+    for g in groups:
+        if a in g["samples"] and b in g["samples"]:
+            return ratio_target(g["samples"], a, b, threshold)
+    return target(None, threshold)
+
+
 def resolved(checks: Iterable[Tuple[Stat, float, str]], samples: Samples) -> bool:
     """Whether every ``(statistic, threshold, op)`` has a paired 90% interval on one side of its threshold.
 

@@ -427,7 +427,7 @@ def run(args: Any) -> int:
     payload = {"benchmark": "zero", "config": config, "implementation": implementation, "results": results}
     print_results(payload)
     named = [(f"{r['label']}: {target_label(k)}", t) for r in results for k, t in r["targets"].items()]
-    report.targets_summary("zero", [t for _, t in named], [w for w, _ in named])
+    report.targets_summary("zero", named)
     ok = all(c["ok"] for r in results for c in r["checks"].values())
     if not ok:
         report.say("[red]warning: some method's parameters differ from torch DDP + AdamW's (params column)[/red]")

@@ -67,15 +67,7 @@ QUALITY_STEPS_QUICK = 100  # --quick: 100 steps, (a), (b) and (c) (about 25 s in
 QUALITY_LR = 1e-4
 QUALITY_MICRO_BATCHES = 4
 
-MET, MISSED, UNRESOLVED = stats.MET, stats.MISSED, stats.UNRESOLVED
 BF16 = torch.bfloat16
-
-
-# ---------------------------------------------------------------------------
-# Configuration and shapes
-# ---------------------------------------------------------------------------
-
-
 CONFIGS = {  # rounds: reps..max_reps until the step target resolves
     "smoke": dict(reps=2, max_reps=2, setup_steps=2, quality_steps=3, quality_runs=QUALITY_RUNS),
     "default": dict(reps=5, max_reps=10, setup_steps=3, quality_steps=QUALITY_STEPS_QUICK, quality_runs=QUALITY_RUNS[:3]),
@@ -85,12 +77,9 @@ CONFIGS = {  # rounds: reps..max_reps until the step target resolves
 
 def config(args: Any) -> Dict[str, Any]:
     """The configuration of ``args.level`` on ``args.device`` (2 gloo ranks on CPU, one NCCL rank per GPU)."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    ws = torch.cuda.device_count() if device == "cuda" else 2
-    return {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
-            "device": device, "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
-            "threads": runner.threads_per_rank(args, ws),
-            "quality": {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES, "world_size": 2}}  # fmt: skip
+    ws = torch.cuda.device_count() if getattr(args, "device", "cpu") == "cuda" else 2
+    quality = {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES, "world_size": 2}
+    return runner.level_config(args, CONFIGS, ws, quality=quality)
 
 
 def model_shapes(cfg: Dict[str, Any]) -> GPT2Shapes:
@@ -108,21 +97,16 @@ def build_model(shapes: Sequence[Sequence[int]], method: str, storage: Any = Non
 
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapper and the optimizer of ``method`` (one of :data:`METHODS`) around ``module`` (already in its dtype)."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     import fastcoll
 
-    kw: Dict[str, Any] = {}
-    if device == "cuda":
-        kw["device_ids"] = [torch.cuda.current_device()]
     adamw = models.adamw_kwargs(device, (torch.float32, BF16))
     if method in FASTCOLL:
-        wrapper: nn.Module = fastcoll.DDP(module, main_grad_dtype=torch.float32, **kw)
+        wrapper: nn.Module = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32)
         opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
             torch.optim.AdamW(wrapper.parameters(), **adamw), wrapper, grads=method, master_dtype=torch.float32
         )
     else:
-        wrapper = TorchDDP(module, **kw)
+        wrapper = runner.wrap("torch", module, device)
         opt = torch.optim.AdamW(wrapper.parameters(), **adamw)
     return wrapper, opt
 
@@ -391,15 +375,6 @@ def _target(value: Optional[float], threshold: float, ci: Optional[Sequence[floa
     return t
 
 
-def step_ratio(groups: Sequence[Dict[str, Any]], a: str, b: str) -> Tuple[Optional[float], Optional[Sequence[float]]]:
-    """``a``'s median step over ``b``'s and its paired 90% interval, from the group timing both."""
-    g = next((g for g in groups if a in g["samples"] and b in g["samples"]), None)
-    if g is None:
-        return None, None
-    t = stats.ratio_target(g["samples"], a, b, 1.0)
-    return t["value"], t["ci90"]
-
-
 def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """Per-method summaries, the ratios to ``autocast`` and the targets (in place; returns ``row``)."""
     mem, groups = row["memory"], row["groups"]
@@ -412,18 +387,13 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
         ranks = mem.get(m, {}).get("ranks") or []
         if ranks:
             numel = ranks[0]["numel"]
-            entry["held"] = [r["held"] for r in ranks]
-            entry["peak_bytes"] = [r["peak_bytes"] for r in ranks]
-            entry["live_peak_bytes"] = [r.get("live_peak_bytes") for r in ranks]
-            entry["live_by_phase"] = [r.get("live_by_phase") for r in ranks]
+            entry.update({k: [r.get(k) for r in ranks] for k in ("held", "peak_bytes", "live_peak_bytes", "live_by_phase")})
             entry["buckets"] = ranks[0].get("buckets")
-            held = max(r["held"]["total"] for r in ranks)
-            entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
-            entry["bytes_per_param"]["held"] = held / numel
-            pk = [p for p in entry["peak_bytes"] if p is not None]
-            lv = [p for p in entry["live_peak_bytes"] if p is not None]
-            entry["bytes_per_param"]["peak"] = max(pk) / numel if pk else None
-            entry["bytes_per_param"]["live"] = max(lv) / numel if lv else None
+            bpp = entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
+            bpp["held"] = max(r["held"]["total"] for r in ranks) / numel
+            for key, name in (("peak_bytes", "peak"), ("live_peak_bytes", "live")):
+                known = [p for p in entry[key] if p is not None]
+                bpp[name] = max(known) / numel if known else None
         entry["readme_bytes_per_param"] = README_BYTES_PER_PARAM[m][0]
         methods[m] = entry
     row["methods"] = methods
@@ -438,16 +408,15 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
             targets[f"memory {m}/autocast"] = _target(max(per_rank), MEMORY_VS_AUTOCAST, (min(per_rank), max(per_rank)),
                                                       f"peak resident growth per rank, {METHOD_LABELS[m]} / autocast's",
                                                       "range over ranks")  # fmt: skip
-        value, ci = step_ratio(groups, m, "autocast")
-        if value is not None:
-            targets[f"step {m}/autocast"] = _target(value, STEP_VS_AUTOCAST, ci, f"step, {METHOD_LABELS[m]} / autocast's",
-                                                    "90% bootstrap (rounds)")  # fmt: skip
+        t = stats.group_target(groups, m, "autocast", STEP_VS_AUTOCAST)
+        if t["value"] is not None:
+            targets[f"step {m}/autocast"] = {**t, "what": f"step, {METHOD_LABELS[m]} / autocast's"}
     ratios: Dict[str, Any] = {}
     for m in METHODS:
         if m == "autocast":
             continue
-        value, ci = step_ratio(groups, m, "autocast")
-        ratios[f"step {m}/autocast"] = {"value": value, "ci90": list(ci) if ci else None}
+        t = stats.group_target(groups, m, "autocast")
+        ratios[f"step {m}/autocast"] = {"value": t["value"], "ci90": t["ci90"]}
         me = methods[m]
         for what in ("peak_bytes", "live_peak_bytes"):
             a, b = me.get(what), base.get(what)
@@ -487,7 +456,6 @@ def measure(args: Any = None) -> Dict[str, Any]:
     shapes = model_shapes(cfg)
     units = len(METHODS) + len(TIMED) * (cfg["max_reps"] + 1) + len(cfg["quality_runs"])
     started = time.perf_counter()
-    implementation, malloc = None, None
     with report.progress("zero bf16", units) as bar:
         memory: Dict[str, Any] = {}
         for m in METHODS:
@@ -498,50 +466,32 @@ def measure(args: Any = None) -> Dict[str, Any]:
         implementation, malloc = timed.pop("implementation"), timed.pop("malloc")
         bar.describe(f"zero bf16: quality, the tiny causal LM ({len(cfg['quality_runs'])} runs)")
         quality = runner.run_ranks(_quality_worker, (cfg,), 2, bar)
-    row = {
-        "model": shapes.name,
-        "label": shapes.label,
-        "shapes": dataclasses.asdict(shapes),
-        "numel": shapes.numel(),
-        "world_size": ws,
-        "memory": memory,
-        "groups": [timed],
-    }
+    row = {"model": shapes.name, "label": shapes.label, "shapes": dataclasses.asdict(shapes), "numel": shapes.numel(),
+           "world_size": ws, "memory": memory, "groups": [timed]}  # fmt: skip
     analyze(row, quality)
-    return {
-        "benchmark": "zero_bf16",
-        "config": {
-            **cfg,
-            "methods": METHOD_DESCRIPTIONS,
-            "timed": list(TIMED),
-            "adamw": models.adamw_kwargs(device, (torch.float32, BF16)),
-            "model": "MatmulShapeModel: one module per parameter of GPT-2's shapes, forward = sum_i "
-            "linalg.vecdot(W_i, ones(cols_i)).sum() * x_i (1-D: W_i.sum()), float32 terms",
-            "step": "opt.zero_grad(set_to_none=True); loss = wrapper(x) (autocast: in torch.autocast(bfloat16)); "
-            "loss.backward(); opt.step()  (steady state: an untimed lead-in iteration, timed iterations each waiting "
-            "for the previous one's all-gathers, the last all-gathers drained untimed)",
-            "memory": "held: bytes of the distinct storages of the parameters, .grad after backward, buckets, optimizer "
-            "state and masters; peak: growth of VmHWM over VmRSS before the model is built (fresh process pair per "
-            "method, after a warm-up on tiny shapes and malloc_trim); live: glibc mallinfo2 after each phase"
-            if device == "cpu"
-            else "held bytes; peak: max_memory_allocated growth",
-            "malloc_timing": malloc or "unchanged",
-            "readme_bytes_per_param": {m: {"value": v, "how": how} for m, (v, how) in README_BYTES_PER_PARAM.items()},
-            "quality_model": "tiny_lm.TinyCausalLM (2 pre-norm layers, d=32, 4 heads, vocabulary 32, 16 tokens), "
-            f"{tiny_lm.BATCH} sequences per micro-batch and rank, {QUALITY_MICRO_BATCHES} micro-batches per step, "
-            f"AdamW lr {QUALITY_LR}, 2 gloo ranks",
-            "targets": {
-                "memory": f"sharded's peak per rank <= {MEMORY_VS_AUTOCAST}x autocast's",
-                "step": f"sharded's step <= {STEP_VS_AUTOCAST}x autocast's",
-                "distance": f"(c)'s weight distance from (a) <= {DISTANCE_VS_BF16} x (b)'s",
-                "loss": f"(c)'s final loss within {LOSS_GAP:.0%} of (a)'s",
-            },
-            "elapsed_s": time.perf_counter() - started,
-        },
-        "implementation": implementation,
-        "results": [row],
-        "quality": quality,
-    }
+    cpu_memory = ("held: bytes of the distinct storages of the parameters, .grad after backward, buckets, optimizer state "
+                  "and masters; peak: growth of VmHWM over VmRSS before the model is built (fresh process pair per method, "
+                  "after a warm-up on tiny shapes and malloc_trim); live: glibc mallinfo2 after each phase")  # fmt: skip
+    settings = {
+        **cfg, "methods": METHOD_DESCRIPTIONS, "timed": list(TIMED), "adamw": models.adamw_kwargs(device, (torch.float32, BF16)),
+        "model": "MatmulShapeModel: one module per parameter of GPT-2's shapes, forward = sum_i "
+        "linalg.vecdot(W_i, ones(cols_i)).sum() * x_i (1-D: W_i.sum()), float32 terms",
+        "step": "opt.zero_grad(set_to_none=True); loss = wrapper(x) (autocast: in torch.autocast(bfloat16)); "
+        "loss.backward(); opt.step()  (steady state: an untimed lead-in iteration, timed iterations each waiting "
+        "for the previous one's all-gathers, the last all-gathers drained untimed)",
+        "memory": cpu_memory if device == "cpu" else "held bytes; peak: max_memory_allocated growth",
+        "malloc_timing": malloc or "unchanged",
+        "readme_bytes_per_param": {m: {"value": v, "how": how} for m, (v, how) in README_BYTES_PER_PARAM.items()},
+        "quality_model": "tiny_lm.TinyCausalLM (2 pre-norm layers, d=32, 4 heads, vocabulary 32, 16 tokens), "
+        f"{tiny_lm.BATCH} sequences per micro-batch and rank, {QUALITY_MICRO_BATCHES} micro-batches per step, "
+        f"AdamW lr {QUALITY_LR}, 2 gloo ranks",
+        "targets": {"memory": f"sharded's peak per rank <= {MEMORY_VS_AUTOCAST}x autocast's",
+                    "step": f"sharded's step <= {STEP_VS_AUTOCAST}x autocast's",
+                    "distance": f"(c)'s weight distance from (a) <= {DISTANCE_VS_BF16} x (b)'s",
+                    "loss": f"(c)'s final loss within {LOSS_GAP:.0%} of (a)'s"},
+        "elapsed_s": time.perf_counter() - started,
+    }  # fmt: skip
+    return {"benchmark": "zero_bf16", "config": settings, "implementation": implementation, "results": [row], "quality": quality}
 
 
 # ---------------------------------------------------------------------------
@@ -642,31 +592,23 @@ def json_path(args: Any, device: str) -> Path:
 
 def run_section(args: Any = None) -> int:
     """Measure, print, write JSON and the chart (the caller checked the device). Returns 0 (nothing is asserted)."""
-    device = getattr(args, "device", "cpu") or "cpu"
     if not supported():
         report.say("[yellow]fastcoll.bench zero bf16: this checkout has no main_grad_dtype / master_dtype; skipping[/yellow]")
         return 0
-    report.say(
-        "[dim]bf16 section: GPT-2 shapes (synthetic: one module per parameter, forward = each "
-        "weight's rows dotted with ones) in bfloat16 with torch DDP, in float32 with autocast, and with fastcoll's "
-        "main gradients + sharded float32 masters; then the tiny causal LM's quality runs.[/dim]"
-    )
+    report.say("[dim]bf16 section: GPT-2 shapes (synthetic: one module per parameter, forward = each weight's rows dotted "
+               "with ones) in bfloat16 with torch DDP, in float32 with autocast, and with fastcoll's main gradients + "
+               "sharded float32 masters; then the tiny causal LM's quality runs.[/dim]")  # fmt: skip
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for t in payload["results"][0]["targets"].values()]
-    report.targets_summary("bf16", [t for _, t in named], [w for w, _ in named])
-    path = json_path(args, device)
-    report.write_json(path, payload, device)
-    png = chart(path.with_suffix(".png"), payload)
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    report.conclude("bf16", json_path(args, payload["config"]["device"]), payload, named, chart)
     return 0
 
 
 def run(args: Any = None) -> int:
     """This section alone (``python -m fastcoll.bench.zero_bf16``), with :func:`fastcoll.bench.zero.run`'s device checks."""
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench zero bf16: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("zero bf16", device):
         return 2
     if device == "cuda" and torch.cuda.device_count() < 2:
         report.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
