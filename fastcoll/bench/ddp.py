@@ -94,38 +94,20 @@ def collective_passes(world_size: int) -> List[Optional[str]]:
 
 def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.Module:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    import fastcoll
-
-    kw: Dict[str, Any] = {"gradient_as_bucket_view": gabv}
-    if device == "cuda":
-        kw["device_ids"] = [torch.cuda.current_device()]
-    if method in ("no_sync", "torch"):
-        return TorchDDP(module, **kw)
-    if method == "fastcoll":
-        return fastcoll.DDP(module, **kw)
-    kind, name = method.split()[:2]
-    if kind == "fastcoll":
-        return fastcoll.DDP(module, comm_dtype=dict(COMM_DTYPES)[name], **kw)
-    hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
-    wrapper = TorchDDP(module, **kw)
-    wrapper.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # renamed: torch refuses bf16 by name on CPU
-    return wrapper
+    kind, name = (method.split() + [""])[:2]
+    if method == "no_sync" or kind == "torch":
+        wrapper = runner.wrap("torch", module, device, gradient_as_bucket_view=gabv)
+        if name:  # renamed: torch refuses bf16 by name on CPU
+            hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
+            wrapper.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
+        return wrapper
+    comm = {"comm_dtype": dict(COMM_DTYPES)[name]} if name else {}
+    return runner.wrap("fastcoll", module, device, gradient_as_bucket_view=gabv, **comm)
 
 
 def make_step(method: str, wrapper: nn.Module, spec: ModelSpec, x: torch.Tensor) -> Callable[[], None]:
-    module = wrapper.module
-
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        if method == "no_sync":
-            with wrapper.no_sync():
-                models.loss_of(spec, wrapper(x)).backward()
-        else:
-            models.loss_of(spec, wrapper(x)).backward()
-
-    return step
+    return models.backward_step(spec, wrapper, x, no_sync=method == "no_sync")
 
 
 def count_buckets(method: str, wrapper: nn.Module) -> Optional[int]:
@@ -328,13 +310,10 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ddp``: tables, ``benchmarks/out/ddp_<device>.json``, a chart; 1 if gradients differ."""
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench ddp: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("ddp", device):
         return 2
     ws = 1 if device == "cuda" else 2
-    cfg = {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
-           "device": device, "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
-           "threads": runner.threads_per_rank(args, ws), "target": GPU_TARGET if device == "cuda" else CPU_TARGET}  # fmt: skip
+    cfg = runner.level_config(args, CONFIGS, ws, target=GPU_TARGET if device == "cuda" else CPU_TARGET)
     with_comm = comm_dtype_supported()
     if not with_comm:
         report.say("[yellow]comm_dtype rows skipped: this checkout's fastcoll.DDP has no comm_dtype argument[/yellow]")
@@ -372,16 +351,10 @@ def run(args: Any) -> int:
     payload = {"benchmark": "ddp", "config": config, "implementation": implementation,
                "comm_dtype": {"supported": with_comm, "measured": with_comm}, "results": rows}  # fmt: skip
     print_results(payload)
-    named = [
-        (f"{r['label']}{' +view' if r['gradient_as_bucket_view'] else ''}: {k}", t)
-        for r in rows
-        for k, t in r.get("targets", {}).items()
-    ]
-    report.targets_summary("ddp", named)
+    named = [(f"{r['label']}{' +view' if r['gradient_as_bucket_view'] else ''}: {k}", t)
+             for r in rows for k, t in r.get("targets", {}).items()]  # fmt: skip
     bad = [r["label"] for r in rows for c in r["grads"].values() if not c["close"]]
     for label in bad:
         report.say(f"[red]warning: {label}: fastcoll's gradients differ from torch DDP's[/red]")
-    report.write_json(path, payload, device)
-    png = chart(path.with_suffix(".png"), payload) if rows else None
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    report.conclude("ddp", path, payload, named, chart if rows else None)
     return 0 if not bad and all(s["ok"] for s in status.values()) else 1

@@ -205,6 +205,5 @@ def run(args: Any) -> int:
     )
     payload = {"benchmark": "dist", "config": {"world_size": WORLD_SIZE, "backend": "gloo", "model": MODEL, **cfg},
                "implementation": result["implementation"], "results": result["rows"]}  # fmt: skip
-    path = report.write_json(report.json_path(args, "dist_cpu"), payload, "cpu")
-    report.say(f"wrote {path}", record=False)
+    report.conclude("dist", report.json_path(args, "dist_cpu"), payload)
     return 0 if all(st["correct"] for row in result["rows"] for st in row["methods"].values()) else 1

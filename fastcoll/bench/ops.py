@@ -380,9 +380,9 @@ def print_pairs(rows: List[Dict[str, Any]], layouts: List[Layout]) -> None:
     report.table(f"fastcoll ops: dtype pairs, CPU, {PAIR_THREADS} thread", columns, list(by_pair.values()), caption)
 
 
-def chart(path: Any, results: List[Dict[str, Any]]) -> Optional[Any]:
+def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
     panels: Dict[str, Dict[str, Dict[str, float]]] = {}
-    for r in results:
+    for r in payload["results"]:
         floor = r["methods"]["floor"]["median_s"]
         panels.setdefault(setting(r["device"], r["threads"]), {})[r["layout"]] = {
             METHOD_LABELS[m]: r["methods"][m]["median_s"] / floor for m in METHODS[1:]
@@ -396,8 +396,7 @@ def run(args: Any) -> int:
     from .. import ops
 
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench ops: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("ops", device):
         return 2
     level = args.level
     cfg = CONFIGS[level]
@@ -445,8 +444,6 @@ def run(args: Any) -> int:
     torch.set_flush_denormal(False) if flush else None
     targets = [(f"{setting(r['device'], r['threads'])}, {r['layout']}: {k}", t) for r in results for k, t in r["targets"].items()]
     targets += [(f"dtype pair {r['pair']}, {r['layout']}", r["targets"]["fused/floor"]) for r in pairs]
-    report.targets_summary("ops", targets)
-    path = report.json_path(args, f"ops_{device}")
     config = {
         "device": device, "threads": settings, "level": level, "quick": level != "full", "smoke": level == "smoke", **cfg,
         "world_size": WORLD_SIZE, "first_bucket_cap": models.FIRST_BUCKET_CAP, "bucket_cap": BUCKET_CAP,
@@ -454,7 +451,6 @@ def run(args: Any) -> int:
         "dtype_pairs": {"dtypes": [str(d)[6:] for d in PAIR_DTYPES], "threads": PAIR_THREADS,
                         "layouts": {lay.name: lay.note for lay in pair_layouts}, "target": {"fused/floor": ["le", PAIR_TARGET]}},
     }  # fmt: skip
-    report.write_json(path, {"benchmark": "ops", "config": config, "results": results, "dtype_pairs": pairs}, device)
-    png = chart(path.with_suffix(".png"), results)
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    payload = {"benchmark": "ops", "config": config, "results": results, "dtype_pairs": pairs}
+    report.conclude("ops", report.json_path(args, f"ops_{device}"), payload, targets, chart)
     return 0

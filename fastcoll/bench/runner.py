@@ -358,6 +358,26 @@ def timed_rounds(
     return wall, cpu
 
 
+def optimizer_rounds(
+    me: "Rank", runs: Dict[str, Tuple[Any, Any, Callable[[], None]]], inner: int, lo: int, hi: int, checks: Sequence[Any],
+) -> Dict[str, List[float]]:  # fmt: skip
+    """:func:`timed_rounds` of training steps, ``runs[method] = (wrapper, optimizer, step)``, in steady state.
+
+    Each sample follows an untimed lead-in step; after it the step's all-gathers
+    are drained and the gradients dropped, untimed, so the next sample starts
+    with none pending. Ticks the rounds not taken. Returns the wall-clock samples.
+    """
+
+    def after(m: str) -> None:
+        settle(runs[m][1])
+        runs[m][1].zero_grad(set_to_none=True)
+
+    steps = {m: r[2] for m, r in runs.items()}
+    samples, _ = timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)
+    me.tick(len(runs) * (hi - len(next(iter(samples.values())))))
+    return samples
+
+
 class Rank:
     """One rank of a measurement: joins the process group, reports progress, saves rank 0's result.
 

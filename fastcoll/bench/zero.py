@@ -54,7 +54,6 @@ STEP_VS_TORCH_MODELS = ("resnet50", "gpt2_small")  # ... on these models
 GROUP_LIMIT_BYTES = 3 << 30
 FOOTPRINT = {"torch": 3.0, "zero": 2.0, "fastcoll": 3.0, "full": 2.0, "sharded": 2.5, "overlap": 2.5}
 SPLIT_GROUPS = (("torch", "zero", "sharded", "overlap"), ("zero", "fastcoll", "full"))
-MET, MISSED, UNRESOLVED = stats.MET, stats.MISSED, stats.UNRESOLVED
 verdict = stats.verdict
 CONFIGS = {  # rounds: reps..max_reps per timing group until the step targets resolve (large: GPT-2)
     "smoke": dict(reps=2, max_reps=2, reps_large=2, max_reps_large=2, setup_steps=2, target_s=0.0, max_inner=1),
@@ -99,13 +98,11 @@ def overlap_default() -> Optional[bool]:
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapper and the optimizer of ``method`` around ``module``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import fastcoll
 
-    kw: Dict[str, Any] = {"device_ids": [torch.cuda.current_device()]} if device == "cuda" else {}
     adamw = models.adamw_kwargs(device)
-    wrapper: nn.Module = TorchDDP(module, **kw) if method in ("torch", "zero") else fastcoll.DDP(module, **kw)
+    wrapper: nn.Module = runner.wrap("torch" if method in ("torch", "zero") else "fastcoll", module, device)
     if method == "zero":
         return wrapper, ZeroRedundancyOptimizer(wrapper.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
     if method in ("full", "sharded", "overlap"):
@@ -210,13 +207,7 @@ def _timing_worker(rank: int, ws: int, store: str, out: str, q: Any, cfg: Dict[s
         lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
         checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
 
-        def after(m: str) -> None:  # the last step's all-gathers drained untimed; the next sample starts with none pending
-            runner.settle(runs[m][1])
-            runs[m][1].zero_grad(set_to_none=True)
-
-        samples, _ = runner.timed_rounds({m: r[2] for m, r in runs.items()}, inner, lo, hi, checks, device, me.tick,
-                                         before=lambda m: runs[m][2](), after=after)  # fmt: skip
-        me.tick(len(methods) * (hi - len(samples[methods[0]])))
+        samples = runner.optimizer_rounds(me, runs, inner, lo, hi, checks)
         runs.clear()
         me.save({"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples})
 
@@ -226,12 +217,7 @@ def _timing_worker(rank: int, ws: int, store: str, out: str, q: Any, cfg: Dict[s
 # ---------------------------------------------------------------------------
 
 
-def step_ratio(groups: Sequence[Dict[str, Any]], a: str, b: str, threshold: float = 1.0) -> Dict[str, Any]:
-    """``a``'s median step over ``b``'s as a target, from the first group timing both (paired 90% interval)."""
-    for g in groups:
-        if a in g["samples"] and b in g["samples"]:
-            return stats.ratio_target(g["samples"], a, b, threshold)
-    return stats.target(None, threshold)
+step_ratio = stats.group_target
 
 
 def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
@@ -387,6 +373,8 @@ def run(args: Any) -> int:
     from . import zero_bf16
 
     device = getattr(args, "device", "cpu") or "cpu"
+    if report.no_gpu("zero", device):
+        return 2
     if device == "cuda" and torch.cuda.device_count() == 1:
         # One GPU: one NCCL rank whose reduce-scatters and all-gathers are issued as at any world size.
         os.environ["FASTCOLL_FORCE_COLLECTIVES"] = "1"
@@ -395,9 +383,7 @@ def run(args: Any) -> int:
         report.say("[yellow]fastcoll.bench zero: this checkout has no fastcoll.ShardedOptimizer; skipping[/yellow]")
         return 0
     ws = torch.cuda.device_count() if device == "cuda" else WORLD_SIZE
-    cfg = {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
-           "device": device, "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
-           "threads": runner.threads_per_rank(args, ws), "group_limit_bytes": GROUP_LIMIT_BYTES}  # fmt: skip
+    cfg = runner.level_config(args, CONFIGS, ws, group_limit_bytes=GROUP_LIMIT_BYTES)
     specs = model_specs(args.level)
     plans = [(s, models.param_count(s), timing_groups(4 * models.param_count(s))) for s in specs]
     units = sum(len(MEMORY_METHODS) + sum(len(g) * (1 + cfg["max_reps_large" if s.name == "gpt2_small" else "max_reps"])
@@ -427,12 +413,9 @@ def run(args: Any) -> int:
     payload = {"benchmark": "zero", "config": config, "implementation": implementation, "results": results}
     print_results(payload)
     named = [(f"{r['label']}: {target_label(k)}", t) for r in results for k, t in r["targets"].items()]
-    report.targets_summary("zero", named)
     ok = all(c["ok"] for r in results for c in r["checks"].values())
     if not ok:
         report.say("[red]warning: some method's parameters differ from torch DDP + AdamW's (params column)[/red]")
-    path = report.write_json(report.json_path(args, f"zero_{device}"), payload, device)
-    png = chart(path.with_suffix(".png"), payload)
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named, chart)
     rc = zero_bf16.run_section(args)
     return rc if ok else 1

@@ -323,14 +323,8 @@ def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_
             runs[m] = (wrapper, opt, step)
             me.tick()
 
-        def after(m: str) -> None:  # the last step's all-gathers drained untimed
-            runner.settle(runs[m][1])
-            runs[m][1].zero_grad(set_to_none=True)
-
         goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
-        samples, _ = runner.timed_rounds({m: r[2] for m, r in runs.items()}, 1, cfg["reps"], cfg["max_reps"], goal, device,
-                                         me.tick, before=lambda m: runs[m][2](), after=after)  # fmt: skip
-        me.tick(len(methods) * (cfg["max_reps"] - len(samples[methods[0]])))
+        samples = runner.optimizer_rounds(me, runs, 1, cfg["reps"], cfg["max_reps"], goal)
         runs.clear()
         me.save({"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples})
 
