@@ -42,7 +42,7 @@ def test_ops_smoke_run(tmp_path, capsys):
     # the tables printed are recorded in the JSON; benchmarks/render_results.py renders them and every target
     assert data["version"] == report.JSON_VERSION and any("dtype pairs" in t["title"] for t in data["tables"])
     md = _renderer().render([path])
-    assert "## Every target" in md and "| ops | resnet50 b" in md and "**fastcoll ops: dtype pairs, CPU, 1 thread**" in md
+    assert "## Every target" in md and "| ops (cpu) | resnet50 b" in md and "**fastcoll ops: dtype pairs, CPU, 1 thread**" in md
     old = {k: v for k, v in data.items() if k not in ("version", "tables", "notes")}  # the first JSON layout
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert "predates the recorded tables" in _renderer().render([tmp_path / "old.json"])

@@ -87,11 +87,7 @@ def collective_passes(world_size: int) -> List[Optional[str]]:
     return ["plain", "forced"] if value is None else ["plain" if value.strip() in ("", "0") else "forced"]
 
 
-# ---------------------------------------------------------------------------
 # The wrappers and their steps (inside the ranks)
-# ---------------------------------------------------------------------------
-
-
 def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.Module:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -215,11 +211,7 @@ def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any,
         me.save({"rows": rows})
 
 
-# ---------------------------------------------------------------------------
 # Output and entry
-# ---------------------------------------------------------------------------
-
-
 def _grads_cell(check: Dict[str, Any]) -> str:
     if check["equal"]:
         return "[green]equal[/green]"

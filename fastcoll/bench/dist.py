@@ -92,11 +92,7 @@ def _metric_dict(rank: int, n: int = 64, width: int = 80) -> Dict[str, torch.Ten
     return {k: torch.rand(width, generator=g) for k in keys}
 
 
-# ---------------------------------------------------------------------------
 # The ranks
-# ---------------------------------------------------------------------------
-
-
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6))
 

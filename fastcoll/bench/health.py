@@ -105,11 +105,7 @@ def extension_file() -> Optional[Dict[str, Any]]:
     return {"path": os.path.relpath(path, report.repo_root()), "bytes": st.st_size, "modified": when}
 
 
-# ---------------------------------------------------------------------------
 # Configuration
-# ---------------------------------------------------------------------------
-
-
 def model_specs(smoke: bool) -> List[ModelSpec]:
     if smoke:
         return [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
@@ -141,11 +137,7 @@ def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, 
     return stats.target(value, threshold, ci, "le", "90% bootstrap (rounds)")
 
 
-# ---------------------------------------------------------------------------
 # The ops-level rows (parent process, 1 intra-op thread)
-# ---------------------------------------------------------------------------
-
-
 def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
     """ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke."""
     buckets = models.ddp_buckets(models.model_shapes()["resnet50"])
@@ -212,11 +204,7 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
-# ---------------------------------------------------------------------------
 # The ranks
-# ---------------------------------------------------------------------------
-
-
 def make_wrapper(kind: str, module: nn.Module, device: str) -> nn.Module:
     flags = {"fastcoll_norm": {"compute_grad_norm": True}, "fastcoll_nonfinite": {"check_nonfinite": True}}
     return runner.wrap(kind, module, device, **flags.get(kind, {}))
@@ -382,11 +370,7 @@ def _worker(
         me.save({"rows": rows, "health_ops": health_ops_implementation(), "library": library})
 
 
-# ---------------------------------------------------------------------------
 # Entry points
-# ---------------------------------------------------------------------------
-
-
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the ops rows, then spawn the ranks for each world size; return the results.
 

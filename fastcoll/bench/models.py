@@ -101,11 +101,7 @@ GPT2_QUICK = GPT2Shapes("gpt2_d256_bf16", "GPT-2 shapes, width 256", d=256)
 GPT2_SMOKE = GPT2Shapes("gpt2_tiny_bf16", "GPT-2 shapes, tiny", vocab=512, ctx=64, d=32, layers=2)
 
 
-# ---------------------------------------------------------------------------
 # Models
-# ---------------------------------------------------------------------------
-
-
 class ManyLayerMLP(nn.Module):
     """``depth`` Linear(width, width) layers with tanh in between."""
 
@@ -218,11 +214,7 @@ def shape_input(n: int, rank: int, device: Any = "cpu") -> torch.Tensor:
     return ((rank + 1) * torch.arange(1, n + 1, dtype=torch.float32) / n).to(device)
 
 
-# ---------------------------------------------------------------------------
 # Specs
-# ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class ModelSpec:
     """How to build one benchmarked model (``kind``: "mlp", "convbn", "encoder" or "shapes"), its input and its loss."""

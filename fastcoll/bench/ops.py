@@ -131,11 +131,7 @@ def shrunk(layout: Layout) -> Layout:
     return replace(layout, name=layout.name + " (x1/64)", shapes=[(max(1, math.prod(s) // 64),) for s in layout.shapes])
 
 
-# ---------------------------------------------------------------------------
 # The methods
-# ---------------------------------------------------------------------------
-
-
 def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], None]], Callable[[], None]]:
     """One round trip per method, and a check that every method leaves ``grads / ws`` in its destinations.
 
@@ -259,11 +255,7 @@ def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[
     }  # fmt: skip
 
 
-# ---------------------------------------------------------------------------
 # Dtype pairs: mixed-dtype round trips against a floor of plain copies
-# ---------------------------------------------------------------------------
-
-
 def dtype_pairs() -> List[Tuple[torch.dtype, torch.dtype]]:
     """The 16 ordered (gradient dtype, bucket dtype) pairs: the 4 same-dtype ones first."""
     return [(d, d) for d in PAIR_DTYPES] + [(s, d) for s in PAIR_DTYPES for d in PAIR_DTYPES if s != d]
@@ -326,11 +318,7 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-# ---------------------------------------------------------------------------
 # Output and entry
-# ---------------------------------------------------------------------------
-
-
 def setting(device: str, threads: Optional[int]) -> str:
     if device == "cuda":
         return "CUDA" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")

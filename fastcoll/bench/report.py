@@ -30,11 +30,7 @@ JSON_VERSION = 2
 _RECORD: Dict[str, List[Any]] = {"tables": [], "notes": []}
 
 
-# ---------------------------------------------------------------------------
 # Paths and the machine
-# ---------------------------------------------------------------------------
-
-
 def repo_root() -> Path:
     """The checkout this package lives in (where ``benchmarks/`` is), else the working directory."""
     here = Path(__file__).resolve().parents[2]
@@ -98,11 +94,7 @@ def machine_info(device: str = "cpu") -> Dict[str, object]:
     return info
 
 
-# ---------------------------------------------------------------------------
 # Formatting
-# ---------------------------------------------------------------------------
-
-
 def fmt_time(seconds: Optional[float]) -> str:
     """``1.23 s``, ``4.56 ms`` or ``7.8 µs``; ``-`` when missing."""
     if seconds is None or not math.isfinite(seconds):
@@ -168,11 +160,7 @@ def strip_markup(text: str) -> str:
     return re.sub(r"\[/?[a-z ]+\]", "", text)
 
 
-# ---------------------------------------------------------------------------
 # Terminal output (recorded for the JSON)
-# ---------------------------------------------------------------------------
-
-
 def _console() -> Any:
     try:
         from rich.console import Console
@@ -253,11 +241,7 @@ def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path
     return path
 
 
-# ---------------------------------------------------------------------------
 # Progress, with the time left
-# ---------------------------------------------------------------------------
-
-
 class Progress:
     """Units of work done out of ``total``; a line per finished row with the time left in this benchmark.
 
@@ -313,11 +297,7 @@ def progress(name: str, total: int) -> Iterator[Progress]:
         yield Progress(name, total, bar, bar.add_task(name, total=max(1, total)))
 
 
-# ---------------------------------------------------------------------------
 # Charts and Markdown
-# ---------------------------------------------------------------------------
-
-
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or None without matplotlib."""
     try:

@@ -26,11 +26,8 @@ import torch
 from . import report
 from .stats import rotated
 
-# ---------------------------------------------------------------------------
+
 # Timing
-# ---------------------------------------------------------------------------
-
-
 def synchronize(device: str) -> None:
     """Wait for the GPU's queued work (a no-op on CPU)."""
     if device == "cuda":
@@ -181,11 +178,7 @@ def settle(opt: Any) -> None:
         finish()
 
 
-# ---------------------------------------------------------------------------
 # Memory and traffic
-# ---------------------------------------------------------------------------
-
-
 def _libc() -> Any:
     try:
         return ctypes.CDLL("libc.so.6")
@@ -288,11 +281,7 @@ class LiveBytes:
             self.peak = max(self.peak, now - self.base)
 
 
-# ---------------------------------------------------------------------------
 # Inside a rank process
-# ---------------------------------------------------------------------------
-
-
 def all_max(values: Sequence[float], device: str = "cpu") -> List[float]:
     """Element-wise maximum over the ranks (a sample's time is the slowest rank's)."""
     import torch.distributed as dist

@@ -177,11 +177,7 @@ def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any,
         me.save({"rows": rows})
 
 
-# ---------------------------------------------------------------------------
 # Results
-# ---------------------------------------------------------------------------
-
-
 def representative(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[int | None, list[dict[str, Any] | None]]:
     """The iteration to chart: the one (present on every rank) whose slowest rank's exposed sync is the median.
 
@@ -261,11 +257,7 @@ def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]]
     return out
 
 
-# ---------------------------------------------------------------------------
 # Gantt chart
-# ---------------------------------------------------------------------------
-
-
 def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
     """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
 
@@ -358,11 +350,7 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
     return gantt_chart(path, f"fastcoll timeline ({device}): {row['label']}", panels)
 
 
-# ---------------------------------------------------------------------------
 # Entry points
-# ---------------------------------------------------------------------------
-
-
 def progress_units(n_models: int, cfg: dict[str, Any]) -> int:
     return n_models * len(METHODS) * (cfg["max_reps"] + 1)
 

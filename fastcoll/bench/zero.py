@@ -90,11 +90,7 @@ def overlap_default() -> Optional[bool]:
     return None if p is None else bool(p.default)
 
 
-# ---------------------------------------------------------------------------
 # Inside the ranks
-# ---------------------------------------------------------------------------
-
-
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapper and the optimizer of ``method`` around ``module``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -212,11 +208,7 @@ def _timing_worker(rank: int, ws: int, store: str, out: str, q: Any, cfg: Dict[s
         me.save({"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples})
 
 
-# ---------------------------------------------------------------------------
 # Analysis
-# ---------------------------------------------------------------------------
-
-
 step_ratio = stats.group_target
 
 
@@ -276,11 +268,7 @@ def target_label(name: str) -> str:
     return f"peak below torch DDP's - state saved, grads={what}"
 
 
-# ---------------------------------------------------------------------------
 # Output and entry
-# ---------------------------------------------------------------------------
-
-
 def print_results(payload: Dict[str, Any]) -> None:
     """The step table, the targets table and the memory table."""
     cfg, rows = payload["config"], payload["results"]

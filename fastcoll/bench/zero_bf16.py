@@ -29,12 +29,7 @@ METHODS = ("bf16", "autocast", "sharded", "full")
 TIMED = ("bf16", "autocast", "sharded")
 FASTCOLL = ("sharded", "full")
 #: Short names in tables ("fastcoll ...": main gradients + float32 masters, grads="sharded" / "full").
-METHOD_LABELS = {
-    "bf16": "torch bf16",
-    "autocast": "torch fp32+autocast",
-    "sharded": "fastcoll sharded",
-    "full": "fastcoll full",
-}
+METHOD_LABELS = {"bf16": "torch bf16", "autocast": "torch fp32+autocast", "sharded": "fastcoll sharded", "full": "fastcoll full"}
 METHOD_DESCRIPTIONS = {
     "bf16": "torch DDP(module.to(bfloat16)) + torch.optim.AdamW: bfloat16 parameters, gradients, buckets and state",
     "autocast": "torch DDP(float32 module) + torch.optim.AdamW, forward in torch.autocast(dtype=torch.bfloat16)",
@@ -50,18 +45,12 @@ README_BYTES_PER_PARAM = {
     "full": (12.0, "2 + 0 + 4 + 12/N (derived: the float32 main gradients are all-reduced in place)"),
 }
 QUALITY_RUNS = ("fp32", "torch_bf16", "sharded", "full")
-QUALITY_LABELS = {
-    "fp32": "(a) float32, torch DDP",
-    "torch_bf16": "(b) bf16, torch DDP + AdamW",
-    "sharded": "(c) bf16, main grads + fp32 masters, sharded",
-    "full": "(c') the same, grads=full",
-}
-
+QUALITY_LABELS = {"fp32": "(a) float32, torch DDP", "torch_bf16": "(b) bf16, torch DDP + AdamW",
+                  "sharded": "(c) bf16, main grads + fp32 masters, sharded", "full": "(c') the same, grads=full"}  # fmt: skip
 MEMORY_VS_AUTOCAST = 0.6  # peak per rank <= this x autocast's
 STEP_VS_AUTOCAST = 1.1  # step <= this x autocast's
 DISTANCE_VS_BF16 = 0.1  # (c)'s weight distance from (a) <= this x (b)'s
 LOSS_GAP = 0.01  # |(c)'s final loss - (a)'s| <= this x (a)'s
-
 QUALITY_STEPS = 300
 QUALITY_STEPS_QUICK = 100  # --quick: 100 steps, (a), (b) and (c) (about 25 s instead of 90)
 QUALITY_LR = 1e-4
@@ -137,23 +126,14 @@ def make_step(method: str, wrapper: nn.Module, opt: torch.optim.Optimizer, x: to
     return step
 
 
-# ---------------------------------------------------------------------------
 # Phase 1: bytes per rank (a fresh process pair per method)
-# ---------------------------------------------------------------------------
-
-
 def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], seen: Optional[set] = None) -> int:
     """Bytes of the distinct storages of ``tensors`` (views counted once; ``seen``: storages counted elsewhere)."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() in seen or st.nbytes() == 0:
-            continue
-        seen.add(st.data_ptr())
-        total += st.nbytes()
+    seen, total = set() if seen is None else seen, 0
+    for st in (t.untyped_storage() for t in tensors if t is not None and torch.is_tensor(t)):
+        if st.data_ptr() not in seen and st.nbytes() > 0:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
     return total
 
 
@@ -164,11 +144,9 @@ def torch_bucket_bytes(wrapper: nn.Module) -> Optional[int]:
     except Exception:  # pragma: no cover (another torch)
         return None
     sizes = data.get("bucket_sizes")
-    if sizes is None:
-        return None
     if isinstance(sizes, str):
         sizes = [int(s) for s in sizes.split(",") if s.strip()]
-    return int(sum(sizes))
+    return None if sizes is None else int(sum(sizes))
 
 
 def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -177,21 +155,15 @@ def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[tor
     These are internals (the byte accounting needs them); a layout this does not know counts as none.
     """
     try:
-        return _fastcoll_buffers(wrapper, opt)
+        r = wrapper.reducer  # type: ignore[attr-defined]
+        out = [t for b in r.buckets for t in (getattr(b, "flat_padded", None), getattr(b, "comm_padded", None))]
+        if getattr(r, "shard_grads", None) is not None:
+            out += list(r.shard_grads.grads.values())
+        gather = getattr(r, "param_gather", None)  # the parameters' all-gather stages (the reducer's)
+        if gather is not None:
+            out += list(gather.stages.values())
     except AttributeError:  # pragma: no cover (another internal layout)
         return []
-
-
-def _fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
-    r = wrapper.reducer  # type: ignore[attr-defined]
-    out: List[torch.Tensor] = []
-    for b in r.buckets:
-        out += [getattr(b, "flat_padded", None), getattr(b, "comm_padded", None)]
-    if getattr(r, "shard_grads", None) is not None:
-        out += list(r.shard_grads.grads.values())
-    gather = getattr(r, "param_gather", None)  # the parameters' all-gather stages (the reducer's)
-    if gather is not None:
-        out += list(gather.stages.values())
     return [t for t in out if t is not None]
 
 
@@ -261,23 +233,17 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     runner.synchronize(device)
     held = account(method, module, wrapper, opt, kept)
     kept.clear()
-    return {
-        "rank": rank,
-        "numel": sum(p.numel() for p in module.parameters()),
-        "peak_bytes": probe.peak(),
-        "live_peak_bytes": live.peak if live is not None and live.available else None,
-        "live_by_phase": by_phase if live is not None and live.available else None,
-        "held": held,
-        "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
-        "iterations": cfg["setup_steps"] + 1,
-    }
+    has_live = live is not None and live.available
+    return {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
+            "live_peak_bytes": live.peak if has_live else None, "live_by_phase": by_phase if has_live else None,
+            "held": held, "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
+            "iterations": cfg["setup_steps"] + 1}  # fmt: skip
 
 
 def _warm_up(method: str, device: str, rank: int) -> None:
     """A few iterations of ``method`` on tiny shapes, so the measured model pays no one-time costs."""
     shapes = [(4, 3), (5,), (3, 2)]
-    module = build_model(shapes, method, device=device)
-    wrapper, opt = make_method(method, module, device)
+    wrapper, opt = make_method(method, build_model(shapes, method, device=device), device)
     step = make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device)
     for _ in range(3):
         step()
@@ -296,11 +262,7 @@ def _memory_worker(rank: int, ws: int, store_path: str, out_path: str, progress_
         me.save({"ranks": runner.gather(info)})
 
 
-# ---------------------------------------------------------------------------
 # Phase 2: step time (the timed methods side by side in one process pair)
-# ---------------------------------------------------------------------------
-
-
 def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
                    shapes: GPT2Shapes, methods: Sequence[str]) -> None:  # fmt: skip
     """The timed recipes side by side on shared weights (one copy per dtype), rounds until the step target resolves."""
@@ -329,11 +291,7 @@ def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_
         me.save({"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples})
 
 
-# ---------------------------------------------------------------------------
 # Phase 3: quality (the tiny causal LM, every recipe in one process pair)
-# ---------------------------------------------------------------------------
-
-
 def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]) -> None:
     steps = cfg["quality_steps"]
     with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}) as me:
@@ -358,11 +316,7 @@ def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress
             me.save(out)
 
 
-# ---------------------------------------------------------------------------
 # Analysis
-# ---------------------------------------------------------------------------
-
-
 def _target(value: Optional[float], threshold: float, ci: Optional[Sequence[float]], what: str, interval: str) -> Dict[str, Any]:
     t = stats.target(value, threshold, ci, "le", interval)
     t["what"] = what
@@ -437,11 +391,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     return row
 
 
-# ---------------------------------------------------------------------------
 # Entry points
-# ---------------------------------------------------------------------------
-
-
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the three phases; return ``{"benchmark": "zero_bf16", "config", "implementation", "results": [row], "quality"}``."""
     device = getattr(args, "device", "cpu") or "cpu"
@@ -488,11 +438,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
     return {"benchmark": "zero_bf16", "config": settings, "implementation": implementation, "results": [row], "quality": quality}
 
 
-# ---------------------------------------------------------------------------
 # Output
-# ---------------------------------------------------------------------------
-
-
 def print_results(payload: Dict[str, Any]) -> None:
     """Step times, bytes per rank by kind, live heap by phase, the quality runs and the targets."""
     cfg, (row,), mib = payload["config"], payload["results"], report.mib
