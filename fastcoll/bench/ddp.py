@@ -79,6 +79,10 @@ def build_cases(level: str, with_comm: bool) -> List[Case]:
     return cases + ([Case("comm_dtype", s, False, COMM_METHODS) for s in comm] if with_comm else [])
 
 
+def _force_env(collectives: Optional[str]) -> Dict[str, str]:
+    return {} if collectives is None else {"FASTCOLL_FORCE_COLLECTIVES": "1" if collectives == "forced" else "0"}
+
+
 def collective_passes(world_size: int) -> List[Optional[str]]:
     """``[None]`` with 2+ ranks; at 1 rank both passes, or the one FASTCOLL_FORCE_COLLECTIVES names."""
     if world_size > 1:
@@ -191,24 +195,22 @@ def analyze(row: Dict[str, Any], info: Dict[str, Dict[str, Any]], cfg: Dict[str,
     return row
 
 
-def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any], cases: List[Case]) -> None:
-    if cfg.get("collectives") is not None:  # before any wrapper reads it
-        os.environ["FASTCOLL_FORCE_COLLECTIVES"] = "1" if cfg["collectives"] == "forced" else "0"
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
-        if cfg["level"] != "smoke":  # one-time costs of every wrapper, on a tiny model
-            for method in METHODS:
-                step = make_step(method, make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device),
-                                 models.WARMUP, models.make_input(models.WARMUP, rank, me.device))  # fmt: skip
-                for _ in range(3):
-                    step()
-        gc.collect()
-        gc.freeze()  # later collections skip torch's many long-lived objects: ms instead of 0.3 s
-        rows = []
-        for case in cases:
-            me.describe(f"ddp: {case.spec.label}" + (", bucket view" if case.gabv else "") + f" ({case.section})")
-            rows.append(bench_case(case, me))
-            me.row(rows[-1]["label"] + (", bucket view" if case.gabv else "") + f" ({case.section})", len(cases))
-        me.save({"rows": rows})
+def _ranks(me: runner.Rank, cases: List[Case]) -> Dict[str, Any]:
+    if me.cfg["level"] != "smoke":  # one-time costs of every wrapper, on a tiny model
+        for method in METHODS:
+            step = make_step(method, make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device),
+                             models.WARMUP, models.make_input(models.WARMUP, me.rank, me.device))  # fmt: skip
+            for _ in range(3):
+                step()
+    gc.collect()
+    gc.freeze()  # later collections skip torch's many long-lived objects: ms instead of 0.3 s
+    rows = []
+    for case in cases:
+        what = case.spec.label + (", bucket view" if case.gabv else "") + f" ({case.section})"
+        me.describe(f"ddp: {what}")
+        rows.append(bench_case(case, me))
+        me.row(what, len(cases))
+    return {"rows": rows}
 
 
 # Output and entry
@@ -284,10 +286,8 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
     for r in payload["results"]:
         m = r["methods"]
         name = r["label"] + (" +view" if r["gradient_as_bucket_view"] else "") + PASS_SUFFIX.get(r.get("collectives") or "", "")
-        bases = (
-            [("torch", "fastcoll")] if r["section"] == "fp32" else [(f"torch {d} hook", f"fastcoll {d}") for d, _ in COMM_DTYPES]
-        )
-        for base, mine in bases:
+        fp32 = r["section"] == "fp32"
+        for base, mine in [("torch", "fastcoll")] if fp32 else [(f"torch {d} hook", f"fastcoll {d}") for d, _ in COMM_DTYPES]:
             panel = f"{r['section']}: step / {base}'s"
             group = f"{name} {mine.split()[-1]}" if r["section"] != "fp32" else name
             b = m[base]["median_s"]
@@ -326,7 +326,7 @@ def run(args: Any) -> int:
     with report.progress("ddp", units) as prog:
         for p in passes:
             try:
-                result = runner.run_ranks(_worker, ({**cfg, "collectives": p}, cases), ws, prog)
+                result = runner.run_ranks(_ranks, {**cfg, "collectives": p, "env": _force_env(p)}, (cases,), ws, prog)
             except Exception as exc:
                 if p is None:
                     raise

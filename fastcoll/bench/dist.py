@@ -18,7 +18,6 @@ from . import models, report, runner, stats
 WORLD_SIZE = 2
 MODEL = "resnet50"
 GRAD_METHODS = ("fastcoll", "fastcoll 25MiB", "per-tensor", "seed cat+split")
-DICT_METHODS = ("fastcoll", "per-tensor", "seed cat+split")
 CONFIGS = {
     "smoke": dict(reps=2, warmup=1, dict_inner=2, grad_inner=1, grad_shapes=24),
     "default": dict(reps=9, warmup=1, dict_inner=20, grad_inner=1, grad_shapes=None),
@@ -168,37 +167,30 @@ def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
     return _row(rank, "allreduce_grads", name, fns, checks, rank.cfg["grad_inner"])
 
 
-def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]) -> None:
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
-        me.save({"rows": _bench_dicts(me) + [_bench_grads(me)]})
+def _ranks(me: runner.Rank) -> Dict[str, Any]:
+    return {"rows": _bench_dicts(me) + [_bench_grads(me)]}
 
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench dist``: the table and ``benchmarks/out/dist_cpu.json``; 1 if a method is wrong."""
     if getattr(args, "device", "cpu") == "cuda":
         report.say("[yellow]fastcoll.bench dist: runs on gloo CPU ranks; --device cuda is ignored[/yellow]")
-    cfg = {**CONFIGS[args.level], "threads": runner.threads_per_rank(args, WORLD_SIZE), "level": args.level}
-    cfg.update(smoke=args.level == "smoke", quick=args.level != "full")
+    cfg = {**CONFIGS[args.level], "threads": runner.threads_per_rank(args, WORLD_SIZE), "level": args.level,
+           "smoke": args.level == "smoke", "quick": args.level != "full"}  # fmt: skip
     rows = 2 if cfg["smoke"] else 3
     with report.progress("dist", rows * len(GRAD_METHODS) * cfg["reps"]) as prog:
-        result = runner.run_ranks(_worker, (cfg,), WORLD_SIZE, prog)
+        result = runner.run_ranks(_ranks, cfg, (), WORLD_SIZE, prog)
     body = []
     for row in result["rows"]:
         for i, (m, st) in enumerate(row["methods"].items()):
             ci = st["ci90"]
             vs = report.fmt_ratio(st["time_vs_fastcoll"]) + (f" ({ci[0]:.2f}..{ci[1]:.2f})" if ci and m != "fastcoll" else "")
-            label = f"{row['function']}: {row['case']}" if i == 0 else ""
-            body.append(
-                [label, m, report.fmt_time(st["median_s"]), report.fmt_time(st["iqr_s"]), vs, report.pass_miss(st["correct"])]
-            )
-    columns = ["function / case", "method", "median", "IQR", "vs fastcoll", "correct"]
-    report.table(
-        "fastcoll dist: collectives side by side",
-        columns,
-        body,
-        f"{WORLD_SIZE} gloo ranks on loopback, {cfg['threads']} thread(s) each, ops: {result['implementation']}; "
-        "vs fastcoll = method time / fastcoll's (>1: fastcoll faster), 90% paired bootstrap interval",
-    )
+            body.append([f"{row['function']}: {row['case']}" if i == 0 else "", m, report.fmt_time(st["median_s"]),
+                         report.fmt_time(st["iqr_s"]), vs, report.pass_miss(st["correct"])])  # fmt: skip
+    report.table("fastcoll dist: collectives side by side", ["function / case", "method", "median", "IQR", "vs fastcoll",
+                 "correct"], body, f"{WORLD_SIZE} gloo ranks on loopback, {cfg['threads']} thread(s) each, ops: "
+                 f"{result['implementation']}; vs fastcoll = method time / fastcoll's (>1: fastcoll faster), 90% paired "
+                 "bootstrap interval")  # fmt: skip
     payload = {"benchmark": "dist", "config": {"world_size": WORLD_SIZE, "backend": "gloo", "model": MODEL, **cfg},
                "implementation": result["implementation"], "results": result["rows"]}  # fmt: skip
     report.conclude("dist", report.json_path(args, "dist_cpu"), payload)

@@ -349,25 +349,21 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     return {"methods": summary, "samples": samples, "costs": costs, "ratios": ratios, "targets": targets}
 
 
-def _worker(
-    rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any], specs: List[ModelSpec]
-) -> None:  # noqa: E501
+def _ranks(me: runner.Rank, specs: List[ModelSpec]) -> Dict[str, Any]:
     library = extension_file()  # the one this process loaded (another build may replace the file later)
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
-        x = models.make_input(models.WARMUP, rank, me.device)
-        for w, clip in METHODS.values():  # every wrapper kind and clipping once on a tiny model: no one-time costs later
-            wrapper = make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device)
-            step = make_step(wrapper, clip, models.WARMUP, x, [1e-3])
-            for _ in range(3):
-                step()
-        gc.collect()
-        gc.freeze()
-        rows = []
-        for spec in specs:
-            me.describe(f"health, {ws} rank{'s' if ws > 1 else ''}: {spec.label}")
-            rows.append(bench_model(spec, me))
-            me.row(f"{spec.label}, {ws} rank{'s' if ws > 1 else ''}", len(specs) * len(cfg["world_sizes"]))
-        me.save({"rows": rows, "health_ops": health_ops_implementation(), "library": library})
+    x = models.make_input(models.WARMUP, me.rank, me.device)
+    for w, clip in METHODS.values():  # every wrapper kind and clipping once on a tiny model: no one-time costs later
+        step = make_step(make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device), clip, models.WARMUP, x, [1e-3])
+        for _ in range(3):
+            step()
+    gc.collect()
+    gc.freeze()
+    rows, ranks = [], f"{me.ws} rank{'s' if me.ws > 1 else ''}"
+    for spec in specs:
+        me.describe(f"health, {ranks}: {spec.label}")
+        rows.append(bench_model(spec, me))
+        me.row(f"{spec.label}, {ranks}", len(specs) * len(me.cfg["world_sizes"]))
+    return {"rows": rows, "health_ops": health_ops_implementation(), "library": library}
 
 
 # Entry points
@@ -389,7 +385,8 @@ def measure(args: Any = None) -> Dict[str, Any]:
     libraries = {"parent (ops rows)": extension_file()}
     units = len(cfg["world_sizes"]) * sum(len(METHODS) * (_reps_for(s, cfg)[1] + 1) for s in specs)
     with report.progress("health", units) as prog:
-        outs = [(ws, runner.run_ranks(_worker, (cfg, specs), ws, prog)) for ws in cfg["world_sizes"]]
+        rank_cfg = {**cfg, "keep_freed_memory": True}
+        outs = [(ws, runner.run_ranks(_ranks, rank_cfg, (specs,), ws, prog)) for ws in cfg["world_sizes"]]
     for ws, out in outs:
         results += out["rows"]
         health_ops, malloc = out["health_ops"], out["malloc"]

@@ -342,11 +342,8 @@ def print_rows(label: str, rows: List[Dict[str, Any]], device: str) -> None:
             k = r["kernels_per_direction"]
             line.append(f"{k['fused']['pack']}/{k['fused']['unpack']} ({k['per_param']['pack']}/{k['per_param']['unpack']})")
         body.append(line)
-    caption = (
-        f"median round trip (pack x 1/{WORLD_SIZE}, unpack); ratios with 90% paired bootstrap intervals; "
-        "GB/s counts 4 x bucket bytes\n"
-    )
-    caption += "\n".join(f"{METHOD_LABELS[m]}: {METHOD_DESCRIPTIONS[m]}" for m in METHODS)
+    caption = f"median round trip (pack x 1/{WORLD_SIZE}, unpack); ratios with 90% paired bootstrap intervals; "
+    caption += "GB/s counts 4 x bucket bytes\n" + "\n".join(f"{METHOD_LABELS[m]}: {METHOD_DESCRIPTIONS[m]}" for m in METHODS)
     report.table(f"fastcoll ops: {label}", columns, body, caption)
 
 

@@ -163,18 +163,13 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     return row
 
 
-def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: dict[str, Any], trace_dir: str) -> None:
-    os.environ.update(autotune_env(cfg))
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
-        gc.collect()
-        gc.freeze()
-        rows = []
-        specs = model_specs(cfg)
-        for spec in specs:
-            me.describe(f"timeline: {spec.label}")
-            rows.append(bench_model(spec, rank, cfg, me.tick, trace_dir))
-            me.row(spec.label, len(specs))
-        me.save({"rows": rows})
+def _ranks(me: runner.Rank, trace_dir: str) -> dict[str, Any]:
+    rows, specs = [], model_specs(me.cfg)
+    for spec in specs:
+        me.describe(f"timeline: {spec.label}")
+        rows.append(bench_model(spec, me.rank, me.cfg, me.tick, trace_dir))
+        me.row(spec.label, len(specs))
+    return {"rows": rows}
 
 
 # Results
@@ -351,19 +346,16 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
 
 
 # Entry points
-def progress_units(n_models: int, cfg: dict[str, Any]) -> int:
-    return n_models * len(METHODS) * (cfg["max_reps"] + 1)
-
-
 def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized); traces are merged into ``trace_out``."""
     device = getattr(args, "device", "cpu") or "cpu"
     cfg = _config(args, device)
     ws = cfg["world_size"]
     specs = model_specs(cfg)
+    rank_cfg = {**cfg, "keep_freed_memory": True, "freeze": True, "env": autotune_env(cfg)}
     with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as trace_dir:
-        with report.progress("timeline", progress_units(len(specs), cfg)) as prog:
-            result = runner.run_ranks(_worker, (cfg, trace_dir), ws, prog)
+        with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
+            result = runner.run_ranks(_ranks, rank_cfg, (trace_dir,), ws, prog)
         rows = [summarize_row(r) for r in result["rows"]]
         for r in rows:  # the per-rank traces live in tmpdir: read them now
             for lay in r["layouts"].values():

@@ -150,62 +150,51 @@ def warm_up(me: runner.Rank, method: str) -> None:
     runner.settle(opt)
 
 
-def _memory_worker(rank: int, ws: int, store: str, out: str, q: Any, cfg: Dict[str, Any], spec: ModelSpec, method: str) -> None:
+def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
     """Phase 1 for one method: peak and live growth, state bytes, bytes sent per iteration, parameter digest."""
-    with runner.Rank(rank, ws, store, out, q, cfg) as me:
-        warm_up(me, method)
-        gc.collect()
-        probe = runner.MemoryProbe(me.device)
-        probe.start()
-        live = runner.LiveBytes() if me.device == "cpu" else None
-        module = models.build_model(spec, me.device, layered=True)
-        wrapper, opt = make_method(method, module, me.device)
-        step = make_step(spec, wrapper, opt, models.make_input(spec, rank, me.device), live.sample if live else lambda: None)
-        for _ in range(cfg["setup_steps"]):
-            step()
-        runner.settle(opt)
-        w0 = runner.bytes_written()
+    warm_up(me, method)
+    gc.collect()
+    probe = runner.MemoryProbe(me.device)
+    probe.start()
+    live = runner.LiveBytes() if me.device == "cpu" else None
+    module = models.build_model(spec, me.device, layered=True)
+    wrapper, opt = make_method(method, module, me.device)
+    step = make_step(spec, wrapper, opt, models.make_input(spec, me.rank, me.device), live.sample if live else lambda: None)
+    for _ in range(me.cfg["setup_steps"]):
         step()
-        runner.settle(opt)
-        runner.synchronize(me.device)
-        w1 = runner.bytes_written()
-        buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None
-        info = {"rank": rank, "peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
-                "state_bytes": state_bytes(method, opt), "sent_bytes": None if w0 is None or w1 is None else w1 - w0,
-                "digest": param_digest(module), "buckets": buckets}  # fmt: skip
-        del wrapper, opt, step
-        gc.collect()  # the wrappers go while their process group is alive
-        me.tick()
-        me.save({"ranks": runner.gather(info)})
+    runner.settle(opt)
+    w0 = runner.bytes_written()
+    step()
+    runner.settle(opt)
+    runner.synchronize(me.device)
+    w1 = runner.bytes_written()
+    buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None
+    info = {"rank": me.rank, "peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
+            "state_bytes": state_bytes(method, opt), "sent_bytes": None if w0 is None or w1 is None else w1 - w0,
+            "digest": param_digest(module), "buckets": buckets}  # fmt: skip
+    del wrapper, opt, step
+    gc.collect()  # the wrappers go while their process group is alive
+    me.tick()
+    return {"ranks": runner.gather(info)}
 
 
-def _timing_worker(rank: int, ws: int, store: str, out: str, q: Any, cfg: Dict[str, Any], spec: ModelSpec,
-                   methods: Sequence[str]) -> None:  # fmt: skip
+def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[str, Any]:
     """Phase 2: ``methods`` side by side on shared weights, in steady state (each forward waits for the last step's gathers)."""
-    with runner.Rank(rank, ws, store, out, q, {**cfg, "keep_freed_memory": True}) as me:
-        gc.collect()
-        gc.freeze()
-        device, large = me.device, spec.name == "gpt2_small"
-        storage = models.build_storage(spec, device)
-        x = models.make_input(spec, rank, device)
-        runs, setup = {}, {}
-        for m in methods:
-            wrapper, opt = make_method(m, models.build_model(spec, device, storage, layered=True), device)
-            step = make_step(spec, wrapper, opt, x)
-            for _ in range(cfg["setup_steps"] - 1):  # bucket rebuilds, optimizer state
-                step()
-            runner.settle(opt)
-            setup[m] = runner.time_calls(lambda: (step(), runner.settle(opt)), 1, device)
-            opt.zero_grad(set_to_none=True)
-            runs[m] = (wrapper, opt, step)
-            me.tick()
-        inner = runner.inner_for(runner.all_max([max(setup.values())], device)[0], cfg["target_s"], cfg["max_inner"])
-        lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
-        checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
+    cfg, device, large = me.cfg, me.device, spec.name == "gpt2_small"
+    storage = models.build_storage(spec, device)
+    x = models.make_input(spec, me.rank, device)
 
-        samples = runner.optimizer_rounds(me, runs, inner, lo, hi, checks)
-        runs.clear()
-        me.save({"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples})
+    def make(m: str) -> Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+        wrapper, opt = make_method(m, models.build_model(spec, device, storage, layered=True), device)
+        return wrapper, opt, make_step(spec, wrapper, opt, x)
+
+    runs, setup = runner.start_runs(me, methods, make)
+    inner = runner.inner_for(runner.all_max([max(setup.values())], device)[0], cfg["target_s"], cfg["max_inner"])
+    lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
+    checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
+    samples = runner.optimizer_rounds(me, runs, inner, lo, hi, checks)
+    runs.clear()
+    return {"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples}
 
 
 # Analysis
@@ -289,13 +278,7 @@ def print_results(payload: Dict[str, Any]) -> None:
     body = []
     for r in rows:
         for i, (name, t) in enumerate(r["targets"].items()):
-            fmt = (
-                report.mib
-                if name.startswith("memory")
-                else (lambda v: f"{v:.4f}")
-                if name.startswith("state")
-                else report.fmt_ratio
-            )
+            fmt = {"memory": report.mib, "state": lambda v: f"{v:.4f}"}.get(name.split()[0], report.fmt_ratio)
             thr = f"{'≥' if t['op'] == 'ge' else '≤'} {t['threshold']}"
             body.append([r["label"] if i == 0 else "", target_label(name), report.target_cell(t, fmt), thr, t["interval"]])
     columns = ["model", "target", "value (interval) verdict", "target", "interval"]
@@ -308,13 +291,7 @@ def print_results(payload: Dict[str, Any]) -> None:
         for k in MEMORY_METHODS:
             st, pk, check = m[k].get("state_bytes"), m[k].get("peak_bytes"), r["checks"].get(k)
             saved = max(a - b for a, b in zip(t["state_bytes"], st)) if st and t.get("state_bytes") else None
-            ok = (
-                "-"
-                if check is None
-                else "equal"
-                if check["max_rel_diff"] == 0
-                else f"{'close' if check['ok'] else '[red]DIFFER[/red]'}"
-            )
+            ok = "-" if check is None else "equal" if check["max_rel_diff"] == 0 else "close" if check["ok"] else "[red]DIFFER"
             body.append([r["label"] if k == "torch" else "", METHOD_LABELS[k], report.per_rank_mib(st), report.per_rank_mib(pk),
                          report.mib(saved), report.verdict_cell(r["targets"].get(f"memory {k}")) if k in SHARDED else "",
                          report.per_rank_mib(m[k].get("live_peak_bytes")), report.mib(r["live_margins"].get(k)),
@@ -382,11 +359,11 @@ def run(args: Any) -> int:
             memory = {}
             for m in MEMORY_METHODS:
                 prog.describe(f"zero: {spec.label}, memory of {METHOD_LABELS[m]}")
-                memory[m] = runner.run_ranks(_memory_worker, (cfg, spec, m), ws, prog)
+                memory[m] = runner.run_ranks(_memory, cfg, (spec, m), ws, prog)
             timed = []
             for g in groups:
                 prog.describe(f"zero: {spec.label}, timing {', '.join(METHOD_LABELS[m] for m in g)}")
-                timed.append(runner.run_ranks(_timing_worker, (cfg, spec, g), ws, prog))
+                timed.append(runner.run_ranks(_timing, {**cfg, "keep_freed_memory": True, "freeze": True}, (spec, g), ws, prog))
                 implementation = timed[-1].pop("implementation")
             row = {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "world_size": ws, "numel": numel,
                    "param_bytes": 4 * numel, "memory": memory, "groups": timed}  # fmt: skip

@@ -252,68 +252,52 @@ def _warm_up(method: str, device: str, rank: int) -> None:
     gc.collect()
 
 
-def _memory_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
-                   shapes: GPT2Shapes, method: str) -> None:  # fmt: skip
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
-        _warm_up(method, me.device, rank)
-        info = measure_memory(shapes, method, rank, cfg)
-        gc.collect()  # the wrappers go while their process group is alive
-        me.tick()
-        me.save({"ranks": runner.gather(info)})
+def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
+    _warm_up(method, me.device, me.rank)
+    info = measure_memory(shapes, method, me.rank, me.cfg)
+    gc.collect()  # the wrappers go while their process group is alive
+    me.tick()
+    return {"ranks": runner.gather(info)}
 
 
 # Phase 2: step time (the timed methods side by side in one process pair)
-def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
-                   shapes: GPT2Shapes, methods: Sequence[str]) -> None:  # fmt: skip
+def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict[str, Any]:
     """The timed recipes side by side on shared weights (one copy per dtype), rounds until the step target resolves."""
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
-        gc.collect()
-        gc.freeze()
-        device, dims = me.device, [s for _, s in shapes.shapes()]
-        storage: Dict[torch.dtype, List[torch.Tensor]] = {}
-        x = models.shape_input(len(dims), rank, device)
-        runs: Dict[str, Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
-        for m in methods:
-            dtype = param_dtype(m)
-            storage.setdefault(dtype, models.filled(dims, dtype, device))
-            wrapper, opt = make_method(m, build_model(dims, m, storage[dtype], device), device)
-            step = make_step(m, wrapper, opt, x, device)
-            for _ in range(cfg["setup_steps"]):  # bucket rebuilds, optimizer state allocation
-                step()
-            runner.settle(opt)
-            opt.zero_grad(set_to_none=True)
-            runs[m] = (wrapper, opt, step)
-            me.tick()
+    cfg, device, dims = me.cfg, me.device, [s for _, s in shapes.shapes()]
+    storage: Dict[torch.dtype, List[torch.Tensor]] = {}
+    x = models.shape_input(len(dims), me.rank, device)
 
-        goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
-        samples = runner.optimizer_rounds(me, runs, 1, cfg["reps"], cfg["max_reps"], goal)
-        runs.clear()
-        me.save({"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples})
+    def make(m: str) -> Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+        dtype = param_dtype(m)
+        if dtype not in storage:  # one copy of the weights per dtype
+            storage[dtype] = models.filled(dims, dtype, device)
+        wrapper, opt = make_method(m, build_model(dims, m, storage[dtype], device), device)
+        return wrapper, opt, make_step(m, wrapper, opt, x, device)
+
+    runs, _ = runner.start_runs(me, methods, make)
+    goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
+    samples = runner.optimizer_rounds(me, runs, 1, cfg["reps"], cfg["max_reps"], goal)
+    runs.clear()
+    return {"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples}
 
 
 # Phase 3: quality (the tiny causal LM, every recipe in one process pair)
-def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]) -> None:
-    steps = cfg["quality_steps"]
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}) as me:
-        runs: Dict[str, Dict[str, Any]] = {}
-        seconds: Dict[str, float] = {}
-        for name in cfg["quality_runs"]:
-            recipe = "fastcoll" if name in FASTCOLL else name
-            t0 = time.perf_counter()
-            runs[name] = tiny_lm.train(rank, ws, recipe, steps, grads=name if name in FASTCOLL else "sharded",
-                                       lr=QUALITY_LR, micro_batches=QUALITY_MICRO_BATCHES, masters=True)  # fmt: skip
-            seconds[name] = time.perf_counter() - t0
-            gc.collect()
-            me.tick()
-        if rank == 0:
-            init = tiny_lm.flat_weights(tiny_lm.TinyCausalLM())
-            metrics = tiny_lm.quality_metrics(runs, init)
-            out = {
-                "steps": steps,
-                "params": int(init.numel()),
-                "runs": {n: {**metrics[n], "losses": runs[n]["losses"], "seconds": seconds[n]} for n in runs},
-            }
-            me.save(out)
+def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
+    steps, runs, seconds = me.cfg["quality_steps"], {}, {}
+    for name in me.cfg["quality_runs"]:
+        t0 = time.perf_counter()
+        runs[name] = tiny_lm.train(me.rank, me.ws, "fastcoll" if name in FASTCOLL else name, steps,
+                                   grads=name if name in FASTCOLL else "sharded", lr=QUALITY_LR,
+                                   micro_batches=QUALITY_MICRO_BATCHES, masters=True)  # fmt: skip
+        seconds[name] = time.perf_counter() - t0
+        gc.collect()
+        me.tick()
+    if me.rank != 0:
+        return None
+    init = tiny_lm.flat_weights(tiny_lm.TinyCausalLM())
+    metrics = tiny_lm.quality_metrics(runs, init)
+    return {"steps": steps, "params": int(init.numel()),
+            "runs": {n: {**metrics[n], "losses": runs[n]["losses"], "seconds": seconds[n]} for n in runs}}  # fmt: skip
 
 
 # Analysis
@@ -404,12 +388,12 @@ def measure(args: Any = None) -> Dict[str, Any]:
         memory: Dict[str, Any] = {}
         for m in METHODS:
             bar.describe(f"zero bf16: {shapes.label}, memory of {METHOD_LABELS[m]}")
-            memory[m] = runner.run_ranks(_memory_worker, (cfg, shapes, m), ws, bar)
+            memory[m] = runner.run_ranks(_memory, cfg, (shapes, m), ws, bar)
         bar.describe(f"zero bf16: {shapes.label}, timing {', '.join(METHOD_LABELS[m] for m in TIMED)}")
-        timed = runner.run_ranks(_timing_worker, (cfg, shapes, TIMED), ws, bar)
+        timed = runner.run_ranks(_timing, {**cfg, "keep_freed_memory": True, "freeze": True}, (shapes, TIMED), ws, bar)
         implementation, malloc = timed.pop("implementation"), timed.pop("malloc")
         bar.describe(f"zero bf16: quality, the tiny causal LM ({len(cfg['quality_runs'])} runs)")
-        quality = runner.run_ranks(_quality_worker, (cfg,), 2, bar)
+        quality = runner.run_ranks(_quality, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}, (), 2, bar)
     row = {"model": shapes.name, "label": shapes.label, "shapes": dataclasses.asdict(shapes), "numel": shapes.numel(),
            "world_size": ws, "memory": memory, "groups": [timed]}  # fmt: skip
     analyze(row, quality)
