@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from . import models, report, runner, stats
 from .models import ModelSpec
@@ -93,8 +94,6 @@ def collective_passes(world_size: int) -> List[Optional[str]]:
 
 # The wrappers and their steps (inside the ranks)
 def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.Module:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     kind, name = (method.split() + [""])[:2]
     if method == "no_sync" or kind == "torch":
         wrapper = runner.wrap("torch", module, device, gradient_as_bucket_view=gabv)
@@ -114,12 +113,7 @@ def count_buckets(method: str, wrapper: nn.Module) -> Optional[int]:
     """Buckets of the wrapper's current layout (torch DDP: from its logging data, after the rebuild)."""
     if method.startswith("fastcoll"):
         return len(wrapper.bucket_info())
-    try:
-        data = wrapper._get_ddp_logging_data()  # private torch API: informative only
-        sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
-        return len([s for s in sizes.split(",") if s.strip()]) or None
-    except Exception:
-        return None
+    return len(runner.torch_bucket_sizes(wrapper, "rebuilt_bucket_sizes", "bucket_sizes") or []) or None
 
 
 def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:

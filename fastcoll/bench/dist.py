@@ -12,7 +12,9 @@ import pickle
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
+import torch.distributed as dist
 
+from .. import dist as fd
 from . import models, report, runner, stats
 
 WORLD_SIZE = 2
@@ -27,8 +29,6 @@ CONFIGS = {
 
 def per_tensor_grads(params: Sequence[torch.Tensor], ws: int) -> None:
     """Average gradients one all-reduce per tensor."""
-    import torch.distributed as dist
-
     for p in params:
         if p.grad is not None:
             p.grad.div_(ws)
@@ -37,8 +37,6 @@ def per_tensor_grads(params: Sequence[torch.Tensor], ws: int) -> None:
 
 def seed_grads(params: Sequence[torch.Tensor], ws: int) -> None:
     """Average gradients the way the seed projects do: cat, all-reduce, divide, split, copy back."""
-    import torch.distributed as dist
-
     grads = [p.grad for p in params if p.grad is not None]
     groups: Dict[torch.dtype, List[torch.Tensor]] = {}
     for g in grads:
@@ -53,8 +51,6 @@ def seed_grads(params: Sequence[torch.Tensor], ws: int) -> None:
 
 def per_tensor_dict(d: Dict[str, torch.Tensor], ws: int) -> Dict[str, torch.Tensor]:
     """Mean of every value, one all-reduce per key (sorted, so ranks agree)."""
-    import torch.distributed as dist
-
     out = {}
     for k in sorted(d):
         t = d[k].float().clone()
@@ -65,8 +61,6 @@ def per_tensor_dict(d: Dict[str, torch.Tensor], ws: int) -> Dict[str, torch.Tens
 
 def seed_dict(d: Dict[str, torch.Tensor], ws: int) -> Dict[str, torch.Tensor]:
     """Mean of every value the seed way: broadcast rank 0's key list, cat, all-reduce, divide, split."""
-    import torch.distributed as dist
-
     keys = list(d)
     payload = torch.frombuffer(bytearray(pickle.dumps(keys)), dtype=torch.uint8).clone()
     dist.broadcast(payload, src=0)  # assumes every rank's pickled key list has the same length
@@ -113,8 +107,6 @@ def _row(rank: runner.Rank, function: str, case: str, fns: Dict[str, Callable[[]
 
 
 def _bench_dicts(rank: runner.Rank) -> List[Dict[str, Any]]:
-    from .. import dist as fd
-
     ws, r = rank.ws, rank.rank
     cases = {"loss dict, 16 scalars": _loss_dict(r), "metric dict, 64 x 80": _metric_dict(r)}
     if rank.cfg["grad_shapes"]:  # smoke
@@ -136,10 +128,6 @@ def _bench_dicts(rank: runner.Rank) -> List[Dict[str, Any]]:
 
 
 def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
-    import torch.distributed as dist
-
-    from .. import dist as fd
-
     ws = rank.ws
     shapes = [s for _, s in models.model_shapes()[MODEL]][: rank.cfg["grad_shapes"]]
     g = torch.Generator().manual_seed(rank.rank)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import ops
 from . import models, report, runner, stats
 from .models import MiB, ModelSpec
 
@@ -81,7 +82,6 @@ def supported() -> bool:
 
 def health_ops_implementation() -> str:
     """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
-    from .. import ops
     from ..ops import loader
 
     if ops.implementation() != "extension":
@@ -152,8 +152,6 @@ def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
 
 def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved."""
-    from .. import ops
-
     device = cfg["device"]
     name, shapes = ops_bucket(cfg["smoke"])
     gen = torch.Generator().manual_seed(0)

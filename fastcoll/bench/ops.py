@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import ops
 from . import models, report, runner, stats
 from .models import BUCKET_CAP, MiB
 
@@ -139,8 +140,6 @@ def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], No
     every repetition sees the same values.
     """
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    from .. import ops
 
     gen = torch.Generator().manual_seed(0)
     # drawn in the layout's dtype, one after another: no freed temporaries scattering the gradients in memory
@@ -263,8 +262,6 @@ def dtype_pairs() -> List[Tuple[torch.dtype, torch.dtype]]:
 
 def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """The fused round trip from ``src`` gradients through a ``dst`` bucket, against a copy of the same bytes in each."""
-    from .. import ops
-
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=gen, dtype=src) for s in layout.shapes]
     dests = [torch.empty_like(g) for g in grads]
@@ -378,8 +375,6 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ops``: tables, ``benchmarks/out/ops_<device>.json`` and a chart."""
-    from .. import ops
-
     device = getattr(args, "device", "cpu") or "cpu"
     if report.no_gpu("ops", device):
         return 2

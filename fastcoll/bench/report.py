@@ -1,4 +1,4 @@
-"""Output of the benchmarks: terminal tables (rich), progress with the time left, JSON, Markdown and PNG charts.
+"""Output of the benchmarks: terminal tables (rich), progress with the time left, JSON and PNG charts.
 
 Every table a benchmark prints goes through :func:`table` and every summary
 line through :func:`say`; both are recorded, and :func:`write_json` stores
@@ -297,7 +297,7 @@ def progress(name: str, total: int) -> Iterator[Progress]:
         yield Progress(name, total, bar, bar.add_task(name, total=max(1, total)))
 
 
-# Charts and Markdown
+# Charts
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or None without matplotlib."""
     try:
@@ -357,10 +357,3 @@ def bar_chart(
     fig.legend(handles, labels, loc="center right", fontsize=8)
     fig.tight_layout(rect=(0, 0, 0.86, 0.97))
     return save_figure(fig, path)
-
-
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub Markdown table (``|`` in cells escaped)."""
-    esc = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    lines = ["| " + " | ".join(map(esc, columns)) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(map(esc, r)) + " |" for r in rows])

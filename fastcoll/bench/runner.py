@@ -161,6 +161,19 @@ def wrap(kind: str, module: Any, device: str, **kw: Any) -> Any:
     return fastcoll.DDP(module, **kw)
 
 
+def torch_bucket_sizes(wrapper: Any, *keys: str) -> Optional[List[int]]:
+    """Bytes per bucket of a torch DDP wrapper, from its logging data (the first of ``keys`` present), or None.
+
+    ``_get_ddp_logging_data`` is private torch API: informative only.
+    """
+    try:
+        data = wrapper._get_ddp_logging_data()
+    except Exception:  # pragma: no cover (another torch)
+        return None
+    sizes = next((data[k] for k in keys if data.get(k)), None)
+    return [int(s) for s in sizes.split(",") if s.strip()] if isinstance(sizes, str) else sizes
+
+
 def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:
     """Whether this checkout's ``fastcoll.DDP`` takes ``arguments`` and has ``methods``."""
     import inspect

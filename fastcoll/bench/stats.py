@@ -150,6 +150,16 @@ def group_target(groups: Sequence[Dict[str, Any]], a: str, b: str, threshold: fl
     return target(None, threshold)
 
 
+def method_entry(
+    groups: Sequence[Dict[str, Any]], ranks: Sequence[Dict[str, Any]], m: str, keys: Sequence[str]
+) -> Dict[str, Any]:
+    """``m``'s summary from the first group of rounds timing it (its index: ``group``), each rank's ``keys``, its buckets."""
+    g = next((i for i, grp in enumerate(groups) if m in grp["samples"]), None)
+    entry: Dict[str, Any] = {"group": g, **(summarize(groups[g]["samples"][m]) if g is not None else {})}
+    entry.update({k: [r.get(k) for r in ranks] for k in keys} if ranks else {})
+    return {**entry, "buckets": ranks[0].get("buckets") if ranks else None}
+
+
 def resolved(checks: Iterable[Tuple[Stat, float, str]], samples: Samples) -> bool:
     """Whether every ``(statistic, threshold, op)`` has a paired 90% interval on one side of its threshold.
 

@@ -17,7 +17,9 @@ import contextlib
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 VOCAB = 32
 SEQ = 16
@@ -81,9 +83,6 @@ def train(
         ``masters``: the float32 master weights (``opt.state_dict()``, in the
         parameters' order).
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     model = TinyCausalLM()

@@ -28,8 +28,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from . import models, report, runner, stats
+import fastcoll
+
+from . import models, report, runner, stats, zero_bf16
 from .models import ModelSpec
 
 WORLD_SIZE = 2
@@ -84,8 +87,6 @@ def step_goals(model: str, methods: Sequence[str]) -> List[Tuple[str, str, float
 
 def overlap_default() -> Optional[bool]:
     """ShardedOptimizer's default ``overlap_param_gather`` in this checkout (None if it has no such argument)."""
-    import fastcoll
-
     p = inspect.signature(fastcoll.ShardedOptimizer).parameters.get("overlap_param_gather")
     return None if p is None else bool(p.default)
 
@@ -93,10 +94,6 @@ def overlap_default() -> Optional[bool]:
 # Inside the ranks
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapper and the optimizer of ``method`` around ``module``."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    import fastcoll
-
     adamw = models.adamw_kwargs(device)
     wrapper: nn.Module = runner.wrap("torch" if method in ("torch", "zero") else "fastcoll", module, device)
     if method == "zero":
@@ -206,13 +203,8 @@ def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
     groups, mem, ws = row["groups"], row["memory"], row["world_size"]
     methods: Dict[str, Dict[str, Any]] = {}
     for m in METHODS:
-        g = next((i for i, grp in enumerate(groups) if m in grp["samples"]), None)
-        entry: Dict[str, Any] = {"group": g, **(stats.summarize(groups[g]["samples"][m]) if g is not None else {})}
         ranks = mem.get(m, {}).get("ranks") or []
-        for key in ("state_bytes", "peak_bytes", "live_peak_bytes", "sent_bytes") if ranks else ():
-            entry[key] = [r.get(key) for r in ranks]
-        entry["buckets"] = ranks[0].get("buckets") if ranks else None
-        methods[m] = entry
+        methods[m] = stats.method_entry(groups, ranks, m, ("state_bytes", "peak_bytes", "live_peak_bytes", "sent_bytes"))
     row["methods"] = methods
     ref = (mem.get("torch", {}).get("ranks") or [{}])[0].get("digest")
     row["checks"] = {}
@@ -323,20 +315,12 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
 
 
 def supported() -> bool:
-    """Whether this checkout has ``fastcoll.ShardedOptimizer`` (and torch its ZeroRedundancyOptimizer)."""
-    import fastcoll
-
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
-    except ImportError:  # pragma: no cover
-        return False
+    """Whether this checkout has ``fastcoll.ShardedOptimizer``."""
     return hasattr(fastcoll, "ShardedOptimizer")
 
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench zero``: tables, ``benchmarks/out/zero_<device>.json``, a chart; then the bf16 section."""
-    from . import zero_bf16
-
     device = getattr(args, "device", "cpu") or "cpu"
     if report.no_gpu("zero", device):
         return 2

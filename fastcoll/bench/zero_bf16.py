@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+import fastcoll
 
 from . import models, report, runner, stats, tiny_lm
 from .models import GPT2_QUICK, GPT2_SMALL, GPT2_SMOKE, GPT2Shapes
@@ -86,8 +89,6 @@ def build_model(shapes: Sequence[Sequence[int]], method: str, storage: Any = Non
 
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapper and the optimizer of ``method`` (one of :data:`METHODS`) around ``module`` (already in its dtype)."""
-    import fastcoll
-
     adamw = models.adamw_kwargs(device, (torch.float32, BF16))
     if method in FASTCOLL:
         wrapper: nn.Module = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32)
@@ -138,14 +139,8 @@ def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], seen: Optional[set
 
 
 def torch_bucket_bytes(wrapper: nn.Module) -> Optional[int]:
-    """torch DDP's flat gradient buckets, from its logging data (``bucket_sizes``: bytes per bucket), None if absent."""
-    try:
-        data = wrapper._get_ddp_logging_data()  # type: ignore[operator]
-    except Exception:  # pragma: no cover (another torch)
-        return None
-    sizes = data.get("bucket_sizes")
-    if isinstance(sizes, str):
-        sizes = [int(s) for s in sizes.split(",") if s.strip()]
+    """torch DDP's flat gradient buckets (bytes, from its logging data), None if absent."""
+    sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")
     return None if sizes is None else int(sum(sizes))
 
 
@@ -312,15 +307,10 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     mem, groups = row["memory"], row["groups"]
     methods: Dict[str, Dict[str, Any]] = {}
     for m in METHODS:
-        entry: Dict[str, Any] = {}
-        g = next((grp for grp in groups if m in grp["samples"]), None)
-        if g is not None:
-            entry.update(stats.summarize(g["samples"][m]))
         ranks = mem.get(m, {}).get("ranks") or []
+        entry = stats.method_entry(groups, ranks, m, ("held", "peak_bytes", "live_peak_bytes", "live_by_phase"))
         if ranks:
             numel = ranks[0]["numel"]
-            entry.update({k: [r.get(k) for r in ranks] for k in ("held", "peak_bytes", "live_peak_bytes", "live_by_phase")})
-            entry["buckets"] = ranks[0].get("buckets")
             bpp = entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
             bpp["held"] = max(r["held"]["total"] for r in ranks) / numel
             for key, name in (("peak_bytes", "peak"), ("live_peak_bytes", "live")):
@@ -493,10 +483,6 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
 
 def supported() -> bool:
     """Whether this checkout's fastcoll.DDP has ``main_grad_dtype`` and its ShardedOptimizer ``master_dtype``."""
-    import inspect
-
-    import fastcoll
-
     if not hasattr(fastcoll, "ShardedOptimizer") or not runner.ddp_supports(("main_grad_dtype",)):
         return False
     return "master_dtype" in inspect.signature(fastcoll.ShardedOptimizer).parameters
