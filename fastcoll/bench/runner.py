@@ -135,14 +135,13 @@ def threads_per_rank(args: Any, world_size: int) -> int:
     return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
 
 
-def level_of(args: Any) -> str:
-    """``smoke``, ``full`` or ``default``: ``args.level``, else from ``--smoke`` / ``--full``."""
-    return getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
-
-
 def level_config(args: Any, configs: Dict[str, Dict[str, Any]], world_size: int, **extra: Any) -> Dict[str, Any]:
-    """A multi-rank benchmark's configuration: ``configs[level]``, the level, device, ranks, backend and threads."""
-    level, device = level_of(args), getattr(args, "device", "cpu") or "cpu"
+    """A multi-rank benchmark's configuration: ``configs[level]``, the level, device, ranks, backend and threads.
+
+    The level is ``args.level``, else from ``--smoke`` / ``--full``.
+    """
+    level = getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
+    device = getattr(args, "device", "cpu") or "cpu"
     return {**configs[level], "level": level, "smoke": level == "smoke", "quick": level != "full", "device": device,
             "world_size": world_size, "backend": "nccl" if device == "cuda" else "gloo",
             "threads": threads_per_rank(args, world_size), **extra}  # fmt: skip
