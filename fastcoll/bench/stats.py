@@ -89,6 +89,13 @@ def median_ratio(a: str, b: str) -> Stat:
     return stat
 
 
+def per_rank_ratios(a: Optional[Sequence[Optional[float]]], b: Optional[Sequence[Optional[float]]]) -> Optional[List[float]]:
+    """``a[r] / b[r]`` for every rank ``r``; None when a value is missing or a divisor is zero."""
+    if not a or not b or None in a or None in b or not all(b):
+        return None
+    return [x / y for x, y in zip(a, b)]  # type: ignore[operator]
+
+
 def paired_cost(with_feature: Sequence[float], without: Sequence[float]) -> Dict[str, float]:
     """Median and quartiles of the per-round differences ``with_feature[k] - without[k]`` (an A/A pair: the noise)."""
     st = summarize([a - b for a, b in zip(with_feature, without)])

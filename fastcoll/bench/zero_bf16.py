@@ -323,10 +323,8 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     targets: Dict[str, Any] = {}
     base = methods["autocast"]
     for m in FASTCOLL:
-        me = methods[m]
-        pk, bpk = me.get("peak_bytes"), base.get("peak_bytes")
-        if pk and bpk and None not in pk and None not in bpk and all(bpk):
-            per_rank = [a / b for a, b in zip(pk, bpk)]
+        per_rank = stats.per_rank_ratios(methods[m].get("peak_bytes"), base.get("peak_bytes"))
+        if per_rank:
             targets[f"memory {m}/autocast"] = _target(max(per_rank), MEMORY_VS_AUTOCAST, (min(per_rank), max(per_rank)),
                                                       f"peak resident growth per rank, {METHOD_LABELS[m]} / autocast's",
                                                       "range over ranks")  # fmt: skip
@@ -341,9 +339,9 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
         ratios[f"step {m}/autocast"] = {"value": t["value"], "ci90": t["ci90"]}
         me = methods[m]
         for what in ("peak_bytes", "live_peak_bytes"):
-            a, b = me.get(what), base.get(what)
-            if a and b and None not in a and None not in b and all(b):
-                ratios[f"{what} {m}/autocast"] = max(x / y for x, y in zip(a, b))
+            per_rank = stats.per_rank_ratios(me.get(what), base.get(what))
+            if per_rank:
+                ratios[f"{what} {m}/autocast"] = max(per_rank)
         if me.get("held") and base.get("held"):
             ratios[f"held {m}/autocast"] = max(x["total"] / y["total"] for x, y in zip(me["held"], base["held"]))
     row["ratios"] = ratios
