@@ -141,8 +141,7 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
     pairs = [("fastcoll", "torch")] if case.section == "fp32" else [(f"fastcoll {d}", f"torch {d} hook") for d, _ in COMM_DTYPES]
     rtol = 1e-5 if case.section == "fp32" else 1e-2
     checks = {a: models.compare_grads(wrappers[a].module, wrappers[b].module, rtol) for a, b in pairs}
-    per_step = runner.all_max([max(i["setup_step_s"] for i in info.values())], device)[0]
-    inner = runner.inner_for(per_step, cfg["target_s"], cfg["max_inner"])
+    inner = me.inner(max(i["setup_step_s"] for i in info.values()))
     goal = [(stats.median_ratio("fastcoll", "torch"), cfg["target"], "le")] if case.section == "fp32" else []
     samples, _ = runner.timed_rounds(steps, inner, cfg["reps"], cfg["max_reps"], goal, device, me.tick)
     me.tick(len(case.methods) * (cfg["max_reps"] - len(samples[case.methods[0]])))

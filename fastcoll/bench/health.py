@@ -287,7 +287,7 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
         drop_grads(m)
     gc.collect()
 
-    n_inner = runner.inner_for(runner.all_max([slowest], device)[0], cfg["target_s"], cfg["max_inner"])
+    n_inner = me.inner(slowest)
     lo, hi = _reps_for(spec, cfg)
     goals = [(lambda s, n=n: _target_value(s, n), thr, "le") for n, thr in _thresholds(spec.name).items()]
     samples, cpu_samples = runner.timed_rounds(steps, n_inner, lo, hi, goals, device, tick, after=drop_grads)

@@ -430,6 +430,10 @@ class Rank:
         gc.collect()
         dist.destroy_process_group()
 
+    def inner(self, seconds: float) -> int:
+        """Calls per sample that make it last ``cfg["target_s"]`` at the slowest rank's ``seconds`` per call."""
+        return inner_for(all_max([seconds], self.device)[0], self.cfg["target_s"], self.cfg["max_inner"])
+
     def _put(self, what: str, value: Any) -> None:
         if self.rank == 0 and self._q is not None:
             self._q.put((what, value))

@@ -186,7 +186,7 @@ def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[st
         return wrapper, opt, make_step(spec, wrapper, opt, x)
 
     runs, setup = runner.start_runs(me, methods, make)
-    inner = runner.inner_for(runner.all_max([max(setup.values())], device)[0], cfg["target_s"], cfg["max_inner"])
+    inner = me.inner(max(setup.values()))
     lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
     checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
     samples = runner.optimizer_rounds(me, runs, inner, lo, hi, checks)
