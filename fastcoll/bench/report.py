@@ -278,7 +278,7 @@ class Progress:
             f"about {'?' if left is None else f'{left:.0f} s'} left[/dim]", record=False)  # fmt: skip
 
     def apply(self, what: str, value: Any) -> None:
-        """A report from a rank process (:func:`fastcoll.bench.runner.Ranks.tick`)."""
+        """A report from a rank process (:meth:`fastcoll.bench.runner.Rank.tick` and the like)."""
         {"advance": self.advance, "describe": self.describe, "row": lambda v: self.row(*v)}[what](value)
 
 

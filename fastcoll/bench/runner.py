@@ -1,10 +1,11 @@
 """Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner.
 
 :func:`run_ranks` starts the rank processes of one measurement (gloo over
-loopback on CPU, a FileStore in a temporary folder), follows their progress
-and returns rank 0's result. Inside a rank, :class:`Rank` joins the process
-group and reports progress; :func:`all_max` makes a sample the slowest
-rank's; :func:`gather` collects what every rank measured.
+loopback on CPU, a FileStore in a temporary folder), runs a benchmark's
+function ``fn(rank, ...)`` in each, follows their progress and returns rank
+0's result. Inside, the :class:`Rank` has the configuration and reports
+progress; :func:`all_max` makes a sample the slowest rank's; :func:`gather`
+collects what every rank measured; :func:`timed_rounds` takes the samples.
 """
 
 from __future__ import annotations

@@ -347,7 +347,7 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
 
 # Entry points
 def measure(args: Any = None) -> dict[str, Any]:
-    """Spawn the ranks, run the benchmark and return its results (rows summarized); traces are merged into ``trace_out``."""
+    """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
     device = getattr(args, "device", "cpu") or "cpu"
     cfg = _config(args, device)
     ws = cfg["world_size"]
