@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from . import models, report, runner, stats
 from .models import ModelSpec
@@ -79,6 +80,10 @@ def build_cases(level: str, with_comm: bool) -> List[Case]:
     return cases + ([Case("comm_dtype", s, False, COMM_METHODS) for s in comm] if with_comm else [])
 
 
+def _force_env(collectives: Optional[str]) -> Dict[str, str]:
+    return {} if collectives is None else {"FASTCOLL_FORCE_COLLECTIVES": "1" if collectives == "forced" else "0"}
+
+
 def collective_passes(world_size: int) -> List[Optional[str]]:
     """``[None]`` with 2+ ranks; at 1 rank both passes, or the one FASTCOLL_FORCE_COLLECTIVES names."""
     if world_size > 1:
@@ -87,57 +92,28 @@ def collective_passes(world_size: int) -> List[Optional[str]]:
     return ["plain", "forced"] if value is None else ["plain" if value.strip() in ("", "0") else "forced"]
 
 
-# ---------------------------------------------------------------------------
 # The wrappers and their steps (inside the ranks)
-# ---------------------------------------------------------------------------
-
-
 def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.Module:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    import fastcoll
-
-    kw: Dict[str, Any] = {"gradient_as_bucket_view": gabv}
-    if device == "cuda":
-        kw["device_ids"] = [torch.cuda.current_device()]
-    if method in ("no_sync", "torch"):
-        return TorchDDP(module, **kw)
-    if method == "fastcoll":
-        return fastcoll.DDP(module, **kw)
-    kind, name = method.split()[:2]
-    if kind == "fastcoll":
-        return fastcoll.DDP(module, comm_dtype=dict(COMM_DTYPES)[name], **kw)
-    hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
-    wrapper = TorchDDP(module, **kw)
-    wrapper.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # renamed: torch refuses bf16 by name on CPU
-    return wrapper
+    kind, name = (method.split() + [""])[:2]
+    if method == "no_sync" or kind == "torch":
+        wrapper = runner.wrap("torch", module, device, gradient_as_bucket_view=gabv)
+        if name:  # renamed: torch refuses bf16 by name on CPU
+            hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
+            wrapper.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
+        return wrapper
+    comm = {"comm_dtype": dict(COMM_DTYPES)[name]} if name else {}
+    return runner.wrap("fastcoll", module, device, gradient_as_bucket_view=gabv, **comm)
 
 
 def make_step(method: str, wrapper: nn.Module, spec: ModelSpec, x: torch.Tensor) -> Callable[[], None]:
-    module = wrapper.module
-
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        if method == "no_sync":
-            with wrapper.no_sync():
-                models.loss_of(spec, wrapper(x)).backward()
-        else:
-            models.loss_of(spec, wrapper(x)).backward()
-
-    return step
+    return models.backward_step(spec, wrapper, x, no_sync=method == "no_sync")
 
 
 def count_buckets(method: str, wrapper: nn.Module) -> Optional[int]:
     """Buckets of the wrapper's current layout (torch DDP: from its logging data, after the rebuild)."""
     if method.startswith("fastcoll"):
         return len(wrapper.bucket_info())
-    try:
-        data = wrapper._get_ddp_logging_data()  # private torch API: informative only
-        sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
-        return len([s for s in sizes.split(",") if s.strip()]) or None
-    except Exception:
-        return None
+    return len(runner.torch_bucket_sizes(wrapper, "rebuilt_bucket_sizes", "bucket_sizes") or []) or None
 
 
 def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
@@ -165,8 +141,7 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
     pairs = [("fastcoll", "torch")] if case.section == "fp32" else [(f"fastcoll {d}", f"torch {d} hook") for d, _ in COMM_DTYPES]
     rtol = 1e-5 if case.section == "fp32" else 1e-2
     checks = {a: models.compare_grads(wrappers[a].module, wrappers[b].module, rtol) for a, b in pairs}
-    per_step = runner.all_max([max(i["setup_step_s"] for i in info.values())], device)[0]
-    inner = runner.inner_for(per_step, cfg["target_s"], cfg["max_inner"])
+    inner = me.inner(max(i["setup_step_s"] for i in info.values()))
     goal = [(stats.median_ratio("fastcoll", "torch"), cfg["target"], "le")] if case.section == "fp32" else []
     samples, _ = runner.timed_rounds(steps, inner, cfg["reps"], cfg["max_reps"], goal, device, me.tick)
     me.tick(len(case.methods) * (cfg["max_reps"] - len(samples[case.methods[0]])))
@@ -213,31 +188,25 @@ def analyze(row: Dict[str, Any], info: Dict[str, Dict[str, Any]], cfg: Dict[str,
     return row
 
 
-def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any], cases: List[Case]) -> None:
-    if cfg.get("collectives") is not None:  # before any wrapper reads it
-        os.environ["FASTCOLL_FORCE_COLLECTIVES"] = "1" if cfg["collectives"] == "forced" else "0"
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
-        if cfg["level"] != "smoke":  # one-time costs of every wrapper, on a tiny model
-            for method in METHODS:
-                step = make_step(method, make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device),
-                                 models.WARMUP, models.make_input(models.WARMUP, rank, me.device))  # fmt: skip
-                for _ in range(3):
-                    step()
-        gc.collect()
-        gc.freeze()  # later collections skip torch's many long-lived objects: ms instead of 0.3 s
-        rows = []
-        for case in cases:
-            me.describe(f"ddp: {case.spec.label}" + (", bucket view" if case.gabv else "") + f" ({case.section})")
-            rows.append(bench_case(case, me))
-            me.row(rows[-1]["label"] + (", bucket view" if case.gabv else "") + f" ({case.section})", len(cases))
-        me.save({"rows": rows})
+def _ranks(me: runner.Rank, cases: List[Case]) -> Dict[str, Any]:
+    if me.cfg["level"] != "smoke":  # one-time costs of every wrapper, on a tiny model
+        for method in METHODS:
+            step = make_step(method, make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device),
+                             models.WARMUP, models.make_input(models.WARMUP, me.rank, me.device))  # fmt: skip
+            for _ in range(3):
+                step()
+    gc.collect()
+    gc.freeze()  # later collections skip torch's many long-lived objects: ms instead of 0.3 s
+    rows = []
+    for case in cases:
+        what = case.spec.label + (", bucket view" if case.gabv else "") + f" ({case.section})"
+        me.describe(f"ddp: {what}")
+        rows.append(bench_case(case, me))
+        me.row(what, len(cases))
+    return {"rows": rows}
 
 
-# ---------------------------------------------------------------------------
 # Output and entry
-# ---------------------------------------------------------------------------
-
-
 def _grads_cell(check: Dict[str, Any]) -> str:
     if check["equal"]:
         return "[green]equal[/green]"
@@ -310,10 +279,8 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
     for r in payload["results"]:
         m = r["methods"]
         name = r["label"] + (" +view" if r["gradient_as_bucket_view"] else "") + PASS_SUFFIX.get(r.get("collectives") or "", "")
-        bases = (
-            [("torch", "fastcoll")] if r["section"] == "fp32" else [(f"torch {d} hook", f"fastcoll {d}") for d, _ in COMM_DTYPES]
-        )
-        for base, mine in bases:
+        fp32 = r["section"] == "fp32"
+        for base, mine in [("torch", "fastcoll")] if fp32 else [(f"torch {d} hook", f"fastcoll {d}") for d, _ in COMM_DTYPES]:
             panel = f"{r['section']}: step / {base}'s"
             group = f"{name} {mine.split()[-1]}" if r["section"] != "fp32" else name
             b = m[base]["median_s"]
@@ -328,13 +295,10 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ddp``: tables, ``benchmarks/out/ddp_<device>.json``, a chart; 1 if gradients differ."""
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench ddp: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("ddp", device):
         return 2
     ws = 1 if device == "cuda" else 2
-    cfg = {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
-           "device": device, "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
-           "threads": runner.threads_per_rank(args, ws), "target": GPU_TARGET if device == "cuda" else CPU_TARGET}  # fmt: skip
+    cfg = runner.level_config(args, CONFIGS, ws, target=GPU_TARGET if device == "cuda" else CPU_TARGET)
     with_comm = comm_dtype_supported()
     if not with_comm:
         report.say("[yellow]comm_dtype rows skipped: this checkout's fastcoll.DDP has no comm_dtype argument[/yellow]")
@@ -355,7 +319,7 @@ def run(args: Any) -> int:
     with report.progress("ddp", units) as prog:
         for p in passes:
             try:
-                result = runner.run_ranks(_worker, ({**cfg, "collectives": p}, cases), ws, prog)
+                result = runner.run_ranks(_ranks, {**cfg, "collectives": p, "env": _force_env(p)}, (cases,), ws, prog)
             except Exception as exc:
                 if p is None:
                     raise
@@ -372,16 +336,10 @@ def run(args: Any) -> int:
     payload = {"benchmark": "ddp", "config": config, "implementation": implementation,
                "comm_dtype": {"supported": with_comm, "measured": with_comm}, "results": rows}  # fmt: skip
     print_results(payload)
-    named = [
-        (f"{r['label']}{' +view' if r['gradient_as_bucket_view'] else ''}: {k}", t)
-        for r in rows
-        for k, t in r.get("targets", {}).items()
-    ]
-    report.targets_summary("ddp", [t for _, t in named], [w for w, _ in named])
+    named = [(f"{r['label']}{' +view' if r['gradient_as_bucket_view'] else ''}: {k}", t)
+             for r in rows for k, t in r.get("targets", {}).items()]  # fmt: skip
     bad = [r["label"] for r in rows for c in r["grads"].values() if not c["close"]]
     for label in bad:
         report.say(f"[red]warning: {label}: fastcoll's gradients differ from torch DDP's[/red]")
-    report.write_json(path, payload, device)
-    png = chart(path.with_suffix(".png"), payload) if rows else None
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    report.conclude("ddp", path, payload, named, chart if rows else None)
     return 0 if not bad and all(s["ok"] for s in status.values()) else 1

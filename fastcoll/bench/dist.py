@@ -12,13 +12,14 @@ import pickle
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
+import torch.distributed as dist
 
+from .. import dist as fd
 from . import models, report, runner, stats
 
 WORLD_SIZE = 2
 MODEL = "resnet50"
 GRAD_METHODS = ("fastcoll", "fastcoll 25MiB", "per-tensor", "seed cat+split")
-DICT_METHODS = ("fastcoll", "per-tensor", "seed cat+split")
 CONFIGS = {
     "smoke": dict(reps=2, warmup=1, dict_inner=2, grad_inner=1, grad_shapes=24),
     "default": dict(reps=9, warmup=1, dict_inner=20, grad_inner=1, grad_shapes=None),
@@ -28,8 +29,6 @@ CONFIGS = {
 
 def per_tensor_grads(params: Sequence[torch.Tensor], ws: int) -> None:
     """Average gradients one all-reduce per tensor."""
-    import torch.distributed as dist
-
     for p in params:
         if p.grad is not None:
             p.grad.div_(ws)
@@ -38,8 +37,6 @@ def per_tensor_grads(params: Sequence[torch.Tensor], ws: int) -> None:
 
 def seed_grads(params: Sequence[torch.Tensor], ws: int) -> None:
     """Average gradients the way the seed projects do: cat, all-reduce, divide, split, copy back."""
-    import torch.distributed as dist
-
     grads = [p.grad for p in params if p.grad is not None]
     groups: Dict[torch.dtype, List[torch.Tensor]] = {}
     for g in grads:
@@ -54,8 +51,6 @@ def seed_grads(params: Sequence[torch.Tensor], ws: int) -> None:
 
 def per_tensor_dict(d: Dict[str, torch.Tensor], ws: int) -> Dict[str, torch.Tensor]:
     """Mean of every value, one all-reduce per key (sorted, so ranks agree)."""
-    import torch.distributed as dist
-
     out = {}
     for k in sorted(d):
         t = d[k].float().clone()
@@ -66,8 +61,6 @@ def per_tensor_dict(d: Dict[str, torch.Tensor], ws: int) -> Dict[str, torch.Tens
 
 def seed_dict(d: Dict[str, torch.Tensor], ws: int) -> Dict[str, torch.Tensor]:
     """Mean of every value the seed way: broadcast rank 0's key list, cat, all-reduce, divide, split."""
-    import torch.distributed as dist
-
     keys = list(d)
     payload = torch.frombuffer(bytearray(pickle.dumps(keys)), dtype=torch.uint8).clone()
     dist.broadcast(payload, src=0)  # assumes every rank's pickled key list has the same length
@@ -92,11 +85,7 @@ def _metric_dict(rank: int, n: int = 64, width: int = 80) -> Dict[str, torch.Ten
     return {k: torch.rand(width, generator=g) for k in keys}
 
 
-# ---------------------------------------------------------------------------
 # The ranks
-# ---------------------------------------------------------------------------
-
-
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6))
 
@@ -118,8 +107,6 @@ def _row(rank: runner.Rank, function: str, case: str, fns: Dict[str, Callable[[]
 
 
 def _bench_dicts(rank: runner.Rank) -> List[Dict[str, Any]]:
-    from .. import dist as fd
-
     ws, r = rank.ws, rank.rank
     cases = {"loss dict, 16 scalars": _loss_dict(r), "metric dict, 64 x 80": _metric_dict(r)}
     if rank.cfg["grad_shapes"]:  # smoke
@@ -141,10 +128,6 @@ def _bench_dicts(rank: runner.Rank) -> List[Dict[str, Any]]:
 
 
 def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
-    import torch.distributed as dist
-
-    from .. import dist as fd
-
     ws = rank.ws
     shapes = [s for _, s in models.model_shapes()[MODEL]][: rank.cfg["grad_shapes"]]
     g = torch.Generator().manual_seed(rank.rank)
@@ -172,39 +155,31 @@ def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
     return _row(rank, "allreduce_grads", name, fns, checks, rank.cfg["grad_inner"])
 
 
-def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]) -> None:
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
-        me.save({"rows": _bench_dicts(me) + [_bench_grads(me)]})
+def _ranks(me: runner.Rank) -> Dict[str, Any]:
+    return {"rows": _bench_dicts(me) + [_bench_grads(me)]}
 
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench dist``: the table and ``benchmarks/out/dist_cpu.json``; 1 if a method is wrong."""
     if getattr(args, "device", "cpu") == "cuda":
         report.say("[yellow]fastcoll.bench dist: runs on gloo CPU ranks; --device cuda is ignored[/yellow]")
-    cfg = {**CONFIGS[args.level], "threads": runner.threads_per_rank(args, WORLD_SIZE), "level": args.level}
-    cfg.update(smoke=args.level == "smoke", quick=args.level != "full")
+    cfg = {**CONFIGS[args.level], "threads": runner.threads_per_rank(args, WORLD_SIZE), "level": args.level,
+           "smoke": args.level == "smoke", "quick": args.level != "full"}  # fmt: skip
     rows = 2 if cfg["smoke"] else 3
     with report.progress("dist", rows * len(GRAD_METHODS) * cfg["reps"]) as prog:
-        result = runner.run_ranks(_worker, (cfg,), WORLD_SIZE, prog)
+        result = runner.run_ranks(_ranks, cfg, (), WORLD_SIZE, prog)
     body = []
     for row in result["rows"]:
         for i, (m, st) in enumerate(row["methods"].items()):
             ci = st["ci90"]
             vs = report.fmt_ratio(st["time_vs_fastcoll"]) + (f" ({ci[0]:.2f}..{ci[1]:.2f})" if ci and m != "fastcoll" else "")
-            label = f"{row['function']}: {row['case']}" if i == 0 else ""
-            body.append(
-                [label, m, report.fmt_time(st["median_s"]), report.fmt_time(st["iqr_s"]), vs, report.pass_miss(st["correct"])]
-            )
-    columns = ["function / case", "method", "median", "IQR", "vs fastcoll", "correct"]
-    report.table(
-        "fastcoll dist: collectives side by side",
-        columns,
-        body,
-        f"{WORLD_SIZE} gloo ranks on loopback, {cfg['threads']} thread(s) each, ops: {result['implementation']}; "
-        "vs fastcoll = method time / fastcoll's (>1: fastcoll faster), 90% paired bootstrap interval",
-    )
+            body.append([f"{row['function']}: {row['case']}" if i == 0 else "", m, report.fmt_time(st["median_s"]),
+                         report.fmt_time(st["iqr_s"]), vs, report.pass_miss(st["correct"])])  # fmt: skip
+    report.table("fastcoll dist: collectives side by side", ["function / case", "method", "median", "IQR", "vs fastcoll",
+                 "correct"], body, f"{WORLD_SIZE} gloo ranks on loopback, {cfg['threads']} thread(s) each, ops: "
+                 f"{result['implementation']}; vs fastcoll = method time / fastcoll's (>1: fastcoll faster), 90% paired "
+                 "bootstrap interval")  # fmt: skip
     payload = {"benchmark": "dist", "config": {"world_size": WORLD_SIZE, "backend": "gloo", "model": MODEL, **cfg},
                "implementation": result["implementation"], "results": result["rows"]}  # fmt: skip
-    path = report.write_json(report.json_path(args, "dist_cpu"), payload, "cpu")
-    report.say(f"wrote {path}", record=False)
+    report.conclude("dist", report.json_path(args, "dist_cpu"), payload)
     return 0 if all(st["correct"] for row in result["rows"] for st in row["methods"].values()) else 1

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import ops
 from . import models, report, runner, stats
 from .models import MiB, ModelSpec
 
@@ -81,7 +82,6 @@ def supported() -> bool:
 
 def health_ops_implementation() -> str:
     """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
-    from .. import ops
     from ..ops import loader
 
     if ops.implementation() != "extension":
@@ -105,11 +105,7 @@ def extension_file() -> Optional[Dict[str, Any]]:
     return {"path": os.path.relpath(path, report.repo_root()), "bytes": st.st_size, "modified": when}
 
 
-# ---------------------------------------------------------------------------
 # Configuration
-# ---------------------------------------------------------------------------
-
-
 def model_specs(smoke: bool) -> List[ModelSpec]:
     if smoke:
         return [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
@@ -127,13 +123,9 @@ CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-
 
 
 def _config(args: Any, device: str) -> Dict[str, Any]:
-    cfg = {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
-           "device": device}  # fmt: skip
-    if device == "cuda":
-        cfg.update(world_sizes=list(CUDA_WORLD_SIZES), backend="nccl")
-    else:  # the 1-rank pass (no communication) only in the full run
-        cfg.update(world_sizes=list(CPU_WORLD_SIZES) if args.level == "full" else [2], backend="gloo")
-    cfg["threads"] = runner.threads_per_rank(args, 2 if device == "cpu" else 1)
+    cfg = runner.level_config(args, CONFIGS, 2 if device == "cpu" else 1)
+    del cfg["world_size"]  # the 1-rank pass (no communication) only in the full run:
+    cfg["world_sizes"] = list(CUDA_WORLD_SIZES) if device == "cuda" else list(CPU_WORLD_SIZES) if cfg["level"] == "full" else [2]
     return cfg
 
 
@@ -141,29 +133,15 @@ def _reps_for(spec: ModelSpec, cfg: Dict[str, Any]) -> Tuple[int, int]:
     return (cfg["reps_large"], cfg["max_large"]) if spec.name == "gpt2_small" else (cfg["reps"], cfg["max_reps"])
 
 
-# ---------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------
-
-
-paired_cost = stats.paired_cost
-
-
 def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:
     return stats.target(value, threshold, ci, "le", "90% bootstrap (rounds)")
 
 
-# ---------------------------------------------------------------------------
 # The ops-level rows (parent process, 1 intra-op thread)
-# ---------------------------------------------------------------------------
-
-
 def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
     """ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke."""
-    from . import models as bench_ops
-
-    buckets = bench_ops.ddp_buckets(models.model_shapes()["resnet50"])
-    b = min((b for b in buckets if b["cap"] == bench_ops.BUCKET_CAP), key=lambda b: abs(b["bytes"] - bench_ops.BUCKET_CAP))
+    buckets = models.ddp_buckets(models.model_shapes()["resnet50"])
+    b = min((b for b in buckets if b["cap"] == models.BUCKET_CAP), key=lambda b: abs(b["bytes"] - models.BUCKET_CAP))
     shapes = [tuple(s) for s in b["shapes"]]
     name = f"resnet50 b{b['index']} ({len(shapes)} tensors, {b['bytes'] / MiB:.1f} MiB fp32)"
     if smoke:
@@ -174,8 +152,6 @@ def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
 
 def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved."""
-    from .. import ops
-
     device = cfg["device"]
     name, shapes = ops_bucket(cfg["smoke"])
     gen = torch.Generator().manual_seed(0)
@@ -205,61 +181,31 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     ops.flatten_scale(grads, bucket, 0.5, nonfinite=flag)
     flag_ok = int(flag) == 0
 
-    rows = []
-    threads = 1 if device == "cpu" else None
-    ctx = runner.num_threads(1) if device == "cpu" else contextlib.nullcontext()
-    with ctx:
+    rows, threads = [], 1 if device == "cpu" else None
+    with runner.num_threads(1) if device == "cpu" else contextlib.nullcontext():
         for op, p in pairs.items():
             fns = {"plain": p["plain"], "health": p["health"]}
             for fn in fns.values():
                 for _ in range(3):
                     fn()
             target_s = cfg["ops_target_s"]
-            one = max(1 if target_s <= 0 else runner.calibrate(f, device, target_s, 1000) for f in fns.values())
-            inner = dict.fromkeys(fns, one)
-            samples = runner.measure_interleaved(fns, device, 0, cfg["ops_reps"], one)
+            inner = max(1 if target_s <= 0 else runner.calibrate(f, device, target_s, 1000) for f in fns.values())
+            samples = runner.measure_interleaved(fns, device, 0, cfg["ops_reps"], inner)
             summary = {k: stats.summarize(s) for k, s in samples.items()}
             ratio = summary["health"]["median_s"] / summary["plain"]["median_s"]
             ci = stats.bootstrap_ci(stats.median_ratio("health", "plain"), samples, paired=True)
-            rows.append(
-                {
-                    "op": op,
-                    "with": p["with"],
-                    "bucket": name,
-                    "bytes": 4 * n,
-                    "threads": threads,
-                    "inner": inner["plain"],
-                    "methods": summary,
-                    "samples": samples,
-                    "paired": paired_cost(samples["health"], samples["plain"]),
-                    "ratio": ratio,
-                    "check": {"sumsq matches float64": sumsq_ok} if op == "unflatten_scale" else {"flag clear": flag_ok},
-                    "targets": {"health/plain": _target(ratio, OPS_TARGET, ci)},
-                }
-            )
+            check = {"sumsq matches float64": sumsq_ok} if op == "unflatten_scale" else {"flag clear": flag_ok}
+            rows.append({"op": op, "with": p["with"], "bucket": name, "bytes": 4 * n, "threads": threads, "inner": inner,
+                         "methods": summary, "samples": samples, "paired": stats.paired_cost(samples["health"], samples["plain"]),
+                         "ratio": ratio, "check": check,
+                         "targets": {"health/plain": _target(ratio, OPS_TARGET, ci)}})  # fmt: skip
     return rows
 
 
-# ---------------------------------------------------------------------------
 # The ranks
-# ---------------------------------------------------------------------------
-
-
 def make_wrapper(kind: str, module: nn.Module, device: str) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    import fastcoll
-
-    kw: Dict[str, Any] = {}
-    if device == "cuda":
-        kw["device_ids"] = [torch.cuda.current_device()]
-    if kind == "torch":
-        return TorchDDP(module, **kw)
-    if kind == "fastcoll_norm":
-        kw["compute_grad_norm"] = True
-    elif kind == "fastcoll_nonfinite":
-        kw["check_nonfinite"] = True
-    return fastcoll.DDP(module, **kw)
+    flags = {"fastcoll_norm": {"compute_grad_norm": True}, "fastcoll_nonfinite": {"check_nonfinite": True}}
+    return runner.wrap(kind, module, device, **flags.get(kind, {}))
 
 
 def make_step(
@@ -268,27 +214,17 @@ def make_step(
     """One step: zero_grad + forward + loss + backward, then the clipping; returns the norm clipping saw (or None)."""
     module = wrapper.module
     params = [p for p in module.parameters() if p.requires_grad]
-    loss_of = models.loss_of
+    clips: Dict[Optional[str], Callable[[], Any]] = {
+        None: lambda: None,
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm[0], foreach=True),
+        "fastcoll": lambda: wrapper.clip_grad_norm_(max_norm[0]),
+    }
+    clip_now = clips[clip]
 
-    if clip is None:
-
-        def step():
-            module.zero_grad(set_to_none=True)
-            loss_of(spec, wrapper(x)).backward()
-
-    elif clip == "torch":
-
-        def step():
-            module.zero_grad(set_to_none=True)
-            loss_of(spec, wrapper(x)).backward()
-            return torch.nn.utils.clip_grad_norm_(params, max_norm[0], foreach=True)
-
-    else:
-
-        def step():
-            module.zero_grad(set_to_none=True)
-            loss_of(spec, wrapper(x)).backward()
-            return wrapper.clip_grad_norm_(max_norm[0])
+    def step() -> Optional[torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        models.loss_of(spec, wrapper(x)).backward()
+        return clip_now()
 
     return step
 
@@ -338,19 +274,12 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
     after = global_norm(wrappers["fastcoll_norm"].module)
     grads = models.compare_grads(wrappers["fastcoll_norm"].module, wrappers["torch"].module, rtol=1e-3)
     rel = lambda a, b: abs(a - b) / max(abs(b), 1e-30)  # noqa: E731
-    checks = {
-        "norm float64": norm,
-        "max_norm": max_norm[0],
-        "norm torch clip": torch_norm,
-        "norm fastcoll clip": fc_norm,
-        "norm torch clip on fastcoll": fc_torch_norm,
-        "rel err torch": rel(torch_norm, norm),
-        "rel err fastcoll": rel(fc_norm, norm),
-        "norm after fastcoll clip": after,
-        # torch's contract: the gradients are scaled by max_norm / (norm + 1e-6)
-        "clipped": fc_norm > max_norm[0] and rel(after, fc_norm * max_norm[0] / (fc_norm + 1e-6)) <= 1e-5,
-        "grads fastcoll vs torch after clip": grads,
-    }
+    checks = {"norm float64": norm, "max_norm": max_norm[0], "norm torch clip": torch_norm, "norm fastcoll clip": fc_norm,
+              "norm torch clip on fastcoll": fc_torch_norm, "rel err torch": rel(torch_norm, norm),
+              "rel err fastcoll": rel(fc_norm, norm), "norm after fastcoll clip": after,
+              # torch's contract: the gradients are scaled by max_norm / (norm + 1e-6)
+              "clipped": fc_norm > max_norm[0] and rel(after, fc_norm * max_norm[0] / (fc_norm + 1e-6)) <= 1e-5,
+              "grads fastcoll vs torch after clip": grads}  # fmt: skip
     checks["ok"] = bool(
         checks["clipped"] and checks["rel err fastcoll"] <= 1e-6 and checks["rel err torch"] <= 1e-3 and grads["close"]
     )
@@ -358,7 +287,7 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
         drop_grads(m)
     gc.collect()
 
-    n_inner = runner.inner_for(runner.all_max([slowest], device)[0], cfg["target_s"], cfg["max_inner"])
+    n_inner = me.inner(slowest)
     lo, hi = _reps_for(spec, cfg)
     goals = [(lambda s, n=n: _target_value(s, n), thr, "le") for n, thr in _thresholds(spec.name).items()]
     samples, cpu_samples = runner.timed_rounds(steps, n_inner, lo, hi, goals, device, tick, after=drop_grads)
@@ -369,21 +298,10 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
     wrappers.clear()
     storage = None  # noqa: F841 (the shared weights go before the next model is built)
     gc.collect()
-    row = {
-        "model": spec.name,
-        "label": spec.label,
-        "synthetic": spec.synthetic,
-        "world_size": ws,
-        "params": len(params),
-        "numel": sum(p.numel() for p in params),
-        "buckets": buckets,
-        "inner": n_inner,
-        "elapsed_s": time.perf_counter() - started,
-        **analyze(spec.name, samples),
-        "cpu_time": analyze(spec.name, cpu_samples),
-        "checks": checks,
-    }
-    return row
+    return {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "world_size": ws, "params": len(params),
+            "numel": sum(p.numel() for p in params), "buckets": buckets, "inner": n_inner,
+            "elapsed_s": time.perf_counter() - started, **analyze(spec.name, samples),
+            "cpu_time": analyze(spec.name, cpu_samples), "checks": checks}  # fmt: skip
 
 
 def _paired_median(samples: Dict[str, List[float]], cost: str) -> float:
@@ -410,11 +328,10 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     Each target also carries the 90% bootstrap interval of its statistic (rounds resampled).
     """
     summary = {m: stats.summarize(s) for m, s in samples.items()}
-    costs = {name: paired_cost(samples[a], samples[b]) for name, (a, b) in COSTS.items()}
+    costs = {name: stats.paired_cost(samples[a], samples[b]) for name, (a, b) in COSTS.items()}
     base_fc = summary["fastcoll"]["median_s"]
     ct, cf = costs["clip torch"]["median_s"], costs["clip fastcoll"]["median_s"]
     values = {name: _target_value(samples, name) for name in ("norm", "nonfinite", "clip")}
-    clip_ratio, norm_frac, nonfinite_frac = values["clip"], values["norm"], values["nonfinite"]
     targets = {}
     for name, threshold in _thresholds(model).items():
 
@@ -423,48 +340,31 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
 
         ci = stats.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
         targets[name] = _target(values[name], threshold, ci)
-    return {
-        "methods": summary,
-        "samples": samples,
-        "costs": costs,
-        "ratios": {
-            "clip fastcoll/torch": clip_ratio,
-            "norm/fastcoll step": norm_frac,
-            "nonfinite/fastcoll step": nonfinite_frac,
-            "A/A/fastcoll step": costs["A/A"]["median_s"] / base_fc,
-            "clip torch/torch step": ct / summary["torch"]["median_s"],
-            "clip fastcoll/fastcoll step": cf / base_fc,
-        },
-        "targets": targets,
-    }
+    ratios = {"clip fastcoll/torch": values["clip"], "norm/fastcoll step": values["norm"],
+              "nonfinite/fastcoll step": values["nonfinite"], "A/A/fastcoll step": costs["A/A"]["median_s"] / base_fc,
+              "clip torch/torch step": ct / summary["torch"]["median_s"],
+              "clip fastcoll/fastcoll step": cf / base_fc}  # fmt: skip
+    return {"methods": summary, "samples": samples, "costs": costs, "ratios": ratios, "targets": targets}
 
 
-def _worker(
-    rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any], specs: List[ModelSpec]
-) -> None:  # noqa: E501
+def _ranks(me: runner.Rank, specs: List[ModelSpec]) -> Dict[str, Any]:
     library = extension_file()  # the one this process loaded (another build may replace the file later)
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
-        x = models.make_input(models.WARMUP, rank, me.device)
-        for w, clip in METHODS.values():  # every wrapper kind and clipping once on a tiny model: no one-time costs later
-            wrapper = make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device)
-            step = make_step(wrapper, clip, models.WARMUP, x, [1e-3])
-            for _ in range(3):
-                step()
-        gc.collect()
-        gc.freeze()
-        rows = []
-        for spec in specs:
-            me.describe(f"health, {ws} rank{'s' if ws > 1 else ''}: {spec.label}")
-            rows.append(bench_model(spec, me))
-            me.row(f"{spec.label}, {ws} rank{'s' if ws > 1 else ''}", len(specs) * len(cfg["world_sizes"]))
-        me.save({"rows": rows, "health_ops": health_ops_implementation(), "library": library})
+    x = models.make_input(models.WARMUP, me.rank, me.device)
+    for w, clip in METHODS.values():  # every wrapper kind and clipping once on a tiny model: no one-time costs later
+        step = make_step(make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device), clip, models.WARMUP, x, [1e-3])
+        for _ in range(3):
+            step()
+    gc.collect()
+    gc.freeze()
+    rows, ranks = [], f"{me.ws} rank{'s' if me.ws > 1 else ''}"
+    for spec in specs:
+        me.describe(f"health, {ranks}: {spec.label}")
+        rows.append(bench_model(spec, me))
+        me.row(f"{spec.label}, {ranks}", len(specs) * len(me.cfg["world_sizes"]))
+    return {"rows": rows, "health_ops": health_ops_implementation(), "library": library}
 
 
-# ---------------------------------------------------------------------------
 # Entry points
-# ---------------------------------------------------------------------------
-
-
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the ops rows, then spawn the ranks for each world size; return the results.
 
@@ -483,36 +383,27 @@ def measure(args: Any = None) -> Dict[str, Any]:
     libraries = {"parent (ops rows)": extension_file()}
     units = len(cfg["world_sizes"]) * sum(len(METHODS) * (_reps_for(s, cfg)[1] + 1) for s in specs)
     with report.progress("health", units) as prog:
-        outs = [(ws, runner.run_ranks(_worker, (cfg, specs), ws, prog)) for ws in cfg["world_sizes"]]
+        rank_cfg = {**cfg, "keep_freed_memory": True}
+        outs = [(ws, runner.run_ranks(_ranks, rank_cfg, (specs,), ws, prog)) for ws in cfg["world_sizes"]]
     for ws, out in outs:
         results += out["rows"]
         health_ops, malloc = out["health_ops"], out["malloc"]
         libraries[f"{ws} rank{'s' if ws > 1 else ''}"] = out["library"]
-    return {
-        "benchmark": "health",
-        "config": {
-            **cfg,
-            "models": [dataclasses.asdict(s) for s in specs],
-            "wrappers": WRAPPERS,
-            "clipping": CLIPS,
-            "methods": {m: {"wrapper": w, "clip": c} for m, (w, c) in METHODS.items()},
-            "costs": {k: f"median over rounds of ({a}) - ({b})" for k, (a, b) in COSTS.items()},
-            "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward(); then the clipping, if any "
-            "(no optimizer step); gradients dropped after each sample, outside the timing",
-            "malloc": malloc or "unchanged",
-            "max_norm": f"{CLIP_FRACTION} x the measured global gradient norm (clipping scales every gradient)",
-            "targets": {
-                "clip": f"fastcoll clipping cost <= {CLIP_TARGET}x torch's ({', '.join(CLIP_TARGET_MODELS)})",
-                "norm": f"compute_grad_norm=True costs <= {NORM_TARGET:.0%} of fastcoll's step",
-                "nonfinite": f"check_nonfinite=True costs <= {NONFINITE_TARGET:.0%} of fastcoll's step",
-                "ops": f"unflatten_scale with sumsq <= {OPS_TARGET}x without (25 MiB fp32, 1 thread)",
-            },
-        },
-        "health_ops": health_ops,
-        "extension_files": libraries,
-        "ops": ops_rows,
-        "results": results,
+    targets = {
+        "clip": f"fastcoll clipping cost <= {CLIP_TARGET}x torch's ({', '.join(CLIP_TARGET_MODELS)})",
+        "norm": f"compute_grad_norm=True costs <= {NORM_TARGET:.0%} of fastcoll's step",
+        "nonfinite": f"check_nonfinite=True costs <= {NONFINITE_TARGET:.0%} of fastcoll's step",
+        "ops": f"unflatten_scale with sumsq <= {OPS_TARGET}x without (25 MiB fp32, 1 thread)",
     }
+    config = {**cfg, "models": [dataclasses.asdict(s) for s in specs], "wrappers": WRAPPERS, "clipping": CLIPS,
+              "methods": {m: {"wrapper": w, "clip": c} for m, (w, c) in METHODS.items()},
+              "costs": {k: f"median over rounds of ({a}) - ({b})" for k, (a, b) in COSTS.items()},
+              "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward(); then the clipping, if any "
+              "(no optimizer step); gradients dropped after each sample, outside the timing",
+              "malloc": malloc or "unchanged", "targets": targets,
+              "max_norm": f"{CLIP_FRACTION} x the measured global gradient norm (clipping scales every gradient)"}  # fmt: skip
+    return {"benchmark": "health", "config": config, "health_ops": health_ops, "extension_files": libraries, "ops": ops_rows,
+            "results": results}  # fmt: skip
 
 
 def costs_table(rows: List[Dict[str, Any]], title: str, key: Optional[str]) -> None:
@@ -523,104 +414,59 @@ def costs_table(rows: List[Dict[str, Any]], title: str, key: Optional[str]) -> N
         a = r if key is None else r[key]
         c, t, q = a["costs"], a["targets"], a["ratios"]
         sign = lambda k: report.fmt_signed_time(c[k]["median_s"])  # noqa: E731
-        line = [
-            r["label"] + (" *" if r["synthetic"] else ""),
-            r["world_size"],
-            f"{sign('clip torch')} ({report.fmt_pct(q['clip torch/torch step'])})",
-            f"{sign('clip fastcoll')} ({report.fmt_pct(q['clip fastcoll/fastcoll step'])})",
-            report.target_cell(t.get("clip")) if "clip" in t else "",
-            f"{sign('norm')} {pct(t['norm'])}",
-            f"{sign('nonfinite')} {pct(t['nonfinite'])}",
-            sign("clip torch on fastcoll"),
-            sign("scaling pass fastcoll"),
-            f"{sign('A/A')} ({report.fmt_pct(q['A/A/fastcoll step'])})",
-        ]
+        share = lambda k, of: f"{sign(k)} ({report.fmt_pct(q[of])})"  # noqa: E731
+        line = [r["label"] + (" *" if r["synthetic"] else ""), r["world_size"], share("clip torch", "clip torch/torch step"),
+                share("clip fastcoll", "clip fastcoll/fastcoll step"), report.target_cell(t["clip"]) if "clip" in t else "",
+                f"{sign('norm')} {pct(t['norm'])}", f"{sign('nonfinite')} {pct(t['nonfinite'])}",
+                sign("clip torch on fastcoll"), sign("scaling pass fastcoll"), share("A/A", "A/A/fastcoll step")]  # fmt: skip
         body.append(line + (["[green]ok[/green]" if r["checks"]["ok"] else "[red]FAIL[/red]"] if key is None else []))
-    columns = [
-        "model",
-        "ranks",
-        "clip torch",
-        "clip fastcoll",
-        f"fc/torch (≤{CLIP_TARGET})",
-        f"norm (≤{NORM_TARGET:.0%})",
-        f"nonfinite (≤{NONFINITE_TARGET:.0%})",
-        "fc+torch clip",
-        "scaling",
-        "A/A control",
-    ] + (["checks"] if key is None else [])
-    report.table(
-        title,
-        columns,
-        body,
-        "clip torch = (torch+clip) - torch; clip fastcoll = (fastcoll norm+clip) - fastcoll, the fused norm "
-        "included (% of the step without); norm, nonfinite: fastcoll.DDP with the feature - without (% of "
-        "fastcoll's step); scaling = (norm+clip) - norm; A/A: a second identical fastcoll.DDP, the noise floor. "
-        f"max_norm = {CLIP_FRACTION} x the measured norm; 90% paired bootstrap intervals.",
-    )
+    columns = ["model", "ranks", "clip torch", "clip fastcoll", f"fc/torch (≤{CLIP_TARGET})", f"norm (≤{NORM_TARGET:.0%})",
+               f"nonfinite (≤{NONFINITE_TARGET:.0%})", "fc+torch clip", "scaling", "A/A control"]  # fmt: skip
+    report.table(title, columns + (["checks"] if key is None else []), body,
+                 "clip torch = (torch+clip) - torch; clip fastcoll = (fastcoll norm+clip) - fastcoll, the fused norm "
+                 "included (% of the step without); norm, nonfinite: fastcoll.DDP with the feature - without (% of "
+                 "fastcoll's step); scaling = (norm+clip) - norm; A/A: a second identical fastcoll.DDP, the noise floor. "
+                 f"max_norm = {CLIP_FRACTION} x the measured norm; 90% paired bootstrap intervals.")  # fmt: skip
 
 
 def print_results(payload: Dict[str, Any]) -> None:
     cfg, rows = payload["config"], payload["results"]
-    body = [
-        [
-            r["label"] + (" *" if r["synthetic"] else ""),
-            r["world_size"],
-            *(report.fmt_time(r["methods"][k]["median_s"]) for k in METHODS),
-        ]
-        for r in rows
-    ]
-    report.table(
-        f"fastcoll health: step time per method ({cfg['device']})",
-        ["model", "ranks", *METHODS],
-        body,
-        f"{cfg['backend']} ranks, {cfg['threads']} thread(s) each; health ops: {payload['health_ops']}. Median step of "
-        "the slowest rank (zero_grad + forward + backward, + clipping), rounds in rotating order. * synthetic.",
-    )
+    body = [[r["label"] + (" *" if r["synthetic"] else ""), r["world_size"],
+             *(report.fmt_time(r["methods"][k]["median_s"]) for k in METHODS)] for r in rows]  # fmt: skip
+    report.table(f"fastcoll health: step time per method ({cfg['device']})", ["model", "ranks", *METHODS], body,
+                 f"{cfg['backend']} ranks, {cfg['threads']} thread(s) each; health ops: {payload['health_ops']}. "
+                 "Median step of the slowest rank (zero_grad + forward + backward, + clipping), rounds in rotating order. "
+                 "* synthetic.")  # fmt: skip
     costs_table(rows, f"fastcoll health: costs, wall clock ({cfg['device']})", None)
     if cfg["device"] == "cpu":
-        costs_table(
-            rows, "fastcoll health: the same costs in CPU time of the training thread (less sensitive to other load)", "cpu_time"
-        )
-    body = [
-        [
-            r["op"],
-            r["with"],
-            r["bucket"],
-            r["threads"] or "-",
-            report.fmt_time(r["methods"]["plain"]["median_s"]),
-            report.fmt_time(r["methods"]["health"]["median_s"]),
-            report.target_cell(r["targets"]["health/plain"]) if r["op"] == "unflatten_scale" else report.fmt_ratio(r["ratio"]),
-            ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["check"].items()),
-        ]
-        for r in payload["ops"]
-    ]
+        costs_table(rows, "fastcoll health: the same costs in CPU time of the training thread (less sensitive to other load)",
+                    "cpu_time")  # fmt: skip
+    body = [[r["op"], r["with"], r["bucket"], r["threads"] or "-", report.fmt_time(r["methods"]["plain"]["median_s"]),
+             report.fmt_time(r["methods"]["health"]["median_s"]),
+             report.target_cell(r["targets"]["health/plain"]) if r["op"] == "unflatten_scale" else report.fmt_ratio(r["ratio"]),
+             ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["check"].items())] for r in payload["ops"]]  # fmt: skip
     if body:
-        report.table(
-            f"fastcoll health: the fused ops with and without the health outputs ({cfg['device']})",
-            ["op", "with", "bucket", "threads", "without", "with", f"ratio (≤{OPS_TARGET}x for sumsq)", "check"],
-            body,
-        )
+        report.table(f"fastcoll health: the fused ops with and without the health outputs ({cfg['device']})",
+                     ["op", "with", "bucket", "threads", "without", "with", f"ratio (≤{OPS_TARGET}x for sumsq)", "check"],
+                     body)  # fmt: skip
 
 
 def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
     """Each cost as a share of the step without the feature, with its interval where it has a target."""
-    panels: Dict[str, Dict[str, Dict[str, float]]] = {"clipping cost / step": {}, "norm, non-finite, A/A / fastcoll's step": {}}
+    clip, other = "clipping cost / step", "norm, non-finite, A/A / fastcoll's step"
+    panels: Dict[str, Dict[str, Dict[str, float]]] = {clip: {}, other: {}}
     for r in payload["results"]:
         name, q = f"{r['label']} ({r['world_size']})", r["ratios"]
-        panels["clipping cost / step"][name] = {"torch": q["clip torch/torch step"], "fastcoll": q["clip fastcoll/fastcoll step"]}
-        panels["norm, non-finite, A/A / fastcoll's step"][name] = {
-            "norm": q["norm/fastcoll step"],
-            "nonfinite": q["nonfinite/fastcoll step"],
-            "A/A": q["A/A/fastcoll step"],
-        }
+        panels[clip][name] = {"torch": q["clip torch/torch step"], "fastcoll": q["clip fastcoll/fastcoll step"]}
+        panels[other][name] = {"norm": q["norm/fastcoll step"], "nonfinite": q["nonfinite/fastcoll step"],
+                               "A/A": q["A/A/fastcoll step"]}  # fmt: skip
     return report.bar_chart(path, "fastcoll health: what each feature costs", panels, "share of the step", 0.0, log=False)
 
 
 def run(args: Any = None) -> int:
     """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench health: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("health", device):
         return 2
     if not supported():
         report.say("[yellow]fastcoll.bench health: fastcoll.DDP has no compute_grad_norm/check_nonfinite; skipping[/yellow]")
@@ -628,16 +474,10 @@ def run(args: Any = None) -> int:
     payload = measure(args)
     print_results(payload)
     named = [(f"{r['label']}, {r['world_size']} rank(s): {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
-    named += [
-        (f"ops {r['op']} with {r['with'].split(' ')[0]}", r["targets"]["health/plain"])
-        for r in payload["ops"]
-        if r["op"] == "unflatten_scale"
-    ]
-    report.targets_summary("health", [t for _, t in named], [w for w, _ in named])
+    named += [(f"ops {r['op']} with {r['with'].split(' ')[0]}", r["targets"]["health/plain"])
+              for r in payload["ops"] if r["op"] == "unflatten_scale"]  # fmt: skip
     for r in payload["results"]:
         if not r["checks"]["ok"]:
             report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
-    path = report.write_json(report.json_path(args, f"health_{device}"), payload, device)
-    png = chart(path.with_suffix(".png"), payload)
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    report.conclude("health", report.json_path(args, f"health_{device}"), payload, named, chart)
     return 0 if all(r["checks"]["ok"] for r in payload["results"]) else 1

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -101,11 +101,7 @@ GPT2_QUICK = GPT2Shapes("gpt2_d256_bf16", "GPT-2 shapes, width 256", d=256)
 GPT2_SMOKE = GPT2Shapes("gpt2_tiny_bf16", "GPT-2 shapes, tiny", vocab=512, ctx=64, d=32, layers=2)
 
 
-# ---------------------------------------------------------------------------
 # Models
-# ---------------------------------------------------------------------------
-
-
 class ManyLayerMLP(nn.Module):
     """``depth`` Linear(width, width) layers with tanh in between."""
 
@@ -218,11 +214,7 @@ def shape_input(n: int, rank: int, device: Any = "cpu") -> torch.Tensor:
     return ((rank + 1) * torch.arange(1, n + 1, dtype=torch.float32) / n).to(device)
 
 
-# ---------------------------------------------------------------------------
 # Specs
-# ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class ModelSpec:
     """How to build one benchmarked model (``kind``: "mlp", "convbn", "encoder" or "shapes"), its input and its loss."""
@@ -313,6 +305,22 @@ def make_input(spec: ModelSpec, rank: int, device: str) -> torch.Tensor:
 def loss_of(spec: ModelSpec, out: torch.Tensor) -> torch.Tensor:
     """The scalar loss of a model's output."""
     return out if spec.synthetic else out.square().mean()
+
+
+def backward_step(spec: ModelSpec, wrapper: nn.Module, x: torch.Tensor, no_sync: bool = False) -> Callable[[], None]:
+    """A step without optimizer: ``zero_grad(set_to_none=True)``, forward, loss, backward (``no_sync``: inside it)."""
+    module = wrapper.module
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        loss_of(spec, wrapper(x)).backward()
+
+    def unsynced() -> None:
+        module.zero_grad(set_to_none=True)
+        with wrapper.no_sync():
+            loss_of(spec, wrapper(x)).backward()
+
+    return unsynced if no_sync else step
 
 
 def compare_grads(a: nn.Module, b: nn.Module, rtol: float) -> Dict[str, Any]:

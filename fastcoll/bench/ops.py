@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import ops
 from . import models, report, runner, stats
 from .models import BUCKET_CAP, MiB
 
@@ -131,11 +132,7 @@ def shrunk(layout: Layout) -> Layout:
     return replace(layout, name=layout.name + " (x1/64)", shapes=[(max(1, math.prod(s) // 64),) for s in layout.shapes])
 
 
-# ---------------------------------------------------------------------------
 # The methods
-# ---------------------------------------------------------------------------
-
-
 def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], None]], Callable[[], None]]:
     """One round trip per method, and a check that every method leaves ``grads / ws`` in its destinations.
 
@@ -143,8 +140,6 @@ def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], No
     every repetition sees the same values.
     """
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    from .. import ops
 
     gen = torch.Generator().manual_seed(0)
     # drawn in the layout's dtype, one after another: no freed temporaries scattering the gradients in memory
@@ -259,11 +254,7 @@ def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[
     }  # fmt: skip
 
 
-# ---------------------------------------------------------------------------
 # Dtype pairs: mixed-dtype round trips against a floor of plain copies
-# ---------------------------------------------------------------------------
-
-
 def dtype_pairs() -> List[Tuple[torch.dtype, torch.dtype]]:
     """The 16 ordered (gradient dtype, bucket dtype) pairs: the 4 same-dtype ones first."""
     return [(d, d) for d in PAIR_DTYPES] + [(s, d) for s in PAIR_DTYPES for d in PAIR_DTYPES if s != d]
@@ -271,8 +262,6 @@ def dtype_pairs() -> List[Tuple[torch.dtype, torch.dtype]]:
 
 def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """The fused round trip from ``src`` gradients through a ``dst`` bucket, against a copy of the same bytes in each."""
-    from .. import ops
-
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=gen, dtype=src) for s in layout.shapes]
     dests = [torch.empty_like(g) for g in grads]
@@ -326,11 +315,7 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-# ---------------------------------------------------------------------------
 # Output and entry
-# ---------------------------------------------------------------------------
-
-
 def setting(device: str, threads: Optional[int]) -> str:
     if device == "cuda":
         return "CUDA" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
@@ -354,11 +339,8 @@ def print_rows(label: str, rows: List[Dict[str, Any]], device: str) -> None:
             k = r["kernels_per_direction"]
             line.append(f"{k['fused']['pack']}/{k['fused']['unpack']} ({k['per_param']['pack']}/{k['per_param']['unpack']})")
         body.append(line)
-    caption = (
-        f"median round trip (pack x 1/{WORLD_SIZE}, unpack); ratios with 90% paired bootstrap intervals; "
-        "GB/s counts 4 x bucket bytes\n"
-    )
-    caption += "\n".join(f"{METHOD_LABELS[m]}: {METHOD_DESCRIPTIONS[m]}" for m in METHODS)
+    caption = f"median round trip (pack x 1/{WORLD_SIZE}, unpack); ratios with 90% paired bootstrap intervals; "
+    caption += "GB/s counts 4 x bucket bytes\n" + "\n".join(f"{METHOD_LABELS[m]}: {METHOD_DESCRIPTIONS[m]}" for m in METHODS)
     report.table(f"fastcoll ops: {label}", columns, body, caption)
 
 
@@ -380,9 +362,9 @@ def print_pairs(rows: List[Dict[str, Any]], layouts: List[Layout]) -> None:
     report.table(f"fastcoll ops: dtype pairs, CPU, {PAIR_THREADS} thread", columns, list(by_pair.values()), caption)
 
 
-def chart(path: Any, results: List[Dict[str, Any]]) -> Optional[Any]:
+def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
     panels: Dict[str, Dict[str, Dict[str, float]]] = {}
-    for r in results:
+    for r in payload["results"]:
         floor = r["methods"]["floor"]["median_s"]
         panels.setdefault(setting(r["device"], r["threads"]), {})[r["layout"]] = {
             METHOD_LABELS[m]: r["methods"][m]["median_s"] / floor for m in METHODS[1:]
@@ -393,11 +375,8 @@ def chart(path: Any, results: List[Dict[str, Any]]) -> Optional[Any]:
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ops``: tables, ``benchmarks/out/ops_<device>.json`` and a chart."""
-    from .. import ops
-
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench ops: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("ops", device):
         return 2
     level = args.level
     cfg = CONFIGS[level]
@@ -445,8 +424,6 @@ def run(args: Any) -> int:
     torch.set_flush_denormal(False) if flush else None
     targets = [(f"{setting(r['device'], r['threads'])}, {r['layout']}: {k}", t) for r in results for k, t in r["targets"].items()]
     targets += [(f"dtype pair {r['pair']}, {r['layout']}", r["targets"]["fused/floor"]) for r in pairs]
-    report.targets_summary("ops", [t for _, t in targets], [w for w, _ in targets])
-    path = report.json_path(args, f"ops_{device}")
     config = {
         "device": device, "threads": settings, "level": level, "quick": level != "full", "smoke": level == "smoke", **cfg,
         "world_size": WORLD_SIZE, "first_bucket_cap": models.FIRST_BUCKET_CAP, "bucket_cap": BUCKET_CAP,
@@ -454,7 +431,6 @@ def run(args: Any) -> int:
         "dtype_pairs": {"dtypes": [str(d)[6:] for d in PAIR_DTYPES], "threads": PAIR_THREADS,
                         "layouts": {lay.name: lay.note for lay in pair_layouts}, "target": {"fused/floor": ["le", PAIR_TARGET]}},
     }  # fmt: skip
-    report.write_json(path, {"benchmark": "ops", "config": config, "results": results, "dtype_pairs": pairs}, device)
-    png = chart(path.with_suffix(".png"), results)
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    payload = {"benchmark": "ops", "config": config, "results": results, "dtype_pairs": pairs}
+    report.conclude("ops", report.json_path(args, f"ops_{device}"), payload, targets, chart)
     return 0

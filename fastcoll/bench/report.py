@@ -1,4 +1,4 @@
-"""Output of the benchmarks: terminal tables (rich), progress with the time left, JSON, Markdown and PNG charts.
+"""Output of the benchmarks: terminal tables (rich), progress with the time left, JSON and PNG charts.
 
 Every table a benchmark prints goes through :func:`table` and every summary
 line through :func:`say`; both are recorded, and :func:`write_json` stores
@@ -18,11 +18,11 @@ import platform
 import re
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .stats import MET, MISSED, UNRESOLVED
+from .stats import MET, MISSED, UNRESOLVED, count_verdicts
 
 MiB = 1 << 20
 #: Version of the JSON layout: 2 adds ``version``, ``tables`` and ``notes``, and a ``verdict`` in every target.
@@ -30,11 +30,7 @@ JSON_VERSION = 2
 _RECORD: Dict[str, List[Any]] = {"tables": [], "notes": []}
 
 
-# ---------------------------------------------------------------------------
 # Paths and the machine
-# ---------------------------------------------------------------------------
-
-
 def repo_root() -> Path:
     """The checkout this package lives in (where ``benchmarks/`` is), else the working directory."""
     here = Path(__file__).resolve().parents[2]
@@ -98,11 +94,7 @@ def machine_info(device: str = "cpu") -> Dict[str, object]:
     return info
 
 
-# ---------------------------------------------------------------------------
 # Formatting
-# ---------------------------------------------------------------------------
-
-
 def fmt_time(seconds: Optional[float]) -> str:
     """``1.23 s``, ``4.56 ms`` or ``7.8 µs``; ``-`` when missing."""
     if seconds is None or not math.isfinite(seconds):
@@ -168,11 +160,7 @@ def strip_markup(text: str) -> str:
     return re.sub(r"\[/?[a-z ]+\]", "", text)
 
 
-# ---------------------------------------------------------------------------
 # Terminal output (recorded for the JSON)
-# ---------------------------------------------------------------------------
-
-
 def _console() -> Any:
     try:
         from rich.console import Console
@@ -212,17 +200,35 @@ def say(message: str, record: bool = True) -> None:
     console.print(message) if console is not None else print(strip_markup(message))  # pragma: no branch
 
 
-def targets_summary(name: str, targets: Sequence[Dict[str, Any]], where: Sequence[str]) -> None:
-    """One line of verdict counts, then one line per target that is not met (``where[i]`` names target i)."""
-    counts = {MET: 0, MISSED: 0, UNRESOLVED: 0}
-    for t in targets:
-        counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
-    if targets:
+def targets_summary(name: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> None:
+    """One line of verdict counts, then one line per target that is not met; ``named``: (where, target) pairs."""
+    counts = count_verdicts(t for _, t in named)
+    if named:
         say(f"[bold]{name} targets (reported, never asserted):[/bold] {counts[MET]} met, {counts[MISSED]} missed, "
             f"{counts[UNRESOLVED]} not resolved")  # fmt: skip
-    for t, w in zip(targets, where):
+    for w, t in named:
         if t["verdict"] != MET:
             say(f"  {w}: {target_cell(t, lambda v: '-' if v is None else f'{v:.3g}')} (target {t['op']} {t['threshold']})")
+
+
+def no_gpu(name: str, device: str) -> bool:
+    """True (with a message) when ``--device cuda`` is asked for without a GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        say(f"[red]fastcoll.bench {name}: --device cuda but torch.cuda.is_available() is False[/red]")
+        return True
+    return False
+
+
+def conclude(
+    name: str, path: Path, payload: Dict[str, Any], named: Sequence[Tuple[str, Dict[str, Any]]] = (), chart: Any = None,
+) -> Path:  # fmt: skip
+    """The targets' summary (:func:`targets_summary`), the JSON at ``path`` and ``chart(png_path, payload)`` beside it."""
+    targets_summary(name, named)
+    device = payload.get("config", {}).get("device", "cpu")
+    write_json(path, payload, device)
+    png = chart(path.with_suffix(".png"), payload) if chart is not None else None
+    say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    return path
 
 
 def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path:
@@ -235,11 +241,7 @@ def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path
     return path
 
 
-# ---------------------------------------------------------------------------
 # Progress, with the time left
-# ---------------------------------------------------------------------------
-
-
 class Progress:
     """Units of work done out of ``total``; a line per finished row with the time left in this benchmark.
 
@@ -276,7 +278,7 @@ class Progress:
             f"about {'?' if left is None else f'{left:.0f} s'} left[/dim]", record=False)  # fmt: skip
 
     def apply(self, what: str, value: Any) -> None:
-        """A report from a rank process (:func:`fastcoll.bench.runner.Ranks.tick`)."""
+        """A report from a rank process (:meth:`fastcoll.bench.runner.Rank.tick` and the like)."""
         {"advance": self.advance, "describe": self.describe, "row": lambda v: self.row(*v)}[what](value)
 
 
@@ -295,11 +297,7 @@ def progress(name: str, total: int) -> Iterator[Progress]:
         yield Progress(name, total, bar, bar.add_task(name, total=max(1, total)))
 
 
-# ---------------------------------------------------------------------------
-# Charts and Markdown
-# ---------------------------------------------------------------------------
-
-
+# Charts
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or None without matplotlib."""
     try:
@@ -359,10 +357,3 @@ def bar_chart(
     fig.legend(handles, labels, loc="center right", fontsize=8)
     fig.tight_layout(rect=(0, 0, 0.86, 0.97))
     return save_figure(fig, path)
-
-
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub Markdown table (``|`` in cells escaped)."""
-    esc = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    lines = ["| " + " | ".join(map(esc, columns)) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(map(esc, r)) + " |" for r in rows])

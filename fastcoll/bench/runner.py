@@ -1,10 +1,11 @@
 """Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner.
 
 :func:`run_ranks` starts the rank processes of one measurement (gloo over
-loopback on CPU, a FileStore in a temporary folder), follows their progress
-and returns rank 0's result. Inside a rank, :class:`Rank` joins the process
-group and reports progress; :func:`all_max` makes a sample the slowest
-rank's; :func:`gather` collects what every rank measured.
+loopback on CPU, a FileStore in a temporary folder), runs a benchmark's
+function ``fn(rank, ...)`` in each, follows their progress and returns rank
+0's result. Inside, the :class:`Rank` has the configuration and reports
+progress; :func:`all_max` makes a sample the slowest rank's; :func:`gather`
+collects what every rank measured; :func:`timed_rounds` takes the samples.
 """
 
 from __future__ import annotations
@@ -26,11 +27,8 @@ import torch
 from . import report
 from .stats import rotated
 
-# ---------------------------------------------------------------------------
+
 # Timing
-# ---------------------------------------------------------------------------
-
-
 def synchronize(device: str) -> None:
     """Wait for the GPU's queued work (a no-op on CPU)."""
     if device == "cuda":
@@ -138,6 +136,44 @@ def threads_per_rank(args: Any, world_size: int) -> int:
     return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
 
 
+def level_config(args: Any, configs: Dict[str, Dict[str, Any]], world_size: int, **extra: Any) -> Dict[str, Any]:
+    """A multi-rank benchmark's configuration: ``configs[level]``, the level, device, ranks, backend and threads.
+
+    The level is ``args.level``, else from ``--smoke`` / ``--full``.
+    """
+    level = getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
+    device = getattr(args, "device", "cpu") or "cpu"
+    return {**configs[level], "level": level, "smoke": level == "smoke", "quick": level != "full", "device": device,
+            "world_size": world_size, "backend": "nccl" if device == "cuda" else "gloo",
+            "threads": threads_per_rank(args, world_size), **extra}  # fmt: skip
+
+
+def wrap(kind: str, module: Any, device: str, **kw: Any) -> Any:
+    """``torch`` DDP or (any other ``kind``) ``fastcoll.DDP`` around ``module``, on the current GPU with CUDA."""
+    if device == "cuda":
+        kw["device_ids"] = [torch.cuda.current_device()]
+    if kind == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, **kw)
+    import fastcoll
+
+    return fastcoll.DDP(module, **kw)
+
+
+def torch_bucket_sizes(wrapper: Any, *keys: str) -> Optional[List[int]]:
+    """Bytes per bucket of a torch DDP wrapper, from its logging data (the first of ``keys`` present), or None.
+
+    ``_get_ddp_logging_data`` is private torch API: informative only.
+    """
+    try:
+        data = wrapper._get_ddp_logging_data()
+    except Exception:  # pragma: no cover (another torch)
+        return None
+    sizes = next((data[k] for k in keys if data.get(k)), None)
+    return [int(s) for s in sizes.split(",") if s.strip()] if isinstance(sizes, str) else sizes
+
+
 def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:
     """Whether this checkout's ``fastcoll.DDP`` takes ``arguments`` and has ``methods``."""
     import inspect
@@ -155,11 +191,7 @@ def settle(opt: Any) -> None:
         finish()
 
 
-# ---------------------------------------------------------------------------
 # Memory and traffic
-# ---------------------------------------------------------------------------
-
-
 def _libc() -> Any:
     try:
         return ctypes.CDLL("libc.so.6")
@@ -262,11 +294,7 @@ class LiveBytes:
             self.peak = max(self.peak, now - self.base)
 
 
-# ---------------------------------------------------------------------------
 # Inside a rank process
-# ---------------------------------------------------------------------------
-
-
 def all_max(values: Sequence[float], device: str = "cpu") -> List[float]:
     """Element-wise maximum over the ranks (a sample's time is the slowest rank's)."""
     import torch.distributed as dist
@@ -332,13 +360,53 @@ def timed_rounds(
     return wall, cpu
 
 
-class Rank:
-    """One rank of a measurement: joins the process group, reports progress, saves rank 0's result.
+def start_runs(me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[Any, Any, Callable[[], None]]]) -> Tuple[
+    Dict[str, Tuple[Any, Any, Callable[[], None]]], Dict[str, float]
+]:  # fmt: skip
+    """``make(method)``'s (wrapper, optimizer, step) per method, after ``setup_steps`` steps, the last one timed.
 
-    Use as a context manager inside the function :func:`run_ranks` starts:
-    it sets the device and intra-op threads, joins the group over the
-    FileStore, and tears it down after (collecting garbage first, so that
-    wrappers go while their process group is alive).
+    The steps before bring the bucket rebuilds and the optimizer state; the
+    timed one waits for its all-gathers; the gradients are dropped after.
+    Returns the runs and the timed step of each (seconds).
+    """
+    runs, setup = {}, {}
+    for m in methods:
+        wrapper, opt, step = runs[m] = make(m)
+        for _ in range(me.cfg["setup_steps"] - 1):
+            step()
+        settle(opt)
+        setup[m] = time_calls(lambda: (step(), settle(opt)), 1, me.device)
+        opt.zero_grad(set_to_none=True)
+        me.tick()
+    return runs, setup
+
+
+def optimizer_rounds(
+    me: "Rank", runs: Dict[str, Tuple[Any, Any, Callable[[], None]]], inner: int, lo: int, hi: int, checks: Sequence[Any],
+) -> Dict[str, List[float]]:  # fmt: skip
+    """:func:`timed_rounds` of training steps, ``runs[method] = (wrapper, optimizer, step)``, in steady state.
+
+    Each sample follows an untimed lead-in step; after it the step's all-gathers
+    are drained and the gradients dropped, untimed, so the next sample starts
+    with none pending. Ticks the rounds not taken. Returns the wall-clock samples.
+    """
+
+    def after(m: str) -> None:
+        settle(runs[m][1])
+        runs[m][1].zero_grad(set_to_none=True)
+
+    steps = {m: r[2] for m, r in runs.items()}
+    samples, _ = timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)
+    me.tick(len(runs) * (hi - len(next(iter(samples.values())))))
+    return samples
+
+
+class Rank:
+    """One rank of a measurement (the first argument of the function :func:`run_ranks` runs).
+
+    As a context manager it sets the device and intra-op threads, joins the
+    process group over the FileStore, and tears it down after (collecting
+    garbage first, so that wrappers go while their process group is alive).
     """
 
     def __init__(self, rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]):
@@ -353,8 +421,7 @@ class Rank:
         if self.device == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         torch.set_num_threads(self.cfg.get("threads", 1))
-        store = dist.FileStore(self._store, self.ws)
-        timeout = datetime.timedelta(seconds=600)
+        store, timeout = dist.FileStore(self._store, self.ws), datetime.timedelta(seconds=600)
         dist.init_process_group(self.cfg.get("backend", "gloo"), store=store, rank=self.rank, world_size=self.ws, timeout=timeout)
         return self
 
@@ -363,6 +430,10 @@ class Rank:
 
         gc.collect()
         dist.destroy_process_group()
+
+    def inner(self, seconds: float) -> int:
+        """Calls per sample that make it last ``cfg["target_s"]`` at the slowest rank's ``seconds`` per call."""
+        return inner_for(all_max([seconds], self.device)[0], self.cfg["target_s"], self.cfg["max_inner"])
 
     def _put(self, what: str, value: Any) -> None:
         if self.rank == 0 and self._q is not None:
@@ -389,52 +460,59 @@ class Rank:
                 json.dump({**result, "implementation": ops.implementation(), "malloc": self.malloc}, f)
 
 
-# ---------------------------------------------------------------------------
-# In the parent
-# ---------------------------------------------------------------------------
+def _rank_main(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, fn: Callable[..., Any],
+               cfg: Dict[str, Any], args: Tuple[Any, ...]) -> None:  # fmt: skip
+    os.environ.update(cfg.get("env") or {})  # before any wrapper reads it
+    with Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
+        if cfg.get("freeze"):  # later collections skip torch's many long-lived objects: ms instead of 0.3 s
+            gc.collect()
+            gc.freeze()
+        result = fn(me, *args)
+        if result is not None:
+            me.save(result)
 
+
+# In the parent
 #: What forkserver rank processes import once (a start then costs a fork, not seconds of imports).
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "fastcoll", "fastcoll.bench.models")
 _QUEUES: Dict[str, Any] = {}
 
 
-def _context(start_method: str) -> Any:
+def run_ranks(
+    fn: Callable[..., Optional[Dict[str, Any]]], cfg: Dict[str, Any], args: Tuple[Any, ...] = (), ws: int = 2,
+    prog: Any = None, start_method: str = "forkserver", grace_s: float = 60.0,
+) -> Dict[str, Any]:  # fmt: skip
+    """Run ``fn(rank, *args)`` on ``ws`` processes, each a :class:`Rank` of ``cfg``; return rank 0's result.
+
+    ``fn`` is a module-level function; rank 0's return value is saved
+    (:meth:`Rank.save`). ``cfg["env"]`` is set in each process first;
+    ``cfg["freeze"]`` freezes the garbage collector's objects before ``fn``.
+    Progress reports go to ``prog`` (:class:`fastcoll.bench.report.Progress`).
+    Ranks still alive ``grace_s`` after rank 0 wrote its result are killed:
+    their work is done, and a process stuck in its exit (a gloo destructor once
+    deadlocked there) must not hang the benchmark.
+    """
     import multiprocessing as mp
 
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
-
-
-def run_ranks(
-    fn: Callable[..., None], args: Tuple[Any, ...], ws: int, prog: Any = None, start_method: str = "forkserver",
-    grace_s: float = 60.0,
-) -> Dict[str, Any]:  # fmt: skip
-    """Start ``ws`` processes of ``fn(rank, ws, store_path, out_path, progress_q, *args)``; return rank 0's result.
-
-    ``fn`` (a module-level function) uses :class:`Rank`. Progress reports go
-    to ``prog`` (:class:`fastcoll.bench.report.Progress`). Ranks still alive
-    ``grace_s`` after rank 0 wrote its result are killed: their work is done,
-    and a process stuck in its exit (a gloo destructor once deadlocked there)
-    must not hang the benchmark.
-    """
     import torch.multiprocessing as tmp
 
     if start_method not in _QUEUES:
-        _QUEUES[start_method] = _context(start_method).Queue()
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(list(PRELOAD))
+        _QUEUES[start_method] = ctx.Queue()
     progress_q = _QUEUES[start_method]
     with tempfile.TemporaryDirectory(prefix="fastcoll_bench_") as tmpdir:
         out_path = os.path.join(tmpdir, "result.json")
-        ctx = tmp.start_processes(fn, args=(ws, os.path.join(tmpdir, "store"), out_path, progress_q, *args), nprocs=ws,
-                                  join=False, start_method=start_method)  # fmt: skip
+        procs = tmp.start_processes(_rank_main, args=(ws, os.path.join(tmpdir, "store"), out_path, progress_q, fn, cfg, args),
+                                    nprocs=ws, join=False, start_method=start_method)  # fmt: skip
         written_at: Optional[float] = None
-        while not ctx.join(timeout=0.2):
+        while not procs.join(timeout=0.2):
             _drain(progress_q, prog)
             if written_at is None and os.path.exists(out_path):
                 written_at = time.perf_counter()
             if written_at is not None and time.perf_counter() - written_at > grace_s:
-                for p in ctx.processes:
+                for p in procs.processes:
                     if p.is_alive():
                         p.kill()
                 report.say(f"[yellow]rank processes still alive {grace_s:.0f} s after their result: killed[/yellow]")

@@ -89,6 +89,13 @@ def median_ratio(a: str, b: str) -> Stat:
     return stat
 
 
+def per_rank_ratios(a: Optional[Sequence[Optional[float]]], b: Optional[Sequence[Optional[float]]]) -> Optional[List[float]]:
+    """``a[r] / b[r]`` for every rank ``r``; None when a value is missing or a divisor is zero."""
+    if not a or not b or None in a or None in b or not all(b):
+        return None
+    return [x / y for x, y in zip(a, b)]  # type: ignore[operator]
+
+
 def paired_cost(with_feature: Sequence[float], without: Sequence[float]) -> Dict[str, float]:
     """Median and quartiles of the per-round differences ``with_feature[k] - without[k]`` (an A/A pair: the noise)."""
     st = summarize([a - b for a, b in zip(with_feature, without)])
@@ -140,6 +147,24 @@ def ratio_target(samples: Samples, a: str, b: str, threshold: float, op: str = "
     sub = {a: samples[a], b: samples[b]}
     ci = bootstrap_ci(median_ratio(a, b), sub, paired=True) if len(samples[a]) > 2 else None
     return target(median_ratio(a, b)(sub), threshold, ci, op, "90% bootstrap (rounds)")
+
+
+def group_target(groups: Sequence[Dict[str, Any]], a: str, b: str, threshold: float = 1.0) -> Dict[str, Any]:
+    """:func:`ratio_target` of ``a`` over ``b`` from the first group (``{"samples": ...}``) timing both."""
+    for g in groups:
+        if a in g["samples"] and b in g["samples"]:
+            return ratio_target(g["samples"], a, b, threshold)
+    return target(None, threshold)
+
+
+def method_entry(
+    groups: Sequence[Dict[str, Any]], ranks: Sequence[Dict[str, Any]], m: str, keys: Sequence[str]
+) -> Dict[str, Any]:
+    """``m``'s summary from the first group of rounds timing it (its index: ``group``), each rank's ``keys``, its buckets."""
+    g = next((i for i, grp in enumerate(groups) if m in grp["samples"]), None)
+    entry: Dict[str, Any] = {"group": g, **(summarize(groups[g]["samples"][m]) if g is not None else {})}
+    entry.update({k: [r.get(k) for r in ranks] for k in keys} if ranks else {})
+    return {**entry, "buckets": ranks[0].get("buckets") if ranks else None}
 
 
 def resolved(checks: Iterable[Tuple[Stat, float, str]], samples: Samples) -> bool:

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from . import models, report, runner, stats
@@ -46,6 +45,9 @@ TIMELINE_LAYOUTS = (f"{DEFAULT_CAP_MB} MiB", "auto")  # the layouts whose timeli
 SMOKE_AUTOTUNE_STEPS = "12"
 
 # Gantt chart colours per lane (fastcoll.reducer.timeline.LANES), two shades alternating per bucket.
+LEGEND = (("forward", 0, "forward"), ("backward", 0, "backward compute"), ("exposed", 0, "exposed sync"),
+          ("ready", 1, "gradients ready (first-last)"), ("pack", 1, "pack"), ("comm", 1, "communication"),
+          ("write-back", 1, "write-back"))  # fmt: skip
 LANE_COLOURS = {
     "forward": ("#d9d9d9", "#d9d9d9"),
     "backward": ("#8c8c8c", "#8c8c8c"),
@@ -62,11 +64,6 @@ def supported() -> bool:
     return runner.ddp_supports(("record_timeline",), ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info"))
 
 
-# ---------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------
-
-
 CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
     "smoke": {"reps": 2, "max_reps": 2, "budget_s": 0.0, "setup_steps": 3, "target_s": 0.0, "max_inner": 1},
     "default": {"reps": 5, "max_reps": 30, "budget_s": 10.0, "setup_steps": 3, "target_s": 0.03, "max_inner": 50},
@@ -74,12 +71,8 @@ CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model
 }
 
 
-def _config(args: Any, device: str) -> dict[str, Any]:
-    level = getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
-    ws = CUDA_WORLD_SIZE if device == "cuda" else CPU_WORLD_SIZE
-    return {**CONFIGS[level], "level": level, "smoke": level == "smoke", "quick": level != "full", "device": device,
-            "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
-            "threads": runner.threads_per_rank(args, ws)}  # fmt: skip
+def _config(args: Any, device: str = "cpu") -> dict[str, Any]:
+    return runner.level_config(args, CONFIGS, CUDA_WORLD_SIZE if device == "cuda" else CPU_WORLD_SIZE)
 
 
 def model_specs(cfg: dict[str, Any]) -> list[Any]:
@@ -98,23 +91,11 @@ def autotune_env(cfg: dict[str, Any]) -> dict[str, str]:
     return {}
 
 
-# ---------------------------------------------------------------------------
-# The ranks
-# ---------------------------------------------------------------------------
-
-
 def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    import fastcoll
-
-    kw: dict[str, Any] = {}
-    if device == "cuda":
-        kw["device_ids"] = [torch.cuda.current_device()]
     if method == "torch":
-        return TorchDDP(module, **kw)
-    cap: Any = "auto" if method == "auto" else float(method.split()[0])
-    return fastcoll.DDP(module, bucket_cap_mb=cap, record_timeline=True, **kw)
+        return runner.wrap("torch", module, device)
+    return runner.wrap("fastcoll", module, device, bucket_cap_mb="auto" if method == "auto" else float(method.split()[0]),
+                       record_timeline=True)  # fmt: skip
 
 
 def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
@@ -137,8 +118,6 @@ def _autotune_steps() -> int:
 
 def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None], trace_dir: str) -> dict[str, Any]:
     """One model on this rank: the sweep, then the timelines and tuning report (gathered from every rank)."""
-    from . import ddp
-
     device = cfg["device"]
     storage = models.build_storage(spec, device)
     x = models.make_input(spec, rank, device)
@@ -148,7 +127,7 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     tune_steps = _autotune_steps() + 5
     for method in METHODS:
         wrapper = make_wrapper(method, models.build_model(spec, device, storage), device)
-        step = ddp.make_step("fastcoll", wrapper, spec, x)
+        step = models.backward_step(spec, wrapper, x)
         n = tune_steps if method == "auto" else cfg["setup_steps"]
         for _ in range(n - 1):  # the rebuild (and auto's tuning) happen here
             step()
@@ -171,51 +150,29 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
         w = wrappers[method]
         path = os.path.join(trace_dir, f"{spec.name}_{method.replace(' ', '')}_rank{rank}.json")
         w.export_chrome_trace(path)
-        layouts[method] = {
-            "timeline": runner.gather(w.sync_timeline()),  # per rank
-            "buckets": len(w.bucket_info()),
-            "bucket_bytes": [b["bytes"] for b in w.bucket_info()],
-            "traces": runner.gather(path),
-        }
-    tuning = wrappers["auto"].tuning_report()
+        layouts[method] = {"timeline": runner.gather(w.sync_timeline()), "buckets": len(w.bucket_info()),  # per rank
+                           "bucket_bytes": [b["bytes"] for b in w.bucket_info()], "traces": runner.gather(path)}  # fmt: skip
     params = [p for p in wrappers["torch"].module.parameters() if p.requires_grad]
-    row = {
-        "model": spec.name,
-        "label": spec.label,
-        "synthetic": spec.synthetic,
-        "params": len(params),
-        "numel": sum(p.numel() for p in params),
-        "inner": inner,
-        "methods": {m: {**stats.summarize(s), "setup_step_s": setup_s[m]} for m, s in samples.items()},
-        "samples_s": samples,
-        "buckets": {m: (len(w.bucket_info()) if m != "torch" else None) for m, w in wrappers.items()},
-        "tuning_report": tuning,
-        "layouts": layouts,
-    }
+    row = {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "params": len(params),
+           "numel": sum(p.numel() for p in params), "inner": inner,
+           "methods": {m: {**stats.summarize(s), "setup_step_s": setup_s[m]} for m, s in samples.items()},
+           "samples_s": samples, "buckets": {m: (len(w.bucket_info()) if m != "torch" else None) for m, w in wrappers.items()},
+           "tuning_report": wrappers["auto"].tuning_report(), "layouts": layouts}  # fmt: skip
     del wrappers, steps, storage
     gc.collect()
     return row
 
 
-def _worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: dict[str, Any], trace_dir: str) -> None:
-    os.environ.update(autotune_env(cfg))
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
-        gc.collect()
-        gc.freeze()
-        rows = []
-        specs = model_specs(cfg)
-        for spec in specs:
-            me.describe(f"timeline: {spec.label}")
-            rows.append(bench_model(spec, rank, cfg, me.tick, trace_dir))
-            me.row(spec.label, len(specs))
-        me.save({"rows": rows})
+def _ranks(me: runner.Rank, trace_dir: str) -> dict[str, Any]:
+    rows, specs = [], model_specs(me.cfg)
+    for spec in specs:
+        me.describe(f"timeline: {spec.label}")
+        rows.append(bench_model(spec, me.rank, me.cfg, me.tick, trace_dir))
+        me.row(spec.label, len(specs))
+    return {"rows": rows}
 
 
-# ---------------------------------------------------------------------------
 # Results
-# ---------------------------------------------------------------------------
-
-
 def representative(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[int | None, list[dict[str, Any] | None]]:
     """The iteration to chart: the one (present on every rank) whose slowest rank's exposed sync is the median.
 
@@ -243,41 +200,22 @@ def exposed_median_s(per_rank: Sequence[Sequence[dict[str, Any]]]) -> float | No
     return statistics.median(max(r[n]["exposed_sync_us"] for r in by_num) for n in nums) / 1e6
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def _auto_vs_best_fixed(samples: dict[str, list[float]]) -> float | None:
-    return _ratio(statistics.median(samples["auto"]), min(statistics.median(samples[m]) for m in FIXED_METHODS))
-
-
-def _auto_vs_torch(samples: dict[str, list[float]]) -> float | None:
-    return _ratio(statistics.median(samples["auto"]), statistics.median(samples["torch"]))
+    return stats.ratio(statistics.median(samples["auto"]), min(statistics.median(samples[m]) for m in FIXED_METHODS))
 
 
 def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     """Ratios, targets and exposed sync times of one model's row (added in place; returned)."""
     med = {m: st["median_s"] for m, st in row["methods"].items()}
-    fixed = {m: med[m] for m in FIXED_METHODS}
-    best = min(fixed, key=lambda m: fixed[m])
-    auto_vs_best = _ratio(med["auto"], fixed[best])
-    auto_vs_torch = _ratio(med["auto"], med["torch"])
-    samples = row.get("samples_s") or {}
-    ci = {
-        "auto vs best fixed": stats.bootstrap_ci(_auto_vs_best_fixed, samples, paired=True) if samples else None,
-        "auto vs torch": stats.bootstrap_ci(_auto_vs_torch, samples, paired=True) if samples else None,
-    }
+    best = min(FIXED_METHODS, key=lambda m: med[m])
+    samples, how = row.get("samples_s") or {}, "90% bootstrap (rounds)"
+    stat = {"auto vs best fixed": _auto_vs_best_fixed, "auto vs torch": stats.median_ratio("auto", "torch")}
+    ci = {k: stats.bootstrap_ci(f, samples, paired=True) if samples else None for k, f in stat.items()}
     row["best_fixed"] = best
-    row["ratios"] = {
-        "auto/best fixed": auto_vs_best,
-        "auto/torch": auto_vs_torch,
-        "25 MiB/torch": _ratio(med["25 MiB"], med["torch"]),
-    }
-    how = "90% bootstrap (rounds)"
-    row["targets"] = {
-        "auto vs best fixed": stats.target(auto_vs_best, AUTO_VS_BEST_FIXED, ci["auto vs best fixed"], "le", how),
-        "auto vs torch": stats.target(auto_vs_torch, AUTO_VS_TORCH, ci["auto vs torch"], "le", how),
-    }
+    row["ratios"] = {"auto/best fixed": stats.ratio(med["auto"], med[best]), "auto/torch": stats.ratio(med["auto"], med["torch"]),
+                     "25 MiB/torch": stats.ratio(med["25 MiB"], med["torch"])}  # fmt: skip
+    goals = {"auto vs best fixed": ("auto/best fixed", AUTO_VS_BEST_FIXED), "auto vs torch": ("auto/torch", AUTO_VS_TORCH)}
+    row["targets"] = {k: stats.target(row["ratios"][r], thr, ci[k], "le", how) for k, (r, thr) in goals.items()}
     chosen = next((r for r in row.get("tuning_report") or [] if r.get("chosen")), None)
     row["auto_choice"] = chosen["label"] if chosen else None
     row["exposed_sync_s"] = {m: exposed_median_s(lay["timeline"]) for m, lay in row["layouts"].items()}
@@ -314,11 +252,7 @@ def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]]
     return out
 
 
-# ---------------------------------------------------------------------------
 # Gantt chart
-# ---------------------------------------------------------------------------
-
-
 def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
     """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
 
@@ -358,18 +292,13 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
             :data:`fastcoll.reducer.timeline.LANES`; times in ms from the
             backward start; the exposed sync time is the red bar after the backward.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        return None
     from ..reducer.timeline import LANES
 
-    if not panels:
+    plt = report.pyplot()
+    if plt is None or not panels:
         return None
+    from matplotlib.patches import Patch
+
     nl = len(LANES)
     ranks_max = max(len(v) for v in panels.values()) or 1
     fig, axes = plt.subplots(
@@ -398,15 +327,7 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
         ax.set_title(name, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("ms from the start of backward")
-    legend = [
-        Patch(color=LANE_COLOURS["forward"][0], label="forward"),
-        Patch(color=LANE_COLOURS["backward"][0], label="backward compute"),
-        Patch(color=LANE_COLOURS["exposed"][0], label="exposed sync"),
-        Patch(color=LANE_COLOURS["ready"][1], label="gradients ready (first-last)"),
-        Patch(color=LANE_COLOURS["pack"][1], label="pack"),
-        Patch(color=LANE_COLOURS["comm"][1], label="communication"),
-        Patch(color=LANE_COLOURS["write-back"][1], label="write-back"),
-    ]
+    legend = [Patch(color=LANE_COLOURS[k][shade], label=label) for k, shade, label in LEGEND]
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
@@ -419,48 +340,32 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
     for method, lay in row["layouts"].items():
         num, recs = representative(lay["timeline"])
         exposed = max((it["exposed_sync_us"] for it in recs if it), default=None)
-        what = f"auto ({row.get('auto_choice') or '?'})" if method == "auto" else f"default ({method})"
-        panels[
-            f"{what}: {lay['buckets']} buckets, iteration {num}, exposed sync {report.fmt_time(exposed and exposed / 1e6)}"
-        ] = recs
+        exposed_s = report.fmt_time(exposed and exposed / 1e6)
+        panels[f"{_layout_name(row, method)}: {lay['buckets']} buckets, iteration {num}, exposed sync {exposed_s}"] = recs
     return gantt_chart(path, f"fastcoll timeline ({device}): {row['label']}", panels)
 
 
-# ---------------------------------------------------------------------------
 # Entry points
-# ---------------------------------------------------------------------------
-
-
-def progress_units(n_models: int, cfg: dict[str, Any]) -> int:
-    return n_models * len(METHODS) * (cfg["max_reps"] + 1)
-
-
 def measure(args: Any = None) -> dict[str, Any]:
-    """Spawn the ranks, run the benchmark and return its results (rows summarized); traces are merged into ``trace_out``."""
+    """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
     device = getattr(args, "device", "cpu") or "cpu"
     cfg = _config(args, device)
     ws = cfg["world_size"]
     specs = model_specs(cfg)
+    rank_cfg = {**cfg, "keep_freed_memory": True, "freeze": True, "env": autotune_env(cfg)}
     with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as trace_dir:
-        with report.progress("timeline", progress_units(len(specs), cfg)) as prog:
-            result = runner.run_ranks(_worker, (cfg, trace_dir), ws, prog)
+        with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
+            result = runner.run_ranks(_ranks, rank_cfg, (trace_dir,), ws, prog)
         rows = [summarize_row(r) for r in result["rows"]]
         for r in rows:  # the per-rank traces live in tmpdir: read them now
             for lay in r["layouts"].values():
                 lay["trace_events"] = _read_traces(lay.pop("traces"))
-    return {
-        "benchmark": "timeline",
-        "config": {
-            **cfg,
-            "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or _autotune_steps()),
-            "models": [dataclasses.asdict(s) for s in specs],
-            "methods": METHOD_DESCRIPTIONS,
-            "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
-            "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
-        },
-        "implementation": result["implementation"],
-        "results": rows,
-    }
+    config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or _autotune_steps()),
+              "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,
+              "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
+              "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
+              }  # fmt: skip
+    return {"benchmark": "timeline", "config": config, "implementation": result["implementation"], "results": rows}
 
 
 def _read_traces(paths: Sequence[str]) -> list[list[dict[str, Any]]]:
@@ -474,16 +379,15 @@ def _read_traces(paths: Sequence[str]) -> list[list[dict[str, Any]]]:
     return out
 
 
+def _layout_name(row: dict[str, Any], method: str) -> str:
+    return f"auto ({row.get('auto_choice') or '?'})" if method == "auto" else f"default ({method})"
+
+
 def write_traces(path_for: Callable[[str], Path], payload: dict[str, Any]) -> list[Path]:
     """One merged Chrome trace per model (every rank, both layouts), taking the events out of ``payload``; returns the paths."""
     written = []
     for row in payload["results"]:
-        by_layout = {
-            (f"auto ({row.get('auto_choice') or '?'})" if method == "auto" else f"default ({method})"): lay.pop(
-                "trace_events", []
-            )
-            for method, lay in row["layouts"].items()
-        }
+        by_layout = {_layout_name(row, m): lay.pop("trace_events", []) for m, lay in row["layouts"].items()}
         out = merge_traces(by_layout, path_for(row["model"]))
         if out is not None:
             written.append(out)
@@ -492,77 +396,41 @@ def write_traces(path_for: Callable[[str], Path], payload: dict[str, Any]) -> li
 
 def print_results(payload: dict[str, Any]) -> None:
     cfg = payload["config"]
-    cpu = cfg["device"] == "cpu"
-    columns = ["model", *(m if m != "torch" else "torch DDP" for m in METHODS), "auto chose"]
-    columns += [f"auto/best fixed (≤{AUTO_VS_BEST_FIXED}x)", f"auto/torch (≤{AUTO_VS_TORCH}x)"]
-    table = []
+    columns = ["model", *(m if m != "torch" else "torch DDP" for m in METHODS), "auto chose",
+               f"auto/best fixed (≤{AUTO_VS_BEST_FIXED}x)", f"auto/torch (≤{AUTO_VS_TORCH}x)"]  # fmt: skip
+    body = []
     for r in payload["results"]:
-        m = r["methods"]
-        cells = [r["label"] + (" *" if r["synthetic"] else "")]
-        for meth in METHODS:
-            t = report.fmt_time(m[meth]["median_s"])
-            cells.append(f"[bold]{t}[/bold]" if meth == r["best_fixed"] else t)
-        cells += [
-            r["auto_choice"] or "-",
-            *(report.target_cell(r["targets"][k]) for k in ("auto vs best fixed", "auto vs torch")),
-        ]
-        table.append(cells)
-    where = (
-        f"{cfg['world_size']} gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each"
-        if cpu
-        else f"{cfg['world_size']} rank on NCCL"
-    )
-    report.table(
-        f"fastcoll timeline: bucket caps sweep, median step ({cfg['device']})",
-        columns,
-        table,
-        caption=f"{where}; ops: {payload['implementation']}. Step = zero_grad + forward + backward (slowest rank), samples "
-        f"interleaved across methods; bold: the best fixed cap. auto timed after {cfg['autotune_steps']} tuning steps. "
-        "* synthetic model. Targets are informational, never asserted.",
-    )
-    columns = ["model", "layout", "buckets", "exposed sync (median)", "step (median)"]
-    table = []
+        times = {m: report.fmt_time(r["methods"][m]["median_s"]) for m in METHODS}
+        body.append([r["label"] + (" *" if r["synthetic"] else ""), *(f"[bold]{t}[/bold]" if m == r["best_fixed"] else t
+                     for m, t in times.items()), r["auto_choice"] or "-",
+                     *(report.target_cell(r["targets"][k]) for k in ("auto vs best fixed", "auto vs torch"))])  # fmt: skip
+    where = (f"{cfg['world_size']} gloo ranks on loopback, {cfg['threads']} intra-op thread(s) each" if cfg["device"] == "cpu"
+             else f"{cfg['world_size']} rank on NCCL")  # fmt: skip
+    report.table(f"fastcoll timeline: bucket caps sweep, median step ({cfg['device']})", columns, body,
+                 f"{where}; ops: {payload['implementation']}. Step = zero_grad + forward + backward (slowest rank), samples "
+                 f"interleaved across methods; bold: the best fixed cap. auto timed after {cfg['autotune_steps']} tuning "
+                 "steps. * synthetic model. Targets are informational, never asserted.")  # fmt: skip
+    body = [[r["label"], f"auto: {r['auto_choice'] or '?'}" if m == "auto" else f"default: {m}", str(lay["buckets"]),
+             report.fmt_time(r["exposed_sync_s"].get(m)), report.fmt_time(r["methods"][m]["median_s"])]
+            for r in payload["results"] for m, lay in r["layouts"].items()]  # fmt: skip
+    report.table(f"fastcoll timeline: exposed synchronization ({cfg['device']})",
+                 ["model", "layout", "buckets", "exposed sync (median)", "step (median)"], body,
+                 "exposed sync = end of backward compute to the last gradient written back (model.sync_timeline(); "
+                 "median over the last recorded iterations of the slowest rank).")  # fmt: skip
     for r in payload["results"]:
-        for method, lay in r["layouts"].items():
-            name = f"auto: {r['auto_choice'] or '?'}" if method == "auto" else f"default: {method}"
-            table.append(
-                [
-                    r["label"],
-                    name,
-                    str(lay["buckets"]),
-                    report.fmt_time(r["exposed_sync_s"].get(method)),
-                    report.fmt_time(r["methods"][method]["median_s"]),
-                ]
-            )
-    report.table(
-        f"fastcoll timeline: exposed synchronization ({cfg['device']})",
-        columns,
-        table,
-        caption="exposed sync = end of backward compute to the last gradient written back (model.sync_timeline(); "
-        "median over the last recorded iterations of the slowest rank).",
-    )
-    for r in payload["results"]:
-        rep = [x for x in r.get("tuning_report") or [] if not x.get("pruned")]
-        if rep:
-            alts = ", ".join(
-                f"{x['label']}{' (chosen)' if x.get('chosen') else ''} {report.fmt_time(x.get('step_median_s'))}" for x in rep
-            )
+        tried = [x for x in r.get("tuning_report") or [] if not x.get("pruned")]
+        if tried:
+            alts = ", ".join(f"{x['label']}{' (chosen)' if x.get('chosen') else ''} {report.fmt_time(x.get('step_median_s'))}"
+                             for x in tried)  # fmt: skip
             report.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
 
 
 def sweep_chart(path: Path, payload: dict[str, Any]) -> Path | None:
     """Median step of every method relative to torch DDP's, per model."""
-    panel: dict[str, dict[str, float]] = {}
-    for r in payload["results"]:
-        base = r["methods"]["torch"]["median_s"]
-        panel[r["label"]] = {("torch DDP" if m == "torch" else m): r["methods"][m]["median_s"] / base for m in METHODS}
-    return report.bar_chart(
-        path,
-        f"fastcoll timeline ({payload['config']['device']}): step time relative to torch DDP (dashed = 1, lower is better)",
-        {"step / torch DDP step": panel},
-        "time / torch DDP",
-        reference_line=1.0,
-    )
+    panel = {r["label"]: {("torch DDP" if m == "torch" else m): r["methods"][m]["median_s"] / r["methods"]["torch"]["median_s"]
+                          for m in METHODS} for r in payload["results"]}  # fmt: skip
+    title = f"fastcoll timeline ({payload['config']['device']}): step time relative to torch DDP (dashed = 1, lower is better)"
+    return report.bar_chart(path, title, {"step / torch DDP step": panel}, "time / torch DDP", 1.0)
 
 
 def run(args: Any = None) -> int:
@@ -573,28 +441,18 @@ def run(args: Any = None) -> int:
         message), 2 if ``--device cuda`` is asked for without a GPU.
     """
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench timeline: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("timeline", device):
         return 2
     if not supported():
-        report.say(
-            "[yellow]fastcoll.bench timeline: this checkout's fastcoll.DDP has no record_timeline / sync_timeline / "
-            "tuning_report (issue 13); skipping[/yellow]"
-        )
+        report.say("[yellow]fastcoll.bench timeline: this checkout's fastcoll.DDP has no record_timeline / sync_timeline / "
+                   "tuning_report (issue 13); skipping[/yellow]")  # fmt: skip
         return 0
     payload = measure(args)
     path = report.json_path(args, f"timeline_{device}")
     traces = write_traces(lambda model: path.with_name(f"{path.stem}_{model}.trace.json"), payload)
     print_results(payload)
-    named = [(f"{r['label']}: {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
-    report.targets_summary("timeline", [t for _, t in named], [w for w, _ in named])
     pngs = [model_gantt(path.with_name(f"{path.stem}_{r['model']}.png"), r, device) for r in payload["results"]]
-    report.write_json(path, payload, device)
-    png = sweep_chart(path.with_suffix(".png"), payload)
-    written = [p for p in (png, *pngs) if p is not None]
-    report.say(
-        f"wrote {path}"
-        + (f", {len(written)} chart(s) ({', '.join(p.name for p in written)})" if written else " (matplotlib missing: no charts)")
-        + (f" and {len(traces)} Chrome trace(s)" if traces else "")
-    )
+    named = [(f"{r['label']}: {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
+    report.conclude("timeline", path, payload, named, sweep_chart)
+    report.say(f"{len([p for p in pngs if p])} Gantt chart(s) and {len(traces)} Chrome trace(s) beside it", record=False)
     return 0

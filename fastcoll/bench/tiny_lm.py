@@ -4,20 +4,11 @@ The one definition of the quality check of float32 main gradients and master
 weights: ``tests/test_main_grads.py`` asserts on it and ``python -m
 fastcoll.bench zero`` reports it (:mod:`fastcoll.bench.zero_bf16`). Nothing
 is downloaded: the model is built here (seed 0) and the data is generated
-(:func:`tokens`: arithmetic sequences modulo the vocabulary, a different
-batch per step, micro-batch and rank).
-
-:func:`train` runs one recipe inside an initialized process group: AdamW at
-``lr``, ``micro_batches`` micro-batches of gradient accumulation per step
-(``no_sync`` on all but the last), the loss of each micro-batch divided by
-their number:
-
-* ``"fp32"``: float32 everything under torch DDP (the reference);
-* ``"torch_bf16"``: the model in bfloat16 under torch DDP, a plain AdamW
-  (bfloat16 gradients, accumulation and optimizer state);
-* ``"fastcoll"``: the model in bfloat16 under ``fastcoll.DDP(main_grad_dtype=
-  torch.float32)`` with ``fastcoll.ShardedOptimizer(AdamW, master_dtype=
-  torch.float32, grads=...)``.
+(:func:`tokens`). :func:`train` runs one recipe: ``"fp32"`` (float32 under
+torch DDP, the reference), ``"torch_bf16"`` (the model in bfloat16 under torch
+DDP, a plain AdamW) or ``"fastcoll"`` (the model in bfloat16 under
+``fastcoll.DDP(main_grad_dtype=torch.float32)`` with
+``fastcoll.ShardedOptimizer(AdamW, master_dtype=torch.float32, grads=...)``).
 """
 
 from __future__ import annotations
@@ -26,7 +17,9 @@ import contextlib
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 VOCAB = 32
 SEQ = 16
@@ -74,19 +67,14 @@ def relative_distance(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def train(
-    rank: int,
-    world: int,
-    recipe: str,
-    steps: int,
-    *,
-    grads: str = "sharded",
-    lr: float = 1e-4,
-    micro_batches: int = 4,
+    rank: int, world: int, recipe: str, steps: int, *, grads: str = "sharded", lr: float = 1e-4, micro_batches: int = 4,
     masters: bool = False,
-) -> Dict[str, Any]:
+) -> Dict[str, Any]:  # fmt: skip
     """Train :class:`TinyCausalLM` ``steps`` steps with ``recipe`` (one of :data:`RECIPES`) on this rank.
 
-    Call it on every rank of an initialized process group.
+    Call it on every rank of an initialized process group. Each step: AdamW at
+    ``lr`` after ``micro_batches`` micro-batches of gradient accumulation
+    (``no_sync`` on all but the last), each micro-batch's loss divided by their number.
 
     Returns:
         ``weights``: the final parameters (float32 vector); ``loss``: the last
@@ -95,9 +83,6 @@ def train(
         ``masters``: the float32 master weights (``opt.state_dict()``, in the
         parameters' order).
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     model = TinyCausalLM()

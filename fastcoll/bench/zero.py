@@ -28,8 +28,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from . import models, report, runner, stats
+import fastcoll
+
+from . import models, report, runner, stats, zero_bf16
 from .models import ModelSpec
 
 WORLD_SIZE = 2
@@ -54,7 +57,6 @@ STEP_VS_TORCH_MODELS = ("resnet50", "gpt2_small")  # ... on these models
 GROUP_LIMIT_BYTES = 3 << 30
 FOOTPRINT = {"torch": 3.0, "zero": 2.0, "fastcoll": 3.0, "full": 2.0, "sharded": 2.5, "overlap": 2.5}
 SPLIT_GROUPS = (("torch", "zero", "sharded", "overlap"), ("zero", "fastcoll", "full"))
-MET, MISSED, UNRESOLVED = stats.MET, stats.MISSED, stats.UNRESOLVED
 verdict = stats.verdict
 CONFIGS = {  # rounds: reps..max_reps per timing group until the step targets resolve (large: GPT-2)
     "smoke": dict(reps=2, max_reps=2, reps_large=2, max_reps_large=2, setup_steps=2, target_s=0.0, max_inner=1),
@@ -85,27 +87,15 @@ def step_goals(model: str, methods: Sequence[str]) -> List[Tuple[str, str, float
 
 def overlap_default() -> Optional[bool]:
     """ShardedOptimizer's default ``overlap_param_gather`` in this checkout (None if it has no such argument)."""
-    import fastcoll
-
     p = inspect.signature(fastcoll.ShardedOptimizer).parameters.get("overlap_param_gather")
     return None if p is None else bool(p.default)
 
 
-# ---------------------------------------------------------------------------
 # Inside the ranks
-# ---------------------------------------------------------------------------
-
-
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapper and the optimizer of ``method`` around ``module``."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    import fastcoll
-
-    kw: Dict[str, Any] = {"device_ids": [torch.cuda.current_device()]} if device == "cuda" else {}
     adamw = models.adamw_kwargs(device)
-    wrapper: nn.Module = TorchDDP(module, **kw) if method in ("torch", "zero") else fastcoll.DDP(module, **kw)
+    wrapper: nn.Module = runner.wrap("torch" if method in ("torch", "zero") else "fastcoll", module, device)
     if method == "zero":
         return wrapper, ZeroRedundancyOptimizer(wrapper.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
     if method in ("full", "sharded", "overlap"):
@@ -157,81 +147,55 @@ def warm_up(me: runner.Rank, method: str) -> None:
     runner.settle(opt)
 
 
-def _memory_worker(rank: int, ws: int, store: str, out: str, q: Any, cfg: Dict[str, Any], spec: ModelSpec, method: str) -> None:
+def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
     """Phase 1 for one method: peak and live growth, state bytes, bytes sent per iteration, parameter digest."""
-    with runner.Rank(rank, ws, store, out, q, cfg) as me:
-        warm_up(me, method)
-        gc.collect()
-        probe = runner.MemoryProbe(me.device)
-        probe.start()
-        live = runner.LiveBytes() if me.device == "cpu" else None
-        module = models.build_model(spec, me.device, layered=True)
-        wrapper, opt = make_method(method, module, me.device)
-        step = make_step(spec, wrapper, opt, models.make_input(spec, rank, me.device), live.sample if live else lambda: None)
-        for _ in range(cfg["setup_steps"]):
-            step()
-        runner.settle(opt)
-        w0 = runner.bytes_written()
+    warm_up(me, method)
+    gc.collect()
+    probe = runner.MemoryProbe(me.device)
+    probe.start()
+    live = runner.LiveBytes() if me.device == "cpu" else None
+    module = models.build_model(spec, me.device, layered=True)
+    wrapper, opt = make_method(method, module, me.device)
+    step = make_step(spec, wrapper, opt, models.make_input(spec, me.rank, me.device), live.sample if live else lambda: None)
+    for _ in range(me.cfg["setup_steps"]):
         step()
-        runner.settle(opt)
-        runner.synchronize(me.device)
-        w1 = runner.bytes_written()
-        buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None
-        info = {"rank": rank, "peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
-                "state_bytes": state_bytes(method, opt), "sent_bytes": None if w0 is None or w1 is None else w1 - w0,
-                "digest": param_digest(module), "buckets": buckets}  # fmt: skip
-        del wrapper, opt, step
-        gc.collect()  # the wrappers go while their process group is alive
-        me.tick()
-        me.save({"ranks": runner.gather(info)})
+    runner.settle(opt)
+    w0 = runner.bytes_written()
+    step()
+    runner.settle(opt)
+    runner.synchronize(me.device)
+    w1 = runner.bytes_written()
+    buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None
+    info = {"rank": me.rank, "peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
+            "state_bytes": state_bytes(method, opt), "sent_bytes": None if w0 is None or w1 is None else w1 - w0,
+            "digest": param_digest(module), "buckets": buckets}  # fmt: skip
+    del wrapper, opt, step
+    gc.collect()  # the wrappers go while their process group is alive
+    me.tick()
+    return {"ranks": runner.gather(info)}
 
 
-def _timing_worker(rank: int, ws: int, store: str, out: str, q: Any, cfg: Dict[str, Any], spec: ModelSpec,
-                   methods: Sequence[str]) -> None:  # fmt: skip
+def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[str, Any]:
     """Phase 2: ``methods`` side by side on shared weights, in steady state (each forward waits for the last step's gathers)."""
-    with runner.Rank(rank, ws, store, out, q, {**cfg, "keep_freed_memory": True}) as me:
-        gc.collect()
-        gc.freeze()
-        device, large = me.device, spec.name == "gpt2_small"
-        storage = models.build_storage(spec, device)
-        x = models.make_input(spec, rank, device)
-        runs, setup = {}, {}
-        for m in methods:
-            wrapper, opt = make_method(m, models.build_model(spec, device, storage, layered=True), device)
-            step = make_step(spec, wrapper, opt, x)
-            for _ in range(cfg["setup_steps"] - 1):  # bucket rebuilds, optimizer state
-                step()
-            runner.settle(opt)
-            setup[m] = runner.time_calls(lambda: (step(), runner.settle(opt)), 1, device)
-            opt.zero_grad(set_to_none=True)
-            runs[m] = (wrapper, opt, step)
-            me.tick()
-        inner = runner.inner_for(runner.all_max([max(setup.values())], device)[0], cfg["target_s"], cfg["max_inner"])
-        lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
-        checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
+    cfg, device, large = me.cfg, me.device, spec.name == "gpt2_small"
+    storage = models.build_storage(spec, device)
+    x = models.make_input(spec, me.rank, device)
 
-        def after(m: str) -> None:  # the last step's all-gathers drained untimed; the next sample starts with none pending
-            runner.settle(runs[m][1])
-            runs[m][1].zero_grad(set_to_none=True)
+    def make(m: str) -> Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+        wrapper, opt = make_method(m, models.build_model(spec, device, storage, layered=True), device)
+        return wrapper, opt, make_step(spec, wrapper, opt, x)
 
-        samples, _ = runner.timed_rounds({m: r[2] for m, r in runs.items()}, inner, lo, hi, checks, device, me.tick,
-                                         before=lambda m: runs[m][2](), after=after)  # fmt: skip
-        me.tick(len(methods) * (hi - len(samples[methods[0]])))
-        runs.clear()
-        me.save({"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples})
+    runs, setup = runner.start_runs(me, methods, make)
+    inner = me.inner(max(setup.values()))
+    lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
+    checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
+    samples = runner.optimizer_rounds(me, runs, inner, lo, hi, checks)
+    runs.clear()
+    return {"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples}
 
 
-# ---------------------------------------------------------------------------
 # Analysis
-# ---------------------------------------------------------------------------
-
-
-def step_ratio(groups: Sequence[Dict[str, Any]], a: str, b: str, threshold: float = 1.0) -> Dict[str, Any]:
-    """``a``'s median step over ``b``'s as a target, from the first group timing both (paired 90% interval)."""
-    for g in groups:
-        if a in g["samples"] and b in g["samples"]:
-            return stats.ratio_target(g["samples"], a, b, threshold)
-    return stats.target(None, threshold)
+step_ratio = stats.group_target
 
 
 def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
@@ -239,13 +203,8 @@ def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
     groups, mem, ws = row["groups"], row["memory"], row["world_size"]
     methods: Dict[str, Dict[str, Any]] = {}
     for m in METHODS:
-        g = next((i for i, grp in enumerate(groups) if m in grp["samples"]), None)
-        entry: Dict[str, Any] = {"group": g, **(stats.summarize(groups[g]["samples"][m]) if g is not None else {})}
         ranks = mem.get(m, {}).get("ranks") or []
-        for key in ("state_bytes", "peak_bytes", "live_peak_bytes", "sent_bytes") if ranks else ():
-            entry[key] = [r.get(key) for r in ranks]
-        entry["buckets"] = ranks[0].get("buckets") if ranks else None
-        methods[m] = entry
+        methods[m] = stats.method_entry(groups, ranks, m, ("state_bytes", "peak_bytes", "live_peak_bytes", "sent_bytes"))
     row["methods"] = methods
     ref = (mem.get("torch", {}).get("ranks") or [{}])[0].get("digest")
     row["checks"] = {}
@@ -290,11 +249,7 @@ def target_label(name: str) -> str:
     return f"peak below torch DDP's - state saved, grads={what}"
 
 
-# ---------------------------------------------------------------------------
 # Output and entry
-# ---------------------------------------------------------------------------
-
-
 def print_results(payload: Dict[str, Any]) -> None:
     """The step table, the targets table and the memory table."""
     cfg, rows = payload["config"], payload["results"]
@@ -315,13 +270,7 @@ def print_results(payload: Dict[str, Any]) -> None:
     body = []
     for r in rows:
         for i, (name, t) in enumerate(r["targets"].items()):
-            fmt = (
-                report.mib
-                if name.startswith("memory")
-                else (lambda v: f"{v:.4f}")
-                if name.startswith("state")
-                else report.fmt_ratio
-            )
+            fmt = {"memory": report.mib, "state": lambda v: f"{v:.4f}"}.get(name.split()[0], report.fmt_ratio)
             thr = f"{'≥' if t['op'] == 'ge' else '≤'} {t['threshold']}"
             body.append([r["label"] if i == 0 else "", target_label(name), report.target_cell(t, fmt), thr, t["interval"]])
     columns = ["model", "target", "value (interval) verdict", "target", "interval"]
@@ -334,13 +283,7 @@ def print_results(payload: Dict[str, Any]) -> None:
         for k in MEMORY_METHODS:
             st, pk, check = m[k].get("state_bytes"), m[k].get("peak_bytes"), r["checks"].get(k)
             saved = max(a - b for a, b in zip(t["state_bytes"], st)) if st and t.get("state_bytes") else None
-            ok = (
-                "-"
-                if check is None
-                else "equal"
-                if check["max_rel_diff"] == 0
-                else f"{'close' if check['ok'] else '[red]DIFFER[/red]'}"
-            )
+            ok = "-" if check is None else "equal" if check["max_rel_diff"] == 0 else "close" if check["ok"] else "[red]DIFFER"
             body.append([r["label"] if k == "torch" else "", METHOD_LABELS[k], report.per_rank_mib(st), report.per_rank_mib(pk),
                          report.mib(saved), report.verdict_cell(r["targets"].get(f"memory {k}")) if k in SHARDED else "",
                          report.per_rank_mib(m[k].get("live_peak_bytes")), report.mib(r["live_margins"].get(k)),
@@ -372,21 +315,15 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
 
 
 def supported() -> bool:
-    """Whether this checkout has ``fastcoll.ShardedOptimizer`` (and torch its ZeroRedundancyOptimizer)."""
-    import fastcoll
-
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
-    except ImportError:  # pragma: no cover
-        return False
+    """Whether this checkout has ``fastcoll.ShardedOptimizer``."""
     return hasattr(fastcoll, "ShardedOptimizer")
 
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench zero``: tables, ``benchmarks/out/zero_<device>.json``, a chart; then the bf16 section."""
-    from . import zero_bf16
-
     device = getattr(args, "device", "cpu") or "cpu"
+    if report.no_gpu("zero", device):
+        return 2
     if device == "cuda" and torch.cuda.device_count() == 1:
         # One GPU: one NCCL rank whose reduce-scatters and all-gathers are issued as at any world size.
         os.environ["FASTCOLL_FORCE_COLLECTIVES"] = "1"
@@ -395,9 +332,7 @@ def run(args: Any) -> int:
         report.say("[yellow]fastcoll.bench zero: this checkout has no fastcoll.ShardedOptimizer; skipping[/yellow]")
         return 0
     ws = torch.cuda.device_count() if device == "cuda" else WORLD_SIZE
-    cfg = {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
-           "device": device, "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
-           "threads": runner.threads_per_rank(args, ws), "group_limit_bytes": GROUP_LIMIT_BYTES}  # fmt: skip
+    cfg = runner.level_config(args, CONFIGS, ws, group_limit_bytes=GROUP_LIMIT_BYTES)
     specs = model_specs(args.level)
     plans = [(s, models.param_count(s), timing_groups(4 * models.param_count(s))) for s in specs]
     units = sum(len(MEMORY_METHODS) + sum(len(g) * (1 + cfg["max_reps_large" if s.name == "gpt2_small" else "max_reps"])
@@ -408,11 +343,11 @@ def run(args: Any) -> int:
             memory = {}
             for m in MEMORY_METHODS:
                 prog.describe(f"zero: {spec.label}, memory of {METHOD_LABELS[m]}")
-                memory[m] = runner.run_ranks(_memory_worker, (cfg, spec, m), ws, prog)
+                memory[m] = runner.run_ranks(_memory, cfg, (spec, m), ws, prog)
             timed = []
             for g in groups:
                 prog.describe(f"zero: {spec.label}, timing {', '.join(METHOD_LABELS[m] for m in g)}")
-                timed.append(runner.run_ranks(_timing_worker, (cfg, spec, g), ws, prog))
+                timed.append(runner.run_ranks(_timing, {**cfg, "keep_freed_memory": True, "freeze": True}, (spec, g), ws, prog))
                 implementation = timed[-1].pop("implementation")
             row = {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "world_size": ws, "numel": numel,
                    "param_bytes": 4 * numel, "memory": memory, "groups": timed}  # fmt: skip
@@ -427,12 +362,9 @@ def run(args: Any) -> int:
     payload = {"benchmark": "zero", "config": config, "implementation": implementation, "results": results}
     print_results(payload)
     named = [(f"{r['label']}: {target_label(k)}", t) for r in results for k, t in r["targets"].items()]
-    report.targets_summary("zero", [t for _, t in named], [w for w, _ in named])
     ok = all(c["ok"] for r in results for c in r["checks"].values())
     if not ok:
         report.say("[red]warning: some method's parameters differ from torch DDP + AdamW's (params column)[/red]")
-    path = report.write_json(report.json_path(args, f"zero_{device}"), payload, device)
-    png = chart(path.with_suffix(".png"), payload)
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named, chart)
     rc = zero_bf16.run_section(args)
     return rc if ok else 1

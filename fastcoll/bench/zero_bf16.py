@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+import fastcoll
 
 from . import models, report, runner, stats, tiny_lm
 from .models import GPT2_QUICK, GPT2_SMALL, GPT2_SMOKE, GPT2Shapes
@@ -29,12 +32,7 @@ METHODS = ("bf16", "autocast", "sharded", "full")
 TIMED = ("bf16", "autocast", "sharded")
 FASTCOLL = ("sharded", "full")
 #: Short names in tables ("fastcoll ...": main gradients + float32 masters, grads="sharded" / "full").
-METHOD_LABELS = {
-    "bf16": "torch bf16",
-    "autocast": "torch fp32+autocast",
-    "sharded": "fastcoll sharded",
-    "full": "fastcoll full",
-}
+METHOD_LABELS = {"bf16": "torch bf16", "autocast": "torch fp32+autocast", "sharded": "fastcoll sharded", "full": "fastcoll full"}
 METHOD_DESCRIPTIONS = {
     "bf16": "torch DDP(module.to(bfloat16)) + torch.optim.AdamW: bfloat16 parameters, gradients, buckets and state",
     "autocast": "torch DDP(float32 module) + torch.optim.AdamW, forward in torch.autocast(dtype=torch.bfloat16)",
@@ -50,32 +48,18 @@ README_BYTES_PER_PARAM = {
     "full": (12.0, "2 + 0 + 4 + 12/N (derived: the float32 main gradients are all-reduced in place)"),
 }
 QUALITY_RUNS = ("fp32", "torch_bf16", "sharded", "full")
-QUALITY_LABELS = {
-    "fp32": "(a) float32, torch DDP",
-    "torch_bf16": "(b) bf16, torch DDP + AdamW",
-    "sharded": "(c) bf16, main grads + fp32 masters, sharded",
-    "full": "(c') the same, grads=full",
-}
-
+QUALITY_LABELS = {"fp32": "(a) float32, torch DDP", "torch_bf16": "(b) bf16, torch DDP + AdamW",
+                  "sharded": "(c) bf16, main grads + fp32 masters, sharded", "full": "(c') the same, grads=full"}  # fmt: skip
 MEMORY_VS_AUTOCAST = 0.6  # peak per rank <= this x autocast's
 STEP_VS_AUTOCAST = 1.1  # step <= this x autocast's
 DISTANCE_VS_BF16 = 0.1  # (c)'s weight distance from (a) <= this x (b)'s
 LOSS_GAP = 0.01  # |(c)'s final loss - (a)'s| <= this x (a)'s
-
 QUALITY_STEPS = 300
 QUALITY_STEPS_QUICK = 100  # --quick: 100 steps, (a), (b) and (c) (about 25 s instead of 90)
 QUALITY_LR = 1e-4
 QUALITY_MICRO_BATCHES = 4
 
-MET, MISSED, UNRESOLVED = stats.MET, stats.MISSED, stats.UNRESOLVED
 BF16 = torch.bfloat16
-
-
-# ---------------------------------------------------------------------------
-# Configuration and shapes
-# ---------------------------------------------------------------------------
-
-
 CONFIGS = {  # rounds: reps..max_reps until the step target resolves
     "smoke": dict(reps=2, max_reps=2, setup_steps=2, quality_steps=3, quality_runs=QUALITY_RUNS),
     "default": dict(reps=5, max_reps=10, setup_steps=3, quality_steps=QUALITY_STEPS_QUICK, quality_runs=QUALITY_RUNS[:3]),
@@ -85,12 +69,9 @@ CONFIGS = {  # rounds: reps..max_reps until the step target resolves
 
 def config(args: Any) -> Dict[str, Any]:
     """The configuration of ``args.level`` on ``args.device`` (2 gloo ranks on CPU, one NCCL rank per GPU)."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    ws = torch.cuda.device_count() if device == "cuda" else 2
-    return {**CONFIGS[args.level], "level": args.level, "smoke": args.level == "smoke", "quick": args.level != "full",
-            "device": device, "world_size": ws, "backend": "nccl" if device == "cuda" else "gloo",
-            "threads": runner.threads_per_rank(args, ws),
-            "quality": {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES, "world_size": 2}}  # fmt: skip
+    ws = torch.cuda.device_count() if getattr(args, "device", "cpu") == "cuda" else 2
+    quality = {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES, "world_size": 2}
+    return runner.level_config(args, CONFIGS, ws, quality=quality)
 
 
 def model_shapes(cfg: Dict[str, Any]) -> GPT2Shapes:
@@ -108,21 +89,14 @@ def build_model(shapes: Sequence[Sequence[int]], method: str, storage: Any = Non
 
 def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapper and the optimizer of ``method`` (one of :data:`METHODS`) around ``module`` (already in its dtype)."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    import fastcoll
-
-    kw: Dict[str, Any] = {}
-    if device == "cuda":
-        kw["device_ids"] = [torch.cuda.current_device()]
     adamw = models.adamw_kwargs(device, (torch.float32, BF16))
     if method in FASTCOLL:
-        wrapper: nn.Module = fastcoll.DDP(module, main_grad_dtype=torch.float32, **kw)
+        wrapper: nn.Module = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32)
         opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
             torch.optim.AdamW(wrapper.parameters(), **adamw), wrapper, grads=method, master_dtype=torch.float32
         )
     else:
-        wrapper = TorchDDP(module, **kw)
+        wrapper = runner.wrap("torch", module, device)
         opt = torch.optim.AdamW(wrapper.parameters(), **adamw)
     return wrapper, opt
 
@@ -153,38 +127,21 @@ def make_step(method: str, wrapper: nn.Module, opt: torch.optim.Optimizer, x: to
     return step
 
 
-# ---------------------------------------------------------------------------
 # Phase 1: bytes per rank (a fresh process pair per method)
-# ---------------------------------------------------------------------------
-
-
 def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], seen: Optional[set] = None) -> int:
     """Bytes of the distinct storages of ``tensors`` (views counted once; ``seen``: storages counted elsewhere)."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() in seen or st.nbytes() == 0:
-            continue
-        seen.add(st.data_ptr())
-        total += st.nbytes()
+    seen, total = set() if seen is None else seen, 0
+    for st in (t.untyped_storage() for t in tensors if t is not None and torch.is_tensor(t)):
+        if st.data_ptr() not in seen and st.nbytes() > 0:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
     return total
 
 
 def torch_bucket_bytes(wrapper: nn.Module) -> Optional[int]:
-    """torch DDP's flat gradient buckets, from its logging data (``bucket_sizes``: bytes per bucket), None if absent."""
-    try:
-        data = wrapper._get_ddp_logging_data()  # type: ignore[operator]
-    except Exception:  # pragma: no cover (another torch)
-        return None
-    sizes = data.get("bucket_sizes")
-    if sizes is None:
-        return None
-    if isinstance(sizes, str):
-        sizes = [int(s) for s in sizes.split(",") if s.strip()]
-    return int(sum(sizes))
+    """torch DDP's flat gradient buckets (bytes, from its logging data), None if absent."""
+    sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")
+    return None if sizes is None else int(sum(sizes))
 
 
 def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -193,21 +150,15 @@ def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[tor
     These are internals (the byte accounting needs them); a layout this does not know counts as none.
     """
     try:
-        return _fastcoll_buffers(wrapper, opt)
+        r = wrapper.reducer  # type: ignore[attr-defined]
+        out = [t for b in r.buckets for t in (getattr(b, "flat_padded", None), getattr(b, "comm_padded", None))]
+        if getattr(r, "shard_grads", None) is not None:
+            out += list(r.shard_grads.grads.values())
+        gather = getattr(r, "param_gather", None)  # the parameters' all-gather stages (the reducer's)
+        if gather is not None:
+            out += list(gather.stages.values())
     except AttributeError:  # pragma: no cover (another internal layout)
         return []
-
-
-def _fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
-    r = wrapper.reducer  # type: ignore[attr-defined]
-    out: List[torch.Tensor] = []
-    for b in r.buckets:
-        out += [getattr(b, "flat_padded", None), getattr(b, "comm_padded", None)]
-    if getattr(r, "shard_grads", None) is not None:
-        out += list(r.shard_grads.grads.values())
-    gather = getattr(r, "param_gather", None)  # the parameters' all-gather stages (the reducer's)
-    if gather is not None:
-        out += list(gather.stages.values())
     return [t for t in out if t is not None]
 
 
@@ -277,23 +228,17 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     runner.synchronize(device)
     held = account(method, module, wrapper, opt, kept)
     kept.clear()
-    return {
-        "rank": rank,
-        "numel": sum(p.numel() for p in module.parameters()),
-        "peak_bytes": probe.peak(),
-        "live_peak_bytes": live.peak if live is not None and live.available else None,
-        "live_by_phase": by_phase if live is not None and live.available else None,
-        "held": held,
-        "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
-        "iterations": cfg["setup_steps"] + 1,
-    }
+    has_live = live is not None and live.available
+    return {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
+            "live_peak_bytes": live.peak if has_live else None, "live_by_phase": by_phase if has_live else None,
+            "held": held, "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
+            "iterations": cfg["setup_steps"] + 1}  # fmt: skip
 
 
 def _warm_up(method: str, device: str, rank: int) -> None:
     """A few iterations of ``method`` on tiny shapes, so the measured model pays no one-time costs."""
     shapes = [(4, 3), (5,), (3, 2)]
-    module = build_model(shapes, method, device=device)
-    wrapper, opt = make_method(method, module, device)
+    wrapper, opt = make_method(method, build_model(shapes, method, device=device), device)
     step = make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device)
     for _ in range(3):
         step()
@@ -302,102 +247,59 @@ def _warm_up(method: str, device: str, rank: int) -> None:
     gc.collect()
 
 
-def _memory_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
-                   shapes: GPT2Shapes, method: str) -> None:  # fmt: skip
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, cfg) as me:
-        _warm_up(method, me.device, rank)
-        info = measure_memory(shapes, method, rank, cfg)
-        gc.collect()  # the wrappers go while their process group is alive
-        me.tick()
-        me.save({"ranks": runner.gather(info)})
+def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
+    _warm_up(method, me.device, me.rank)
+    info = measure_memory(shapes, method, me.rank, me.cfg)
+    gc.collect()  # the wrappers go while their process group is alive
+    me.tick()
+    return {"ranks": runner.gather(info)}
 
 
-# ---------------------------------------------------------------------------
 # Phase 2: step time (the timed methods side by side in one process pair)
-# ---------------------------------------------------------------------------
-
-
-def _timing_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any],
-                   shapes: GPT2Shapes, methods: Sequence[str]) -> None:  # fmt: skip
+def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict[str, Any]:
     """The timed recipes side by side on shared weights (one copy per dtype), rounds until the step target resolves."""
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "keep_freed_memory": True}) as me:
-        gc.collect()
-        gc.freeze()
-        device, dims = me.device, [s for _, s in shapes.shapes()]
-        storage: Dict[torch.dtype, List[torch.Tensor]] = {}
-        x = models.shape_input(len(dims), rank, device)
-        runs: Dict[str, Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
-        for m in methods:
-            dtype = param_dtype(m)
-            storage.setdefault(dtype, models.filled(dims, dtype, device))
-            wrapper, opt = make_method(m, build_model(dims, m, storage[dtype], device), device)
-            step = make_step(m, wrapper, opt, x, device)
-            for _ in range(cfg["setup_steps"]):  # bucket rebuilds, optimizer state allocation
-                step()
-            runner.settle(opt)
-            opt.zero_grad(set_to_none=True)
-            runs[m] = (wrapper, opt, step)
-            me.tick()
+    cfg, device, dims = me.cfg, me.device, [s for _, s in shapes.shapes()]
+    storage: Dict[torch.dtype, List[torch.Tensor]] = {}
+    x = models.shape_input(len(dims), me.rank, device)
 
-        def after(m: str) -> None:  # the last step's all-gathers drained untimed
-            runner.settle(runs[m][1])
-            runs[m][1].zero_grad(set_to_none=True)
+    def make(m: str) -> Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+        dtype = param_dtype(m)
+        if dtype not in storage:  # one copy of the weights per dtype
+            storage[dtype] = models.filled(dims, dtype, device)
+        wrapper, opt = make_method(m, build_model(dims, m, storage[dtype], device), device)
+        return wrapper, opt, make_step(m, wrapper, opt, x, device)
 
-        goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
-        samples, _ = runner.timed_rounds({m: r[2] for m, r in runs.items()}, 1, cfg["reps"], cfg["max_reps"], goal, device,
-                                         me.tick, before=lambda m: runs[m][2](), after=after)  # fmt: skip
-        me.tick(len(methods) * (cfg["max_reps"] - len(samples[methods[0]])))
-        runs.clear()
-        me.save({"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples})
+    runs, _ = runner.start_runs(me, methods, make)
+    goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
+    samples = runner.optimizer_rounds(me, runs, 1, cfg["reps"], cfg["max_reps"], goal)
+    runs.clear()
+    return {"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples}
 
 
-# ---------------------------------------------------------------------------
 # Phase 3: quality (the tiny causal LM, every recipe in one process pair)
-# ---------------------------------------------------------------------------
+def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
+    steps, runs, seconds = me.cfg["quality_steps"], {}, {}
+    for name in me.cfg["quality_runs"]:
+        t0 = time.perf_counter()
+        runs[name] = tiny_lm.train(me.rank, me.ws, "fastcoll" if name in FASTCOLL else name, steps,
+                                   grads=name if name in FASTCOLL else "sharded", lr=QUALITY_LR,
+                                   micro_batches=QUALITY_MICRO_BATCHES, masters=True)  # fmt: skip
+        seconds[name] = time.perf_counter() - t0
+        gc.collect()
+        me.tick()
+    if me.rank != 0:
+        return None
+    init = tiny_lm.flat_weights(tiny_lm.TinyCausalLM())
+    metrics = tiny_lm.quality_metrics(runs, init)
+    return {"steps": steps, "params": int(init.numel()),
+            "runs": {n: {**metrics[n], "losses": runs[n]["losses"], "seconds": seconds[n]} for n in runs}}  # fmt: skip
 
 
-def _quality_worker(rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]) -> None:
-    steps = cfg["quality_steps"]
-    with runner.Rank(rank, ws, store_path, out_path, progress_q, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}) as me:
-        runs: Dict[str, Dict[str, Any]] = {}
-        seconds: Dict[str, float] = {}
-        for name in cfg["quality_runs"]:
-            recipe = "fastcoll" if name in FASTCOLL else name
-            t0 = time.perf_counter()
-            runs[name] = tiny_lm.train(rank, ws, recipe, steps, grads=name if name in FASTCOLL else "sharded",
-                                       lr=QUALITY_LR, micro_batches=QUALITY_MICRO_BATCHES, masters=True)  # fmt: skip
-            seconds[name] = time.perf_counter() - t0
-            gc.collect()
-            me.tick()
-        if rank == 0:
-            init = tiny_lm.flat_weights(tiny_lm.TinyCausalLM())
-            metrics = tiny_lm.quality_metrics(runs, init)
-            out = {
-                "steps": steps,
-                "params": int(init.numel()),
-                "runs": {n: {**metrics[n], "losses": runs[n]["losses"], "seconds": seconds[n]} for n in runs},
-            }
-            me.save(out)
-
-
-# ---------------------------------------------------------------------------
 # Analysis
-# ---------------------------------------------------------------------------
-
-
 def _target(value: Optional[float], threshold: float, ci: Optional[Sequence[float]], what: str, interval: str) -> Dict[str, Any]:
     t = stats.target(value, threshold, ci, "le", interval)
     t["what"] = what
     return t
-
-
-def step_ratio(groups: Sequence[Dict[str, Any]], a: str, b: str) -> Tuple[Optional[float], Optional[Sequence[float]]]:
-    """``a``'s median step over ``b``'s and its paired 90% interval, from the group timing both."""
-    g = next((g for g in groups if a in g["samples"] and b in g["samples"]), None)
-    if g is None:
-        return None, None
-    t = stats.ratio_target(g["samples"], a, b, 1.0)
-    return t["value"], t["ci90"]
 
 
 def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -405,25 +307,15 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     mem, groups = row["memory"], row["groups"]
     methods: Dict[str, Dict[str, Any]] = {}
     for m in METHODS:
-        entry: Dict[str, Any] = {}
-        g = next((grp for grp in groups if m in grp["samples"]), None)
-        if g is not None:
-            entry.update(stats.summarize(g["samples"][m]))
         ranks = mem.get(m, {}).get("ranks") or []
+        entry = stats.method_entry(groups, ranks, m, ("held", "peak_bytes", "live_peak_bytes", "live_by_phase"))
         if ranks:
             numel = ranks[0]["numel"]
-            entry["held"] = [r["held"] for r in ranks]
-            entry["peak_bytes"] = [r["peak_bytes"] for r in ranks]
-            entry["live_peak_bytes"] = [r.get("live_peak_bytes") for r in ranks]
-            entry["live_by_phase"] = [r.get("live_by_phase") for r in ranks]
-            entry["buckets"] = ranks[0].get("buckets")
-            held = max(r["held"]["total"] for r in ranks)
-            entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
-            entry["bytes_per_param"]["held"] = held / numel
-            pk = [p for p in entry["peak_bytes"] if p is not None]
-            lv = [p for p in entry["live_peak_bytes"] if p is not None]
-            entry["bytes_per_param"]["peak"] = max(pk) / numel if pk else None
-            entry["bytes_per_param"]["live"] = max(lv) / numel if lv else None
+            bpp = entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
+            bpp["held"] = max(r["held"]["total"] for r in ranks) / numel
+            for key, name in (("peak_bytes", "peak"), ("live_peak_bytes", "live")):
+                known = [p for p in entry[key] if p is not None]
+                bpp[name] = max(known) / numel if known else None
         entry["readme_bytes_per_param"] = README_BYTES_PER_PARAM[m][0]
         methods[m] = entry
     row["methods"] = methods
@@ -431,28 +323,25 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     targets: Dict[str, Any] = {}
     base = methods["autocast"]
     for m in FASTCOLL:
-        me = methods[m]
-        pk, bpk = me.get("peak_bytes"), base.get("peak_bytes")
-        if pk and bpk and None not in pk and None not in bpk and all(bpk):
-            per_rank = [a / b for a, b in zip(pk, bpk)]
+        per_rank = stats.per_rank_ratios(methods[m].get("peak_bytes"), base.get("peak_bytes"))
+        if per_rank:
             targets[f"memory {m}/autocast"] = _target(max(per_rank), MEMORY_VS_AUTOCAST, (min(per_rank), max(per_rank)),
                                                       f"peak resident growth per rank, {METHOD_LABELS[m]} / autocast's",
                                                       "range over ranks")  # fmt: skip
-        value, ci = step_ratio(groups, m, "autocast")
-        if value is not None:
-            targets[f"step {m}/autocast"] = _target(value, STEP_VS_AUTOCAST, ci, f"step, {METHOD_LABELS[m]} / autocast's",
-                                                    "90% bootstrap (rounds)")  # fmt: skip
+        t = stats.group_target(groups, m, "autocast", STEP_VS_AUTOCAST)
+        if t["value"] is not None:
+            targets[f"step {m}/autocast"] = {**t, "what": f"step, {METHOD_LABELS[m]} / autocast's"}
     ratios: Dict[str, Any] = {}
     for m in METHODS:
         if m == "autocast":
             continue
-        value, ci = step_ratio(groups, m, "autocast")
-        ratios[f"step {m}/autocast"] = {"value": value, "ci90": list(ci) if ci else None}
+        t = stats.group_target(groups, m, "autocast")
+        ratios[f"step {m}/autocast"] = {"value": t["value"], "ci90": t["ci90"]}
         me = methods[m]
         for what in ("peak_bytes", "live_peak_bytes"):
-            a, b = me.get(what), base.get(what)
-            if a and b and None not in a and None not in b and all(b):
-                ratios[f"{what} {m}/autocast"] = max(x / y for x, y in zip(a, b))
+            per_rank = stats.per_rank_ratios(me.get(what), base.get(what))
+            if per_rank:
+                ratios[f"{what} {m}/autocast"] = max(per_rank)
         if me.get("held") and base.get("held"):
             ratios[f"held {m}/autocast"] = max(x["total"] / y["total"] for x, y in zip(me["held"], base["held"]))
     row["ratios"] = ratios
@@ -474,11 +363,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     return row
 
 
-# ---------------------------------------------------------------------------
 # Entry points
-# ---------------------------------------------------------------------------
-
-
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the three phases; return ``{"benchmark": "zero_bf16", "config", "implementation", "results": [row], "quality"}``."""
     device = getattr(args, "device", "cpu") or "cpu"
@@ -487,68 +372,45 @@ def measure(args: Any = None) -> Dict[str, Any]:
     shapes = model_shapes(cfg)
     units = len(METHODS) + len(TIMED) * (cfg["max_reps"] + 1) + len(cfg["quality_runs"])
     started = time.perf_counter()
-    implementation, malloc = None, None
     with report.progress("zero bf16", units) as bar:
         memory: Dict[str, Any] = {}
         for m in METHODS:
             bar.describe(f"zero bf16: {shapes.label}, memory of {METHOD_LABELS[m]}")
-            memory[m] = runner.run_ranks(_memory_worker, (cfg, shapes, m), ws, bar)
+            memory[m] = runner.run_ranks(_memory, cfg, (shapes, m), ws, bar)
         bar.describe(f"zero bf16: {shapes.label}, timing {', '.join(METHOD_LABELS[m] for m in TIMED)}")
-        timed = runner.run_ranks(_timing_worker, (cfg, shapes, TIMED), ws, bar)
+        timed = runner.run_ranks(_timing, {**cfg, "keep_freed_memory": True, "freeze": True}, (shapes, TIMED), ws, bar)
         implementation, malloc = timed.pop("implementation"), timed.pop("malloc")
         bar.describe(f"zero bf16: quality, the tiny causal LM ({len(cfg['quality_runs'])} runs)")
-        quality = runner.run_ranks(_quality_worker, (cfg,), 2, bar)
-    row = {
-        "model": shapes.name,
-        "label": shapes.label,
-        "shapes": dataclasses.asdict(shapes),
-        "numel": shapes.numel(),
-        "world_size": ws,
-        "memory": memory,
-        "groups": [timed],
-    }
+        quality = runner.run_ranks(_quality, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}, (), 2, bar)
+    row = {"model": shapes.name, "label": shapes.label, "shapes": dataclasses.asdict(shapes), "numel": shapes.numel(),
+           "world_size": ws, "memory": memory, "groups": [timed]}  # fmt: skip
     analyze(row, quality)
-    return {
-        "benchmark": "zero_bf16",
-        "config": {
-            **cfg,
-            "methods": METHOD_DESCRIPTIONS,
-            "timed": list(TIMED),
-            "adamw": models.adamw_kwargs(device, (torch.float32, BF16)),
-            "model": "MatmulShapeModel: one module per parameter of GPT-2's shapes, forward = sum_i "
-            "linalg.vecdot(W_i, ones(cols_i)).sum() * x_i (1-D: W_i.sum()), float32 terms",
-            "step": "opt.zero_grad(set_to_none=True); loss = wrapper(x) (autocast: in torch.autocast(bfloat16)); "
-            "loss.backward(); opt.step()  (steady state: an untimed lead-in iteration, timed iterations each waiting "
-            "for the previous one's all-gathers, the last all-gathers drained untimed)",
-            "memory": "held: bytes of the distinct storages of the parameters, .grad after backward, buckets, optimizer "
-            "state and masters; peak: growth of VmHWM over VmRSS before the model is built (fresh process pair per "
-            "method, after a warm-up on tiny shapes and malloc_trim); live: glibc mallinfo2 after each phase"
-            if device == "cpu"
-            else "held bytes; peak: max_memory_allocated growth",
-            "malloc_timing": malloc or "unchanged",
-            "readme_bytes_per_param": {m: {"value": v, "how": how} for m, (v, how) in README_BYTES_PER_PARAM.items()},
-            "quality_model": "tiny_lm.TinyCausalLM (2 pre-norm layers, d=32, 4 heads, vocabulary 32, 16 tokens), "
-            f"{tiny_lm.BATCH} sequences per micro-batch and rank, {QUALITY_MICRO_BATCHES} micro-batches per step, "
-            f"AdamW lr {QUALITY_LR}, 2 gloo ranks",
-            "targets": {
-                "memory": f"sharded's peak per rank <= {MEMORY_VS_AUTOCAST}x autocast's",
-                "step": f"sharded's step <= {STEP_VS_AUTOCAST}x autocast's",
-                "distance": f"(c)'s weight distance from (a) <= {DISTANCE_VS_BF16} x (b)'s",
-                "loss": f"(c)'s final loss within {LOSS_GAP:.0%} of (a)'s",
-            },
-            "elapsed_s": time.perf_counter() - started,
-        },
-        "implementation": implementation,
-        "results": [row],
-        "quality": quality,
-    }
+    cpu_memory = ("held: bytes of the distinct storages of the parameters, .grad after backward, buckets, optimizer state "
+                  "and masters; peak: growth of VmHWM over VmRSS before the model is built (fresh process pair per method, "
+                  "after a warm-up on tiny shapes and malloc_trim); live: glibc mallinfo2 after each phase")  # fmt: skip
+    settings = {
+        **cfg, "methods": METHOD_DESCRIPTIONS, "timed": list(TIMED), "adamw": models.adamw_kwargs(device, (torch.float32, BF16)),
+        "model": "MatmulShapeModel: one module per parameter of GPT-2's shapes, forward = sum_i "
+        "linalg.vecdot(W_i, ones(cols_i)).sum() * x_i (1-D: W_i.sum()), float32 terms",
+        "step": "opt.zero_grad(set_to_none=True); loss = wrapper(x) (autocast: in torch.autocast(bfloat16)); "
+        "loss.backward(); opt.step()  (steady state: an untimed lead-in iteration, timed iterations each waiting "
+        "for the previous one's all-gathers, the last all-gathers drained untimed)",
+        "memory": cpu_memory if device == "cpu" else "held bytes; peak: max_memory_allocated growth",
+        "malloc_timing": malloc or "unchanged",
+        "readme_bytes_per_param": {m: {"value": v, "how": how} for m, (v, how) in README_BYTES_PER_PARAM.items()},
+        "quality_model": "tiny_lm.TinyCausalLM (2 pre-norm layers, d=32, 4 heads, vocabulary 32, 16 tokens), "
+        f"{tiny_lm.BATCH} sequences per micro-batch and rank, {QUALITY_MICRO_BATCHES} micro-batches per step, "
+        f"AdamW lr {QUALITY_LR}, 2 gloo ranks",
+        "targets": {"memory": f"sharded's peak per rank <= {MEMORY_VS_AUTOCAST}x autocast's",
+                    "step": f"sharded's step <= {STEP_VS_AUTOCAST}x autocast's",
+                    "distance": f"(c)'s weight distance from (a) <= {DISTANCE_VS_BF16} x (b)'s",
+                    "loss": f"(c)'s final loss within {LOSS_GAP:.0%} of (a)'s"},
+        "elapsed_s": time.perf_counter() - started,
+    }  # fmt: skip
+    return {"benchmark": "zero_bf16", "config": settings, "implementation": implementation, "results": [row], "quality": quality}
 
 
-# ---------------------------------------------------------------------------
 # Output
-# ---------------------------------------------------------------------------
-
-
 def print_results(payload: Dict[str, Any]) -> None:
     """Step times, bytes per rank by kind, live heap by phase, the quality runs and the targets."""
     cfg, (row,), mib = payload["config"], payload["results"], report.mib
@@ -619,10 +481,6 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
 
 def supported() -> bool:
     """Whether this checkout's fastcoll.DDP has ``main_grad_dtype`` and its ShardedOptimizer ``master_dtype``."""
-    import inspect
-
-    import fastcoll
-
     if not hasattr(fastcoll, "ShardedOptimizer") or not runner.ddp_supports(("main_grad_dtype",)):
         return False
     return "master_dtype" in inspect.signature(fastcoll.ShardedOptimizer).parameters
@@ -642,31 +500,23 @@ def json_path(args: Any, device: str) -> Path:
 
 def run_section(args: Any = None) -> int:
     """Measure, print, write JSON and the chart (the caller checked the device). Returns 0 (nothing is asserted)."""
-    device = getattr(args, "device", "cpu") or "cpu"
     if not supported():
         report.say("[yellow]fastcoll.bench zero bf16: this checkout has no main_grad_dtype / master_dtype; skipping[/yellow]")
         return 0
-    report.say(
-        "[dim]bf16 section: GPT-2 shapes (synthetic: one module per parameter, forward = each "
-        "weight's rows dotted with ones) in bfloat16 with torch DDP, in float32 with autocast, and with fastcoll's "
-        "main gradients + sharded float32 masters; then the tiny causal LM's quality runs.[/dim]"
-    )
+    report.say("[dim]bf16 section: GPT-2 shapes (synthetic: one module per parameter, forward = each weight's rows dotted "
+               "with ones) in bfloat16 with torch DDP, in float32 with autocast, and with fastcoll's main gradients + "
+               "sharded float32 masters; then the tiny causal LM's quality runs.[/dim]")  # fmt: skip
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for t in payload["results"][0]["targets"].values()]
-    report.targets_summary("bf16", [t for _, t in named], [w for w, _ in named])
-    path = json_path(args, device)
-    report.write_json(path, payload, device)
-    png = chart(path.with_suffix(".png"), payload)
-    report.say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
+    report.conclude("bf16", json_path(args, payload["config"]["device"]), payload, named, chart)
     return 0
 
 
 def run(args: Any = None) -> int:
     """This section alone (``python -m fastcoll.bench.zero_bf16``), with :func:`fastcoll.bench.zero.run`'s device checks."""
     device = getattr(args, "device", "cpu") or "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        report.say("[red]fastcoll.bench zero bf16: --device cuda but torch.cuda.is_available() is False[/red]")
+    if report.no_gpu("zero bf16", device):
         return 2
     if device == "cuda" and torch.cuda.device_count() < 2:
         report.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
