@@ -28,6 +28,7 @@ from typing import Any, Collection, Dict, List, Optional
 
 import torch
 
+from .._backref import BackRef, weak_method
 from .bucket import MainGradBucket
 from .grad_guard import GradientBook, ShardedGradient, is_guard
 from .shards import Piece, flat_view
@@ -53,6 +54,8 @@ class KeptGradients:
         advice: What a refused operation on a guard should do instead (the layer that divided the buckets knows).
     """
 
+    reducer = BackRef()  # the reducer holds this object: no cycle back to it
+
     def __init__(self, reducer: Any, advice: str):
         self.reducer = reducer
         self.sharded = reducer.shard_grads is not None
@@ -68,7 +71,9 @@ class KeptGradients:
             for pc in pcs:
                 self.pieces_of.setdefault(pc.param, []).append((bs.pos, pc))
         where = "the ranks each hold a range of it" if self.sharded else "it is a float32 main gradient, in its bucket"
-        self.book = GradientBook(self.held_of, not self.sharded, self.reset_param, reducer.names, where, advice)
+        # The guards in .grad hold the book: its callbacks hold this object weakly (no cycle through the guards).
+        held, reset = weak_method(self.held_of), weak_method(self.reset_param)
+        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
 

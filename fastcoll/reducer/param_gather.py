@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from .._backref import BackRef
 from .bucket import MainGradBucket, for_each_run
 from .usage import unreachable_parameters
 
@@ -65,6 +66,8 @@ class ParamGather:
             gradients, consumed by the step): zeroed once the parameters are written, ready to accumulate.
         moved: Reducer indices of the parameters that live in their bucket's stage (nothing to write back).
     """
+
+    reducer = BackRef()  # the reducer holds this object: no cycle back to it
 
     def __init__(
         self,
