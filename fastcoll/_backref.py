@@ -47,8 +47,12 @@ class BackRef:
         obj.__dict__[self.slot] = weakref.ref(value)
 
 
-def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+def weak_method(method: Callable[..., Any], gone: Optional[str] = None) -> Callable[..., Any]:
     """``method`` (a bound method) as a plain function holding its object weakly.
+
+    Args:
+        method: A bound method.
+        gone: The message of the error raised when the method's object was freed (default: a generic one).
 
     Raises:
         ReferenceError: when called after the method's object was freed.
@@ -60,7 +64,7 @@ def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = ref()
         if bound is None:
-            raise _gone(owner, f"{name} callback")
+            raise ReferenceError(gone) if gone else _gone(owner, f"{name} callback")
         return bound(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name

@@ -46,6 +46,12 @@ def memory_order_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return flat_view(g)
 
 
+_ORPHANED = (
+    "fastcoll: this .grad belongs to a fastcoll.DDP that was deleted, and its synchronized values with it; "
+    "reset it with p.grad = None (or module.zero_grad())"
+)
+
+
 class KeptGradients:
     """The kept gradients of a sharded reducer (see the module docstring).
 
@@ -72,7 +78,7 @@ class KeptGradients:
                 self.pieces_of.setdefault(pc.param, []).append((bs.pos, pc))
         where = "the ranks each hold a range of it" if self.sharded else "it is a float32 main gradient, in its bucket"
         # The guards in .grad hold the book: its callbacks hold this object weakly (no cycle through the guards).
-        held, reset = weak_method(self.held_of), weak_method(self.reset_param)
+        held, reset = weak_method(self.held_of, _ORPHANED), weak_method(self.reset_param, _ORPHANED)
         self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
