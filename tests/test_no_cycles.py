@@ -2,7 +2,7 @@
 
 PyTorch's ``test_no_cyclic_references`` (test/optim/test_lrscheduler.py)
 deletes an optimizer with the garbage collector disabled and expects nothing
-left for ``gc.collect()``. Here, on 1 and 2 gloo ranks, each case builds a
+left for ``gc.collect()``. Here, on 1, 2 and 3 gloo ranks, each case builds a
 ``fastcoll.DDP`` and a ``ShardedOptimizer`` (both gradient modes, float32 and
 bfloat16 with float32 main gradients and masters, with and without the
 all-gather overlapping the next forward), trains 2 steps (LR scheduler on
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 CAPS = dict(bucket_cap_mb=0.0004, first_bucket_mb=0.0002)  # several small buckets: pieces straddle the ranges
 STEPS = 2
 
-#: name -> (grads, bfloat16 model, overlap_param_gather, keep the inner module, control cycle)
+#: name -> (grads, bfloat16 model, overlap_param_gather, keep the inner module (how it is read first), control cycle)
 CASES: Dict[str, tuple] = {
     "full-fp32": ("full", False, False, False, False),
     "sharded-fp32": ("sharded", False, False, False, False),
@@ -45,7 +45,8 @@ CASES: Dict[str, tuple] = {
     "full-fp32-overlap": ("full", False, True, False, False),
     "sharded-bf16-overlap": ("sharded", True, True, False, False),
     # The user keeps the unwrapped module and drops the wrapper and optimizer with all-gathers still pending.
-    "full-fp32-overlap-keep-module": ("full", False, True, True, False),
+    "full-fp32-overlap-keep-module": ("full", False, True, "state_dict", False),
+    "sharded-fp32-overlap-keep-module": ("sharded", False, True, "forward", False),
     "control": ("full", False, False, False, True),
 }
 
@@ -95,7 +96,7 @@ def batch(step: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * step + rank)).to(dtype)
 
 
-def train(grads: str, bf16: bool, overlap: bool, keep_module: bool, control: bool, rank: int) -> Dict[str, Any]:
+def train(grads: str, bf16: bool, overlap: bool, keep_module: Any, control: bool, rank: int) -> Dict[str, Any]:
     """DDP + ShardedOptimizer + scheduler, ``STEPS`` steps; the objects to watch (and the module when kept)."""
     torch.manual_seed(0)
     low = torch.bfloat16 if bf16 else torch.float32
@@ -139,11 +140,17 @@ def cycles_worker(rank: int, world: int, names: List[str]) -> Dict[str, Any]:
         module = got.pop("kept")
         if module is not None:
             # The all-gathers pending at the deletion complete when the kept module is read (its state_dict
-            # pre-hook), with the values of a run that waited for them in step(): bitwise.
+            # pre-hook) or run (its modules' forward pre-hooks), with the values of a run that waited for them in
+            # step(): bitwise.
             expected = final_params(grads, bf16, rank)
-            state = module.state_dict()
+            if keep_module == "forward":
+                with torch.no_grad():
+                    module(batch(0, rank, torch.float32))
+                state = {k: p.detach() for k, p in module.named_parameters()}  # read bypassing state_dict's hook
+            else:
+                state = module.state_dict()
             got["kept_module_matches"] = all(torch.equal(state[k], v) for k, v in expected.items())
-            module.zero_grad()
+            module.zero_grad()  # guarded gradients left by the deleted DDP: reset as the docs advise
             module(batch(0, rank, torch.float32)).sum().backward()  # the module trains alone, unsynchronized
             got["kept_module_trains"] = all(p.grad is not None for p in module.parameters())
         out[name] = got
@@ -170,7 +177,7 @@ def ddp_only_worker(rank: int, world: int) -> Dict[str, Any]:
     return leftovers(build)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_freed_without_the_cyclic_collector(world: int) -> None:
     names = list(CASES)
     results = run_ranks(cycles_worker, world, names, timeout=240)
