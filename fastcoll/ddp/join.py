@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .._backref import BackRef
 from ..stall import protected_wait, run_collective
 from .broadcast import broadcast_coalesced
 
@@ -34,6 +35,8 @@ __all__ = ["DDPJoinHook", "JoinState", "JoinSupport"]
 
 class JoinState:
     """A wrapper's join bookkeeping: the active-rank count and the requires-sync flag in flight."""
+
+    ddp = BackRef()  # the wrapper holds this state: no cycle back to it
 
     def __init__(self, ddp: Any):
         self.ddp = ddp

@@ -577,10 +577,22 @@ def _redirect(optimizer: torch.optim.Optimizer, sharded: "ShardedOptimizer") -> 
     loads the state through the ShardedOptimizer; stepping it directly is refused. Its class becomes a subclass
     of its own class with those methods (isinstance holds), holding the ShardedOptimizer weakly: no cycle.
     """
-    cls = type(optimizer)
     optimizer._fastcoll_sharded = weakref.ref(sharded)  # type: ignore[attr-defined]
     optimizer.__dict__.pop("step", None)  # an LR scheduler's counting wrapper of the old step
-    optimizer.__class__ = type(cls.__name__, (cls,), {**_ANSWERS, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    optimizer.__class__ = _answering_class(type(optimizer))
+
+
+#: Per torch optimizer class, its answering subclass: made once, as a class is always in a reference cycle with
+#: its own ``__mro__`` (one class per wrapped optimizer would be garbage for the cyclic collector when it is freed).
+_ANSWERING: Dict[type, type] = {}
+
+
+def _answering_class(cls: type) -> type:
+    """The subclass of ``cls`` whose ``step``/``zero_grad``/``state_dict``/``load_state_dict`` are :data:`_ANSWERS`."""
+    if cls not in _ANSWERING:
+        namespace = {**_ANSWERS, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _ANSWERING[cls] = type(cls.__name__, (cls,), namespace)
+    return _ANSWERING[cls]
 
 
 def _owner(optimizer: Any) -> "ShardedOptimizer":

@@ -28,6 +28,7 @@ from typing import Any, Collection, Dict, List, Optional
 
 import torch
 
+from .._backref import BackRef, weak_method
 from .bucket import MainGradBucket
 from .grad_guard import GradientBook, ShardedGradient, is_guard
 from .shards import Piece, flat_view
@@ -45,6 +46,12 @@ def memory_order_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return flat_view(g)
 
 
+_ORPHANED = (
+    "fastcoll: this .grad belongs to a fastcoll.DDP that was deleted, and its synchronized values with it; "
+    "reset it with p.grad = None (or module.zero_grad())"
+)
+
+
 class KeptGradients:
     """The kept gradients of a sharded reducer (see the module docstring).
 
@@ -52,6 +59,8 @@ class KeptGradients:
         reducer: The reducer, sharded already.
         advice: What a refused operation on a guard should do instead (the layer that divided the buckets knows).
     """
+
+    reducer = BackRef()  # the reducer holds this object: no cycle back to it
 
     def __init__(self, reducer: Any, advice: str):
         self.reducer = reducer
@@ -68,7 +77,9 @@ class KeptGradients:
             for pc in pcs:
                 self.pieces_of.setdefault(pc.param, []).append((bs.pos, pc))
         where = "the ranks each hold a range of it" if self.sharded else "it is a float32 main gradient, in its bucket"
-        self.book = GradientBook(self.held_of, not self.sharded, self.reset_param, reducer.names, where, advice)
+        # The guards in .grad hold the book: its callbacks hold this object weakly (no cycle through the guards).
+        held, reset = weak_method(self.held_of, _ORPHANED), weak_method(self.reset_param, _ORPHANED)
+        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
 

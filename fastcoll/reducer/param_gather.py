@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from .._backref import BackRef
 from .bucket import MainGradBucket, for_each_run
 from .usage import unreachable_parameters
 
@@ -66,6 +67,8 @@ class ParamGather:
         moved: Reducer indices of the parameters that live in their bucket's stage (nothing to write back).
     """
 
+    reducer = BackRef()  # the reducer holds this object: no cycle back to it
+
     def __init__(
         self,
         reducer: Any,
@@ -76,6 +79,11 @@ class ParamGather:
         moved: Collection[int] = (),
     ):
         self.reducer = reducer
+        # What the all-gathers need, held here: one still pending when the reducer is freed (its module kept, the
+        # fastcoll.DDP deleted) is still waited for and written by the module's hooks and state_dict.
+        self.comm = reducer.comm
+        self.layout = reducer.shards
+        self.buckets = {pos: reducer.buckets[pos] for pos in stages}
         moved = set(moved)
         #: Per bucket position, per slot: written back after the all-gather (stepped, not living in the stage).
         self.staged = {pos: [stepped[i] and i not in moved for i in reducer.buckets[pos].param_indices] for pos in stages}
@@ -111,7 +119,7 @@ class ParamGather:
 
         Buckets are in reduction order, the reverse of the forward's, whose first modules wait for the last buckets.
         """
-        return [bs.pos for bs in reversed(self.reducer.shards.buckets) if bs.padded]
+        return [bs.pos for bs in reversed(self.layout.buckets) if bs.padded]
 
     def begin_step(self) -> None:
         """Before the ranges are updated: the last step's all-gathers written; a fresh record of times."""
@@ -130,8 +138,7 @@ class ParamGather:
         ``values``: per piece of this rank's range (in order), the 1-D values to pack there, or None where the
         range holds them already (a parameter living in the bucket's buffer).
         """
-        r = self.reducer
-        layout = r.shards
+        layout = self.layout
         k = next(j for j, bs in enumerate(layout.buckets) if bs.pos == pos)
         bs, pieces = layout.buckets[k], layout.pieces[k]
         self.mark(pos, "pack")
@@ -142,10 +149,10 @@ class ParamGather:
             end = pieces[-1].at + pieces[-1].numel
             present = [v is not None for v in values]
             for_each_run(present, at, end, lambda a, z, lo, hi: ops.flatten_scale(values[a:z], own[lo:hi]))
-        b = r.buckets[pos]
+        b = self.buckets[pos]
         if pos in self.borrowed and isinstance(b, MainGradBucket):
             b.consumed = True  # its memory holds the parameters now: a backward must not accumulate onto it
-        handle = r.comm.all_gather(stage, own, f"parameters of bucket {pos}")
+        handle = self.comm.all_gather(stage, own, f"parameters of bucket {pos}")
         self._pending[pos] = handle
         if self.record_times:
             self.mark(pos, "issued")
@@ -166,7 +173,7 @@ class ParamGather:
                 times = self.times.get(pos) if self.record_times else None
                 if times is not None:
                     times["wait"] = _ns()
-                self.reducer.comm.wait(handle, f"parameters of bucket {pos}")
+                self.comm.wait(handle, f"parameters of bucket {pos}")
                 if times is not None:
                     times["waited"] = _ns()
                 self._write(pos)
@@ -179,7 +186,7 @@ class ParamGather:
             self.wait(sorted(self._pending))
 
     def _write(self, pos: int) -> None:
-        b = self.reducer.buckets[pos]
+        b = self.buckets[pos]
         staged = self.staged[pos]
         if any(staged):
             stage = self.stages[pos]

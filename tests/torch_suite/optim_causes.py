@@ -66,8 +66,9 @@ DIAGNOSED: Dict[str, str] = {
     "test_load_state_dict_post_hook": "ShardedOptimizer.load_state_dict() ignores register_load_state_dict_post_hook "
     "hooks, silently",
     "test_load_state_dict_pre_post_hook": "ShardedOptimizer.load_state_dict() ignores load_state_dict pre/post hooks, silently",
-    "test_no_cyclic_references": "a ShardedOptimizer is in reference cycles (the reducer's on_backward/on_forward/"
-    "on_synchronized callbacks and the module hooks hold it): freed only by the cyclic garbage collector",
+    "test_no_cyclic_references": "a fastcoll object (ShardedOptimizer, DDP, reducer or a part) is in a reference cycle: "
+    "freed only by the cyclic garbage collector (tests/test_no_cycles.py names the types; back-references go "
+    "through fastcoll._backref)",
     "test_fused_error_on_params_on_meta|meta tensors": "ShardedOptimizer's constructor calls float(step) on a "
     "meta-device state tensor (_has_stepped): torch's error instead of a fastcoll message",
     "test_fused_error_on_params_on_meta|RuntimeError not raised": "grads='sharded': a p.grad set by hand (no "
