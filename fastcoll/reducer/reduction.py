@@ -306,55 +306,44 @@ def _sum_received(comm: Communicator, b: GradBucket, recv: torch.Tensor, out: to
         ops.sum_chunks(recv.view(comm.world_size, b.padded // comm.world_size), out, scale)
 
 
-def _own_range(comm: Communicator, b: GradBucket) -> torch.Tensor:
-    shard = b.padded // comm.world_size
-    return b.comm_padded[comm.rank * shard : (comm.rank + 1) * shard]
+def _own_range(comm: Communicator, padded: torch.Tensor) -> torch.Tensor:
+    """This rank's range of a bucket-long buffer (its ``world_size`` equal ranges, :mod:`.shards`)."""
+    shard = padded.numel() // comm.world_size
+    return padded[comm.rank * shard : (comm.rank + 1) * shard]
 
 
-class _Gathered(InFlight):
+class _Gathered(_Reduced):
     """Phase one: the all-to-all; :meth:`settle`: the float32 sum into this rank's range, the all-gather."""
 
-    __slots__ = ("bucket", "recv", "scale")
+    __slots__ = ("recv", "scale")
 
     def __init__(self, bucket: GradBucket, handle: Any, recv: Optional[torch.Tensor], scale: float, timeline, comm):
-        super().__init__(handle, timeline, comm, f"bucket {bucket.pos}")
-        self.bucket = bucket
+        super().__init__(bucket, handle, timeline, comm)
         self.recv = recv  # None once settled
         self.scale = scale
+
+    def _into(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Where the all-gather lands (the bucket's wire buffer) and this rank's range of it."""
+        return self.bucket.comm_padded, _own_range(self.comm, self.bucket.comm_padded)
 
     def settle(self) -> None:
         if self.recv is None:
             return
         b, comm = self.bucket, self.comm
         self.wait()
-        own = _own_range(comm, b)
+        gathered, own = self._into()
         _sum_received(comm, b, self.recv, own, self.scale)
         self.recv = None
-        self.handle = comm.all_gather(b.comm_padded, own, f"bucket {b.pos}")
-        self.timeline.watch(self.handle, b.pos)
+        self.handle = comm.all_gather(gathered, own, f"bucket {b.pos}")
+        if self.timeline is not None:
+            self.timeline.watch(self.handle, b.pos)
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         self.settle()
-        self.wait()
-        _write_back(self.timeline, self.bucket, self.bucket.comm, used, sumsq)
+        super().finish(used, sumsq)
 
 
-class _Pipelined:
-    """Keeps the last bucket started, whose second phase is issued when the next one starts."""
-
-    def __init__(self, comm: Communicator, timeline: Timeline):
-        self.comm = comm
-        self.timeline = timeline
-        self._last: Optional[InFlight] = None
-
-    def _started(self, f: InFlight) -> InFlight:
-        last, self._last = self._last, f
-        if last is not None:
-            last.settle()  # a no-op when finalize settled it already
-        return f
-
-
-class AccumAllReduce(_Pipelined):
+class AccumAllReduce(AllReduce):
     """All-reduce with 16-bit values on the wire, summed in float32 (``comm_accum_dtype``): two roundings whatever N.
 
     The pack casts to the 16-bit wire dtype (unscaled); an all-to-all sends
@@ -364,7 +353,22 @@ class AccumAllReduce(_Pipelined):
     (its second phase, :meth:`InFlight.settle`) completes the bucket, which
     is unpacked as after an all-reduce. A ring all-reduce in 16 bits rounds
     N-1 times.
+
+    The all-gather of bucket k is issued when bucket k+1 starts (the last
+    one's by the reducer at the start of finalize), in bucket order on every
+    rank: that start waits for bucket k's all-to-all (usually complete by
+    then: it was issued a bucket's worth of backward earlier).
     """
+
+    def __init__(self, comm: Communicator, timeline: Timeline):
+        super().__init__(comm, timeline)
+        self._last: Optional[InFlight] = None  # the last bucket started: its second phase is due at the next start
+
+    def _started(self, f: InFlight) -> InFlight:
+        last, self._last = self._last, f
+        if last is not None:
+            last.settle()  # a no-op when finalize settled it already
+        return f
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         pack, scale = _wire_and_scale(how)
@@ -382,33 +386,22 @@ class AccumAllReduce(_Pipelined):
         return self._started(_ZeroGathered(b, handle, recv, _wire_and_scale(how)[1], self.comm))
 
 
-class _ZeroGathered(InFlight):
-    """A joined rank's replay of :class:`_Gathered`: the same two collectives, nothing written back.
+class _ZeroGathered(_Gathered):
+    """A joined rank's replay of :class:`_Gathered`: the same two collectives, into buffers of its own.
 
     The training ranks' values of this rank's range still arrive here: their
     sum (times the training ranks' ``scale``) is this rank's share of the
-    all-gather, as on a training rank.
+    all-gather, as on a training rank; nothing is written back.
     """
 
-    __slots__ = ("bucket", "recv", "scale")
+    __slots__ = ()
 
     def __init__(self, bucket: GradBucket, handle: Any, recv: Optional[torch.Tensor], scale: float, comm: Communicator):
-        super().__init__(handle, None, comm, f"bucket {bucket.pos}")
-        self.bucket = bucket
-        self.recv = recv
-        self.scale = scale
+        super().__init__(bucket, handle, recv, scale, None, comm)
 
-    def settle(self) -> None:
-        if self.recv is None:
-            return
-        b, comm = self.bucket, self.comm
-        self.wait()
-        shard = b.padded // comm.world_size
-        own = torch.empty(shard, dtype=self.recv.dtype, device=b.device)
-        _sum_received(comm, b, self.recv, own, self.scale)
-        gathered = torch.empty(b.padded, dtype=own.dtype, device=b.device)
-        self.recv = None
-        self.handle = comm.all_gather(gathered, own, f"bucket {b.pos}")
+    def _into(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        gathered = torch.empty(self.bucket.padded, dtype=self.recv.dtype, device=self.bucket.device)
+        return gathered, _own_range(self.comm, gathered)
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         self.settle()
