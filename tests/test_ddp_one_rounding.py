@@ -142,7 +142,16 @@ def test_the_oracle_is_not_a_16_bit_ring():
 # --------------------------------------------------------------------------- reduce-scatter: one rounding
 
 
+def _ranges(ddp: fastcoll.DDP, opt: fastcoll.ShardedOptimizer, model: Linearly) -> List[tuple]:
+    """``(parameter index in model.ws, lo, hi, kept range)`` for each of this rank's pieces."""
+    by_model = {id(w): i for i, w in enumerate(model.ws)}
+    return [
+        (by_model[id(ddp.reducer.params[pc.param])], pc.lo, pc.hi, opt.reducer.kept.source(pos, pc)) for pos, pc in opt._pieces
+    ]
+
+
 def sharded_worker(rank: int, world: int, dtype: torch.dtype, main: Optional[torch.dtype]) -> int:
+    """One backward: the ranges hold the one-rounding sum. A second without zero_grad: float32 ranges add it."""
     model = Linearly(dtype)
     ddp = fastcoll.DDP(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0005, comm_dtype=BF16,
                        comm_accum_dtype=F32, main_grad_dtype=main)  # fmt: skip
@@ -152,16 +161,15 @@ def sharded_worker(rank: int, world: int, dtype: torch.dtype, main: Optional[tor
     ddp(rank_inputs(rank, dtype, BF16)).backward()
     assert "all_gather" not in kinds and "reduce_scatter" not in kinds and "all_to_all" in kinds, kinds
     want = oracle(world, dtype, BF16)
-    index = {id(p): i for i, p in enumerate(ddp.reducer.params)}
-    by_model = {id(w): i for i, w in enumerate(model.ws)}
     checked = 0
-    for pos, pc in opt._pieces:
-        got = opt.reducer.kept.source(pos, pc)
-        i = by_model[id(ddp.reducer.params[pc.param])]
-        assert index[id(ddp.reducer.params[pc.param])] == pc.param
+    for i, lo, hi, got in _ranges(ddp, opt, model):
         # float32 ranges: the float32 sum itself; bfloat16 ranges (no main gradients): rounded once.
-        assert_bitwise(got, want[i][pc.lo : pc.hi].to(got.dtype), f"rank {rank} parameter {i} [{pc.lo}:{pc.hi}]")
+        assert_bitwise(got, want[i][lo:hi].to(got.dtype), f"rank {rank} parameter {i} [{lo}:{hi}]")
         checked += got.numel()
+    ddp(rank_inputs(rank, dtype, BF16)).backward()  # gradients accumulate until zero_grad, as .grad does
+    for i, lo, hi, got in _ranges(ddp, opt, model):
+        if got.dtype == F32:
+            assert_bitwise(got, 2 * want[i][lo:hi], f"rank {rank} parameter {i} [{lo}:{hi}], second backward")
     opt.step()
     opt.zero_grad()
     return checked
