@@ -139,6 +139,30 @@ def test_the_oracle_is_not_a_16_bit_ring():
     assert differ > 0
 
 
+class PartlyUsed(Linearly):
+    """The last parameter gets no gradient on any rank (found unused each iteration)."""
+
+    def forward(self, xs: List[torch.Tensor]) -> torch.Tensor:
+        return sum((w * x).sum() for w, x in list(zip(self.ws, xs))[:-1])
+
+
+def find_unused_worker(rank: int, world: int) -> None:
+    model = PartlyUsed(F32)
+    ddp = fastcoll.DDP(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0005, comm_dtype=BF16, comm_accum_dtype=F32,
+                       find_unused_parameters=True)  # fmt: skip
+    want = oracle(world, F32, BF16)
+    for _ in range(2):
+        model.zero_grad()
+        ddp(rank_inputs(rank, F32, BF16)).backward()
+        for i, w in enumerate(model.ws[:-1]):
+            assert_bitwise(w.grad, want[i].to(BF16).float(), f"rank {rank} parameter {i}")
+        assert model.ws[-1].grad is None
+
+
+def test_find_unused_parameters():
+    run_ranks(find_unused_worker, 3, timeout=120)
+
+
 # --------------------------------------------------------------------------- reduce-scatter: one rounding
 
 
