@@ -83,6 +83,9 @@ HealthPlan plan_flatten_accumulate(
     const at::Tensor& out,
     const std::optional<at::Tensor>& nonfinite);
 
+// sum_chunks: the argument checks (csrc/ops.cpp), raised before anything is written.
+void check_sum_chunks(const at::Tensor& chunks, const at::Tensor& out);
+
 // CPU inner loop: copies n elements from src to dst, multiplied by scale and cast.
 using CopyFn = void (*)(const void* src, void* dst, int64_t n, double scale);
 

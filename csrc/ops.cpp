@@ -302,6 +302,43 @@ HealthPlan plan_sum_of_squares(at::TensorList tensors, const at::Tensor& out) {
   return plan;
 }
 
+
+// sum_chunks: chunks [N, n] (N >= 1) of float16 or bfloat16, dense row-major;
+// out 1-D contiguous, n elements, float32 or chunks' dtype, on chunks' device,
+// sharing no byte with chunks. Checked in the order of fastcoll/ops/reference.py.
+void check_sum_chunks(const at::Tensor& chunks, const at::Tensor& out) {
+  const char* op = "fastcoll.sum_chunks";
+  check_strided(op, chunks, "chunks");
+  check_strided(op, out, "out");
+  const auto ct = chunks.scalar_type();
+  TORCH_CHECK_TYPE(
+      ct == at::kHalf || ct == at::kBFloat16, op, ": chunks has dtype ", dtype_name(ct),
+      "; it must be float16 or bfloat16 (the 16-bit values received from every rank)");
+  TORCH_CHECK_VALUE(
+      chunks.dim() == 2 && chunks.size(0) >= 1 && chunks.is_contiguous(), op,
+      ": chunks must be a contiguous 2-D tensor [ranks, n] with at least one row, got shape ",
+      shape_str(chunks.sizes()), " with strides ", shape_str(chunks.strides()));
+  TORCH_CHECK(
+      out.device() == chunks.device(), op, ": out is on ", out.device(), " but chunks is on ", chunks.device(),
+      "; move them to one device");
+  TORCH_CHECK_TYPE(
+      out.scalar_type() == at::kFloat || out.scalar_type() == ct, op, ": out has dtype ",
+      dtype_name(out.scalar_type()), "; it must be float32 or chunks' dtype (", dtype_name(ct), ")");
+  TORCH_CHECK_VALUE(
+      out.dim() == 1 && out.is_contiguous() && out.numel() == chunks.size(1), op,
+      ": out must be a 1-D contiguous tensor of ", chunks.size(1), " elements (one row of chunks), got shape ",
+      shape_str(out.sizes()), " with strides ", shape_str(out.strides()));
+  if (out.numel() > 0) {
+    const auto lo = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const auto hi = lo + out.numel() * out.element_size();
+    const auto c_lo = reinterpret_cast<uintptr_t>(chunks.data_ptr());
+    const auto c_hi = c_lo + chunks.numel() * chunks.element_size();
+    TORCH_CHECK_VALUE(
+        !(lo < c_hi && c_lo < hi), op, ": out overlaps chunks; the sum would read values it overwrote: give out "
+        "memory of its own");
+  }
+}
+
 }  // namespace fastcoll
 
 TORCH_LIBRARY(fastcoll, m) {
@@ -316,6 +353,9 @@ TORCH_LIBRARY(fastcoll, m) {
   // fp32 main gradients: out[slot] = out[slot] + scale * tensor, one fused multiply-add
   // (definition in fastcoll/ops/__init__.py; CPU: csrc/cpu/accumulate_cpu.cpp).
   m.def("flatten_accumulate(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor(b!)? nonfinite=None) -> ()");
+  // One-rounding reduction: out = cast(scale * (chunks[0] + ... + chunks[N-1])), summed in float32 in row
+  // order (definition in fastcoll/ops/__init__.py; CPU: csrc/cpu/sum_chunks_cpu.cpp).
+  m.def("sum_chunks(Tensor chunks, Tensor(a!) out, float scale=1.0) -> ()");
   // Replica verification: one int64 hash per tensor (definition in csrc/cpu/checksum_cpu.cpp).
   m.def("checksum(Tensor[] tensors) -> Tensor");
 }

@@ -18,6 +18,7 @@ FASTCOLL_ONLY = {
     "stall_timeout": None,
     "verify_replicas_every": 0,
     "main_grad_dtype": None,
+    "comm_accum_dtype": None,
 }
 
 # torch 2.13's DistributedDataParallel.__init__, in order, with defaults (the version fastcoll tracks).

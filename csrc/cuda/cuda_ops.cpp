@@ -256,6 +256,19 @@ void flatten_accumulate_cuda(
   raise_on_error(cuda_launch::launch_accumulate(t.table(), scale, plan.nonfinite, current_stream()), op);
 }
 
+// ---- sum_chunks ----
+
+void sum_chunks_cuda(const at::Tensor& chunks, const at::Tensor& out, double scale) {
+  const char* op = "fastcoll.sum_chunks";
+  check_sum_chunks(chunks, out);
+  if (out.numel() == 0) return;
+  c10::cuda::CUDAGuard guard(out.device());
+  const cuda_launch::SumChunksArgs args{
+      chunks.const_data_ptr(), out.data_ptr(), chunks.size(0), chunks.size(1), static_cast<float>(scale),
+      chunks.scalar_type() == at::kBFloat16, out.scalar_type() == at::kFloat};
+  raise_on_error(cuda_launch::launch_sum_chunks(args, current_stream()), op);
+}
+
 // ---- flatten_scale_ex, unflatten_scale_ex, sum_of_squares ----
 
 // `like`: the plan's device and the options of the scratch buffer (the flat buffer, or out).
@@ -365,4 +378,5 @@ TORCH_LIBRARY_IMPL(fastcoll, CUDA, m) {
   m.impl("unflatten_scale_ex", &fastcoll::unflatten_scale_ex_cuda);
   m.impl("sum_of_squares", &fastcoll::sum_of_squares_cuda);
   m.impl("checksum", &fastcoll::checksum_cuda);
+  m.impl("sum_chunks", &fastcoll::sum_chunks_cuda);
 }

@@ -79,11 +79,11 @@ class JoinState:
         t = (torch.ones if requires_sync else torch.zeros)(1, device=self.ddp.device)
         return dist.all_reduce(t, group=self.ddp.process_group, async_op=True), t
 
-    def receive_requires_sync(self) -> bool:
-        """On a joined rank: whether the ranks still training run a synchronized backward this iteration."""
+    def receive_requires_sync(self) -> int:
+        """On a joined rank: how many ranks still training run a synchronized backward this iteration (0: none)."""
         work, flag = self._requires_sync_all_reduce(False)
         protected_wait(work, self.ddp.process_group, "join: requires sync", self.ddp.stall_timeout, self.ddp.device)
-        return flag.item() != 0
+        return int(flag.item())
 
     def sync_final_model(self, is_last_joiner: bool) -> None:
         """Broadcast parameters (and buffers, with broadcast_buffers) from the highest last-joining rank."""
@@ -117,9 +117,13 @@ class DDPJoinHook(JoinHook):
         ddp.reducer.prepare_layout()
         if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffers_to_sync:
             ddp._sync_buffers(ddp._join.common_rank(False))
-        should_sync = ddp._join.receive_requires_sync()
+        training = ddp._join.receive_requires_sync()
+        should_sync = training > 0
         ddp.require_forward_param_sync = should_sync
         if should_sync:
+            # The training ranks' divisor: with comm_accum_dtype this rank sums (and scales) its range of the result.
+            initial = ddp._join.divide_by_initial_world_size
+            ddp.reducer.divisor = float(ddp.reducer.world_size if initial else training)
             ddp.reducer.replay_joined_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:

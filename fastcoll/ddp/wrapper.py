@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ..bucketing import AUTO
 from ..distributed._agree import agree
 from ..distributed.backends import backend_name, bound_device
-from ..ops.dtypes import dtype_name
+from ..ops.dtypes import check_comm_accum_dtype, dtype_name
 from ..reducer import Reducer
 from ..stall import resolve_stall_timeout
 from . import compile_support
@@ -125,6 +125,21 @@ class DDP(
             per direction instead of a cast, a division and a copy; exclusive
             with comm hooks (``_register_builtin_comm_hook(FP16_COMPRESS)``
             sets ``comm_dtype=torch.float16``).
+        comm_accum_dtype: None (the default: the all-reduce above), or
+            ``torch.float32`` with a 16-bit ``comm_dtype``: 16-bit values on
+            the wire, summed in float32. Each bucket (padded to a multiple of
+            the world size, as a sharded optimizer's) is exchanged by an
+            all-to-all of its N ranges (the bytes of a reduce-scatter); each
+            rank sums the N 16-bit contributions to its range in float32, in
+            rank order, times 1/divisor in float32
+            (:func:`fastcoll.ops.sum_chunks`), rounds once to the wire dtype,
+            and an all-gather completes the bucket: two roundings whatever
+            the world size, where a 16-bit ring rounds N-1 times. With
+            ``ShardedOptimizer(grads="sharded")`` the all-gather is not needed
+            and float32 main gradients receive the float32 sum: one rounding.
+            The pack does not divide (16-bit gradients travel exactly; float16
+            wire values are the undivided gradients, which must be within
+            float16's range).
         compute_grad_norm: Fuse the sum of squares of the synchronized
             gradients into each bucket's write-back, for :meth:`grad_norm` and
             :meth:`clip_grad_norm_` without a read pass.
@@ -190,6 +205,7 @@ class DDP(
         stall_timeout: Optional[float] = None,
         verify_replicas_every: int = 0,
         main_grad_dtype: Optional[torch.dtype] = None,
+        comm_accum_dtype: Optional[torch.dtype] = None,
     ):
         nn.Module.__init__(self)  # not torch DDP's __init__: no torch reducer, hooks or broadcasts
         JoinSupport.__init__(self)
@@ -214,6 +230,7 @@ class DDP(
         self.broadcast_bucket_size = DEFAULT_CAP_BYTES
         self.bucket_bytes_cap_default = bucket_cap_mb is None and not bucket_cap_mb_list
         self.comm_dtype = comm_dtype
+        self.comm_accum_dtype = comm_accum_dtype
         self.compute_grad_norm = bool(compute_grad_norm)
         self.check_nonfinite = bool(check_nonfinite)
         self.record_timeline = bool(record_timeline)
@@ -276,6 +293,7 @@ class DDP(
             stall_timeout=self.stall_timeout,
             skip_unused_buckets=self.skip_all_reduce_unused_params,
             main_grad_dtype=self.main_grad_dtype,
+            comm_accum_dtype=getattr(self, "comm_accum_dtype", None),  # (a pickle from before the argument: None)
         )
 
     def _sync_states(self, buffers: bool) -> List[torch.Tensor]:
@@ -303,6 +321,7 @@ class DDP(
             refuse_torch_only(*torch_only)
             check_torch_features([p for _, p in named])
             check_main_grad_dtype(self.main_grad_dtype, self.gradient_as_bucket_view)
+            check_comm_accum_dtype(self.comm_accum_dtype, self.comm_dtype)
             cfg = check_arguments(named, caps[0], first_bucket_mb, self.comm_dtype, device_ids, output_device, caps[1])
             resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
         except (ValueError, RuntimeError, TypeError) as exc:

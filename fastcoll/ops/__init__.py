@@ -45,6 +45,7 @@ __all__ = [
     "BucketPlan",
     "flatten_scale",
     "flatten_accumulate",
+    "sum_chunks",
     "unflatten_scale",
     "sum_of_squares",
     "checksum",
@@ -242,6 +243,38 @@ def flatten_accumulate(
     """
     tensors = _listed(tensors)
     _run("flatten_accumulate", tensors, out, float(scale), nonfinite)
+    return out
+
+
+def sum_chunks(chunks: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Sum the 16-bit rows of ``chunks`` in float32, times ``scale``, into ``out``: one rounding at most.
+
+    The local half of a reduce-scatter that carries 16-bit values and
+    accumulates in float32: ``chunks`` is what an ``all_to_all_single`` of N
+    equal ranges delivers to one rank (row ``r``: rank ``r``'s values of this
+    rank's range). For every element ``i``, in this order and in float32:
+    ``acc = chunks[0, i]``, then ``acc = acc + chunks[r, i]`` for ``r = 1 ..
+    N-1`` (a fixed rank order, so every rank and every run gives the same
+    bits), then ``acc * scale`` (``scale`` rounded to float32 first; one
+    multiply, never fused with an add); the result is stored as float32 or
+    rounded once (to nearest even) to ``chunks``' dtype. The kernels (CPU and
+    CUDA) and the reference (:mod:`fastcoll.ops.reference`) give the same bits.
+
+    Args:
+        chunks: Contiguous ``[N, n]`` float16 or bfloat16 tensor, ``N >= 1``.
+        out: 1-D contiguous tensor of ``n`` elements, float32 or ``chunks``'
+            dtype, on ``chunks``' device, sharing no memory with it.
+        scale: The factor (typically ``1 / divisor``).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: on bad input (naming ``chunks`` or
+            ``out`` and what is wrong: dtype, shape, device, overlap), before
+            anything is written.
+    """
+    torch.ops.fastcoll.sum_chunks(chunks, out, float(scale))
     return out
 
 

@@ -11,7 +11,9 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "COMM_DTYPES", "dtype_name", "is_dense", "is_fusable", "check_comm_dtype"]
+__all__ = [
+    "SUPPORTED_DTYPES", "COMM_DTYPES", "dtype_name", "is_dense", "is_fusable", "check_comm_dtype", "check_comm_accum_dtype",
+]  # fmt: skip
 
 #: Floating dtypes the fused ops read and write (in the C++ table's order).
 SUPPORTED_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -54,3 +56,16 @@ def check_comm_dtype(comm_dtype: object, who: str = "fastcoll.DDP") -> None:
     """Raise ValueError unless ``comm_dtype`` is None, ``torch.float16`` or ``torch.bfloat16``."""
     if not any(comm_dtype is d for d in COMM_DTYPES):
         raise ValueError(f"{who}: comm_dtype must be None, torch.float16 or torch.bfloat16, got {comm_dtype!r}")
+
+
+def check_comm_accum_dtype(comm_accum_dtype: object, comm_dtype: object, who: str = "fastcoll.DDP") -> None:
+    """Raise ValueError unless ``comm_accum_dtype`` is None, or ``torch.float32`` with a 16-bit ``comm_dtype``."""
+    if comm_accum_dtype is None:
+        return
+    if comm_accum_dtype is not torch.float32:
+        raise ValueError(f"{who}: comm_accum_dtype must be None or torch.float32, got {comm_accum_dtype!r}")
+    if not any(comm_dtype is d for d in COMM_DTYPES if d is not None):
+        raise ValueError(
+            f"{who}: comm_accum_dtype=torch.float32 sums 16-bit values received from every rank, so it needs "
+            f"comm_dtype=torch.bfloat16 or torch.float16, got comm_dtype={comm_dtype!r}"
+        )

@@ -2,7 +2,7 @@
 
 Either way, after import every op of SCHEMAS (``torch.ops.fastcoll.flatten_scale``,
 ``unflatten_scale``, ``flatten_scale_ex``, ``unflatten_scale_ex``,
-``sum_of_squares``, ``checksum``) exists with the same schema, so the rest of the package
+``sum_of_squares``, ``checksum``, ``sum_chunks``) exists with the same schema, so the rest of the package
 never needs to know which implementation is active. An extension built from
 older sources that lacks some of them gets the reference for those (listed in
 REFERENCE_OPS, with a warning) rather than failing to import.
@@ -59,6 +59,7 @@ SCHEMAS = {
         "flatten_accumulate(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor(b!)? nonfinite=None) -> ()"
     ),
     "checksum": "checksum(Tensor[] tensors) -> Tensor",
+    "sum_chunks": "sum_chunks(Tensor chunks, Tensor(a!) out, float scale=1.0) -> ()",
 }
 
 _C: Optional[ModuleType] = None
@@ -275,7 +276,7 @@ def _register_fakes() -> None:
 
     # The health ops: the same device checks, plus the metadata checks of their
     # small tensors (dtype, number of elements, device; overlaps need memory).
-    from .reference import check_health_args
+    from .reference import check_health_args, check_sum_chunks
 
     @torch.library.register_fake("fastcoll::flatten_scale_ex")
     def _flatten_scale_ex_fake(tensors, out, scale=1.0, scale_by=None, nonfinite=None):
@@ -299,6 +300,12 @@ def _register_fakes() -> None:
     def _flatten_accumulate_fake(tensors, out, scale=1.0, nonfinite=None):
         _check_devices("fastcoll.flatten_accumulate", tensors, out, "out")
         check_health_args("fastcoll.flatten_accumulate", out.device, nonfinite=nonfinite)
+        return None
+
+    # sum_chunks: every check but the overlap one needs only metadata (reference.check_sum_chunks).
+    @torch.library.register_fake("fastcoll::sum_chunks")
+    def _sum_chunks_fake(chunks, out, scale=1.0):
+        check_sum_chunks(chunks, out, overlap=False)
         return None
 
     # checksum returns a new int64 tensor, one value per tensor, on the tensors' device.

@@ -55,6 +55,8 @@ __all__ = [
     "flatten_accumulate",
     "check_health_args",
     "checksum",
+    "sum_chunks",
+    "check_sum_chunks",
     "is_dense",
 ]
 
@@ -455,6 +457,65 @@ def flatten_accumulate(
             slot.copy_(value)
         if bad is not None:
             _first(nonfinite).masked_fill_(bad, 1)
+
+
+# ---------------------------------------------------------------------------
+# One-rounding reduction: sum_chunks
+# ---------------------------------------------------------------------------
+
+_CHUNK_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_sum_chunks(chunks: torch.Tensor, out: torch.Tensor, overlap: bool = True) -> None:
+    """The argument checks of ``fastcoll::sum_chunks``, in csrc/ops.cpp's order and words (``overlap``: needs memory)."""
+    op = "fastcoll.sum_chunks"
+    for name, t in (("chunks", chunks), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} is a {type(t).__name__}, not a tensor")
+        _check_strided(op, t, name)
+    if chunks.dtype not in _CHUNK_DTYPES:
+        raise TypeError(
+            f"{op}: chunks has dtype {dtype_name(chunks.dtype)}; it must be float16 or bfloat16 "
+            "(the 16-bit values received from every rank)"
+        )
+    if chunks.dim() != 2 or chunks.shape[0] < 1 or not chunks.is_contiguous():
+        raise ValueError(
+            f"{op}: chunks must be a contiguous 2-D tensor [ranks, n] with at least one row, got shape "
+            f"{tuple(chunks.shape)} with strides {tuple(chunks.stride())}"
+        )
+    if out.device != chunks.device:
+        raise RuntimeError(f"{op}: out is on {out.device} but chunks is on {chunks.device}; move them to one device")
+    if out.dtype not in (torch.float32, chunks.dtype):
+        raise TypeError(
+            f"{op}: out has dtype {dtype_name(out.dtype)}; it must be float32 or chunks' dtype ({dtype_name(chunks.dtype)})"
+        )
+    if out.dim() != 1 or not out.is_contiguous() or out.numel() != chunks.shape[1]:
+        raise ValueError(
+            f"{op}: out must be a 1-D contiguous tensor of {chunks.shape[1]} elements (one row of chunks), got shape "
+            f"{tuple(out.shape)} with strides {tuple(out.stride())}"
+        )
+    if overlap and out.numel() and chunks.numel():
+        lo, hi = _byte_range(out)
+        c_lo, c_hi = _byte_range(chunks)
+        if lo < c_hi and c_lo < hi:
+            raise ValueError(f"{op}: out overlaps chunks; the sum would read values it overwrote: give out memory of its own")
+
+
+def sum_chunks(chunks: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    """Reference ``fastcoll::sum_chunks``: float32 sum of the rows in row order, times float32(scale), cast once.
+
+    Each step is one IEEE float32 operation (torch's float32 add and multiply
+    round correctly), so this is the kernels' result bit for bit.
+    """
+    check_sum_chunks(chunks, out)
+    if out.numel() == 0:
+        return
+    with torch.no_grad():
+        acc = chunks[0].to(torch.float32)
+        for r in range(1, chunks.shape[0]):
+            acc = acc + chunks[r].to(torch.float32)
+        acc = acc * torch.tensor(scale, dtype=torch.float32, device=acc.device)
+        out.copy_(acc.to(out.dtype))
 
 
 # ---------------------------------------------------------------------------

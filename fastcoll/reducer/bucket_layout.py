@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from .bucket import GradBucket, MainGradBucket
-from .reduction import AllReduce, InFlight, ReduceScatter, SparseSum
+from .reduction import AccumAllReduce, AccumReduceScatter, AllReduce, InFlight, ReduceScatter, SparseSum
 
 __all__ = ["ReducerLayout"]
 
@@ -29,7 +29,10 @@ class ReducerLayout:
         return self._set.buckets
 
     def _install_layout(self, layout: List[List[int]]) -> None:
-        self._set.install(layout, self.comm_dtype, self._shard_world, self.main_grad_dtype)
+        accum = self.comm_accum_dtype is not None
+        # One-rounding reductions divide every bucket among the ranks, as a sharded optimizer does (.shards).
+        pad_world = self._shard_world or (self.world_size if accum else 0)
+        self._set.install(layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum)
         self.main_buckets = [b for b in self._set.buckets if isinstance(b, MainGradBucket)]
         self.health.resize(len(self._set.buckets))
         self._index_reductions()
@@ -37,10 +40,13 @@ class ReducerLayout:
         self._reset_progress()
 
     def _index_reductions(self) -> None:
+        accum = self.comm_accum_dtype is not None
         if self.shard_grads is not None:
-            dense = ReduceScatter(self.comm, self.timeline, self.shard_grads)
+            dense = (AccumReduceScatter if accum else ReduceScatter)(self.comm, self.timeline, self.shard_grads)
+        elif self._hook is not None:
+            dense = self._hook
         else:
-            dense = self._hook if self._hook is not None else AllReduce(self.comm, self.timeline)
+            dense = (AccumAllReduce if accum else AllReduce)(self.comm, self.timeline)
         sparse = SparseSum(self.comm, self.timeline)
         self._reductions = [sparse if b.sparse else dense for b in self._set.buckets]
 

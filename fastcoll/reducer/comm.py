@@ -55,7 +55,7 @@ class Collective(NamedTuple):
     """One collective as issued: what listeners receive."""
 
     seq: int  #: 1 for the first collective this communicator issued
-    kind: str  #: "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "comm_hook"
+    kind: str  #: "all_reduce", "reduce_scatter", "all_to_all", "all_gather", "broadcast" or "comm_hook"
     what: str  #: e.g. "bucket 3", "used parameters", "layout"
     numel: int
     dtype: torch.dtype
@@ -151,6 +151,23 @@ class Communicator:
                     work = work.get_future().then(lambda _f: out.copy_(own))
         else:
             work = _REDUCE_SCATTER(out, inp, group=self.group, async_op=True)
+        if self.guard is not None:
+            self.guard.issued(work, gseq, what)
+        return work
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Any:
+        """Start an all-to-all of ``world_size`` equal ranges; returns its handle (pass it to :meth:`wait`).
+
+        Range ``r`` of ``inp`` goes to rank ``r``; range ``r`` of ``out`` comes
+        from rank ``r`` (``out`` then holds every rank's values of this rank's
+        range, in rank order). At world size 1 (not forced) ``out`` is ``inp``'s
+        copy and nothing is issued.
+        """
+        if not self.active:
+            out.copy_(inp)
+            return DONE
+        gseq = self._record("all_to_all", what, inp)
+        work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from .._knobs import force_collectives
 from ..bucketing import Caps
-from ..ops.dtypes import check_comm_dtype
+from ..ops.dtypes import check_comm_accum_dtype, check_comm_dtype
 from .bucket import PackArgs
 from .bucket_layout import ReducerLayout
 from .comm import Communicator
@@ -164,6 +164,13 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
             (:class:`~fastcoll.reducer.bucket.MainGradBucket`), ``no_sync``
             ones included; the reduced values stay there (:meth:`main_grad`),
             not in ``.grad``.
+        comm_accum_dtype: None, or ``torch.float32`` with a 16-bit
+            ``comm_dtype``: each dense bucket's 16-bit values are exchanged by
+            an all-to-all and summed in float32 on the rank that owns each
+            range (:class:`~fastcoll.reducer.reduction.AccumAllReduce`,
+            :class:`~fastcoll.reducer.reduction.AccumReduceScatter`): one
+            rounding for a reduce-scatter, two for an all-reduce, whatever
+            the world size.
     """
 
     def __init__(
@@ -186,6 +193,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         stall_timeout: Optional[float] = 0,
         skip_unused_buckets: bool = False,
         main_grad_dtype: Optional[torch.dtype] = None,
+        comm_accum_dtype: Optional[torch.dtype] = None,
     ):
         self.params: List[torch.Tensor] = list(params)
         self.names: List[str] = list(names)
@@ -193,6 +201,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         if n == 0:
             raise ValueError("fastcoll.Reducer: no parameters to reduce")
         check_comm_dtype(comm_dtype)
+        check_comm_accum_dtype(comm_accum_dtype, comm_dtype)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -214,6 +223,8 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self.unsynchronized = False
         self._shard_world = 0  # > 0 once a sharded optimizer divides the buckets among that many ranks
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
+        #: None, or torch.float32: the dense buckets' 16-bit values are summed in float32 (:meth:`_index_reductions`).
+        self.comm_accum_dtype: Optional[torch.dtype] = comm_accum_dtype
         self._sparse = [False] * n
         for i in sparse_params:
             self._sparse[i] = True
@@ -433,6 +444,8 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
     def _finalize(self) -> None:
         usage, health = self.usage, self.health
         self.timeline.finalize_start()
+        for f in self._inflight:  # second phases still due (comm_accum_dtype), in bucket order, on every rank alike
+            f.settle()
         health.find_local_nonfinite(self._set.buckets)  # before write-back, while local values are in the gradients
         pairs = list(zip(self._set.buckets, self._inflight))
         if usage.used_map_started:
@@ -501,13 +514,16 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         iteration issues.
         """
         zeros = ZeroBuffers()
+        how = self._pack_args()  # the training ranks' factor (the divisor is set by the join protocol)
         usage = self.usage
         inflight = [
-            Skipped() if self.skip_unused_buckets and usage.all_unused(b.param_indices) else r.start_zeros(b, zeros)
+            Skipped() if self.skip_unused_buckets and usage.all_unused(b.param_indices) else r.start_zeros(b, zeros, how)
             for b, r in zip(self._set.buckets, self._reductions)
         ]
         if usage.searching or usage.learning_static_graph:
             usage.start_used_map(joined=True)
+        for f in inflight:
+            f.settle()
         usage.finish_used_map()
         for f in inflight:
             f.after_used_map()

@@ -69,7 +69,9 @@ def build_buckets(
     return buckets
 
 
-def early_pack_slots(buckets: Sequence[GradBucket], n: int) -> Tuple[List[Optional[torch.Tensor]], List[int]]:
+def early_pack_slots(
+    buckets: Sequence[GradBucket], n: int, enabled: bool = True
+) -> Tuple[List[Optional[torch.Tensor]], List[int]]:
     """Where each large CPU gradient is packed as soon as it is final, and each parameter's slot in its bucket.
 
     On CPU a gradient just written by backward is still in cache; packing it
@@ -77,11 +79,14 @@ def early_pack_slots(buckets: Sequence[GradBucket], n: int) -> Tuple[List[Option
     from memory when its bucket completes. Small gradients wait for the
     bucket's single fused pack; CUDA buckets always pack in one launch.
 
+    ``enabled`` False (one-rounding reductions, whose pack does not scale):
+    every gradient waits for its bucket's pack.
+
     Returns:
         Per parameter index: its slice of the bucket's wire buffer, or None
         when it waits for the bucket pack; and its position in its bucket.
     """
-    min_numel = early_pack_min_numel()
+    min_numel = early_pack_min_numel() if enabled else None
     slots: List[Optional[torch.Tensor]] = [None] * n
     slot_pos = [0] * n
     for b in buckets:
@@ -89,7 +94,7 @@ def early_pack_slots(buckets: Sequence[GradBucket], n: int) -> Tuple[List[Option
         for k, i in enumerate(b.param_indices):
             slot_pos[i] = k
             numel = b.params[k].numel()
-            if eligible and numel >= min_numel:
+            if eligible and min_numel is not None and numel >= min_numel:
                 slots[i] = b.comm[b.offsets[k] : b.offsets[k] + numel]
     return slots, slot_pos
 
@@ -193,11 +198,12 @@ class BucketSet:
         comm_dtype: Optional[torch.dtype],
         shard_world: int = 0,
         main_dtype: Optional[torch.dtype] = None,
+        early_packs: bool = True,
     ) -> None:
         """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them.
 
         ``shard_world`` > 0 pads the dense buckets to be divided among that many ranks; ``main_dtype``: see
-        :func:`build_buckets`.
+        :func:`build_buckets`; ``early_packs``: see :func:`early_pack_slots`.
         """
         self.buckets = []  # release the old buffers before allocating the new ones
         self.buckets = build_buckets(
@@ -207,7 +213,7 @@ class BucketSet:
         for b in self.buckets:
             for i in b.param_indices:
                 self.bucket_of[i] = b.pos
-        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params))
+        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params), early_packs)
 
     def clear(self) -> None:
         """Drop the buckets (and the slot views that keep their storage alive)."""

@@ -5,10 +5,15 @@ Each way has
 * ``start(bucket, how, done)``: pack the bucket (:class:`~fastcoll.reducer.bucket.PackArgs`) and issue its collective(s)
   (in the bucket's turn, in index order on every rank); returns an
   :class:`InFlight` reduction;
-* ``start_zeros(bucket, zeros)``: issue the same collectives with zeros, for a
-  rank that has joined (run out of inputs) and replays a backward;
+* ``start_zeros(bucket, zeros, how)``: issue the same collectives with zeros, for a
+  rank that has joined (run out of inputs) and replays a backward (``how``:
+  the pack factor the ranks still training use, for reductions whose joined
+  ranks compute part of the result);
 
-and the :class:`InFlight` object it returns has ``after_used_map()`` (the
+and the :class:`InFlight` object it returns has ``settle()`` (the second
+collective of a two-phase reduction, issued in bucket order: at the next
+bucket's start and, for the last, at the start of finalize, before anything
+whose order differs between ranks), ``after_used_map()`` (the
 second phase some reductions issue after the used-parameter all-reduce) and
 ``finish(used, sumsq)`` (wait, then write the result into the gradients,
 with the sum of squares of what was written into ``sumsq`` when given; a
@@ -28,7 +33,10 @@ from .comm import DONE, Communicator
 from .hooks import call_hook, hook_result
 from .timeline import Timeline
 
-__all__ = ["AllReduce", "CommHook", "InFlight", "ReduceScatter", "ShardGrads", "Skipped", "SparseSum", "ZeroBuffers"]
+__all__ = [
+    "AccumAllReduce", "AccumReduceScatter", "AllReduce", "CommHook", "InFlight", "ReduceScatter", "ShardGrads", "Skipped",
+    "SparseSum", "ZeroBuffers",
+]  # fmt: skip
 
 
 class InFlight:
@@ -45,6 +53,9 @@ class InFlight:
     def wait(self) -> Any:
         """Wait for the handle (bounded by the stall timeout when the communicator has one)."""
         return self.handle.wait() if self.comm is None else self.comm.wait(self.handle, self.what)
+
+    def settle(self) -> None:
+        """Issue the second collective of a two-phase reduction, once (nothing, for most)."""
 
     def after_used_map(self) -> None:
         """Issue what comes after the used-parameter all-reduce (nothing, for most)."""
@@ -137,7 +148,7 @@ class AllReduce:
         self.timeline.watch(handle, b.pos)  # "completed" when the collective completes, not when finalize waits
         return _Reduced(b, handle, self.timeline, self.comm)
 
-    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
         if b.numel:
             zeros_in = zeros.get(b.device, b.comm.dtype, b.numel)
             self.comm.wait(self.comm.all_reduce(zeros_in, f"bucket {b.pos}"), f"bucket {b.pos}")
@@ -204,6 +215,10 @@ class _Scattered(InFlight):
 
     def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
         self.wait()
+        self.land(sumsq)
+
+    def land(self, sumsq: Optional[torch.Tensor]) -> None:
+        """The reduced range is in ``out``: move it into the target (or add it), tidy the bucket."""
         b = self.bucket
         self.timeline.completed(b.pos)
         with torch.no_grad():
@@ -255,11 +270,187 @@ class ReduceScatter:
         self.timeline.watch(handle, b.pos)
         return _Scattered(b, handle, self.timeline, self.comm, out, target, add, self.shards)
 
-    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
         if b.numel:
             out = torch.empty(b.padded // self.comm.world_size, dtype=b.comm.dtype, device=b.device)
             inp = zeros.get(b.device, b.comm.dtype, b.padded)
             self.comm.wait(self.comm.reduce_scatter(out, inp, f"bucket {b.pos}"), f"bucket {b.pos}")
+        return InFlight(DONE)
+
+
+# ------------------------------------------- 16-bit wire, float32 accumulation
+
+
+def _wire_and_scale(how: PackArgs) -> Tuple[PackArgs, float]:
+    """The pack of a one-rounding reduction and the factor of its float32 sum.
+
+    The pack only casts to the wire dtype (and checks for NaN/Inf); 1/divisor
+    is applied in float32 by the sum (:func:`fastcoll.ops.sum_chunks`), so
+    16-bit gradients travel exactly as they are. A device divisor
+    (``scale_by``) stays in the pack, as without ``comm_accum_dtype``.
+    """
+    if how.scale_by is not None:
+        return how, 1.0
+    return how._replace(scale=1.0), how.scale
+
+
+def _exchange(comm: Communicator, b: GradBucket, src: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+    """Issue the all-to-all of ``src`` (``b.padded`` 16-bit values, N ranges); returns the receive buffer and handle."""
+    recv = torch.empty(b.padded, dtype=src.dtype, device=b.device)
+    return recv, comm.all_to_all(recv, src, f"bucket {b.pos}")
+
+
+def _sum_received(comm: Communicator, b: GradBucket, recv: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """The float32 sum of every rank's values of this rank's range, times ``scale``, into ``out`` (one rounding)."""
+    with torch.no_grad():
+        ops.sum_chunks(recv.view(comm.world_size, b.padded // comm.world_size), out, scale)
+
+
+def _own_range(comm: Communicator, padded: torch.Tensor) -> torch.Tensor:
+    """This rank's range of a bucket-long buffer (its ``world_size`` equal ranges, :mod:`.shards`)."""
+    shard = padded.numel() // comm.world_size
+    return padded[comm.rank * shard : (comm.rank + 1) * shard]
+
+
+class _Gathered(_Reduced):
+    """Phase one: the all-to-all; :meth:`settle`: the float32 sum into this rank's range, the all-gather."""
+
+    __slots__ = ("recv", "scale")
+
+    def __init__(self, bucket: GradBucket, handle: Any, recv: Optional[torch.Tensor], scale: float, timeline, comm):
+        super().__init__(bucket, handle, timeline, comm)
+        self.recv = recv  # None once settled
+        self.scale = scale
+
+    def _into(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Where the all-gather lands (the bucket's wire buffer) and this rank's range of it."""
+        return self.bucket.comm_padded, _own_range(self.comm, self.bucket.comm_padded)
+
+    def settle(self) -> None:
+        if self.recv is None:
+            return
+        b, comm = self.bucket, self.comm
+        self.wait()
+        gathered, own = self._into()
+        _sum_received(comm, b, self.recv, own, self.scale)
+        self.recv = None
+        self.handle = comm.all_gather(gathered, own, f"bucket {b.pos}")
+        if self.timeline is not None:
+            self.timeline.watch(self.handle, b.pos)
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        self.settle()
+        super().finish(used, sumsq)
+
+
+class AccumAllReduce(AllReduce):
+    """All-reduce with 16-bit values on the wire, summed in float32 (``comm_accum_dtype``): two roundings whatever N.
+
+    The pack casts to the 16-bit wire dtype (unscaled); an all-to-all sends
+    each rank its range of every rank's bucket; :func:`fastcoll.ops.sum_chunks`
+    sums them in float32 in rank order, times 1/divisor, rounded once into
+    this rank's range of the wire buffer; an all-gather of the 16-bit ranges
+    (its second phase, :meth:`InFlight.settle`) completes the bucket, which
+    is unpacked as after an all-reduce. A ring all-reduce in 16 bits rounds
+    N-1 times.
+
+    The all-gather of bucket k is issued when bucket k+1 starts (the last
+    one's by the reducer at the start of finalize), in bucket order on every
+    rank: that start waits for bucket k's all-to-all (usually complete by
+    then: it was issued a bucket's worth of backward earlier).
+    """
+
+    def __init__(self, comm: Communicator, timeline: Timeline):
+        super().__init__(comm, timeline)
+        self._last: Optional[InFlight] = None  # the last bucket started: its second phase is due at the next start
+
+    def _started(self, f: InFlight) -> InFlight:
+        last, self._last = self._last, f
+        if last is not None:
+            last.settle()  # a no-op when finalize settled it already
+        return f
+
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        pack, scale = _wire_and_scale(how)
+        _packed(self.timeline, b, pack, done)
+        self.timeline.issued(b.pos)
+        if not b.numel:
+            return _Gathered(b, DONE, None, scale, self.timeline, self.comm)
+        recv, handle = _exchange(self.comm, b, b.comm_padded)
+        return self._started(_Gathered(b, handle, recv, scale, self.timeline, self.comm))
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
+        if not b.numel:
+            return InFlight(DONE)
+        recv, handle = _exchange(self.comm, b, torch.zeros(b.padded, dtype=b.comm.dtype, device=b.device))
+        return self._started(_ZeroGathered(b, handle, recv, _wire_and_scale(how)[1], self.comm))
+
+
+class _ZeroGathered(_Gathered):
+    """A joined rank's replay of :class:`_Gathered`: the same two collectives, into buffers of its own.
+
+    The training ranks' values of this rank's range still arrive here: their
+    sum (times the training ranks' ``scale``) is this rank's share of the
+    all-gather, as on a training rank; nothing is written back.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, bucket: GradBucket, handle: Any, recv: Optional[torch.Tensor], scale: float, comm: Communicator):
+        super().__init__(bucket, handle, recv, scale, None, comm)
+
+    def _into(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        gathered = torch.empty(self.bucket.padded, dtype=self.recv.dtype, device=self.bucket.device)
+        return gathered, _own_range(self.comm, gathered)
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        self.settle()
+        self.wait()
+
+
+class _ScatterSummed(_Scattered):
+    """The all-to-all of :class:`AccumReduceScatter`; at finish, the float32 sum into the range (then as a reduce-scatter)."""
+
+    __slots__ = ("recv", "scale")
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        self.wait()
+        if self.recv is not None:
+            _sum_received(self.comm, self.bucket, self.recv, self.out, self.scale)
+        self.land(sumsq)
+
+
+class AccumReduceScatter(ReduceScatter):
+    """Reduce-scatter with 16-bit values on the wire, summed in float32 (``comm_accum_dtype``): one rounding.
+
+    An all-to-all of the 16-bit bucket (the bytes of a reduce-scatter), then
+    :func:`fastcoll.ops.sum_chunks` into this rank's range: float32 ranges
+    (main gradients, float32 parameters) receive the float32 sum itself, with
+    no rounding after the sum; 16-bit ranges receive it rounded once.
+    """
+
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        pack, scale = _wire_and_scale(how)
+        _packed(self.timeline, b, pack, done)
+        target = self.shards.grads[b.pos]
+        in_place = b.pos in self.shards.in_place
+        add = self.shards.filled and not in_place
+        direct = not add and target.dtype in (torch.float32, b.comm.dtype) and target.is_contiguous()
+        out = target if direct else torch.empty(target.shape, dtype=torch.float32, device=b.device)
+        if self.shards.free_local:
+            for p in b.params:
+                p.grad = None
+        self.timeline.issued(b.pos)
+        recv, handle = _exchange(self.comm, b, b.comm_padded) if b.numel else (None, DONE)
+        self.timeline.watch(handle, b.pos)
+        f = _ScatterSummed(b, handle, self.timeline, self.comm, out, target, add, self.shards)
+        f.recv, f.scale = recv, scale
+        return f
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
+        if b.numel:
+            _, handle = _exchange(self.comm, b, torch.zeros(b.padded, dtype=b.comm.dtype, device=b.device))
+            self.comm.wait(handle, f"bucket {b.pos}")
         return InFlight(DONE)
 
 
@@ -300,7 +491,7 @@ class CommHook:
             self.comm.guard.issued(fut, gseq, f"bucket {b.pos} (comm hook)")
         return _Hooked(b, fut, self.hook, self.timeline, self.comm)
 
-    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
         z = GradBucket(b.pos, b.count, b.param_indices, b.params, b.names, buffer=zeros.get(b.device, b.dtype, b.numel))
         self.comm.note_hook(f"bucket {b.pos}", z.flat)
         self.comm.wait(call_hook(self.hook, self.state, z), f"bucket {b.pos} (comm hook)")
@@ -376,5 +567,5 @@ class SparseSum:
         exchange = self._exchange(b, scaled)
         return _SparseSummed(b, exchange, self.timeline)
 
-    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers) -> InFlight:
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
         return _SparseSummed(b, self._exchange(b, empty_sparse_grad(b.params[0])), self.timeline, replay=True)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..bucketing import assign_buckets
-from ..ops.dtypes import check_comm_dtype
+from ..ops.dtypes import check_comm_accum_dtype, check_comm_dtype
 from .bucket import PackArgs
 from .comm import Collective
 from .health import check_divisor, inverse_divisor
@@ -104,6 +104,8 @@ class ReducerSettings:
             self._check_unsharded("change comm_dtype")
         if comm_dtype is not None and self._hook is not None:
             raise RuntimeError("fastcoll.DDP: comm_dtype cannot be combined with a comm hook")
+        if self.comm_accum_dtype is not None:
+            check_comm_accum_dtype(self.comm_accum_dtype, comm_dtype)
         if comm_dtype == self.comm_dtype:
             return
         self.comm_dtype = comm_dtype
