@@ -369,8 +369,8 @@ case "$step" in
     for attempt in 1 2 3 4 5 6; do
       left=$((deadline - $(date +%s)))
       [ "$left" -ge 20 ] || { echo "gpu_check: no time left for more tests" | tee -a "$GPU_OUT/test.log"; exit 124; }
-      # shellcheck disable=SC2086
-      logged test "$left" "$PYTHON" -m pytest -v -p no:cacheprovider -m cuda tests \
+      # shellcheck disable=SC2086  # GPU_TESTS: test files in the order to run them (default: tests/)
+      logged test "$left" "$PYTHON" -m pytest -v -p no:cacheprovider -m cuda ${GPU_TESTS:-tests} \
         --junitxml="$GPU_OUT/test.xml" --durations=15 ${PYTEST_ARGS:-} "${deselected[@]}"
       rc=$?
       if { [ "$rc" != 139 ] && [ "$rc" != 134 ]; } || [ "$attempt" = 6 ]; then

@@ -7,7 +7,7 @@
 # Runs benchmarks/gpu_check.sh's steps in priority order against one deadline (GPU_SESSION_SECONDS, default
 # 540 s from the start), each under the smaller of its cap and the time left (a step that would get under
 # 20 s is skipped and says so in session.log):
-#   build (200 s), the CUDA tests (150 s), the bucket plans' host and device time (45 s), bench zero with
+#   build (200 s), the CUDA tests (170 s), the bucket plans' host and device time (45 s), bench zero with
 #   its bf16 section at one NCCL rank, collectives forced (150 s), bench ddp's forced pass (120 s), bench ops
 #   (90 s; no slot padding, measured 2026-11-26), then bench ddp --full's forced pass when 120 s are left.
 # Every log and JSON goes to $OUT as it is written, in 8 files (what the device tool brings back):
@@ -45,7 +45,10 @@ step() {
   python3 -c 'import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'
   nproc; ulimit -s; env | grep -E '^(TORCH|PYTORCH|CUDA|NCCL|LD_|PYTHON|CC|CXX|CFLAGS|CXXFLAGS)' | sort; } >>"$OUT_DIR/session.log" 2>&1
 step build 200
-step test 150
+# The files whose CUDA tests have not run on a GPU yet go first, then every other file (pytest runs each once).
+FIRST="tests/test_ops_sum_chunks.py tests/test_cuda_sharded.py tests/test_ddp.py tests/test_cuda_paths.py"
+REST=$(grep -l "cuda" tests/test_*.py | grep -vxF -f <(tr ' ' '\n' <<<"$FIRST") | tr '\n' ' ')
+step test 170 GPU_TESTS="$FIRST $REST"
 mv -f "$OUT_DIR/test.xml" build/gpu-check/ 2>/dev/null
 step bench-plan 45 GPU_LOG=bench
 step bench-zero 150 GPU_LOG=bench

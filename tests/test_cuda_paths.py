@@ -200,7 +200,7 @@ def _pair(model: nn.Module, fast_kwargs: Dict[str, Any] = None, torch_kwargs: Di
     """fastcoll.DDP and torch DDP on two copies of ``model``, with the listener attached; returns (fast, ref, seen)."""
     fast_kwargs = dict(fast_kwargs or {})
     torch_kwargs = dict(fast_kwargs if torch_kwargs is None else torch_kwargs)
-    for k in ("first_bucket_mb", "comm_dtype", "compute_grad_norm", "check_nonfinite"):
+    for k in ("first_bucket_mb", "comm_dtype", "comm_accum_dtype", "compute_grad_norm", "check_nonfinite"):
         torch_kwargs.pop(k, None)
     fast = fastcoll.DDP(copy.deepcopy(model), device_ids=_ids(), **fast_kwargs)
     ref = TorchDDP(copy.deepcopy(model), device_ids=_ids(), **torch_kwargs)
@@ -311,6 +311,29 @@ def test_comm_dtype_matches_torch_compress_hook(pg, dtype, view):
     reduced = _bucket_reductions(seen)
     assert len(reduced) == sum(buckets) and {c.dtype for c in reduced} == {dtype}, seen
     assert all(b["comm_dtype"] == dtype for b in fast.bucket_info())
+    fast.close()
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+def test_comm_accum_dtype_sums_in_float32(pg, dtype, view):
+    """16-bit chunks through NCCL's all_to_all, summed by the fused sum_chunks kernel, then an all-gather.
+
+    At one rank each value is rounded to 16 bits once, as torch's compress hook does, so the two agree within
+    the same tolerance as plain ``comm_dtype``.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as D
+
+    kwargs = {"comm_dtype": dtype, "comm_accum_dtype": F32, "bucket_cap_mb": 0.0005, "gradient_as_bucket_view": view}
+    fast, ref, seen = _pair(_build(Net), kwargs)
+    hook = D.fp16_compress_hook if dtype == F16 else D.bf16_compress_hook
+    ref.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
+    buckets = _train(fast, ref, "net", 4, tol=HALF if dtype == F16 else {"rtol": 1.6e-2, "atol": 2e-3}, set_to_none=not view)
+    reduced = _bucket_reductions(seen)
+    kinds = {c.kind for c in reduced}
+    assert kinds == {"all_to_all", "all_gather"}, seen  # the one-rounding reduction, not a 16-bit all-reduce
+    assert len([c for c in reduced if c.kind == "all_to_all"]) == sum(buckets), seen
+    assert {c.dtype for c in reduced} == {dtype}, seen
     fast.close()
 
 
