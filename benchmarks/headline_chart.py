@@ -7,7 +7,7 @@ reproducible when RESULTS.md is regenerated; ``--results PATH`` reads another
 copy (the labels must still be there). Four panels:
 
 * one 25 MiB gradient bucket packed and unpacked on one NVIDIA H200 (the
-  "First GPU run" section, ops_cuda.json);
+  ops section, from ops_cuda.json);
 * a DDP step at 1 rank on NCCL with the collectives forced, same H200;
 * a step with AdamW on 2 gloo ranks of the 2-core CPU box, torch DDP vs
   torch's ZeroRedundancyOptimizer vs ``ShardedOptimizer(grads="sharded")``;
@@ -28,10 +28,10 @@ from typing import Dict, List, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 # The commit whose benchmarks/RESULTS.md the chart was drawn from.
-RESULTS_REV = "477e8e9"
+RESULTS_REV = "20d1375"
 DEFAULT_OUT = ROOT / "docs" / "img" / "headline.png"
 
-H200 = "NVIDIA H200, 1 GPU, torch 2.11.0+cu130 (2026-11-26)"
+H200 = "NVIDIA H200, 1 GPU, torch 2.11.0+cu130 (2026-11-27)"
 CPU_BOX = "CPU box: AMD EPYC, 2 cores, torch 2.13.0+cpu"
 
 Row = Dict[str, str]
@@ -46,8 +46,9 @@ def read_results(path: "Path | None") -> str:
     ).stdout
 
 
-def table(text: str, heading: str, first_column: str) -> List[Row]:
-    """The rows of the first table under the heading starting with ``heading`` whose first column is ``first_column``."""
+def table(text: str, heading: str, first_column: str, needs: Sequence[str] = ()) -> List[Row]:
+    """The rows of the first table under the heading starting with ``heading`` whose first column is ``first_column``
+    and which has every column in ``needs``."""
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("#") and line.lstrip("#").strip().startswith(heading)]
     if not starts:
@@ -58,7 +59,13 @@ def table(text: str, heading: str, first_column: str) -> List[Row]:
         if line.startswith("#") and len(line) - len(line.lstrip("#")) <= level:
             break  # the section ended
         cells = _cells(line)
-        if cells and cells[0] == first_column and i + 1 < len(lines) and set(lines[i + 1]) <= set("|-: "):
+        if (
+            cells
+            and cells[0] == first_column
+            and set(needs) <= set(cells)
+            and i + 1 < len(lines)
+            and set(lines[i + 1]) <= set("|-: ")
+        ):
             rows = []
             for body in lines[i + 2 :]:
                 if not body.startswith("|"):
@@ -112,12 +119,12 @@ def panel(
 BAR_PANELS = [
     (
         f"GPU: pack + unpack of one 25 MiB bucket (µs, log)\n{H200}",
-        "ops (ops_cuda.json)",
+        "ops: the fused flatten/unflatten round trip (cuda)",
         "layout",
         {"ResNet-50 bucket": "resnet50 b3", "GPT-2 bucket": "gpt2_small b1"},
         {
             "per-parameter copies": "per-param",
-            "torch _foreach_copy_": "_foreach_copy_",
+            "torch _foreach_copy_": "foreach_copy",
             "fastcoll (one fused kernel)": "fused",
             "two plain copies (floor)": "floor",
         },
@@ -126,18 +133,18 @@ BAR_PANELS = [
     ),
     (
         f"GPU: DDP step, 1 rank on NCCL, collectives forced (ms)\n{H200}",
-        "ddp (ddp_cuda.json)",
+        "ddp: fastcoll.DDP vs torch DDP (cuda)",
         "model",
-        {"ResNet-50 shapes": "ResNet-50 shapes", "GPT-2 shapes": "GPT-2 small shapes", "MLP": "MLP 96x(32x32)"},
-        {"torch DDP": "torch DDP ms (q1-q3)", "fastcoll.DDP": "fastcoll.DDP ms (q1-q3)"},
+        {"ResNet-50 shapes": "ResNet-50 shapes  *", "GPT-2 shapes": "GPT-2 small shapes  *", "MLP": "MLP 96x(32x32)"},
+        {"torch DDP": "torch DDP", "fastcoll.DDP": "fastcoll"},
         "ms",
-        {"bucket_view": "no", "collectives": "forced"},
+        {},
     ),
     (
         f"CPU: step with AdamW, 2 gloo ranks (ms)\n{CPU_BOX}",
-        "Fifth run",
+        "zero: ShardedOptimizer vs ZeroRedundancyOptimizer vs DDP (cpu)",
         "model",
-        {"ResNet-50 shapes": "ResNet-50 shapes", "GPT-2 shapes": "GPT-2 small shapes"},
+        {"ResNet-50 shapes": "ResNet-50 shapes *", "MLP": "MLP 96x(32x32)"},
         {
             "torch DDP + AdamW": "torch DDP",
             "torch ZeroRedundancyOptimizer": "torch ZeRO",
@@ -152,17 +159,17 @@ BAR_PANELS = [
 def headline_numbers(text: str) -> Dict[str, Dict[str, List[float]]]:
     """Panel title -> {series label: values per group}, plus each panel's group labels under "groups"."""
     panels = {
-        title: panel(table(text, heading, key), key, groups, series, unit, **fixed)
+        title: panel(table(text, heading, key, list(series.values())), key, groups, series, unit, **fixed)
         for title, heading, key, groups, series, unit, fixed in BAR_PANELS
     }
-    mem = table(text, "bfloat16 at float32 quality", "method")
+    mem = table(text, "zero bf16: main gradients + sharded float32 masters (cpu)", "method", ["peak (r0 / r1)"])
 
     def peak(method: str) -> float:  # the larger of the two ranks' peaks
-        return max(float(v) for v in row(mem, method=method)["peak MiB (rank 0 / 1)"].split("/"))
+        return max(float(v) for v in row(mem, method=method)["peak (r0 / r1)"].split("/"))
 
     cpu_mem = {
-        "groups": ["GPT-2 small shapes"],
-        "torch DDP fp32 + autocast(bf16)": [peak("torch DDP fp32 + autocast")],
+        "groups": ["GPT-2 shapes, width 256 (22.6 M)"],
+        "torch DDP fp32 + autocast(bf16)": [peak("torch fp32+autocast")],
         "fastcoll: bf16 + fp32 main grads + sharded fp32 masters": [peak("fastcoll sharded")],
     }
     panels[f"CPU: bf16 model at fp32 quality, peak MiB per rank\n{CPU_BOX}"] = cpu_mem
