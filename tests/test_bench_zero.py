@@ -5,7 +5,8 @@ that a tiny configuration runs end to end on 2 gloo ranks (a fresh process
 pair per method for the memory phase, one for the timing), writes
 well-formed JSON and a chart, and finds every method's parameters equal to
 torch DDP + AdamW's; plus the analysis, which needs no ranks. The same for
-its bfloat16 section (:mod:`fastcoll.bench.zero_bf16`), run on its own.
+its bfloat16 and one-rounding sections (:mod:`fastcoll.bench.zero_bf16`,
+:mod:`fastcoll.bench.zero_one_rounding`), each run on its own.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import pytest
 import torch
 
 from fastcoll.bench import __main__ as cli
-from fastcoll.bench import models, stats, tiny_lm, zero, zero_bf16
+from fastcoll.bench import models, stats, tiny_lm, zero, zero_bf16, zero_one_rounding
 
 
 @pytest.mark.timeout(300)
 def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
-    sections = []  # the bfloat16 section runs after the tables (test_zero_bf16_smoke_run runs it)
+    sections = []  # the bfloat16 and one-rounding sections run after the tables (tested on their own below)
     monkeypatch.setattr(zero_bf16, "run_section", lambda args: sections.append(args) or 0)
+    monkeypatch.setattr(zero_one_rounding, "run_section", lambda args: sections.append(args) or 0)
     path = tmp_path / "zero.json"
     rc = cli.main(["zero", "--smoke", "--json", str(path)])
     out = capsys.readouterr().out
@@ -31,7 +33,7 @@ def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
         assert rc == 0 and "skipping" in out
         return
     assert rc == 0, out
-    assert len(sections) == 1 and sections[0].smoke and zero_bf16.json_path(sections[0], "cpu") == tmp_path / "zero_bf16.json"
+    assert len(sections) == 2 and sections[0].smoke and zero_bf16.json_path(sections[0], "cpu") == tmp_path / "zero_bf16.json"
     assert "fastcoll zero: step time" in out and "sharded+overlap" in out and "targets" in out
 
     data = json.loads(path.read_text())
@@ -266,3 +268,35 @@ def test_quality_metrics_and_paths():
     full = zero_bf16.config(cli._args_for(parser.parse_args(["zero", "--full"]), "zero"))
     assert zero_bf16.model_shapes(full) == zero_bf16.GPT2_SMALL and full["quality_steps"] == 300
     assert full["quality_runs"] == zero_bf16.QUALITY_RUNS
+
+
+def test_ulps_counts_bf16_ulps_of_the_exact_value():
+    exact = torch.tensor([1.0, -3.0, 2.0**-10, 0.0], dtype=torch.float64)
+    got = exact + torch.tensor([2.0**-7, 2.0**-6, 2.0**-19, 5.0], dtype=torch.float64)
+    assert zero_one_rounding.ulps(got, exact).tolist() == [1.0, 1.0, 0.5]  # zeros have no ulp: dropped
+
+
+@pytest.mark.timeout(300)
+def test_zero_one_rounding_smoke_run(tmp_path, capsys):
+    """The one-rounding section alone, tiny (about 20 s): precision at 2 ranks, the LM at 4, targets, JSON, chart."""
+    args = cli._args_for(cli.build_parser().parse_args(["zero", "--smoke", "--json", str(tmp_path / "zero.json")]), "zero")
+    rc = zero_one_rounding.run_section(args)
+    out = capsys.readouterr().out
+    if not zero_one_rounding.supported():
+        assert rc == 0 and "skipping" in out
+        return
+    assert rc == 0, out
+    assert "distance from the float64 mean" in out and "tiny causal LM" in out and "targets" in out
+    path = tmp_path / "zero_one_rounding.json"  # beside zero's file, not over it
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "zero_one_rounding" and data["machine"]["torch"] and path.with_suffix(".png").exists()
+    (row,) = data["results"]
+    m = row["methods"]
+    # Two ranks: a bf16 all-reduce rounds once too (half an ulp at most); the sharded range keeps the float32 sum.
+    assert row["world_size"] == 2 and 0 < m["bf16"]["max_ulp"] <= 0.5 and 0 < m["accum"]["max_ulp"] <= 0.5
+    assert m["accum_rs"]["max_ulp"] < 0.01 and m["accum_rs"]["mean_ulp"] < m["accum"]["mean_ulp"]
+    assert {t["verdict"] for t in row["targets"].values()} == {stats.MET}
+    q = data["quality"]
+    assert q["steps"] == 3 and set(q["runs"]) == set(zero_one_rounding.LM_RUNS) and data["config"]["lm_world_size"] == 4
+    assert q["runs"]["fp32"]["weight_distance"] == 0
+    assert all(0 < q["runs"][n]["weight_distance"] < 0.1 for n in ("bf16_wire", "one_rounding"))

@@ -68,13 +68,14 @@ def relative_distance(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def train(
     rank: int, world: int, recipe: str, steps: int, *, grads: str = "sharded", lr: float = 1e-4, micro_batches: int = 4,
-    masters: bool = False,
+    masters: bool = False, ddp_kwargs: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:  # fmt: skip
     """Train :class:`TinyCausalLM` ``steps`` steps with ``recipe`` (one of :data:`RECIPES`) on this rank.
 
     Call it on every rank of an initialized process group. Each step: AdamW at
     ``lr`` after ``micro_batches`` micro-batches of gradient accumulation
     (``no_sync`` on all but the last), each micro-batch's loss divided by their number.
+    ``ddp_kwargs``: more arguments of ``fastcoll.DDP`` (the fastcoll recipe), e.g. ``comm_dtype``.
 
     Returns:
         ``weights``: the final parameters (float32 vector); ``loss``: the last
@@ -91,7 +92,7 @@ def train(
     if recipe == "fastcoll":
         import fastcoll
 
-        ddp: nn.Module = fastcoll.DDP(model, main_grad_dtype=torch.float32)
+        ddp: nn.Module = fastcoll.DDP(model, main_grad_dtype=torch.float32, **(ddp_kwargs or {}))
         opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
             torch.optim.AdamW(model.parameters(), lr=lr), ddp, grads=grads, master_dtype=torch.float32
         )

@@ -15,7 +15,8 @@ next forward). Only ShardedOptimizer's public API is used.
 2. Step time: a model's methods side by side in one process pair on shared
    weights, rounds in rotating order until every step target resolves.
 
-Then the bfloat16 section (:mod:`fastcoll.bench.zero_bf16`).
+Then the bfloat16 section (:mod:`fastcoll.bench.zero_bf16`) and, on the CPU, the one-rounding section
+(:mod:`fastcoll.bench.zero_one_rounding`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fastcoll
 
-from . import models, report, runner, stats, zero_bf16
+from . import models, report, runner, stats, zero_bf16, zero_one_rounding
 from .models import ModelSpec
 
 WORLD_SIZE = 2
@@ -367,4 +368,6 @@ def run(args: Any) -> int:
         report.say("[red]warning: some method's parameters differ from torch DDP + AdamW's (params column)[/red]")
     report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named, chart)
     rc = zero_bf16.run_section(args)
+    if device == "cpu":  # gloo ranks on the CPU: at one GPU rank there is nothing to sum
+        rc = zero_one_rounding.run_section(args) or rc
     return rc if ok else 1
