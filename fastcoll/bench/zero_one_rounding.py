@@ -157,15 +157,17 @@ def print_results(payload: Dict[str, Any]) -> None:
             for r in payload["results"]]  # fmt: skip
     report.table("fastcoll zero: bf16 reductions, distance from the float64 mean (bf16 ulps, max / mean)",
                  ["ranks", *(SHORT[m] for m in METHODS), *(f"{SHORT[m]} max (<= {ULP_TARGET:g})" for m in METHODS[1:])],
-                 body, "; ".join(f"{SHORT[m]}: {LABELS[m]}" for m in METHODS) + f". {cfg['numel']} bf16 gradients per "
-                 "rank, exact in bf16, both signs over 2**-12..2**12; gloo CPU ranks; ulp: 2**(floor(log2|mean|) - 7)")  # fmt: skip
+                 body, "; ".join(f"{SHORT[m]}: {LABELS[m]}" for m in METHODS) + f". {cfg['numel']} bf16 gradients "
+                 "per rank, exact in bf16, both signs over 2**-12..2**12; gloo CPU ranks; "
+                 "ulp: 2**(floor(log2|mean|) - 7)")  # fmt: skip
     q = payload["quality"]
     body = [[LM_RUNS[n], f"{r['final_loss']:.4f}", f"{r['loss_gap']:+.2%}", f"{r['weight_distance']:.3e}",
              "-" if r.get("master_distance") is None else f"{r['master_distance']:.3e}", f"{r['seconds']:.1f} s"]
             for n, r in q["runs"].items()]  # fmt: skip
     report.table(f"fastcoll zero: tiny causal LM, {q['steps']} AdamW steps, {cfg['lm_world_size']} gloo ranks, bf16 wire",
                  ["run", "final loss", "gap vs (a)", "weight distance", "master distance", "time"], body,
-                 "(d), (e): bf16 weights, float32 main gradients, sharded float32 masters; distance: ||w - w(a)|| / ||w(a)||")  # fmt: skip
+                 "(d), (e): bf16 weights, float32 main gradients, sharded float32 masters; "
+                 "distance: ||w - w(a)|| / ||w(a)||")  # fmt: skip
 
 
 def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
