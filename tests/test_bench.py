@@ -113,11 +113,6 @@ def test_cli_arguments(capsys):
     assert sub.command == "ops" and sub.json == "/tmp/r_ops.json" and sub.level == "default"
 
 
-def test_missing_benchmark_module_is_reported(capsys):
-    assert cli._load("no_such_benchmark") is None
-    assert "not available" in capsys.readouterr().out
-
-
 def test_timing_helpers():
     samples = runner.measure(lambda: sum(range(100)), warmup=1, reps=5, target_s=1e-4)
     assert len(samples) == 5 and all(s > 0 for s in samples)
@@ -179,9 +174,6 @@ def test_health_smoke_run(tmp_path, capsys):
     path = tmp_path / "health.json"
     rc = cli.main(["health", "--smoke", "--json", str(path)])
     out = capsys.readouterr().out
-    if not bench_health.supported():
-        assert rc == 0 and "skipping" in out
-        return
     assert rc == 0, out
     assert "fastcoll health" in out and "clip fastcoll" in out
 

@@ -60,16 +60,11 @@ class Case:
     methods: Tuple[str, ...]
 
 
-def comm_dtype_supported() -> bool:
-    """Whether this checkout's fastcoll.DDP takes ``comm_dtype``."""
-    return runner.ddp_supports(("comm_dtype",))
-
-
-def build_cases(level: str, with_comm: bool) -> List[Case]:
+def build_cases(level: str) -> List[Case]:
     """The rows: every model without and with bucket view (default: bucket view on the MLP and ResNet-50 shapes only)."""
     M = models
     if level == "smoke":  # the encoder is covered by the comm_dtype section when there is one
-        specs = [M.SMOKE_MLP, M.SMOKE_CONVBN, M.SMOKE_RESNET50] + ([] if with_comm else [M.SMOKE_ENCODER])
+        specs = [M.SMOKE_MLP, M.SMOKE_CONVBN, M.SMOKE_RESNET50]
         cases = [Case("fp32", s, g, METHODS) for s in specs for g in (False, True) if not g or s.kind == "mlp"]
         comm = [M.SMOKE_ENCODER]
     else:
@@ -77,7 +72,7 @@ def build_cases(level: str, with_comm: bool) -> List[Case]:
         view = {s.name for s in specs} if level == "full" else {"mlp96", "resnet50"}
         cases = [Case("fp32", s, g, METHODS) for s in specs for g in (False, True) if not g or s.name in view]
         comm = specs[:4] if level == "full" else [M.ENCODER, M.RESNET50]
-    return cases + ([Case("comm_dtype", s, False, COMM_METHODS) for s in comm] if with_comm else [])
+    return cases + [Case("comm_dtype", s, False, COMM_METHODS) for s in comm]
 
 
 def _force_env(collectives: Optional[str]) -> Dict[str, str]:
@@ -294,15 +289,10 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ddp``: tables, ``benchmarks/out/ddp_<device>.json``, a chart; 1 if gradients differ."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("ddp", device):
-        return 2
+    device = args.device
     ws = 1 if device == "cuda" else 2
     cfg = runner.level_config(args, CONFIGS, ws, target=GPU_TARGET if device == "cuda" else CPU_TARGET)
-    with_comm = comm_dtype_supported()
-    if not with_comm:
-        report.say("[yellow]comm_dtype rows skipped: this checkout's fastcoll.DDP has no comm_dtype argument[/yellow]")
-    cases = build_cases(args.level, with_comm)
+    cases = build_cases(args.level)
     passes = collective_passes(ws)
     path = report.json_path(args, f"ddp_{device}")
     rows: List[Dict[str, Any]] = []
@@ -310,7 +300,7 @@ def run(args: Any) -> int:
     implementation = None
     units = sum(len(c.methods) * cfg["max_reps"] for c in cases) * len(passes)
     config = {**cfg, "models": [dataclasses.asdict(c.spec) for c in cases if c.section == "fp32" and not c.gabv],
-              "methods": {k: v for k, v in METHOD_DESCRIPTIONS.items() if with_comm or k in METHODS},
+              "methods": METHOD_DESCRIPTIONS,
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
               "targets": {"cpu": f"step <= {CPU_TARGET}x torch DDP and sync overhead <= torch DDP's",
                           "cuda": f"step <= {GPU_TARGET}x torch DDP"}}  # fmt: skip
@@ -334,7 +324,7 @@ def run(args: Any) -> int:
             if p is not None:
                 status[p] = {"ok": True}
     payload = {"benchmark": "ddp", "config": config, "implementation": implementation,
-               "comm_dtype": {"supported": with_comm, "measured": with_comm}, "results": rows}  # fmt: skip
+               "comm_dtype": {"supported": True, "measured": True}, "results": rows}  # fmt: skip
     print_results(payload)
     named = [(f"{r['label']}{' +view' if r['gradient_as_bucket_view'] else ''}: {k}", t)
              for r in rows for k, t in r.get("targets", {}).items()]  # fmt: skip

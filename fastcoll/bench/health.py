@@ -75,11 +75,6 @@ COSTS = {
 }
 
 
-def supported() -> bool:
-    """Whether this checkout's fastcoll.DDP has the issue-11 API (compute_grad_norm, check_nonfinite, clip_grad_norm_)."""
-    return runner.ddp_supports(("compute_grad_norm", "check_nonfinite"), ("clip_grad_norm_",))
-
-
 def health_ops_implementation() -> str:
     """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
     from ..ops import loader
@@ -374,7 +369,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
         per method the timing summary (seconds) and raw samples, the paired
         ``costs``, ``ratios``, ``targets`` and the clipping ``checks``.
     """
-    device = getattr(args, "device", "cpu") or "cpu"
+    device = args.device
     cfg = _config(args, device)
     specs = model_specs(cfg["smoke"])
     ops_rows = bench_ops_rows(cfg)
@@ -465,12 +460,7 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
 
 def run(args: Any = None) -> int:
     """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("health", device):
-        return 2
-    if not supported():
-        report.say("[yellow]fastcoll.bench health: fastcoll.DDP has no compute_grad_norm/check_nonfinite; skipping[/yellow]")
-        return 0
+    device = args.device
     payload = measure(args)
     print_results(payload)
     named = [(f"{r['label']}, {r['world_size']} rank(s): {k}", t) for r in payload["results"] for k, t in r["targets"].items()]

@@ -211,14 +211,6 @@ def targets_summary(name: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> N
             say(f"  {w}: {target_cell(t, lambda v: '-' if v is None else f'{v:.3g}')} (target {t['op']} {t['threshold']})")
 
 
-def no_gpu(name: str, device: str) -> bool:
-    """True (with a message) when ``--device cuda`` is asked for without a GPU."""
-    if device == "cuda" and not torch.cuda.is_available():
-        say(f"[red]fastcoll.bench {name}: --device cuda but torch.cuda.is_available() is False[/red]")
-        return True
-    return False
-
-
 def conclude(
     name: str, path: Path, payload: Dict[str, Any], named: Sequence[Tuple[str, Dict[str, Any]]] = (), chart: Any = None,
 ) -> Path:  # fmt: skip

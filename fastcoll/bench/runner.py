@@ -122,7 +122,7 @@ def num_threads(n: int) -> Iterator[None]:
 
 def thread_counts(args: Any) -> List[int]:
     """The intra-op thread counts a one-process CPU benchmark runs at: ``--threads N|all``, default 1 and all."""
-    spec, every = getattr(args, "threads", None), report.available_cpus()
+    spec, every = args.threads, report.available_cpus()
     if spec is None:
         return sorted({1, every})
     return [every] if str(spec) == "all" else [int(spec)]
@@ -130,19 +130,15 @@ def thread_counts(args: Any) -> List[int]:
 
 def threads_per_rank(args: Any, world_size: int) -> int:
     """Intra-op threads of each rank: ``--threads N``, ``all`` (the CPUs shared out), default 1."""
-    spec = getattr(args, "threads", None)
+    spec = args.threads
     if spec is None:
         return 1
     return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
 
 
 def level_config(args: Any, configs: Dict[str, Dict[str, Any]], world_size: int, **extra: Any) -> Dict[str, Any]:
-    """A multi-rank benchmark's configuration: ``configs[level]``, the level, device, ranks, backend and threads.
-
-    The level is ``args.level``, else from ``--smoke`` / ``--full``.
-    """
-    level = getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
-    device = getattr(args, "device", "cpu") or "cpu"
+    """A multi-rank benchmark's configuration: ``configs[args.level]``, the level, device, ranks, backend and threads."""
+    level, device = args.level, args.device
     return {**configs[level], "level": level, "smoke": level == "smoke", "quick": level != "full", "device": device,
             "world_size": world_size, "backend": "nccl" if device == "cuda" else "gloo",
             "threads": threads_per_rank(args, world_size), **extra}  # fmt: skip
@@ -172,16 +168,6 @@ def torch_bucket_sizes(wrapper: Any, *keys: str) -> Optional[List[int]]:
         return None
     sizes = next((data[k] for k in keys if data.get(k)), None)
     return [int(s) for s in sizes.split(",") if s.strip()] if isinstance(sizes, str) else sizes
-
-
-def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:
-    """Whether this checkout's ``fastcoll.DDP`` takes ``arguments`` and has ``methods``."""
-    import inspect
-
-    import fastcoll
-
-    params = inspect.signature(fastcoll.DDP).parameters
-    return all(a in params for a in arguments) and all(hasattr(fastcoll.DDP, m) for m in methods)
 
 
 def settle(opt: Any) -> None:

@@ -59,11 +59,6 @@ LANE_COLOURS = {
 }
 
 
-def supported() -> bool:
-    """Whether this checkout's fastcoll.DDP has the timeline and autotuning API (issue 13)."""
-    return runner.ddp_supports(("record_timeline",), ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info"))
-
-
 CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
     "smoke": {"reps": 2, "max_reps": 2, "budget_s": 0.0, "setup_steps": 3, "target_s": 0.0, "max_inner": 1},
     "default": {"reps": 5, "max_reps": 30, "budget_s": 10.0, "setup_steps": 3, "target_s": 0.03, "max_inner": 50},
@@ -348,7 +343,7 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
 # Entry points
 def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
-    device = getattr(args, "device", "cpu") or "cpu"
+    device = args.device
     cfg = _config(args, device)
     ws = cfg["world_size"]
     specs = model_specs(cfg)
@@ -440,13 +435,7 @@ def run(args: Any = None) -> int:
         0 on success (also when fastcoll.DDP lacks the API: skipped with a
         message), 2 if ``--device cuda`` is asked for without a GPU.
     """
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("timeline", device):
-        return 2
-    if not supported():
-        report.say("[yellow]fastcoll.bench timeline: this checkout's fastcoll.DDP has no record_timeline / sync_timeline / "
-                   "tuning_report (issue 13); skipping[/yellow]")  # fmt: skip
-        return 0
+    device = args.device
     payload = measure(args)
     path = report.json_path(args, f"timeline_{device}")
     traces = write_traces(lambda model: path.with_name(f"{path.stem}_{model}.trace.json"), payload)

@@ -314,23 +314,13 @@ def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
     return report.bar_chart(path, title, panels, "ratio", 1.0, {next(iter(panels)): errs}, log=False)
 
 
-def supported() -> bool:
-    """Whether this checkout has ``fastcoll.ShardedOptimizer``."""
-    return hasattr(fastcoll, "ShardedOptimizer")
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench zero``: tables, ``benchmarks/out/zero_<device>.json``, a chart; then the bf16 section."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("zero", device):
-        return 2
+    device = args.device
     if device == "cuda" and torch.cuda.device_count() == 1:
         # One GPU: one NCCL rank whose reduce-scatters and all-gathers are issued as at any world size.
         os.environ["FASTCOLL_FORCE_COLLECTIVES"] = "1"
         report.say("fastcoll.bench zero: one GPU, one NCCL rank with FASTCOLL_FORCE_COLLECTIVES=1", record=False)
-    if not supported():
-        report.say("[yellow]fastcoll.bench zero: this checkout has no fastcoll.ShardedOptimizer; skipping[/yellow]")
-        return 0
     ws = torch.cuda.device_count() if device == "cuda" else WORLD_SIZE
     cfg = runner.level_config(args, CONFIGS, ws, group_limit_bytes=GROUP_LIMIT_BYTES)
     specs = model_specs(args.level)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import inspect
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -366,7 +365,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
 # Entry points
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the three phases; return ``{"benchmark": "zero_bf16", "config", "implementation", "results": [row], "quality"}``."""
-    device = getattr(args, "device", "cpu") or "cpu"
+    device = args.device
     cfg = config(args)
     ws = cfg["world_size"]
     shapes = model_shapes(cfg)
@@ -479,13 +478,6 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
                             panels, "", None, log=False)  # fmt: skip
 
 
-def supported() -> bool:
-    """Whether this checkout's fastcoll.DDP has ``main_grad_dtype`` and its ShardedOptimizer ``master_dtype``."""
-    if not hasattr(fastcoll, "ShardedOptimizer") or not runner.ddp_supports(("main_grad_dtype",)):
-        return False
-    return "master_dtype" in inspect.signature(fastcoll.ShardedOptimizer).parameters
-
-
 def json_path(args: Any, device: str) -> Path:
     """``benchmarks/out/zero_bf16_<device>.json``; with ``--json PATH``: PATH run alone, else ``<stem>_bf16.json`` beside it."""
     given = getattr(args, "json", None)
@@ -500,9 +492,6 @@ def json_path(args: Any, device: str) -> Path:
 
 def run_section(args: Any = None) -> int:
     """Measure, print, write JSON and the chart (the caller checked the device). Returns 0 (nothing is asserted)."""
-    if not supported():
-        report.say("[yellow]fastcoll.bench zero bf16: this checkout has no main_grad_dtype / master_dtype; skipping[/yellow]")
-        return 0
     report.say("[dim]bf16 section: GPT-2 shapes (synthetic: one module per parameter, forward = each weight's rows dotted "
                "with ones) in bfloat16 with torch DDP, in float32 with autocast, and with fastcoll's main gradients + "
                "sharded float32 masters; then the tiny causal LM's quality runs.[/dim]")  # fmt: skip
@@ -515,9 +504,7 @@ def run_section(args: Any = None) -> int:
 
 def run(args: Any = None) -> int:
     """This section alone (``python -m fastcoll.bench.zero_bf16``), with :func:`fastcoll.bench.zero.run`'s device checks."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("zero bf16", device):
-        return 2
+    device = args.device
     if device == "cuda" and torch.cuda.device_count() < 2:
         report.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
         return 0
