@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -100,10 +100,6 @@ def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.
     return runner.wrap("fastcoll", module, device, gradient_as_bucket_view=gabv, **comm)
 
 
-def make_step(method: str, wrapper: nn.Module, spec: ModelSpec, x: torch.Tensor) -> Callable[[], None]:
-    return models.backward_step(spec, wrapper, x, no_sync=method == "no_sync")
-
-
 def count_buckets(method: str, wrapper: nn.Module) -> Optional[int]:
     """Buckets of the wrapper's current layout (torch DDP: from its logging data, after the rebuild)."""
     if method.startswith("fastcoll"):
@@ -122,7 +118,7 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
         module = models.build_model(spec, device, storage)
         probe.start()
         wrapper = make_wrapper(method, module, case.gabv, device)
-        step = make_step(method, wrapper, spec, x)
+        step = models.backward_step(spec, wrapper, x, no_sync=method == "no_sync")
         for _ in range(cfg["setup_steps"] - 1):  # bucket rebuilds happen here
             step()
         w0 = runner.bytes_written()
@@ -186,10 +182,9 @@ def analyze(row: Dict[str, Any], info: Dict[str, Dict[str, Any]], cfg: Dict[str,
 def _ranks(me: runner.Rank, cases: List[Case]) -> Dict[str, Any]:
     if me.cfg["level"] != "smoke":  # one-time costs of every wrapper, on a tiny model
         for method in METHODS:
-            step = make_step(method, make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device),
-                             models.WARMUP, models.make_input(models.WARMUP, me.rank, me.device))  # fmt: skip
-            for _ in range(3):
-                step()
+            wrapper = make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device)
+            x = models.make_input(models.WARMUP, me.rank, me.device)
+            runner.run_steps(models.backward_step(models.WARMUP, wrapper, x, no_sync=method == "no_sync"), 3)
     gc.collect()
     gc.freeze()  # later collections skip torch's many long-lived objects: ms instead of 0.3 s
     rows = []

@@ -12,6 +12,7 @@ every rank and for every method.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -321,6 +322,29 @@ def backward_step(spec: ModelSpec, wrapper: nn.Module, x: torch.Tensor, no_sync:
             loss_of(spec, wrapper(x)).backward()
 
     return unsynced if no_sync else step
+
+
+def train_step(
+    wrapper: nn.Module, opt: Any, x: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: out,
+    note: Callable[[str], None] = lambda phase: None, context: Callable[[], Any] = contextlib.nullcontext,
+) -> Callable[[], None]:  # fmt: skip
+    """One iteration: ``zero_grad(set_to_none=True)``, forward (in ``context()``), ``loss``, backward, ``opt.step()``.
+
+    ``note(phase)`` runs after each phase ("zero_grad", "forward", "backward", "step").
+    """
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        note("zero_grad")
+        with context():
+            out = loss(wrapper(x))
+        note("forward")
+        out.backward()
+        note("backward")
+        opt.step()
+        note("step")
+
+    return step
 
 
 def compare_grads(a: nn.Module, b: nn.Module, rtol: float) -> Dict[str, Any]:

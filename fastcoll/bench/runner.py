@@ -177,6 +177,13 @@ def settle(opt: Any) -> None:
         finish()
 
 
+def run_steps(step: Callable[[], object], n: int, opt: Any = None) -> None:
+    """``n`` calls of ``step``, then the pending all-gathers of ``opt`` (a ShardedOptimizer) waited for."""
+    for _ in range(n):
+        step()
+    settle(opt)
+
+
 # Memory and traffic
 def _libc() -> Any:
     try:
@@ -358,9 +365,7 @@ def start_runs(me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[A
     runs, setup = {}, {}
     for m in methods:
         wrapper, opt, step = runs[m] = make(m)
-        for _ in range(me.cfg["setup_steps"] - 1):
-            step()
-        settle(opt)
+        run_steps(step, me.cfg["setup_steps"] - 1, opt)
         setup[m] = time_calls(lambda: (step(), settle(opt)), 1, me.device)
         opt.zero_grad(set_to_none=True)
         me.tick()

@@ -108,18 +108,7 @@ def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module,
 def make_step(spec: ModelSpec, wrapper: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
               sample: Callable[[], None] = lambda: None) -> Callable[[], None]:  # fmt: skip
     """One iteration: zero_grad(set_to_none=True), forward, loss, backward, step (``sample()`` after each phase)."""
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        sample()
-        loss = models.loss_of(spec, wrapper(x))
-        sample()
-        loss.backward()
-        sample()
-        opt.step()
-        sample()
-
-    return step
+    return models.train_step(wrapper, opt, x, lambda out: models.loss_of(spec, out), lambda _phase: sample())
 
 
 def state_bytes(method: str, opt: torch.optim.Optimizer) -> int:
@@ -141,10 +130,7 @@ def param_digest(module: nn.Module) -> List[float]:
 def warm_up(me: runner.Rank, method: str) -> None:
     """A few iterations of ``method`` on a tiny model, so the measured one pays no one-time costs."""
     wrapper, opt = make_method(method, models.build_model(models.WARMUP, me.device), me.device)
-    step = make_step(models.WARMUP, wrapper, opt, models.make_input(models.WARMUP, me.rank, me.device))
-    for _ in range(3):
-        step()
-    runner.settle(opt)
+    runner.run_steps(make_step(models.WARMUP, wrapper, opt, models.make_input(models.WARMUP, me.rank, me.device)), 3, opt)
 
 
 def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
@@ -157,12 +143,9 @@ def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
     module = models.build_model(spec, me.device, layered=True)
     wrapper, opt = make_method(method, module, me.device)
     step = make_step(spec, wrapper, opt, models.make_input(spec, me.rank, me.device), live.sample if live else lambda: None)
-    for _ in range(me.cfg["setup_steps"]):
-        step()
-    runner.settle(opt)
+    runner.run_steps(step, me.cfg["setup_steps"], opt)
     w0 = runner.bytes_written()
-    step()
-    runner.settle(opt)
+    runner.run_steps(step, 1, opt)
     runner.synchronize(me.device)
     w1 = runner.bytes_written()
     buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None

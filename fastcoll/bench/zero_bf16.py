@@ -105,25 +105,9 @@ def forward_context(method: str, device: str) -> Any:
 
 
 def make_step(method: str, wrapper: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, device: str,
-              sample: Optional[Callable[[str], None]] = None) -> Callable[[], None]:  # fmt: skip
-    """One iteration: zero_grad(set_to_none=True), forward (in autocast for ``autocast``), backward, step.
-
-    ``sample(phase)`` is called after each phase (the memory phase's live-heap readings).
-    """
-    note = sample or (lambda _phase: None)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        note("zero_grad")
-        with forward_context(method, device):
-            loss = wrapper(x)
-        note("forward")
-        loss.backward()
-        note("backward")
-        opt.step()
-        note("step")
-
-    return step
+              sample: Callable[[str], None] = lambda phase: None) -> Callable[[], None]:  # fmt: skip
+    """One iteration (the forward in autocast for ``autocast``); ``sample(phase)`` after each phase (live-heap readings)."""
+    return models.train_step(wrapper, opt, x, note=sample, context=lambda: forward_context(method, device))
 
 
 # Phase 1: bytes per rank (a fresh process pair per method)
@@ -221,9 +205,7 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
 
     step = make_step(method, wrapper, opt, x, device, sample)
     module.register_forward_hook(lambda *_: sample("forward end"))
-    for _ in range(cfg["setup_steps"] + 1):
-        step()
-    runner.settle(opt)
+    runner.run_steps(step, cfg["setup_steps"] + 1, opt)
     runner.synchronize(device)
     held = account(method, module, wrapper, opt, kept)
     kept.clear()
@@ -238,11 +220,8 @@ def _warm_up(method: str, device: str, rank: int) -> None:
     """A few iterations of ``method`` on tiny shapes, so the measured model pays no one-time costs."""
     shapes = [(4, 3), (5,), (3, 2)]
     wrapper, opt = make_method(method, build_model(shapes, method, device=device), device)
-    step = make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device)
-    for _ in range(3):
-        step()
-    runner.settle(opt)
-    del wrapper, opt, step
+    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device), 3, opt)
+    del wrapper, opt
     gc.collect()
 
 
