@@ -119,14 +119,10 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
         probe.start()
         wrapper = make_wrapper(method, module, case.gabv, device)
         step = models.backward_step(spec, wrapper, x, no_sync=method == "no_sync")
-        for _ in range(cfg["setup_steps"] - 1):  # bucket rebuilds happen here
-            step()
-        w0 = runner.bytes_written()
-        one = runner.time_calls(step, 1, device)
-        w1 = runner.bytes_written()
-        sent = w1 - w0 if device == "cpu" and w0 is not None and w1 is not None else None
-        info[method] = {"peak_mem_bytes": probe.peak(), "sent_bytes_per_step": sent, "buckets": count_buckets(method, wrapper),
-                        "setup_step_s": one}  # fmt: skip
+        runner.run_steps(step, cfg["setup_steps"] - 1)  # bucket rebuilds happen here
+        one, sent = runner.bytes_sent(lambda: runner.time_calls(step, 1, device))
+        info[method] = {"peak_mem_bytes": probe.peak(), "sent_bytes_per_step": sent if device == "cpu" else None,
+                        "buckets": count_buckets(method, wrapper), "setup_step_s": one}  # fmt: skip
         wrappers[method], steps[method] = wrapper, step
     # every instance ran the same steps from the same state on the same inputs
     pairs = [("fastcoll", "torch")] if case.section == "fp32" else [(f"fastcoll {d}", f"torch {d} hook") for d, _ in COMM_DTYPES]
@@ -135,7 +131,6 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
     inner = me.inner(max(i["setup_step_s"] for i in info.values()))
     goal = [(stats.median_ratio("fastcoll", "torch"), cfg["target"], "le")] if case.section == "fp32" else []
     samples, _ = runner.timed_rounds(steps, inner, cfg["reps"], cfg["max_reps"], goal, device, me.tick)
-    me.tick(len(case.methods) * (cfg["max_reps"] - len(samples[case.methods[0]])))
     peaks = runner.all_max([float(info[m]["peak_mem_bytes"] or 0) for m in case.methods], device)
     sent = runner.all_max([float(info[m]["sent_bytes_per_step"] or 0) for m in case.methods], device)
     for m, p, s in zip(case.methods, peaks, sent):

@@ -81,7 +81,7 @@ def health_ops_implementation() -> str:
 
     if ops.implementation() != "extension":
         return "reference (pure PyTorch): the extension is not loaded"
-    missing = [n for n in HEALTH_OPS if n in getattr(loader, "REFERENCE_OPS", ())]
+    missing = [n for n in HEALTH_OPS if n in loader.REFERENCE_OPS]
     if missing:
         return f"reference (pure PyTorch) for {', '.join(missing)}: the extension was built before them"
     return "extension"
@@ -181,10 +181,8 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
         for op, p in pairs.items():
             fns = {"plain": p["plain"], "health": p["health"]}
             for fn in fns.values():
-                for _ in range(3):
-                    fn()
-            target_s = cfg["ops_target_s"]
-            inner = max(1 if target_s <= 0 else runner.calibrate(f, device, target_s, 1000) for f in fns.values())
+                runner.run_steps(fn, 3)
+            inner = max(runner.calibrate(f, device, cfg["ops_target_s"], 1000) for f in fns.values())
             samples = runner.measure_interleaved(fns, device, 0, cfg["ops_reps"], inner)
             summary = {k: stats.summarize(s) for k, s in samples.items()}
             ratio = summary["health"]["median_s"] / summary["plain"]["median_s"]
@@ -244,16 +242,10 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
 
     # Warm-up of each wrapper (its bucket rebuild), one step of each method (the slowest sets inner), then max_norm.
     for kind in WRAPPERS:
-        plain = next(m for m, (w, clip) in METHODS.items() if w == kind and clip is None)
-        for _ in range(cfg["setup_steps"] - 1):
-            steps[plain]()
+        runner.run_steps(steps[next(m for m, (w, clip) in METHODS.items() if w == kind and clip is None)], cfg["setup_steps"] - 1)
     slowest = 0.0
     for m, step in steps.items():
-        runner.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        runner.synchronize(device)
-        slowest = max(slowest, time.perf_counter() - t0)
+        slowest = max(slowest, runner.time_calls(step, 1, device))
         drop_grads(m)
         tick(1)
     steps["torch"]()
@@ -286,7 +278,6 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
     lo, hi = _reps_for(spec, cfg)
     goals = [(lambda s, n=n: _target_value(s, n), thr, "le") for n, thr in _thresholds(spec.name).items()]
     samples, cpu_samples = runner.timed_rounds(steps, n_inner, lo, hi, goals, device, tick, after=drop_grads)
-    tick(len(steps) * (hi - len(samples["torch"])))
     params = [p for p in wrappers["fastcoll"].module.parameters() if p.requires_grad]
     buckets = len(wrappers["fastcoll"].bucket_info())
     steps.clear()

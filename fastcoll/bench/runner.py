@@ -215,9 +215,15 @@ def _proc_field(path: str, field: str) -> Optional[int]:
     return None
 
 
-def bytes_written() -> Optional[int]:
-    """Bytes this process wrote through write()/send() so far (``/proc/self/io`` wchar: gloo's sockets included)."""
-    return _proc_field("/proc/self/io", "wchar")
+def bytes_sent(fn: Callable[[], Any]) -> Tuple[Any, Optional[int]]:
+    """``fn()``'s result, and the bytes this process wrote through write()/send() while it ran (None if unknown).
+
+    From ``/proc/self/io``'s wchar: gloo's sockets included.
+    """
+    w0 = _proc_field("/proc/self/io", "wchar")
+    out = fn()
+    w1 = _proc_field("/proc/self/io", "wchar")
+    return out, None if w0 is None or w1 is None else w1 - w0
 
 
 class MemoryProbe:
@@ -318,7 +324,8 @@ def timed_rounds(
     every rank sees the same samples and stops after the same round:
     :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between
     ``lo`` and ``hi`` rounds. ``before(name)`` and ``after(name)`` run around
-    each sample, untimed (a lead-in step, dropping gradients).
+    each sample, untimed (a lead-in step, dropping gradients); ``tick()`` after
+    each sample, and once for every sample of the rounds not taken.
 
     Returns:
         Wall-clock seconds per call, and the calling thread's CPU seconds per
@@ -350,6 +357,8 @@ def timed_rounds(
             cpu[name].append(synced[len(order) + i])
         if enough_rounds(wall, k + 1, lo, hi, checks):
             break
+    if tick is not None:  # the rounds not taken
+        tick(len(fns) * (hi - len(wall[order[0]])))
     return wall, cpu
 
 
@@ -379,7 +388,7 @@ def optimizer_rounds(
 
     Each sample follows an untimed lead-in step; after it the step's all-gathers
     are drained and the gradients dropped, untimed, so the next sample starts
-    with none pending. Ticks the rounds not taken. Returns the wall-clock samples.
+    with none pending. Returns the wall-clock samples.
     """
 
     def after(m: str) -> None:
@@ -387,9 +396,7 @@ def optimizer_rounds(
         runs[m][1].zero_grad(set_to_none=True)
 
     steps = {m: r[2] for m, r in runs.items()}
-    samples, _ = timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)
-    me.tick(len(runs) * (hi - len(next(iter(samples.values())))))
-    return samples
+    return timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)[0]
 
 
 class Rank:

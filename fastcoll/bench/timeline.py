@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
@@ -111,7 +110,7 @@ def _autotune_steps() -> int:
     return autotune_steps()
 
 
-def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None], trace_dir: str) -> dict[str, Any]:
+def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None]) -> dict[str, Any]:
     """One model on this rank: the sweep, then the timelines and tuning report (gathered from every rank)."""
     device = cfg["device"]
     storage = models.build_storage(spec, device)
@@ -123,14 +122,8 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     for method in METHODS:
         wrapper = make_wrapper(method, models.build_model(spec, device, storage), device)
         step = models.backward_step(spec, wrapper, x)
-        n = tune_steps if method == "auto" else cfg["setup_steps"]
-        for _ in range(n - 1):  # the rebuild (and auto's tuning) happen here
-            step()
-        runner.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        runner.synchronize(device)
-        setup_s[method] = time.perf_counter() - t0
+        runner.run_steps(step, (tune_steps if method == "auto" else cfg["setup_steps"]) - 1)  # the rebuild, auto's tuning
+        setup_s[method] = runner.time_calls(step, 1, device)
         wrappers[method], steps[method] = wrapper, step
         tick(1)
     per_step = runner.all_max([max(setup_s.values())], device)[0]
@@ -143,10 +136,11 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     layouts: dict[str, Any] = {}
     for method in TIMELINE_LAYOUTS:
         w = wrappers[method]
-        path = os.path.join(trace_dir, f"{spec.name}_{method.replace(' ', '')}_rank{rank}.json")
-        w.export_chrome_trace(path)
+        with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as tmp:
+            events = json.loads(w.export_chrome_trace(os.path.join(tmp, "trace.json")).read_text())["traceEvents"]
         layouts[method] = {"timeline": runner.gather(w.sync_timeline()), "buckets": len(w.bucket_info()),  # per rank
-                           "bucket_bytes": [b["bytes"] for b in w.bucket_info()], "traces": runner.gather(path)}  # fmt: skip
+                           "bucket_bytes": [b["bytes"] for b in w.bucket_info()],
+                           "trace_events": runner.gather(events)}  # fmt: skip
     params = [p for p in wrappers["torch"].module.parameters() if p.requires_grad]
     row = {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "params": len(params),
            "numel": sum(p.numel() for p in params), "inner": inner,
@@ -158,11 +152,11 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     return row
 
 
-def _ranks(me: runner.Rank, trace_dir: str) -> dict[str, Any]:
+def _ranks(me: runner.Rank) -> dict[str, Any]:
     rows, specs = [], model_specs(me.cfg)
     for spec in specs:
         me.describe(f"timeline: {spec.label}")
-        rows.append(bench_model(spec, me.rank, me.cfg, me.tick, trace_dir))
+        rows.append(bench_model(spec, me.rank, me.cfg, me.tick))
         me.row(spec.label, len(specs))
     return {"rows": rows}
 
@@ -174,25 +168,24 @@ def representative(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[int | 
     Returns:
         Its iteration number and each rank's record of it (None where a rank lacks it).
     """
-    common_its = None
-    for its in per_rank:
-        nums = {it["iteration"] for it in its}
-        common_its = nums if common_its is None else common_its & nums
-    if not common_its:
+    by_num, exposed = _slowest_exposed(per_rank)
+    if not exposed:
         return None, [None] * len(per_rank)
-    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
-    exposed = sorted((max(r[n]["exposed_sync_us"] for r in by_num), n) for n in common_its)
-    num = exposed[(len(exposed) - 1) // 2][1]
+    num = sorted((us, n) for n, us in exposed.items())[(len(exposed) - 1) // 2][1]
     return num, [r.get(num) for r in by_num]
+
+
+def _slowest_exposed(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[dict[int, Any]], dict[int, float]]:
+    """Each rank's records by iteration, and the slowest rank's exposed sync (us) of each iteration every rank recorded."""
+    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
+    nums = set.intersection(*(set(r) for r in by_num)) if by_num else set()
+    return by_num, {n: max(r[n]["exposed_sync_us"] for r in by_num) for n in nums}
 
 
 def exposed_median_s(per_rank: Sequence[Sequence[dict[str, Any]]]) -> float | None:
     """Median over the iterations every rank recorded of the slowest rank's exposed sync time (seconds)."""
-    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
-    nums = set.intersection(*(set(r) for r in by_num)) if by_num else set()
-    if not nums:
-        return None
-    return statistics.median(max(r[n]["exposed_sync_us"] for r in by_num) for n in nums) / 1e6
+    exposed = _slowest_exposed(per_rank)[1]
+    return statistics.median(exposed.values()) / 1e6 if exposed else None
 
 
 def _auto_vs_best_fixed(samples: dict[str, list[float]]) -> float | None:
@@ -251,15 +244,11 @@ def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]]
 def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
     """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
 
-    def ms(v: float | None) -> float | None:
-        return None if v is None else v / 1e3
-
     out: list[tuple[int, str, int, float, float]] = []
 
     def add(lane: int, kind: str, k: int, a: float | None, b: float | None) -> None:
-        a, b = ms(a), ms(b)
         if a is not None and b is not None and b >= a:
-            out.append((lane, kind, k, a, b))
+            out.append((lane, kind, k, a / 1e3, b / 1e3))
 
     add(0, "forward", -1, it.get("forward_start_us"), it.get("backward_start_us"))
     add(0, "backward", -1, it.get("backward_start_us"), it.get("backward_end_us"))
@@ -348,30 +337,15 @@ def measure(args: Any = None) -> dict[str, Any]:
     ws = cfg["world_size"]
     specs = model_specs(cfg)
     rank_cfg = {**cfg, "keep_freed_memory": True, "freeze": True, "env": autotune_env(cfg)}
-    with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as trace_dir:
-        with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
-            result = runner.run_ranks(_ranks, rank_cfg, (trace_dir,), ws, prog)
-        rows = [summarize_row(r) for r in result["rows"]]
-        for r in rows:  # the per-rank traces live in tmpdir: read them now
-            for lay in r["layouts"].values():
-                lay["trace_events"] = _read_traces(lay.pop("traces"))
+    with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
+        result = runner.run_ranks(_ranks, rank_cfg, (), ws, prog)
+    rows = [summarize_row(r) for r in result["rows"]]
     config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or _autotune_steps()),
               "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
               "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
               }  # fmt: skip
     return {"benchmark": "timeline", "config": config, "implementation": result["implementation"], "results": rows}
-
-
-def _read_traces(paths: Sequence[str]) -> list[list[dict[str, Any]]]:
-    out = []
-    for p in paths:
-        try:
-            with open(p) as f:
-                out.append(json.load(f).get("traceEvents", []))
-        except (OSError, ValueError):
-            out.append([])
-    return out
 
 
 def _layout_name(row: dict[str, Any], method: str) -> str:

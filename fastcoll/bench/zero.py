@@ -144,18 +144,13 @@ def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
     wrapper, opt = make_method(method, module, me.device)
     step = make_step(spec, wrapper, opt, models.make_input(spec, me.rank, me.device), live.sample if live else lambda: None)
     runner.run_steps(step, me.cfg["setup_steps"], opt)
-    w0 = runner.bytes_written()
-    runner.run_steps(step, 1, opt)
-    runner.synchronize(me.device)
-    w1 = runner.bytes_written()
+    _, sent = runner.bytes_sent(lambda: (runner.run_steps(step, 1, opt), runner.synchronize(me.device)))
     buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None
     info = {"rank": me.rank, "peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
-            "state_bytes": state_bytes(method, opt), "sent_bytes": None if w0 is None or w1 is None else w1 - w0,
+            "state_bytes": state_bytes(method, opt), "sent_bytes": sent,
             "digest": param_digest(module), "buckets": buckets}  # fmt: skip
-    del wrapper, opt, step
-    gc.collect()  # the wrappers go while their process group is alive
     me.tick()
-    return {"ranks": runner.gather(info)}
+    return {"ranks": runner.gather(info)}  # the wrappers go in Rank's exit, while their process group is alive
 
 
 def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[str, Any]:
