@@ -257,26 +257,6 @@ def print_results(payload: Dict[str, Any]) -> None:
                          "faster); grads compared with a half-precision tolerance")  # fmt: skip
 
 
-def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
-    """Step times relative to torch DDP's, with intervals (comm_dtype: to torch DDP + the same-dtype hook)."""
-    panels: Dict[str, Dict[str, Dict[str, float]]] = {}
-    errors: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
-    for r in payload["results"]:
-        m = r["methods"]
-        name = r["label"] + (" +view" if r["gradient_as_bucket_view"] else "") + PASS_SUFFIX.get(r.get("collectives") or "", "")
-        fp32 = r["section"] == "fp32"
-        for base, mine in [("torch", "fastcoll")] if fp32 else [(f"torch {d} hook", f"fastcoll {d}") for d, _ in COMM_DTYPES]:
-            panel = f"{r['section']}: step / {base}'s"
-            group = f"{name} {mine.split()[-1]}" if r["section"] != "fp32" else name
-            b = m[base]["median_s"]
-            panels.setdefault(panel, {})[group] = {"no_sync": m["no_sync"]["median_s"] / b, "fastcoll": m[mine]["median_s"] / b}
-            t = r.get("targets", {}).get("step")
-            if t and t["ci90"]:
-                errors.setdefault(panel, {})[group] = {"fastcoll": t["ci90"]}
-    return report.bar_chart(path, f"fastcoll ddp ({payload['config']['device']}): step time relative to torch DDP (lower is "
-                            "better; no_sync = compute floor)", panels, "time / torch DDP", 1.0, errors, log=False)  # fmt: skip
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ddp``: tables, ``benchmarks/out/ddp_<device>.json``, a chart; 1 if gradients differ."""
     device = args.device
@@ -321,5 +301,5 @@ def run(args: Any) -> int:
     bad = [r["label"] for r in rows for c in r["grads"].values() if not c["close"]]
     for label in bad:
         report.say(f"[red]warning: {label}: fastcoll's gradients differ from torch DDP's[/red]")
-    report.conclude("ddp", path, payload, named, chart if rows else None)
+    report.conclude("ddp", path, payload, named)
     return 0 if not bad and all(s["ok"] for s in status.values()) else 1

@@ -21,7 +21,6 @@ import math
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -437,18 +436,6 @@ def print_results(payload: Dict[str, Any]) -> None:
                      body)  # fmt: skip
 
 
-def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Each cost as a share of the step without the feature, with its interval where it has a target."""
-    clip, other = "clipping cost / step", "norm, non-finite, A/A / fastcoll's step"
-    panels: Dict[str, Dict[str, Dict[str, float]]] = {clip: {}, other: {}}
-    for r in payload["results"]:
-        name, q = f"{r['label']} ({r['world_size']})", r["ratios"]
-        panels[clip][name] = {"torch": q["clip torch/torch step"], "fastcoll": q["clip fastcoll/fastcoll step"]}
-        panels[other][name] = {"norm": q["norm/fastcoll step"], "nonfinite": q["nonfinite/fastcoll step"],
-                               "A/A": q["A/A/fastcoll step"]}  # fmt: skip
-    return report.bar_chart(path, "fastcoll health: what each feature costs", panels, "share of the step", 0.0, log=False)
-
-
 def run(args: Any = None) -> int:
     """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
     device = args.device
@@ -460,5 +447,5 @@ def run(args: Any = None) -> int:
     for r in payload["results"]:
         if not r["checks"]["ok"]:
             report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
-    report.conclude("health", report.json_path(args, f"health_{device}"), payload, named, chart)
+    report.conclude("health", report.json_path(args, f"health_{device}"), payload, named)
     return 0 if all(r["checks"]["ok"] for r in payload["results"]) else 1

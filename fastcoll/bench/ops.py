@@ -362,17 +362,6 @@ def print_pairs(rows: List[Dict[str, Any]], layouts: List[Layout]) -> None:
     report.table(f"fastcoll ops: dtype pairs, CPU, {PAIR_THREADS} thread", columns, list(by_pair.values()), caption)
 
 
-def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
-    panels: Dict[str, Dict[str, Dict[str, float]]] = {}
-    for r in payload["results"]:
-        floor = r["methods"]["floor"]["median_s"]
-        panels.setdefault(setting(r["device"], r["threads"]), {})[r["layout"]] = {
-            METHOD_LABELS[m]: r["methods"][m]["median_s"] / floor for m in METHODS[1:]
-        }
-    return report.bar_chart(path, "fastcoll ops: round trip / two-copy floor (dashed; lower is better)", panels,
-                            "time / floor", reference_line=1.0)  # fmt: skip
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ops``: tables, ``benchmarks/out/ops_<device>.json`` and a chart."""
     device = args.device
@@ -430,5 +419,5 @@ def run(args: Any) -> int:
                         "layouts": {lay.name: lay.note for lay in pair_layouts}, "target": {"fused/floor": ["le", PAIR_TARGET]}},
     }  # fmt: skip
     payload = {"benchmark": "ops", "config": config, "results": results, "dtype_pairs": pairs}
-    report.conclude("ops", report.json_path(args, f"ops_{device}"), payload, targets, chart)
+    report.conclude("ops", report.json_path(args, f"ops_{device}"), payload, targets)
     return 0

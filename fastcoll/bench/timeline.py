@@ -394,14 +394,6 @@ def print_results(payload: dict[str, Any]) -> None:
             report.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
 
 
-def sweep_chart(path: Path, payload: dict[str, Any]) -> Path | None:
-    """Median step of every method relative to torch DDP's, per model."""
-    panel = {r["label"]: {("torch DDP" if m == "torch" else m): r["methods"][m]["median_s"] / r["methods"]["torch"]["median_s"]
-                          for m in METHODS} for r in payload["results"]}  # fmt: skip
-    title = f"fastcoll timeline ({payload['config']['device']}): step time relative to torch DDP (dashed = 1, lower is better)"
-    return report.bar_chart(path, title, {"step / torch DDP step": panel}, "time / torch DDP", 1.0)
-
-
 def run(args: Any = None) -> int:
     """CLI entry (``python -m fastcoll.bench timeline``): measure, print, write JSON, the sweep chart, Gantt charts and traces.
 
@@ -416,6 +408,6 @@ def run(args: Any = None) -> int:
     print_results(payload)
     pngs = [model_gantt(path.with_name(f"{path.stem}_{r['model']}.png"), r, device) for r in payload["results"]]
     named = [(f"{r['label']}: {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
-    report.conclude("timeline", path, payload, named, sweep_chart)
+    report.conclude("timeline", path, payload, named)
     report.say(f"{len([p for p in pngs if p])} Gantt chart(s) and {len(traces)} Chrome trace(s) beside it", record=False)
     return 0

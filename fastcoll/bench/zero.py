@@ -274,24 +274,6 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "sockets in one iteration; params: after the same iterations, against torch DDP + AdamW's.")  # fmt: skip
 
 
-def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
-    """Step time relative to ZeRO's (with intervals) and peak memory relative to torch DDP's."""
-    steps, errs, peaks = {}, {}, {}
-    for r in payload["results"]:
-        steps[r["label"]], errs[r["label"]], peaks[r["label"]] = {}, {}, {}
-        for m in METHODS:
-            t = step_ratio(r["groups"], m, "zero") if m != "zero" else {"value": 1.0, "ci90": None}
-            steps[r["label"]][METHOD_LABELS[m]] = t["value"] if t["value"] is not None else float("nan")
-            if t["ci90"]:
-                errs[r["label"]][METHOD_LABELS[m]] = t["ci90"]
-            pk, base = r["methods"][m].get("peak_bytes"), r["methods"]["torch"].get("peak_bytes")
-            if pk and base and None not in pk and None not in base and max(base):
-                peaks[r["label"]][METHOD_LABELS[m]] = max(pk) / max(base)
-    title = f"fastcoll zero ({payload['config']['device']}): ShardedOptimizer vs ZeroRedundancyOptimizer vs DDP, AdamW"
-    panels = {f"step / torch ZeRO's (target of the sharded modes: <= {STEP_VS_ZERO})": steps, "peak memory / torch DDP's": peaks}
-    return report.bar_chart(path, title, panels, "ratio", 1.0, {next(iter(panels)): errs}, log=False)
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench zero``: tables, ``benchmarks/out/zero_<device>.json``, a chart; then the bf16 section."""
     device = args.device
@@ -333,6 +315,6 @@ def run(args: Any) -> int:
     ok = all(c["ok"] for r in results for c in r["checks"].values())
     if not ok:
         report.say("[red]warning: some method's parameters differ from torch DDP + AdamW's (params column)[/red]")
-    report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named, chart)
+    report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named)
     rc = zero_bf16.run_section(args)
     return rc if ok else 1

@@ -444,19 +444,6 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
 
 
-def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Bytes per parameter by kind, and each recipe's peak and step against autocast's."""
-    (row,) = payload["results"]
-    kinds = ("params", "grads", "buckets", "state", "masters")
-    held = {METHOD_LABELS[k]: {c: row["methods"][k].get("bytes_per_param", {}).get(c, 0.0) for c in kinds} for k in METHODS}
-    vs = {METHOD_LABELS[k]: {"peak": row["ratios"].get(f"peak_bytes {k}/autocast") or float("nan"),
-                             "step": (row["ratios"].get(f"step {k}/autocast") or {}).get("value") or float("nan")}
-          for k in METHODS if k != "autocast"}  # fmt: skip
-    panels = {"bytes per parameter held, by kind": held, "peak and step / fp32 + autocast's": vs}
-    return report.bar_chart(path, f"fastcoll zero bf16 ({payload['config']['device']}): main gradients + sharded fp32 masters",
-                            panels, "", None, log=False)  # fmt: skip
-
-
 def json_path(args: Any, device: str) -> Path:
     """``benchmarks/out/zero_bf16_<device>.json``; with ``--json PATH``: PATH run alone, else ``<stem>_bf16.json`` beside it."""
     given = getattr(args, "json", None)
@@ -477,7 +464,7 @@ def run_section(args: Any = None) -> int:
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for t in payload["results"][0]["targets"].values()]
-    report.conclude("bf16", json_path(args, payload["config"]["device"]), payload, named, chart)
+    report.conclude("bf16", json_path(args, payload["config"]["device"]), payload, named)
     return 0
 
 
