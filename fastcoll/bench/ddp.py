@@ -1,13 +1,11 @@
 """fastcoll.DDP against torch DistributedDataParallel, side by side in one run (docs/benchmarks.md, "ddp").
 
-On CPU 2 gloo ranks (1 intra-op thread each); with ``--device cuda`` one NCCL
-rank, measured twice (``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1: at world size 1
-fastcoll issues no collective unless forced). Per model and
-``gradient_as_bucket_view`` setting, a step (zero_grad + forward + backward,
-no optimizer) of ``no_sync`` (torch DDP without synchronization: the compute
-floor), ``torch`` and ``fastcoll``; then ``comm_dtype`` fp16/bf16 against
-torch DDP with its compress hooks. Also peak memory, bytes sent per step,
-buckets, and whether fastcoll's gradients equal torch DDP's.
+Per model and ``gradient_as_bucket_view`` setting, a step (zero_grad + forward
++ backward) of each of :data:`METHODS`, then ``comm_dtype`` against torch DDP's
+compress hooks; peak memory, bytes sent, buckets, and whether the gradients
+equal torch DDP's. 2 gloo ranks on CPU; one NCCL rank on a GPU, measured with
+``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1 (at world size 1 fastcoll issues no
+collective unless forced).
 """
 
 from __future__ import annotations

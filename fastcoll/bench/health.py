@@ -1,15 +1,10 @@
 """What gradient health costs: clipping, the fused norm and the non-finite check (docs/benchmarks.md, "health").
 
-On CPU 2 gloo ranks then 1 (1 intra-op thread each); with ``--device cuda``
-1 NCCL rank. Per model (the MLP, the ResNet-50 and GPT-2 shape sets) eight
-steps are timed in rounds (zero_grad + forward + backward, then the clipping
-if any; no optimizer step): torch DDP with and without torch's clipping;
-fastcoll.DDP plain, with torch's clipping, with ``compute_grad_norm`` (with
-and without its own clipping), with ``check_nonfinite``, and a second plain
-instance (the A/A control). Each cost is the median over rounds of the paired
-difference; each target has a 90% bootstrap interval. Also the ops-level
-rows: ``unflatten_scale`` with and without ``sumsq`` and ``flatten_scale``
-with and without ``nonfinite``, on ResNet-50's 25 MiB bucket at 1 thread.
+The steps of :data:`METHODS` (zero_grad + forward + backward, then the clipping
+if any) are timed in rounds per model, on 2 gloo ranks (the full run: then 1)
+or one NCCL rank; each of :data:`COSTS` is the median over rounds of a paired
+difference, ``fastcoll again`` the A/A control. Also the ops-level rows: the
+fused ops with and without their health outputs on ResNet-50's 25 MiB bucket.
 """
 
 from __future__ import annotations

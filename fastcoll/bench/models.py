@@ -156,7 +156,7 @@ class ShapeModel(nn.Module):
 
     def __init__(self, shapes: Sequence[Sequence[int]], storage: Optional[Sequence[torch.Tensor]] = None, device: Any = "cpu"):
         super().__init__()
-        storage = storage if storage is not None else [torch.full(tuple(s), 0.01, device=device) for s in shapes]
+        storage = storage if storage is not None else filled(shapes, device=device)
         self.params = nn.ParameterList(nn.Parameter(t) for t in storage)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -310,18 +310,14 @@ def loss_of(spec: ModelSpec, out: torch.Tensor) -> torch.Tensor:
 
 def backward_step(spec: ModelSpec, wrapper: nn.Module, x: torch.Tensor, no_sync: bool = False) -> Callable[[], None]:
     """A step without optimizer: ``zero_grad(set_to_none=True)``, forward, loss, backward (``no_sync``: inside it)."""
-    module = wrapper.module
+    module, context = wrapper.module, wrapper.no_sync if no_sync else contextlib.nullcontext
 
     def step() -> None:
         module.zero_grad(set_to_none=True)
-        loss_of(spec, wrapper(x)).backward()
-
-    def unsynced() -> None:
-        module.zero_grad(set_to_none=True)
-        with wrapper.no_sync():
+        with context():
             loss_of(spec, wrapper(x)).backward()
 
-    return unsynced if no_sync else step
+    return step
 
 
 def train_step(
@@ -373,9 +369,7 @@ def compare_grads(a: nn.Module, b: nn.Module, rtol: float) -> Dict[str, Any]:
             "max_abs_grad": scale}  # fmt: skip
 
 
-# ---------------------------------------------------------------------------
 # The optimizer every training benchmark uses
-# ---------------------------------------------------------------------------
 
 ADAMW: Dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.01}
 

@@ -1,13 +1,9 @@
 """The fused flatten/unflatten ops against torch's ways of doing the same round trip (docs/benchmarks.md, "ops").
 
 A round trip packs gradients into a flat bucket times 1/world_size and unpacks
-the bucket into gradients of the same layout. Methods, timed in rounds:
-``floor`` (two plain copies of the same bytes), ``fused`` (fastcoll's ops),
-``per_param`` (torch DDP's reducer), ``torch_utils``
-(``_flatten_dense_tensors``) and ``foreach`` (``torch._foreach_copy_``).
-Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base, and
-synthetic tensor-count sweeps in float32 and bfloat16; then the 16
-(gradient dtype, bucket dtype) pairs against their own floor, at 1 thread.
+it into gradients of the same layout, by each of :data:`METHOD_DESCRIPTIONS`, in
+rounds. Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base and
+synthetic tensor counts; then the 16 (gradient dtype, bucket dtype) pairs.
 """
 
 from __future__ import annotations
@@ -223,11 +219,7 @@ def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[
     halves = methods.pop("_halves")  # type: ignore[arg-type]
     check()
     goals = row_targets(layout, device)
-    checks = [(stats.median_ratio(a, b), thr, op) for a, b, op, thr in goals.values()]
-    samples = runner.measure_interleaved(
-        methods, device, cfg["warmup"], cfg["max_reps"], target_s=cfg["target_s"], on_sample=prog.advance,
-        stop=lambda s, k: stats.enough_rounds(s, k, cfg["reps"], cfg["max_reps"], checks),
-    )  # fmt: skip
+    samples = _rounds(methods, device, cfg, goals.values(), prog)
     med = {m: statistics.median(xs) for m, xs in samples.items()}
     ratios = {
         "fused/floor": stats.ratio(med["fused"], med["floor"]),
@@ -252,6 +244,17 @@ def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[
         "bandwidth_gb_s": {m: 4 * layout.nbytes / t / 1e9 for m, t in med.items() if t},  # read + write, both ways
         "kernels_per_direction": kernels, "targets": targets, **({"bucket": layout.meta} if layout.meta else {}),
     }  # fmt: skip
+
+
+def _rounds(fns: Dict[str, Callable[[], Any]], device: str, cfg: Dict[str, Any], goals: Any, prog: Any) -> stats.Samples:
+    """Rounds of ``fns`` until the ``(a, b, op, threshold)`` ratio targets resolve; advances ``prog`` by every sample."""
+    checks = [(stats.median_ratio(a, b), thr, op) for a, b, op, thr in goals]
+    samples = runner.measure_interleaved(
+        fns, device, cfg["warmup"], cfg["max_reps"], target_s=cfg["target_s"], on_sample=prog.advance,
+        stop=lambda s, k: stats.enough_rounds(s, k, cfg["reps"], cfg["max_reps"], checks),
+    )  # fmt: skip
+    prog.advance(len(fns) * (cfg["max_reps"] - len(next(iter(samples.values())))))  # the rounds not taken
+    return samples
 
 
 # Dtype pairs: mixed-dtype round trips against a floor of plain copies
@@ -294,11 +297,7 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
     checks = {"ok": ok, "exact": exact, "max_abs_err": err, "rtol": rtol, "atol": atol}
     if not ok:
         raise RuntimeError(f"fused round trip {SHORT[src]} -> {SHORT[dst]} produced a wrong result: {checks}")
-    goal = [(stats.median_ratio("fused", "floor"), PAIR_TARGET, "le")]
-    samples = runner.measure_interleaved(
-        {"floor": floor, "fused": fused}, "cpu", cfg["warmup"], cfg["max_reps"], target_s=cfg["target_s"],
-        on_sample=prog.advance, stop=lambda s, k: stats.enough_rounds(s, k, cfg["reps"], cfg["max_reps"], goal),
-    )  # fmt: skip
+    samples = _rounds({"floor": floor, "fused": fused}, "cpu", cfg, [("fused", "floor", "le", PAIR_TARGET)], prog)
     t = stats.ratio_target(samples, "fused", "floor", PAIR_TARGET)
     moved = 2 * n * (_size(src) + _size(dst))
     name = lambda d: str(d).replace("torch.", "")  # noqa: E731
@@ -395,7 +394,6 @@ def run(args: Any) -> int:
                 for layout in layouts:
                     prog.describe(f"ops, {setting(device, threads)}: {layout.name}")
                     rows.append(bench_layout(layout, device, threads, cfg, prog))
-                    prog.advance(len(METHODS) * (cfg["max_reps"] - rows[-1]["methods"]["floor"]["n"]))
             results += rows
             prog.row(setting(device, threads), len(settings) + bool(pair_layouts))
             print_rows(setting(device, threads), rows, device)
@@ -404,7 +402,6 @@ def run(args: Any) -> int:
                 for layout in pair_layouts:
                     prog.describe(f"ops, dtype pairs: {SHORT[src]} → {SHORT[dst]}, {layout.name}")
                     pairs.append(bench_pair(layout, src, dst, cfg, prog))
-                    prog.advance(2 * (cfg["max_reps"] - pairs[-1]["methods"]["floor"]["n"]))
         if pairs:
             prog.row("dtype pairs", len(settings) + 1)
             print_pairs(pairs, pair_layouts)

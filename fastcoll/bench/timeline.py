@@ -1,14 +1,10 @@
 """Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain (docs/benchmarks.md).
 
-Per model, a step (zero_grad + forward + backward, no optimizer) of torch DDP
-(25 MiB buckets), ``fastcoll.DDP(bucket_cap_mb=cap)`` for caps of 1, 5, 25
-and 100 MiB, and ``bucket_cap_mb="auto"`` after its tuning, in rounds on
-shared weights (2 gloo ranks on CPU, 1 NCCL rank on a GPU). Targets: auto's
-step within 5% of the best fixed cap's and at most torch DDP's. Then, for
-the 25 MiB and the tuned layout, the exposed synchronization from
-``model.sync_timeline()``, a Gantt chart per model (rank by rank: compute,
-each bucket's ready span, pack, communication, write-back) and a merged
-Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
+Per model, a step (zero_grad + forward + backward) of each of :data:`METHODS`
+(torch DDP, fixed bucket caps, ``bucket_cap_mb="auto"`` after its tuning) in
+rounds on shared weights. Then, for the 25 MiB and the tuned layout, the
+exposed synchronization (``model.sync_timeline()``), a Gantt chart per model and
+a merged Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """ZeRO-1: ``fastcoll.ShardedOptimizer`` against torch's ZeroRedundancyOptimizer and DDP, with AdamW (docs/benchmarks.md).
 
-Methods (2 gloo ranks on CPU, one NCCL rank per GPU): ``torch`` (torch DDP +
-AdamW), ``zero`` (torch DDP + ZeroRedundancyOptimizer), ``fastcoll``
-(fastcoll.DDP + AdamW), ``full`` and ``sharded`` (fastcoll.DDP +
-ShardedOptimizer, ``grads="full"`` / ``"sharded"``, the library's default
-``overlap_param_gather``), and ``overlap`` (``grads="sharded"``,
-``overlap_param_gather=True``: the parameters' all-gathers run on into the
-next forward). Only ShardedOptimizer's public API is used.
-
-1. Memory, state, traffic and a check, each (model, method) in a fresh
-   process pair: peak resident growth, live heap bytes, optimizer-state bytes
-   per rank, bytes sent per iteration, and the parameters after the same steps
-   against torch DDP + AdamW's.
-2. Step time: a model's methods side by side in one process pair on shared
-   weights, rounds in rotating order until every step target resolves.
-
-Then the bfloat16 section (:mod:`fastcoll.bench.zero_bf16`).
+Methods: :data:`METHOD_DESCRIPTIONS` (2 gloo ranks on CPU, one NCCL rank per
+GPU; only ShardedOptimizer's public API). First memory, state, traffic and a
+check of the parameters against torch DDP + AdamW's, each (model, method) in a
+fresh process pair; then the step time, a model's methods side by side on
+shared weights, rounds until every step target resolves. Then the bfloat16
+section (:mod:`fastcoll.bench.zero_bf16`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """bfloat16 training at float32 quality: fastcoll's main gradients + sharded float32 masters (docs/benchmarks.md).
 
-Part of ``python -m fastcoll.bench zero``. On GPT-2's parameter shapes (the
-default run: width 256), four recipes: ``bf16`` (the model in bfloat16 under
-torch DDP), ``autocast`` (float32 under torch DDP, the forward in
-``torch.autocast(bfloat16)``), ``sharded`` and ``full`` (the bfloat16 model
-under ``fastcoll.DDP(main_grad_dtype=torch.float32)`` +
-``ShardedOptimizer(master_dtype=torch.float32)``). Bytes per rank by kind,
-peak memory and step time; then the quality of a tiny causal LM trained
-each way (:mod:`fastcoll.bench.tiny_lm`).
+Part of ``python -m fastcoll.bench zero``: the recipes of :data:`METHOD_DESCRIPTIONS`
+on GPT-2's parameter shapes (default run: width 256), bytes per rank by kind,
+peak memory and step time; then a tiny causal LM trained each way
+(:mod:`fastcoll.bench.tiny_lm`).
 """
 
 from __future__ import annotations
