@@ -114,8 +114,9 @@ def test_cli_arguments(capsys):
 
 
 def test_timing_helpers():
-    samples = runner.measure(lambda: sum(range(100)), warmup=1, reps=5, target_s=1e-4)
-    assert len(samples) == 5 and all(s > 0 for s in samples)
+    cpu = {}
+    samples = runner.measure_interleaved({"f": lambda: sum(range(100))}, warmup=1, reps=5, target_s=1e-4, cpu=cpu)["f"]
+    assert len(samples) == len(cpu["f"]) == 5 and all(s > 0 for s in samples)
     st = stats.summarize([3.0, 1.0, 2.0, 4.0])
     assert st["median_s"] == 2.5 and st["q1_s"] <= st["median_s"] <= st["q3_s"] and st["n"] == 4
     assert report.fmt_time(2e-6).endswith("µs") and report.fmt_time(2e-3).endswith("ms")

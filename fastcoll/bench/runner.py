@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import report
-from .stats import rotated
+from .stats import enough_rounds, rotated
 
 
 # Timing
@@ -35,9 +35,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_calls(fn: Callable[[], object], inner: int, device: str) -> float:
-    """Seconds per call over ``inner`` back-to-back calls (CUDA: events on the current stream)."""
-    if device == "cuda":
+def time_calls(fn: Callable[[], object], inner: int, device: str, wall: bool = False) -> float:
+    """Seconds per call over ``inner`` back-to-back calls (CUDA: events on the current stream; ``wall``: the clock)."""
+    if device == "cuda" and not wall:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(inner):
@@ -45,9 +45,11 @@ def time_calls(fn: Callable[[], object], inner: int, device: str) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / inner
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
+    synchronize(device)
     return (time.perf_counter() - t0) / inner
 
 
@@ -71,7 +73,8 @@ def calibrate(fn: Callable[[], object], device: str, target_s: float, max_inner:
 def measure_interleaved(
     fns: Dict[str, Callable[[], object]], device: str = "cpu", warmup: int = 3, reps: int = 10, inner: Optional[int] = None,
     target_s: float = 0.005, on_sample: Optional[Callable[[], None]] = None,
-    stop: Optional[Callable[[Dict[str, List[float]], int], bool]] = None,
+    stop: Optional[Callable[[Dict[str, List[float]], int], bool]] = None, before: Optional[Callable[[str], None]] = None,
+    after: Optional[Callable[[str], None]] = None, cpu: Optional[Dict[str, List[float]]] = None, wall: bool = False,
 ) -> Dict[str, List[float]]:  # fmt: skip
     """Per-call seconds of several callables, taken round-robin (round k starts at the k-th callable).
 
@@ -84,29 +87,31 @@ def measure_interleaved(
         target_s: A sample's length when calibrating.
         on_sample: Called after every sample (progress).
         stop: ``stop(samples, rounds_done)``, asked after every round: True ends the sampling early.
+        before, after: ``before(name)`` and ``after(name)`` run around each sample, untimed.
+        cpu: Filled with the calling thread's CPU seconds per call (``time.thread_time``), per callable.
+        wall: Time by the clock on CUDA too (:func:`time_calls`).
     """
     inners = {}
     for name, fn in fns.items():
-        for _ in range(warmup):
-            fn()
+        run_steps(fn, warmup)
         synchronize(device)
         inners[name] = inner or calibrate(fn, device, target_s)
     samples: Dict[str, List[float]] = {name: [] for name in fns}
     for k in range(reps):
         for name in rotated(fns, k):
-            samples[name].append(time_calls(fns[name], inners[name], device))
+            if before is not None:
+                before(name)
+            c0 = time.thread_time()
+            samples[name].append(time_calls(fns[name], inners[name], device, wall))
+            if cpu is not None:
+                cpu.setdefault(name, []).append((time.thread_time() - c0) / inners[name])
+            if after is not None:
+                after(name)
             if on_sample is not None:
                 on_sample()
         if stop is not None and stop(samples, k + 1):
             break
     return samples
-
-
-def measure(
-    fn: Callable[[], object], device: str = "cpu", warmup: int = 3, reps: int = 10, target_s: float = 5e-3
-) -> List[float]:
-    """Per-call seconds of one callable, ``reps`` samples."""
-    return measure_interleaved({"fn": fn}, device, warmup, reps, None, target_s)["fn"]
 
 
 @contextlib.contextmanager
@@ -332,33 +337,19 @@ def timed_rounds(
         call (``time.thread_time``: what other processes on the cores inflate
         less), per callable.
     """
-    from .stats import enough_rounds
+    cpu: Dict[str, List[float]] = {}
 
-    wall: Dict[str, List[float]] = {n: [] for n in fns}
-    cpu: Dict[str, List[float]] = {n: [] for n in fns}
-    for k in range(hi):
-        order, this = rotated(fns, k), []
-        for name in order:
-            if before is not None:
-                before(name)
-            synchronize(device)
-            c0, t0 = time.thread_time(), time.perf_counter()
-            for _ in range(inner):
-                fns[name]()
-            synchronize(device)
-            this.append(((time.perf_counter() - t0) / inner, (time.thread_time() - c0) / inner))
-            if after is not None:
-                after(name)
-            if tick is not None:
-                tick()
-        synced = all_max([w for w, _ in this] + [c for _, c in this], device)
-        for i, name in enumerate(order):
-            wall[name].append(synced[i])
-            cpu[name].append(synced[len(order) + i])
-        if enough_rounds(wall, k + 1, lo, hi, checks):
-            break
+    def slowest_rank(samples: Dict[str, List[float]], done: int) -> bool:  # the round's samples become the slowest rank's
+        names = list(samples)
+        last = all_max([samples[n][-1] for n in names] + [cpu[n][-1] for n in names], device)
+        for i, n in enumerate(names):
+            samples[n][-1], cpu[n][-1] = last[i], last[len(names) + i]
+        return enough_rounds(samples, done, lo, hi, checks)
+
+    wall = measure_interleaved(fns, device, 0, hi, inner, on_sample=tick, stop=slowest_rank, before=before, after=after,
+                               cpu=cpu, wall=True)  # fmt: skip
     if tick is not None:  # the rounds not taken
-        tick(len(fns) * (hi - len(wall[order[0]])))
+        tick(len(fns) * (hi - len(next(iter(wall.values())))))
     return wall, cpu
 
 
