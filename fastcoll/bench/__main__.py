@@ -58,8 +58,6 @@ def level(args: argparse.Namespace) -> str:
 def _args_for(args: argparse.Namespace, name: str) -> argparse.Namespace:
     sub = argparse.Namespace(**vars(args))
     sub.command, sub.level = name, level(args)
-    sub.quick = sub.level != "full"
-
     if args.command == "all" and args.json:
         p = Path(args.json)
         sub.json = str(p.with_name(f"{p.stem}_{name}{p.suffix or '.json'}"))

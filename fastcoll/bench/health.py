@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -201,12 +202,11 @@ def make_step(
     """One step: zero_grad + forward + loss + backward, then the clipping; returns the norm clipping saw (or None)."""
     module = wrapper.module
     params = [p for p in module.parameters() if p.requires_grad]
-    clips: Dict[Optional[str], Callable[[], Any]] = {
+    clip_now: Callable[[], Any] = {
         None: lambda: None,
         "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm[0], foreach=True),
         "fastcoll": lambda: wrapper.clip_grad_norm_(max_norm[0]),
-    }
-    clip_now = clips[clip]
+    }[clip]
 
     def step() -> Optional[torch.Tensor]:
         module.zero_grad(set_to_none=True)
@@ -261,16 +261,15 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
               # torch's contract: the gradients are scaled by max_norm / (norm + 1e-6)
               "clipped": fc_norm > max_norm[0] and rel(after, fc_norm * max_norm[0] / (fc_norm + 1e-6)) <= 1e-5,
               "grads fastcoll vs torch after clip": grads}  # fmt: skip
-    checks["ok"] = bool(
-        checks["clipped"] and checks["rel err fastcoll"] <= 1e-6 and checks["rel err torch"] <= 1e-3 and grads["close"]
-    )
+    checks["ok"] = bool(checks["clipped"] and checks["rel err fastcoll"] <= 1e-6 and checks["rel err torch"] <= 1e-3
+                        and grads["close"])  # fmt: skip
     for m in METHODS:
         drop_grads(m)
     gc.collect()
 
     n_inner = me.inner(slowest)
     lo, hi = _reps_for(spec, cfg)
-    goals = [(lambda s, n=n: _target_value(s, n), thr, "le") for n, thr in _thresholds(spec.name).items()]
+    goals = [(functools.partial(_target_value, name=n), thr, "le") for n, thr in _thresholds(spec.name).items()]
     samples, cpu_samples = runner.timed_rounds(steps, n_inner, lo, hi, goals, device, tick, after=drop_grads)
     params = [p for p in wrappers["fastcoll"].module.parameters() if p.requires_grad]
     buckets = len(wrappers["fastcoll"].bucket_info())
@@ -314,10 +313,7 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     values = {name: _target_value(samples, name) for name in ("norm", "nonfinite", "clip")}
     targets = {}
     for name, threshold in _thresholds(model).items():
-
-        def stat(s: Dict[str, List[float]], name: str = name) -> Optional[float]:
-            return _target_value(s, name)
-
+        stat = functools.partial(_target_value, name=name)
         ci = stats.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
         targets[name] = _target(values[name], threshold, ci)
     ratios = {"clip fastcoll/torch": values["clip"], "norm/fastcoll step": values["norm"],
@@ -331,9 +327,8 @@ def _ranks(me: runner.Rank, specs: List[ModelSpec]) -> Dict[str, Any]:
     library = extension_file()  # the one this process loaded (another build may replace the file later)
     x = models.make_input(models.WARMUP, me.rank, me.device)
     for w, clip in METHODS.values():  # every wrapper kind and clipping once on a tiny model: no one-time costs later
-        step = make_step(make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device), clip, models.WARMUP, x, [1e-3])
-        for _ in range(3):
-            step()
+        wrapper = make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device)
+        runner.run_steps(make_step(wrapper, clip, models.WARMUP, x, [1e-3]), 3)
     gc.collect()
     gc.freeze()
     rows, ranks = [], f"{me.ws} rank{'s' if me.ws > 1 else ''}"

@@ -39,8 +39,7 @@ def repo_root() -> Path:
 
 def json_path(args: Any, name: str) -> Path:
     """``--json PATH`` if given, else ``benchmarks/out/<name>.json`` (its folder made)."""
-    given = getattr(args, "json", None)
-    path = Path(given) if given else repo_root() / "benchmarks" / "out" / f"{name}.json"
+    path = Path(args.json) if args.json else repo_root() / "benchmarks" / "out" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -442,14 +442,8 @@ def print_results(payload: Dict[str, Any]) -> None:
 
 def json_path(args: Any, device: str) -> Path:
     """``benchmarks/out/zero_bf16_<device>.json``; with ``--json PATH``: PATH run alone, else ``<stem>_bf16.json`` beside it."""
-    given = getattr(args, "json", None)
-    if not given:
-        return report.json_path(args, f"zero_bf16_{device}")
-    p = Path(given)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if getattr(args, "command", None) == "zero_bf16":
-        return p
-    return p.with_name(f"{p.stem}_bf16{p.suffix or '.json'}")
+    p = report.json_path(args, f"zero_bf16_{device}")
+    return p if not args.json or args.command == "zero_bf16" else p.with_name(f"{p.stem}_bf16{p.suffix or '.json'}")
 
 
 def run_section(args: Any = None) -> int:
