@@ -43,6 +43,9 @@ SMOKE_AUTOTUNE_STEPS = "12"
 LEGEND = (("forward", 0, "forward"), ("backward", 0, "backward compute"), ("exposed", 0, "exposed sync"),
           ("ready", 1, "gradients ready (first-last)"), ("pack", 1, "pack"), ("comm", 1, "communication"),
           ("write-back", 1, "write-back"))  # fmt: skip
+#: The bucket lanes of the Gantt chart: colour kind, and the record's start and end fields.
+BUCKET_LANES = (("ready", "ready_first_us", "ready_last_us"), ("pack", "pack_start_us", "pack_end_us"),
+                ("comm", "issued_us", "completed_us"), ("write-back", "writeback_start_us", "writeback_end_us"))  # fmt: skip
 LANE_COLOURS = {
     "forward": ("#d9d9d9", "#d9d9d9"),
     "backward": ("#8c8c8c", "#8c8c8c"),
@@ -239,7 +242,6 @@ def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]]
 # Gantt chart
 def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
     """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
-
     out: list[tuple[int, str, int, float, float]] = []
 
     def add(lane: int, kind: str, k: int, a: float | None, b: float | None) -> None:
@@ -252,11 +254,8 @@ def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
     if end is not None:
         add(0, "exposed", -1, end, end + it.get("exposed_sync_us", 0.0))
     for b in it.get("buckets", []):
-        k = b["bucket"]
-        add(1, "ready", k, b.get("ready_first_us"), b.get("ready_last_us"))
-        add(2, "pack", k, b.get("pack_start_us"), b.get("pack_end_us"))
-        add(3, "comm", k, b.get("issued_us"), b.get("completed_us"))
-        add(4, "write-back", k, b.get("writeback_start_us"), b.get("writeback_end_us"))
+        for lane, (kind, start, end) in enumerate(BUCKET_LANES, 1):
+            add(lane, kind, b["bucket"], b.get(start), b.get(end))
     return out
 
 
