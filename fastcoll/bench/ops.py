@@ -129,8 +129,8 @@ def shrunk(layout: Layout) -> Layout:
 
 
 # The methods
-def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], None]], Callable[[], None]]:
-    """One round trip per method, and a check that every method leaves ``grads / ws`` in its destinations.
+def make_methods(layout: Layout, device: str) -> Dict[str, Tuple[Callable[[], Any], Callable[[], Any]]]:
+    """The (pack, unpack) halves of each method's round trip, checked to leave ``grads / ws`` in the destinations.
 
     Each round trip unpacks into separate tensors of the gradients' layout, so
     every repetition sees the same values.
@@ -147,9 +147,6 @@ def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], No
     dst = torch.empty_like(src)
     s = 1.0 / WORLD_SIZE
 
-    def floor() -> Tuple[Callable[[], Any], Callable[[], Any]]:
-        return lambda: bucket.copy_(src), lambda: dst.copy_(bucket)
-
     def per_param_pack() -> None:
         for g, v in zip(grads, views):
             torch.mul(g, s, out=v)
@@ -165,30 +162,24 @@ def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], No
             d.copy_(u)
 
     halves = {
-        "floor": floor(),
+        "floor": (lambda: bucket.copy_(src), lambda: dst.copy_(bucket)),
         "fused": (lambda: ops.flatten_scale(grads, bucket, s), lambda: ops.unflatten_scale(bucket, dests, 1.0)),
         "per_param": (per_param_pack, per_param_unpack),
         "torch_utils": (lambda: held.__setitem__(slice(None), [_flatten_dense_tensors(grads).div_(WORLD_SIZE)]), utils_unpack),
         "foreach": (lambda: (torch._foreach_copy_(views, grads), bucket.mul_(s)), lambda: torch._foreach_copy_(dests, views)),
     }
 
-    def check() -> None:
-        # expected values first: with one tensor, _flatten_dense_tensors returns a view and div_ scales it in place
-        for name, (pack, unpack) in halves.items():
-            if name == "floor":
-                continue
-            expected = [g * s for g in grads]
-            for d in dests:
-                d.fill_(float("nan"))
-            pack()
-            unpack()
-            for i, (d, e) in enumerate(zip(dests, expected)):
-                if not torch.equal(d, e):
-                    raise RuntimeError(f"benchmark method {name!r} produced a wrong result for tensor {i}")
-
-    methods = {name: (lambda p=p, u=u: (p(), u())) for name, (p, u) in halves.items()}
-    methods["_halves"] = halves  # type: ignore[assignment]  # for the CUDA launch counts
-    return methods, check
+    # the check: expected values first (with one tensor, _flatten_dense_tensors returns a view and div_ scales it in place)
+    for name, (pack, unpack) in list(halves.items())[1:]:
+        expected = [g * s for g in grads]
+        for d in dests:
+            d.fill_(float("nan"))
+        pack()
+        unpack()
+        for i, (d, e) in enumerate(zip(dests, expected)):
+            if not torch.equal(d, e):
+                raise RuntimeError(f"benchmark method {name!r} produced a wrong result for tensor {i}")
+    return halves
 
 
 def count_cuda_kernels(fn: Callable[[], object]) -> int:
@@ -215,9 +206,8 @@ def row_targets(layout: Layout, device: str) -> Dict[str, Tuple[str, str, str, f
 
 def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """Time every method on ``layout``, rounds until its targets resolve (or the cap); return the row."""
-    methods, check = make_methods(layout, device)
-    halves = methods.pop("_halves")  # type: ignore[arg-type]
-    check()
+    halves = make_methods(layout, device)
+    methods = {name: (lambda p=p, u=u: (p(), u())) for name, (p, u) in halves.items()}
     goals = row_targets(layout, device)
     samples = _rounds(methods, device, cfg, goals.values(), prog)
     med = {m: statistics.median(xs) for m, xs in samples.items()}
