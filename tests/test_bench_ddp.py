@@ -31,8 +31,7 @@ def test_ddp_smoke_run(tmp_path, capsys):
     cfg = data["config"]
     assert cfg["smoke"] and cfg["world_size"] == 2 and cfg["backend"] == "gloo" and cfg["threads"] == 1
     rows = [r for r in data["results"] if r["section"] == "fp32"]
-    expected = {"mlp", "convbn", "resnet50"} | (set() if data["comm_dtype"]["supported"] else {"encoder"})
-    assert {r["model"] for r in rows} == expected
+    assert {r["model"] for r in rows} == {"mlp", "convbn", "resnet50"}
     assert {r["gradient_as_bucket_view"] for r in rows} == {False, True}
     for r in rows:
         assert set(r["methods"]) == set(bench_ddp.METHODS)
@@ -49,12 +48,8 @@ def test_ddp_smoke_run(tmp_path, capsys):
         assert r["targets"]["step"]["value"] == pytest.approx(r["ratios"]["fastcoll/torch"])
         assert r["targets"]["step"]["verdict"] in (stats.MET, stats.MISSED, stats.UNRESOLVED)
     comm = [r for r in data["results"] if r["section"] == "comm_dtype"]
-    assert data["comm_dtype"]["supported"] == bench_ddp.comm_dtype_supported()
-    if bench_ddp.comm_dtype_supported():
-        assert comm and set(comm[0]["methods"]) == set(bench_ddp.COMM_METHODS)
-        assert all(c["close"] for c in comm[0]["grads"].values()), comm[0]["grads"]
-    else:
-        assert not comm and "comm_dtype rows skipped" in out
+    assert data["comm_dtype"]["supported"] and comm and set(comm[0]["methods"]) == set(bench_ddp.COMM_METHODS)
+    assert all(c["close"] for c in comm[0]["grads"].values()), comm[0]["grads"]
     assert path.with_suffix(".png").stat().st_size > 1000
 
 
@@ -87,13 +82,12 @@ def test_real_models_share_weights_between_instances():
 
 def test_cases_and_comparisons():
     for level, n_fp32, n_comm in (("smoke", 4, 1), ("default", 7, 2), ("full", 10, 4)):
-        cases = bench_ddp.build_cases(level, with_comm=True)
+        cases = bench_ddp.build_cases(level)
         assert len([c for c in cases if c.section == "fp32"]) == n_fp32
         comm = [c for c in cases if c.section == "comm_dtype"]
         assert len(comm) == n_comm and all(c.methods == bench_ddp.COMM_METHODS for c in comm)
-    assert not [c for c in bench_ddp.build_cases("default", with_comm=False) if c.section == "comm_dtype"]
     # every model has a row without bucket view in the default run
-    names = {c.spec.name for c in bench_ddp.build_cases("default", True) if c.section == "fp32" and not c.gabv}
+    names = {c.spec.name for c in bench_ddp.build_cases("default") if c.section == "fp32" and not c.gabv}
     assert names == {"mlp96", "convbn", "encoder", "resnet50", "gpt2_small"}
     assert bench_ddp.collective_passes(2) == [None]
 

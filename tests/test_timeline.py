@@ -480,15 +480,12 @@ def test_bench_cli_registration(capsys):
     from fastcoll.bench import timeline as bench
 
     assert "timeline" in cli.SUBCOMMANDS
-    args = cli.build_parser().parse_args(["timeline", "--quick"])
+    args = cli._args_for(cli.build_parser().parse_args(["timeline", "--quick"]), "timeline")
     assert args.command == "timeline"
     cfg = bench._config(args, "cpu")
     assert cfg["world_size"] == 2 and cfg["backend"] == "gloo" and cfg["threads"] == 1 and cfg["quick"]
     assert [s.name for s in bench.model_specs(cfg)] == ["mlp96", "encoder", "resnet50"]
     assert bench.METHODS == ("torch", "1 MiB", "5 MiB", "25 MiB", "100 MiB", "auto")
-    if not bench.supported():  # until fastcoll.DDP has the issue-13 API: skipped with a message, exit 0
-        assert cli.main(["timeline", "--smoke"]) == 0
-        assert "skipping" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(300)
@@ -496,8 +493,6 @@ def test_bench_smoke_run(tmp_path, capsys):
     from fastcoll.bench import __main__ as cli
     from fastcoll.bench import timeline as bench
 
-    if not bench.supported():
-        pytest.skip("fastcoll.DDP has no record_timeline / sync_timeline / tuning_report yet (issue 13)")
     path = tmp_path / "timeline.json"
     assert cli.main(["timeline", "--smoke", "--json", str(path)]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ Each benchmark prints its tables and writes ``benchmarks/out/<name>_<device>.jso
 (and a PNG chart). The default run takes rounds until every target's 90%
 interval resolves, within caps sized so that ``all`` takes about 10 minutes on
 a 2-core machine; ``--full`` runs every row with higher caps. A benchmark
-module exposes ``run(args) -> int`` and is imported only when it runs.
+module exposes ``run(args) -> int`` and is imported only when it runs (the device checked first).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 from typing import List, Optional
+
+import torch
 
 SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health", "zero")
 #: Seconds each benchmark took in a default run on the 2-core box at load average 20 (2026-11-27); ``all`` scales
@@ -53,23 +55,9 @@ def level(args: argparse.Namespace) -> str:
     return "smoke" if args.smoke else "full" if args.full else "default"
 
 
-def _load(name: str):
-    """The benchmark module ``fastcoll.bench.<name>``, or None (with a message) if it does not exist."""
-    modname = f"fastcoll.bench.{name}"
-    try:
-        return importlib.import_module(modname)
-    except ModuleNotFoundError as exc:
-        if exc.name != modname:
-            raise
-        print(f"fastcoll.bench: the '{name}' benchmark ({modname}) is not available in this checkout; skipping it")
-        return None
-
-
 def _args_for(args: argparse.Namespace, name: str) -> argparse.Namespace:
     sub = argparse.Namespace(**vars(args))
     sub.command, sub.level = name, level(args)
-    sub.quick = sub.level != "full"
-
     if args.command == "all" and args.json:
         p = Path(args.json)
         sub.json = str(p.with_name(f"{p.stem}_{name}{p.suffix or '.json'}"))
@@ -78,20 +66,18 @@ def _args_for(args: argparse.Namespace, name: str) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fastcoll.bench: --device cuda but torch.cuda.is_available() is False")
+        return 2
     names = SUBCOMMANDS if args.command == "all" else (args.command,)
     status, started, spent_typical = 0, time.perf_counter(), 0.0
     for i, name in enumerate(names):
-        module = _load(name)
-        if module is None:
-            if args.command != "all":
-                return 2
-            continue
         if len(names) > 1:  # the time left: the typical durations still to come, scaled by this run's pace so far
             pace = (time.perf_counter() - started) / spent_typical if spent_typical else 1.0
             left = pace * sum(TYPICAL_S[n] for n in names[i:])
             print(f"fastcoll.bench: {name} ({i + 1}/{len(names)}), about {left / 60:.0f} min left in all", flush=True)
         t0 = time.perf_counter()
-        rc = module.run(_args_for(args, name)) or 0
+        rc = importlib.import_module(f"fastcoll.bench.{name}").run(_args_for(args, name)) or 0
         spent_typical += TYPICAL_S[name]
         print(f"fastcoll.bench {name}: done in {time.perf_counter() - t0:.1f} s" + (f" (exit status {rc})" if rc else ""))
         status = status or rc

@@ -1,13 +1,11 @@
 """fastcoll.DDP against torch DistributedDataParallel, side by side in one run (docs/benchmarks.md, "ddp").
 
-On CPU 2 gloo ranks (1 intra-op thread each); with ``--device cuda`` one NCCL
-rank, measured twice (``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1: at world size 1
-fastcoll issues no collective unless forced). Per model and
-``gradient_as_bucket_view`` setting, a step (zero_grad + forward + backward,
-no optimizer) of ``no_sync`` (torch DDP without synchronization: the compute
-floor), ``torch`` and ``fastcoll``; then ``comm_dtype`` fp16/bf16 against
-torch DDP with its compress hooks. Also peak memory, bytes sent per step,
-buckets, and whether fastcoll's gradients equal torch DDP's.
+Per model and ``gradient_as_bucket_view`` setting, a step (zero_grad + forward
++ backward) of each of :data:`METHODS`, then ``comm_dtype`` against torch DDP's
+compress hooks; peak memory, bytes sent, buckets, and whether the gradients
+equal torch DDP's. 2 gloo ranks on CPU; one NCCL rank on a GPU, measured with
+``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1 (at world size 1 fastcoll issues no
+collective unless forced).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -60,16 +58,11 @@ class Case:
     methods: Tuple[str, ...]
 
 
-def comm_dtype_supported() -> bool:
-    """Whether this checkout's fastcoll.DDP takes ``comm_dtype``."""
-    return runner.ddp_supports(("comm_dtype",))
-
-
-def build_cases(level: str, with_comm: bool) -> List[Case]:
+def build_cases(level: str) -> List[Case]:
     """The rows: every model without and with bucket view (default: bucket view on the MLP and ResNet-50 shapes only)."""
     M = models
     if level == "smoke":  # the encoder is covered by the comm_dtype section when there is one
-        specs = [M.SMOKE_MLP, M.SMOKE_CONVBN, M.SMOKE_RESNET50] + ([] if with_comm else [M.SMOKE_ENCODER])
+        specs = [M.SMOKE_MLP, M.SMOKE_CONVBN, M.SMOKE_RESNET50]
         cases = [Case("fp32", s, g, METHODS) for s in specs for g in (False, True) if not g or s.kind == "mlp"]
         comm = [M.SMOKE_ENCODER]
     else:
@@ -77,7 +70,7 @@ def build_cases(level: str, with_comm: bool) -> List[Case]:
         view = {s.name for s in specs} if level == "full" else {"mlp96", "resnet50"}
         cases = [Case("fp32", s, g, METHODS) for s in specs for g in (False, True) if not g or s.name in view]
         comm = specs[:4] if level == "full" else [M.ENCODER, M.RESNET50]
-    return cases + ([Case("comm_dtype", s, False, COMM_METHODS) for s in comm] if with_comm else [])
+    return cases + [Case("comm_dtype", s, False, COMM_METHODS) for s in comm]
 
 
 def _force_env(collectives: Optional[str]) -> Dict[str, str]:
@@ -105,10 +98,6 @@ def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.
     return runner.wrap("fastcoll", module, device, gradient_as_bucket_view=gabv, **comm)
 
 
-def make_step(method: str, wrapper: nn.Module, spec: ModelSpec, x: torch.Tensor) -> Callable[[], None]:
-    return models.backward_step(spec, wrapper, x, no_sync=method == "no_sync")
-
-
 def count_buckets(method: str, wrapper: nn.Module) -> Optional[int]:
     """Buckets of the wrapper's current layout (torch DDP: from its logging data, after the rebuild)."""
     if method.startswith("fastcoll"):
@@ -127,15 +116,11 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
         module = models.build_model(spec, device, storage)
         probe.start()
         wrapper = make_wrapper(method, module, case.gabv, device)
-        step = make_step(method, wrapper, spec, x)
-        for _ in range(cfg["setup_steps"] - 1):  # bucket rebuilds happen here
-            step()
-        w0 = runner.bytes_written()
-        one = runner.time_calls(step, 1, device)
-        w1 = runner.bytes_written()
-        sent = w1 - w0 if device == "cpu" and w0 is not None and w1 is not None else None
-        info[method] = {"peak_mem_bytes": probe.peak(), "sent_bytes_per_step": sent, "buckets": count_buckets(method, wrapper),
-                        "setup_step_s": one}  # fmt: skip
+        step = models.backward_step(spec, wrapper, x, no_sync=method == "no_sync")
+        runner.run_steps(step, cfg["setup_steps"] - 1)  # bucket rebuilds happen here
+        one, sent = runner.bytes_sent(lambda: runner.time_calls(step, 1, device))
+        info[method] = {"peak_mem_bytes": probe.peak(), "sent_bytes_per_step": sent if device == "cpu" else None,
+                        "buckets": count_buckets(method, wrapper), "setup_step_s": one}  # fmt: skip
         wrappers[method], steps[method] = wrapper, step
     # every instance ran the same steps from the same state on the same inputs
     pairs = [("fastcoll", "torch")] if case.section == "fp32" else [(f"fastcoll {d}", f"torch {d} hook") for d, _ in COMM_DTYPES]
@@ -144,7 +129,6 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
     inner = me.inner(max(i["setup_step_s"] for i in info.values()))
     goal = [(stats.median_ratio("fastcoll", "torch"), cfg["target"], "le")] if case.section == "fp32" else []
     samples, _ = runner.timed_rounds(steps, inner, cfg["reps"], cfg["max_reps"], goal, device, me.tick)
-    me.tick(len(case.methods) * (cfg["max_reps"] - len(samples[case.methods[0]])))
     peaks = runner.all_max([float(info[m]["peak_mem_bytes"] or 0) for m in case.methods], device)
     sent = runner.all_max([float(info[m]["sent_bytes_per_step"] or 0) for m in case.methods], device)
     for m, p, s in zip(case.methods, peaks, sent):
@@ -191,10 +175,9 @@ def analyze(row: Dict[str, Any], info: Dict[str, Dict[str, Any]], cfg: Dict[str,
 def _ranks(me: runner.Rank, cases: List[Case]) -> Dict[str, Any]:
     if me.cfg["level"] != "smoke":  # one-time costs of every wrapper, on a tiny model
         for method in METHODS:
-            step = make_step(method, make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device),
-                             models.WARMUP, models.make_input(models.WARMUP, me.rank, me.device))  # fmt: skip
-            for _ in range(3):
-                step()
+            wrapper = make_wrapper(method, models.build_model(models.WARMUP, me.device), False, me.device)
+            x = models.make_input(models.WARMUP, me.rank, me.device)
+            runner.run_steps(models.backward_step(models.WARMUP, wrapper, x, no_sync=method == "no_sync"), 3)
     gc.collect()
     gc.freeze()  # later collections skip torch's many long-lived objects: ms instead of 0.3 s
     rows = []
@@ -272,37 +255,12 @@ def print_results(payload: Dict[str, Any]) -> None:
                          "faster); grads compared with a half-precision tolerance")  # fmt: skip
 
 
-def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
-    """Step times relative to torch DDP's, with intervals (comm_dtype: to torch DDP + the same-dtype hook)."""
-    panels: Dict[str, Dict[str, Dict[str, float]]] = {}
-    errors: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
-    for r in payload["results"]:
-        m = r["methods"]
-        name = r["label"] + (" +view" if r["gradient_as_bucket_view"] else "") + PASS_SUFFIX.get(r.get("collectives") or "", "")
-        fp32 = r["section"] == "fp32"
-        for base, mine in [("torch", "fastcoll")] if fp32 else [(f"torch {d} hook", f"fastcoll {d}") for d, _ in COMM_DTYPES]:
-            panel = f"{r['section']}: step / {base}'s"
-            group = f"{name} {mine.split()[-1]}" if r["section"] != "fp32" else name
-            b = m[base]["median_s"]
-            panels.setdefault(panel, {})[group] = {"no_sync": m["no_sync"]["median_s"] / b, "fastcoll": m[mine]["median_s"] / b}
-            t = r.get("targets", {}).get("step")
-            if t and t["ci90"]:
-                errors.setdefault(panel, {})[group] = {"fastcoll": t["ci90"]}
-    return report.bar_chart(path, f"fastcoll ddp ({payload['config']['device']}): step time relative to torch DDP (lower is "
-                            "better; no_sync = compute floor)", panels, "time / torch DDP", 1.0, errors, log=False)  # fmt: skip
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ddp``: tables, ``benchmarks/out/ddp_<device>.json``, a chart; 1 if gradients differ."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("ddp", device):
-        return 2
+    device = args.device
     ws = 1 if device == "cuda" else 2
     cfg = runner.level_config(args, CONFIGS, ws, target=GPU_TARGET if device == "cuda" else CPU_TARGET)
-    with_comm = comm_dtype_supported()
-    if not with_comm:
-        report.say("[yellow]comm_dtype rows skipped: this checkout's fastcoll.DDP has no comm_dtype argument[/yellow]")
-    cases = build_cases(args.level, with_comm)
+    cases = build_cases(args.level)
     passes = collective_passes(ws)
     path = report.json_path(args, f"ddp_{device}")
     rows: List[Dict[str, Any]] = []
@@ -310,7 +268,7 @@ def run(args: Any) -> int:
     implementation = None
     units = sum(len(c.methods) * cfg["max_reps"] for c in cases) * len(passes)
     config = {**cfg, "models": [dataclasses.asdict(c.spec) for c in cases if c.section == "fp32" and not c.gabv],
-              "methods": {k: v for k, v in METHOD_DESCRIPTIONS.items() if with_comm or k in METHODS},
+              "methods": METHOD_DESCRIPTIONS,
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
               "targets": {"cpu": f"step <= {CPU_TARGET}x torch DDP and sync overhead <= torch DDP's",
                           "cuda": f"step <= {GPU_TARGET}x torch DDP"}}  # fmt: skip
@@ -334,12 +292,12 @@ def run(args: Any) -> int:
             if p is not None:
                 status[p] = {"ok": True}
     payload = {"benchmark": "ddp", "config": config, "implementation": implementation,
-               "comm_dtype": {"supported": with_comm, "measured": with_comm}, "results": rows}  # fmt: skip
+               "comm_dtype": {"supported": True, "measured": True}, "results": rows}  # fmt: skip
     print_results(payload)
     named = [(f"{r['label']}{' +view' if r['gradient_as_bucket_view'] else ''}: {k}", t)
              for r in rows for k, t in r.get("targets", {}).items()]  # fmt: skip
     bad = [r["label"] for r in rows for c in r["grads"].values() if not c["close"]]
     for label in bad:
         report.say(f"[red]warning: {label}: fastcoll's gradients differ from torch DDP's[/red]")
-    report.conclude("ddp", path, payload, named, chart if rows else None)
+    report.conclude("ddp", path, payload, named)
     return 0 if not bad and all(s["ok"] for s in status.values()) else 1

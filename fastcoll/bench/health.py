@@ -1,27 +1,22 @@
 """What gradient health costs: clipping, the fused norm and the non-finite check (docs/benchmarks.md, "health").
 
-On CPU 2 gloo ranks then 1 (1 intra-op thread each); with ``--device cuda``
-1 NCCL rank. Per model (the MLP, the ResNet-50 and GPT-2 shape sets) eight
-steps are timed in rounds (zero_grad + forward + backward, then the clipping
-if any; no optimizer step): torch DDP with and without torch's clipping;
-fastcoll.DDP plain, with torch's clipping, with ``compute_grad_norm`` (with
-and without its own clipping), with ``check_nonfinite``, and a second plain
-instance (the A/A control). Each cost is the median over rounds of the paired
-difference; each target has a 90% bootstrap interval. Also the ops-level
-rows: ``unflatten_scale`` with and without ``sumsq`` and ``flatten_scale``
-with and without ``nonfinite``, on ResNet-50's 25 MiB bucket at 1 thread.
+The steps of :data:`METHODS` (zero_grad + forward + backward, then the clipping
+if any) are timed in rounds per model, on 2 gloo ranks (the full run: then 1)
+or one NCCL rank; each of :data:`COSTS` is the median over rounds of a paired
+difference, ``fastcoll again`` the A/A control. Also the ops-level rows: the
+fused ops with and without their health outputs on ResNet-50's 25 MiB bucket.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -75,18 +70,13 @@ COSTS = {
 }
 
 
-def supported() -> bool:
-    """Whether this checkout's fastcoll.DDP has the issue-11 API (compute_grad_norm, check_nonfinite, clip_grad_norm_)."""
-    return runner.ddp_supports(("compute_grad_norm", "check_nonfinite"), ("clip_grad_norm_",))
-
-
 def health_ops_implementation() -> str:
     """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
     from ..ops import loader
 
     if ops.implementation() != "extension":
         return "reference (pure PyTorch): the extension is not loaded"
-    missing = [n for n in HEALTH_OPS if n in getattr(loader, "REFERENCE_OPS", ())]
+    missing = [n for n in HEALTH_OPS if n in loader.REFERENCE_OPS]
     if missing:
         return f"reference (pure PyTorch) for {', '.join(missing)}: the extension was built before them"
     return "extension"
@@ -186,10 +176,8 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
         for op, p in pairs.items():
             fns = {"plain": p["plain"], "health": p["health"]}
             for fn in fns.values():
-                for _ in range(3):
-                    fn()
-            target_s = cfg["ops_target_s"]
-            inner = max(1 if target_s <= 0 else runner.calibrate(f, device, target_s, 1000) for f in fns.values())
+                runner.run_steps(fn, 3)
+            inner = max(runner.calibrate(f, device, cfg["ops_target_s"], 1000) for f in fns.values())
             samples = runner.measure_interleaved(fns, device, 0, cfg["ops_reps"], inner)
             summary = {k: stats.summarize(s) for k, s in samples.items()}
             ratio = summary["health"]["median_s"] / summary["plain"]["median_s"]
@@ -214,12 +202,11 @@ def make_step(
     """One step: zero_grad + forward + loss + backward, then the clipping; returns the norm clipping saw (or None)."""
     module = wrapper.module
     params = [p for p in module.parameters() if p.requires_grad]
-    clips: Dict[Optional[str], Callable[[], Any]] = {
+    clip_now: Callable[[], Any] = {
         None: lambda: None,
         "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm[0], foreach=True),
         "fastcoll": lambda: wrapper.clip_grad_norm_(max_norm[0]),
-    }
-    clip_now = clips[clip]
+    }[clip]
 
     def step() -> Optional[torch.Tensor]:
         module.zero_grad(set_to_none=True)
@@ -249,16 +236,10 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
 
     # Warm-up of each wrapper (its bucket rebuild), one step of each method (the slowest sets inner), then max_norm.
     for kind in WRAPPERS:
-        plain = next(m for m, (w, clip) in METHODS.items() if w == kind and clip is None)
-        for _ in range(cfg["setup_steps"] - 1):
-            steps[plain]()
+        runner.run_steps(steps[next(m for m, (w, clip) in METHODS.items() if w == kind and clip is None)], cfg["setup_steps"] - 1)
     slowest = 0.0
     for m, step in steps.items():
-        runner.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        runner.synchronize(device)
-        slowest = max(slowest, time.perf_counter() - t0)
+        slowest = max(slowest, runner.time_calls(step, 1, device))
         drop_grads(m)
         tick(1)
     steps["torch"]()
@@ -280,18 +261,16 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
               # torch's contract: the gradients are scaled by max_norm / (norm + 1e-6)
               "clipped": fc_norm > max_norm[0] and rel(after, fc_norm * max_norm[0] / (fc_norm + 1e-6)) <= 1e-5,
               "grads fastcoll vs torch after clip": grads}  # fmt: skip
-    checks["ok"] = bool(
-        checks["clipped"] and checks["rel err fastcoll"] <= 1e-6 and checks["rel err torch"] <= 1e-3 and grads["close"]
-    )
+    checks["ok"] = bool(checks["clipped"] and checks["rel err fastcoll"] <= 1e-6 and checks["rel err torch"] <= 1e-3
+                        and grads["close"])  # fmt: skip
     for m in METHODS:
         drop_grads(m)
     gc.collect()
 
     n_inner = me.inner(slowest)
     lo, hi = _reps_for(spec, cfg)
-    goals = [(lambda s, n=n: _target_value(s, n), thr, "le") for n, thr in _thresholds(spec.name).items()]
+    goals = [(functools.partial(_target_value, name=n), thr, "le") for n, thr in _thresholds(spec.name).items()]
     samples, cpu_samples = runner.timed_rounds(steps, n_inner, lo, hi, goals, device, tick, after=drop_grads)
-    tick(len(steps) * (hi - len(samples["torch"])))
     params = [p for p in wrappers["fastcoll"].module.parameters() if p.requires_grad]
     buckets = len(wrappers["fastcoll"].bucket_info())
     steps.clear()
@@ -334,10 +313,7 @@ def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     values = {name: _target_value(samples, name) for name in ("norm", "nonfinite", "clip")}
     targets = {}
     for name, threshold in _thresholds(model).items():
-
-        def stat(s: Dict[str, List[float]], name: str = name) -> Optional[float]:
-            return _target_value(s, name)
-
+        stat = functools.partial(_target_value, name=name)
         ci = stats.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
         targets[name] = _target(values[name], threshold, ci)
     ratios = {"clip fastcoll/torch": values["clip"], "norm/fastcoll step": values["norm"],
@@ -351,9 +327,8 @@ def _ranks(me: runner.Rank, specs: List[ModelSpec]) -> Dict[str, Any]:
     library = extension_file()  # the one this process loaded (another build may replace the file later)
     x = models.make_input(models.WARMUP, me.rank, me.device)
     for w, clip in METHODS.values():  # every wrapper kind and clipping once on a tiny model: no one-time costs later
-        step = make_step(make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device), clip, models.WARMUP, x, [1e-3])
-        for _ in range(3):
-            step()
+        wrapper = make_wrapper(w, models.build_model(models.WARMUP, me.device), me.device)
+        runner.run_steps(make_step(wrapper, clip, models.WARMUP, x, [1e-3]), 3)
     gc.collect()
     gc.freeze()
     rows, ranks = [], f"{me.ws} rank{'s' if me.ws > 1 else ''}"
@@ -374,7 +349,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
         per method the timing summary (seconds) and raw samples, the paired
         ``costs``, ``ratios``, ``targets`` and the clipping ``checks``.
     """
-    device = getattr(args, "device", "cpu") or "cpu"
+    device = args.device
     cfg = _config(args, device)
     specs = model_specs(cfg["smoke"])
     ops_rows = bench_ops_rows(cfg)
@@ -451,26 +426,9 @@ def print_results(payload: Dict[str, Any]) -> None:
                      body)  # fmt: skip
 
 
-def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Each cost as a share of the step without the feature, with its interval where it has a target."""
-    clip, other = "clipping cost / step", "norm, non-finite, A/A / fastcoll's step"
-    panels: Dict[str, Dict[str, Dict[str, float]]] = {clip: {}, other: {}}
-    for r in payload["results"]:
-        name, q = f"{r['label']} ({r['world_size']})", r["ratios"]
-        panels[clip][name] = {"torch": q["clip torch/torch step"], "fastcoll": q["clip fastcoll/fastcoll step"]}
-        panels[other][name] = {"norm": q["norm/fastcoll step"], "nonfinite": q["nonfinite/fastcoll step"],
-                               "A/A": q["A/A/fastcoll step"]}  # fmt: skip
-    return report.bar_chart(path, "fastcoll health: what each feature costs", panels, "share of the step", 0.0, log=False)
-
-
 def run(args: Any = None) -> int:
     """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("health", device):
-        return 2
-    if not supported():
-        report.say("[yellow]fastcoll.bench health: fastcoll.DDP has no compute_grad_norm/check_nonfinite; skipping[/yellow]")
-        return 0
+    device = args.device
     payload = measure(args)
     print_results(payload)
     named = [(f"{r['label']}, {r['world_size']} rank(s): {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
@@ -479,5 +437,5 @@ def run(args: Any = None) -> int:
     for r in payload["results"]:
         if not r["checks"]["ok"]:
             report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
-    report.conclude("health", report.json_path(args, f"health_{device}"), payload, named, chart)
+    report.conclude("health", report.json_path(args, f"health_{device}"), payload, named)
     return 0 if all(r["checks"]["ok"] for r in payload["results"]) else 1

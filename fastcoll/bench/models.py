@@ -12,6 +12,7 @@ every rank and for every method.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -155,7 +156,7 @@ class ShapeModel(nn.Module):
 
     def __init__(self, shapes: Sequence[Sequence[int]], storage: Optional[Sequence[torch.Tensor]] = None, device: Any = "cpu"):
         super().__init__()
-        storage = storage if storage is not None else [torch.full(tuple(s), 0.01, device=device) for s in shapes]
+        storage = storage if storage is not None else filled(shapes, device=device)
         self.params = nn.ParameterList(nn.Parameter(t) for t in storage)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -309,18 +310,37 @@ def loss_of(spec: ModelSpec, out: torch.Tensor) -> torch.Tensor:
 
 def backward_step(spec: ModelSpec, wrapper: nn.Module, x: torch.Tensor, no_sync: bool = False) -> Callable[[], None]:
     """A step without optimizer: ``zero_grad(set_to_none=True)``, forward, loss, backward (``no_sync``: inside it)."""
-    module = wrapper.module
+    module, context = wrapper.module, wrapper.no_sync if no_sync else contextlib.nullcontext
 
     def step() -> None:
         module.zero_grad(set_to_none=True)
-        loss_of(spec, wrapper(x)).backward()
-
-    def unsynced() -> None:
-        module.zero_grad(set_to_none=True)
-        with wrapper.no_sync():
+        with context():
             loss_of(spec, wrapper(x)).backward()
 
-    return unsynced if no_sync else step
+    return step
+
+
+def train_step(
+    wrapper: nn.Module, opt: Any, x: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: out,
+    note: Callable[[str], None] = lambda phase: None, context: Callable[[], Any] = contextlib.nullcontext,
+) -> Callable[[], None]:  # fmt: skip
+    """One iteration: ``zero_grad(set_to_none=True)``, forward (in ``context()``), ``loss``, backward, ``opt.step()``.
+
+    ``note(phase)`` runs after each phase ("zero_grad", "forward", "backward", "step").
+    """
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        note("zero_grad")
+        with context():
+            out = loss(wrapper(x))
+        note("forward")
+        out.backward()
+        note("backward")
+        opt.step()
+        note("step")
+
+    return step
 
 
 def compare_grads(a: nn.Module, b: nn.Module, rtol: float) -> Dict[str, Any]:
@@ -349,9 +369,7 @@ def compare_grads(a: nn.Module, b: nn.Module, rtol: float) -> Dict[str, Any]:
             "max_abs_grad": scale}  # fmt: skip
 
 
-# ---------------------------------------------------------------------------
 # The optimizer every training benchmark uses
-# ---------------------------------------------------------------------------
 
 ADAMW: Dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.01}
 

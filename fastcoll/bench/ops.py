@@ -1,13 +1,9 @@
 """The fused flatten/unflatten ops against torch's ways of doing the same round trip (docs/benchmarks.md, "ops").
 
 A round trip packs gradients into a flat bucket times 1/world_size and unpacks
-the bucket into gradients of the same layout. Methods, timed in rounds:
-``floor`` (two plain copies of the same bytes), ``fused`` (fastcoll's ops),
-``per_param`` (torch DDP's reducer), ``torch_utils``
-(``_flatten_dense_tensors``) and ``foreach`` (``torch._foreach_copy_``).
-Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base, and
-synthetic tensor-count sweeps in float32 and bfloat16; then the 16
-(gradient dtype, bucket dtype) pairs against their own floor, at 1 thread.
+it into gradients of the same layout, by each of :data:`METHOD_DESCRIPTIONS`, in
+rounds. Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base and
+synthetic tensor counts; then the 16 (gradient dtype, bucket dtype) pairs.
 """
 
 from __future__ import annotations
@@ -133,8 +129,8 @@ def shrunk(layout: Layout) -> Layout:
 
 
 # The methods
-def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], None]], Callable[[], None]]:
-    """One round trip per method, and a check that every method leaves ``grads / ws`` in its destinations.
+def make_methods(layout: Layout, device: str) -> Dict[str, Tuple[Callable[[], Any], Callable[[], Any]]]:
+    """The (pack, unpack) halves of each method's round trip, checked to leave ``grads / ws`` in the destinations.
 
     Each round trip unpacks into separate tensors of the gradients' layout, so
     every repetition sees the same values.
@@ -151,9 +147,6 @@ def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], No
     dst = torch.empty_like(src)
     s = 1.0 / WORLD_SIZE
 
-    def floor() -> Tuple[Callable[[], Any], Callable[[], Any]]:
-        return lambda: bucket.copy_(src), lambda: dst.copy_(bucket)
-
     def per_param_pack() -> None:
         for g, v in zip(grads, views):
             torch.mul(g, s, out=v)
@@ -169,30 +162,24 @@ def make_methods(layout: Layout, device: str) -> Tuple[Dict[str, Callable[[], No
             d.copy_(u)
 
     halves = {
-        "floor": floor(),
+        "floor": (lambda: bucket.copy_(src), lambda: dst.copy_(bucket)),
         "fused": (lambda: ops.flatten_scale(grads, bucket, s), lambda: ops.unflatten_scale(bucket, dests, 1.0)),
         "per_param": (per_param_pack, per_param_unpack),
         "torch_utils": (lambda: held.__setitem__(slice(None), [_flatten_dense_tensors(grads).div_(WORLD_SIZE)]), utils_unpack),
         "foreach": (lambda: (torch._foreach_copy_(views, grads), bucket.mul_(s)), lambda: torch._foreach_copy_(dests, views)),
     }
 
-    def check() -> None:
-        # expected values first: with one tensor, _flatten_dense_tensors returns a view and div_ scales it in place
-        for name, (pack, unpack) in halves.items():
-            if name == "floor":
-                continue
-            expected = [g * s for g in grads]
-            for d in dests:
-                d.fill_(float("nan"))
-            pack()
-            unpack()
-            for i, (d, e) in enumerate(zip(dests, expected)):
-                if not torch.equal(d, e):
-                    raise RuntimeError(f"benchmark method {name!r} produced a wrong result for tensor {i}")
-
-    methods = {name: (lambda p=p, u=u: (p(), u())) for name, (p, u) in halves.items()}
-    methods["_halves"] = halves  # type: ignore[assignment]  # for the CUDA launch counts
-    return methods, check
+    # the check: expected values first (with one tensor, _flatten_dense_tensors returns a view and div_ scales it in place)
+    for name, (pack, unpack) in list(halves.items())[1:]:
+        expected = [g * s for g in grads]
+        for d in dests:
+            d.fill_(float("nan"))
+        pack()
+        unpack()
+        for i, (d, e) in enumerate(zip(dests, expected)):
+            if not torch.equal(d, e):
+                raise RuntimeError(f"benchmark method {name!r} produced a wrong result for tensor {i}")
+    return halves
 
 
 def count_cuda_kernels(fn: Callable[[], object]) -> int:
@@ -219,15 +206,10 @@ def row_targets(layout: Layout, device: str) -> Dict[str, Tuple[str, str, str, f
 
 def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """Time every method on ``layout``, rounds until its targets resolve (or the cap); return the row."""
-    methods, check = make_methods(layout, device)
-    halves = methods.pop("_halves")  # type: ignore[arg-type]
-    check()
+    halves = make_methods(layout, device)
+    methods = {name: (lambda p=p, u=u: (p(), u())) for name, (p, u) in halves.items()}
     goals = row_targets(layout, device)
-    checks = [(stats.median_ratio(a, b), thr, op) for a, b, op, thr in goals.values()]
-    samples = runner.measure_interleaved(
-        methods, device, cfg["warmup"], cfg["max_reps"], target_s=cfg["target_s"], on_sample=prog.advance,
-        stop=lambda s, k: stats.enough_rounds(s, k, cfg["reps"], cfg["max_reps"], checks),
-    )  # fmt: skip
+    samples = _rounds(methods, device, cfg, goals.values(), prog)
     med = {m: statistics.median(xs) for m, xs in samples.items()}
     ratios = {
         "fused/floor": stats.ratio(med["fused"], med["floor"]),
@@ -252,6 +234,17 @@ def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[
         "bandwidth_gb_s": {m: 4 * layout.nbytes / t / 1e9 for m, t in med.items() if t},  # read + write, both ways
         "kernels_per_direction": kernels, "targets": targets, **({"bucket": layout.meta} if layout.meta else {}),
     }  # fmt: skip
+
+
+def _rounds(fns: Dict[str, Callable[[], Any]], device: str, cfg: Dict[str, Any], goals: Any, prog: Any) -> stats.Samples:
+    """Rounds of ``fns`` until the ``(a, b, op, threshold)`` ratio targets resolve; advances ``prog`` by every sample."""
+    checks = [(stats.median_ratio(a, b), thr, op) for a, b, op, thr in goals]
+    samples = runner.measure_interleaved(
+        fns, device, cfg["warmup"], cfg["max_reps"], target_s=cfg["target_s"], on_sample=prog.advance,
+        stop=lambda s, k: stats.enough_rounds(s, k, cfg["reps"], cfg["max_reps"], checks),
+    )  # fmt: skip
+    prog.advance(len(fns) * (cfg["max_reps"] - len(next(iter(samples.values())))))  # the rounds not taken
+    return samples
 
 
 # Dtype pairs: mixed-dtype round trips against a floor of plain copies
@@ -294,11 +287,7 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
     checks = {"ok": ok, "exact": exact, "max_abs_err": err, "rtol": rtol, "atol": atol}
     if not ok:
         raise RuntimeError(f"fused round trip {SHORT[src]} -> {SHORT[dst]} produced a wrong result: {checks}")
-    goal = [(stats.median_ratio("fused", "floor"), PAIR_TARGET, "le")]
-    samples = runner.measure_interleaved(
-        {"floor": floor, "fused": fused}, "cpu", cfg["warmup"], cfg["max_reps"], target_s=cfg["target_s"],
-        on_sample=prog.advance, stop=lambda s, k: stats.enough_rounds(s, k, cfg["reps"], cfg["max_reps"], goal),
-    )  # fmt: skip
+    samples = _rounds({"floor": floor, "fused": fused}, "cpu", cfg, [("fused", "floor", "le", PAIR_TARGET)], prog)
     t = stats.ratio_target(samples, "fused", "floor", PAIR_TARGET)
     moved = 2 * n * (_size(src) + _size(dst))
     name = lambda d: str(d).replace("torch.", "")  # noqa: E731
@@ -362,22 +351,9 @@ def print_pairs(rows: List[Dict[str, Any]], layouts: List[Layout]) -> None:
     report.table(f"fastcoll ops: dtype pairs, CPU, {PAIR_THREADS} thread", columns, list(by_pair.values()), caption)
 
 
-def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
-    panels: Dict[str, Dict[str, Dict[str, float]]] = {}
-    for r in payload["results"]:
-        floor = r["methods"]["floor"]["median_s"]
-        panels.setdefault(setting(r["device"], r["threads"]), {})[r["layout"]] = {
-            METHOD_LABELS[m]: r["methods"][m]["median_s"] / floor for m in METHODS[1:]
-        }
-    return report.bar_chart(path, "fastcoll ops: round trip / two-copy floor (dashed; lower is better)", panels,
-                            "time / floor", reference_line=1.0)  # fmt: skip
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ops``: tables, ``benchmarks/out/ops_<device>.json`` and a chart."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("ops", device):
-        return 2
+    device = args.device
     level = args.level
     cfg = CONFIGS[level]
     if ops.implementation() != "extension":
@@ -408,7 +384,6 @@ def run(args: Any) -> int:
                 for layout in layouts:
                     prog.describe(f"ops, {setting(device, threads)}: {layout.name}")
                     rows.append(bench_layout(layout, device, threads, cfg, prog))
-                    prog.advance(len(METHODS) * (cfg["max_reps"] - rows[-1]["methods"]["floor"]["n"]))
             results += rows
             prog.row(setting(device, threads), len(settings) + bool(pair_layouts))
             print_rows(setting(device, threads), rows, device)
@@ -417,7 +392,6 @@ def run(args: Any) -> int:
                 for layout in pair_layouts:
                     prog.describe(f"ops, dtype pairs: {SHORT[src]} → {SHORT[dst]}, {layout.name}")
                     pairs.append(bench_pair(layout, src, dst, cfg, prog))
-                    prog.advance(2 * (cfg["max_reps"] - pairs[-1]["methods"]["floor"]["n"]))
         if pairs:
             prog.row("dtype pairs", len(settings) + 1)
             print_pairs(pairs, pair_layouts)
@@ -432,5 +406,5 @@ def run(args: Any) -> int:
                         "layouts": {lay.name: lay.note for lay in pair_layouts}, "target": {"fused/floor": ["le", PAIR_TARGET]}},
     }  # fmt: skip
     payload = {"benchmark": "ops", "config": config, "results": results, "dtype_pairs": pairs}
-    report.conclude("ops", report.json_path(args, f"ops_{device}"), payload, targets, chart)
+    report.conclude("ops", report.json_path(args, f"ops_{device}"), payload, targets)
     return 0

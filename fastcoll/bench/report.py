@@ -39,8 +39,7 @@ def repo_root() -> Path:
 
 def json_path(args: Any, name: str) -> Path:
     """``--json PATH`` if given, else ``benchmarks/out/<name>.json`` (its folder made)."""
-    given = getattr(args, "json", None)
-    path = Path(given) if given else repo_root() / "benchmarks" / "out" / f"{name}.json"
+    path = Path(args.json) if args.json else repo_root() / "benchmarks" / "out" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -211,22 +210,12 @@ def targets_summary(name: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> N
             say(f"  {w}: {target_cell(t, lambda v: '-' if v is None else f'{v:.3g}')} (target {t['op']} {t['threshold']})")
 
 
-def no_gpu(name: str, device: str) -> bool:
-    """True (with a message) when ``--device cuda`` is asked for without a GPU."""
-    if device == "cuda" and not torch.cuda.is_available():
-        say(f"[red]fastcoll.bench {name}: --device cuda but torch.cuda.is_available() is False[/red]")
-        return True
-    return False
-
-
-def conclude(
-    name: str, path: Path, payload: Dict[str, Any], named: Sequence[Tuple[str, Dict[str, Any]]] = (), chart: Any = None,
-) -> Path:  # fmt: skip
-    """The targets' summary (:func:`targets_summary`), the JSON at ``path`` and ``chart(png_path, payload)`` beside it."""
+def conclude(name: str, path: Path, payload: Dict[str, Any], named: Sequence[Tuple[str, Dict[str, Any]]] = ()) -> Path:
+    """The targets' summary (:func:`targets_summary`), the JSON at ``path`` and the targets' chart beside it."""
     targets_summary(name, named)
     device = payload.get("config", {}).get("device", "cpu")
     write_json(path, payload, device)
-    png = chart(path.with_suffix(".png"), payload) if chart is not None else None
+    png = targets_chart(path.with_suffix(".png"), f"fastcoll {name} ({device}): targets", named)
     say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
     return path
 
@@ -319,41 +308,29 @@ def save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
-def bar_chart(
-    path: Path, title: str, panels: Dict[str, Dict[str, Dict[str, float]]], ylabel: str,
-    reference_line: Optional[float] = None, errors: Optional[Dict[str, Dict[str, Dict[str, Sequence[float]]]]] = None,
-    log: bool = True,
-) -> Optional[Path]:  # fmt: skip
-    """Grouped bars, ``panels[panel][group][series] = value``, one subplot per panel; ``errors``: intervals of the same.
+def targets_chart(path: Path, title: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> Optional[Path]:
+    """A bar per target: its value over its threshold (the dashed line), its 90% interval, its verdict's colour.
 
-    Returns the PNG path, or None without matplotlib or data.
+    Targets without a numeric non-zero threshold (a margin against 0, a launch count) are left out.
+    Returns the PNG path, or None without matplotlib or such targets.
     """
     plt = pyplot()
-    if plt is None or not panels:
+    rows = [(w, t) for w, t in named if isinstance(t["value"], (int, float)) and isinstance(t["threshold"], (int, float))
+            and t["threshold"]]  # fmt: skip
+    if plt is None or not rows:
         return None
-    width_groups = max(len(p) for p in panels.values())
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.9 * width_groups + 3), 3.6 * len(panels)), squeeze=False)
-    for ax, (panel, groups) in zip(axes[:, 0], panels.items()):
-        names = list(groups)
-        series = list(dict.fromkeys(s for g in groups.values() for s in g))
-        w = 0.8 / max(1, len(series))
-        for k, s in enumerate(series):
-            xs = [i + (k - (len(series) - 1) / 2) * w for i in range(len(names))]
-            ys = [groups[g].get(s, float("nan")) for g in names]
-            ci = [((errors or {}).get(panel, {}).get(g, {}).get(s)) for g in names]
-            yerr = [[y - c[0] if c else 0 for y, c in zip(ys, ci)], [c[1] - y if c else 0 for y, c in zip(ys, ci)]]
-            ax.bar(xs, ys, width=w, label=s.lstrip("_"), yerr=yerr if any(ci) else None, capsize=2)
-        if reference_line is not None:
-            ax.axhline(reference_line, color="black", linewidth=0.8, linestyle="--")
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel(ylabel)
-        if log:
-            ax.set_yscale("log")
-        ax.set_title(panel, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.suptitle(title)
-    fig.legend(handles, labels, loc="center right", fontsize=8)
-    fig.tight_layout(rect=(0, 0, 0.86, 0.97))
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.4))
+    for i, (_, t) in enumerate(rows):
+        v, ci = t["value"] / t["threshold"], [c / t["threshold"] for c in t.get("ci90") or ()]
+        err = [[max(0.0, v - min(ci))], [max(0.0, max(ci) - v)]] if ci else None
+        colour = {MET: "tab:green", MISSED: "tab:red", UNRESOLVED: "tab:orange"}.get(t["verdict"], "tab:gray")
+        ax.barh(i, v, color=colour, xerr=err, capsize=2)
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{w} ({'≤' if t['op'] == 'le' else '≥'})" for w, t in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("value / threshold (green: met, red: missed, orange: not resolved; whiskers: 90% interval)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
     return save_figure(fig, path)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import report
-from .stats import rotated
+from .stats import enough_rounds, rotated
 
 
 # Timing
@@ -35,9 +35,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_calls(fn: Callable[[], object], inner: int, device: str) -> float:
-    """Seconds per call over ``inner`` back-to-back calls (CUDA: events on the current stream)."""
-    if device == "cuda":
+def time_calls(fn: Callable[[], object], inner: int, device: str, wall: bool = False) -> float:
+    """Seconds per call over ``inner`` back-to-back calls (CUDA: events on the current stream; ``wall``: the clock)."""
+    if device == "cuda" and not wall:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(inner):
@@ -45,9 +45,11 @@ def time_calls(fn: Callable[[], object], inner: int, device: str) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / inner
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
+    synchronize(device)
     return (time.perf_counter() - t0) / inner
 
 
@@ -71,7 +73,8 @@ def calibrate(fn: Callable[[], object], device: str, target_s: float, max_inner:
 def measure_interleaved(
     fns: Dict[str, Callable[[], object]], device: str = "cpu", warmup: int = 3, reps: int = 10, inner: Optional[int] = None,
     target_s: float = 0.005, on_sample: Optional[Callable[[], None]] = None,
-    stop: Optional[Callable[[Dict[str, List[float]], int], bool]] = None,
+    stop: Optional[Callable[[Dict[str, List[float]], int], bool]] = None, before: Optional[Callable[[str], None]] = None,
+    after: Optional[Callable[[str], None]] = None, cpu: Optional[Dict[str, List[float]]] = None, wall: bool = False,
 ) -> Dict[str, List[float]]:  # fmt: skip
     """Per-call seconds of several callables, taken round-robin (round k starts at the k-th callable).
 
@@ -84,29 +87,31 @@ def measure_interleaved(
         target_s: A sample's length when calibrating.
         on_sample: Called after every sample (progress).
         stop: ``stop(samples, rounds_done)``, asked after every round: True ends the sampling early.
+        before, after: ``before(name)`` and ``after(name)`` run around each sample, untimed.
+        cpu: Filled with the calling thread's CPU seconds per call (``time.thread_time``), per callable.
+        wall: Time by the clock on CUDA too (:func:`time_calls`).
     """
     inners = {}
     for name, fn in fns.items():
-        for _ in range(warmup):
-            fn()
+        run_steps(fn, warmup)
         synchronize(device)
         inners[name] = inner or calibrate(fn, device, target_s)
     samples: Dict[str, List[float]] = {name: [] for name in fns}
     for k in range(reps):
         for name in rotated(fns, k):
-            samples[name].append(time_calls(fns[name], inners[name], device))
+            if before is not None:
+                before(name)
+            c0 = time.thread_time()
+            samples[name].append(time_calls(fns[name], inners[name], device, wall))
+            if cpu is not None:
+                cpu.setdefault(name, []).append((time.thread_time() - c0) / inners[name])
+            if after is not None:
+                after(name)
             if on_sample is not None:
                 on_sample()
         if stop is not None and stop(samples, k + 1):
             break
     return samples
-
-
-def measure(
-    fn: Callable[[], object], device: str = "cpu", warmup: int = 3, reps: int = 10, target_s: float = 5e-3
-) -> List[float]:
-    """Per-call seconds of one callable, ``reps`` samples."""
-    return measure_interleaved({"fn": fn}, device, warmup, reps, None, target_s)["fn"]
 
 
 @contextlib.contextmanager
@@ -122,7 +127,7 @@ def num_threads(n: int) -> Iterator[None]:
 
 def thread_counts(args: Any) -> List[int]:
     """The intra-op thread counts a one-process CPU benchmark runs at: ``--threads N|all``, default 1 and all."""
-    spec, every = getattr(args, "threads", None), report.available_cpus()
+    spec, every = args.threads, report.available_cpus()
     if spec is None:
         return sorted({1, every})
     return [every] if str(spec) == "all" else [int(spec)]
@@ -130,19 +135,15 @@ def thread_counts(args: Any) -> List[int]:
 
 def threads_per_rank(args: Any, world_size: int) -> int:
     """Intra-op threads of each rank: ``--threads N``, ``all`` (the CPUs shared out), default 1."""
-    spec = getattr(args, "threads", None)
+    spec = args.threads
     if spec is None:
         return 1
     return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
 
 
 def level_config(args: Any, configs: Dict[str, Dict[str, Any]], world_size: int, **extra: Any) -> Dict[str, Any]:
-    """A multi-rank benchmark's configuration: ``configs[level]``, the level, device, ranks, backend and threads.
-
-    The level is ``args.level``, else from ``--smoke`` / ``--full``.
-    """
-    level = getattr(args, "level", None) or ("smoke" if args.smoke else "full" if args.full else "default")
-    device = getattr(args, "device", "cpu") or "cpu"
+    """A multi-rank benchmark's configuration: ``configs[args.level]``, the level, device, ranks, backend and threads."""
+    level, device = args.level, args.device
     return {**configs[level], "level": level, "smoke": level == "smoke", "quick": level != "full", "device": device,
             "world_size": world_size, "backend": "nccl" if device == "cuda" else "gloo",
             "threads": threads_per_rank(args, world_size), **extra}  # fmt: skip
@@ -174,21 +175,18 @@ def torch_bucket_sizes(wrapper: Any, *keys: str) -> Optional[List[int]]:
     return [int(s) for s in sizes.split(",") if s.strip()] if isinstance(sizes, str) else sizes
 
 
-def ddp_supports(arguments: Sequence[str] = (), methods: Sequence[str] = ()) -> bool:
-    """Whether this checkout's ``fastcoll.DDP`` takes ``arguments`` and has ``methods``."""
-    import inspect
-
-    import fastcoll
-
-    params = inspect.signature(fastcoll.DDP).parameters
-    return all(a in params for a in arguments) and all(hasattr(fastcoll.DDP, m) for m in methods)
-
-
 def settle(opt: Any) -> None:
     """Wait for a ShardedOptimizer's pending all-gathers (its public ``finish_param_sync``); a no-op otherwise."""
     finish = getattr(opt, "finish_param_sync", None)
     if finish is not None:
         finish()
+
+
+def run_steps(step: Callable[[], object], n: int, opt: Any = None) -> None:
+    """``n`` calls of ``step``, then the pending all-gathers of ``opt`` (a ShardedOptimizer) waited for."""
+    for _ in range(n):
+        step()
+    settle(opt)
 
 
 # Memory and traffic
@@ -222,9 +220,15 @@ def _proc_field(path: str, field: str) -> Optional[int]:
     return None
 
 
-def bytes_written() -> Optional[int]:
-    """Bytes this process wrote through write()/send() so far (``/proc/self/io`` wchar: gloo's sockets included)."""
-    return _proc_field("/proc/self/io", "wchar")
+def bytes_sent(fn: Callable[[], Any]) -> Tuple[Any, Optional[int]]:
+    """``fn()``'s result, and the bytes this process wrote through write()/send() while it ran (None if unknown).
+
+    From ``/proc/self/io``'s wchar: gloo's sockets included.
+    """
+    w0 = _proc_field("/proc/self/io", "wchar")
+    out = fn()
+    w1 = _proc_field("/proc/self/io", "wchar")
+    return out, None if w0 is None or w1 is None else w1 - w0
 
 
 class MemoryProbe:
@@ -325,38 +329,27 @@ def timed_rounds(
     every rank sees the same samples and stops after the same round:
     :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between
     ``lo`` and ``hi`` rounds. ``before(name)`` and ``after(name)`` run around
-    each sample, untimed (a lead-in step, dropping gradients).
+    each sample, untimed (a lead-in step, dropping gradients); ``tick()`` after
+    each sample, and once for every sample of the rounds not taken.
 
     Returns:
         Wall-clock seconds per call, and the calling thread's CPU seconds per
         call (``time.thread_time``: what other processes on the cores inflate
         less), per callable.
     """
-    from .stats import enough_rounds
+    cpu: Dict[str, List[float]] = {}
 
-    wall: Dict[str, List[float]] = {n: [] for n in fns}
-    cpu: Dict[str, List[float]] = {n: [] for n in fns}
-    for k in range(hi):
-        order, this = rotated(fns, k), []
-        for name in order:
-            if before is not None:
-                before(name)
-            synchronize(device)
-            c0, t0 = time.thread_time(), time.perf_counter()
-            for _ in range(inner):
-                fns[name]()
-            synchronize(device)
-            this.append(((time.perf_counter() - t0) / inner, (time.thread_time() - c0) / inner))
-            if after is not None:
-                after(name)
-            if tick is not None:
-                tick()
-        synced = all_max([w for w, _ in this] + [c for _, c in this], device)
-        for i, name in enumerate(order):
-            wall[name].append(synced[i])
-            cpu[name].append(synced[len(order) + i])
-        if enough_rounds(wall, k + 1, lo, hi, checks):
-            break
+    def slowest_rank(samples: Dict[str, List[float]], done: int) -> bool:  # the round's samples become the slowest rank's
+        names = list(samples)
+        last = all_max([samples[n][-1] for n in names] + [cpu[n][-1] for n in names], device)
+        for i, n in enumerate(names):
+            samples[n][-1], cpu[n][-1] = last[i], last[len(names) + i]
+        return enough_rounds(samples, done, lo, hi, checks)
+
+    wall = measure_interleaved(fns, device, 0, hi, inner, on_sample=tick, stop=slowest_rank, before=before, after=after,
+                               cpu=cpu, wall=True)  # fmt: skip
+    if tick is not None:  # the rounds not taken
+        tick(len(fns) * (hi - len(next(iter(wall.values())))))
     return wall, cpu
 
 
@@ -372,9 +365,7 @@ def start_runs(me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[A
     runs, setup = {}, {}
     for m in methods:
         wrapper, opt, step = runs[m] = make(m)
-        for _ in range(me.cfg["setup_steps"] - 1):
-            step()
-        settle(opt)
+        run_steps(step, me.cfg["setup_steps"] - 1, opt)
         setup[m] = time_calls(lambda: (step(), settle(opt)), 1, me.device)
         opt.zero_grad(set_to_none=True)
         me.tick()
@@ -388,7 +379,7 @@ def optimizer_rounds(
 
     Each sample follows an untimed lead-in step; after it the step's all-gathers
     are drained and the gradients dropped, untimed, so the next sample starts
-    with none pending. Ticks the rounds not taken. Returns the wall-clock samples.
+    with none pending. Returns the wall-clock samples.
     """
 
     def after(m: str) -> None:
@@ -396,9 +387,7 @@ def optimizer_rounds(
         runs[m][1].zero_grad(set_to_none=True)
 
     steps = {m: r[2] for m, r in runs.items()}
-    samples, _ = timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)
-    me.tick(len(runs) * (hi - len(next(iter(samples.values())))))
-    return samples
+    return timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)[0]
 
 
 class Rank:

@@ -1,14 +1,10 @@
 """Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain (docs/benchmarks.md).
 
-Per model, a step (zero_grad + forward + backward, no optimizer) of torch DDP
-(25 MiB buckets), ``fastcoll.DDP(bucket_cap_mb=cap)`` for caps of 1, 5, 25
-and 100 MiB, and ``bucket_cap_mb="auto"`` after its tuning, in rounds on
-shared weights (2 gloo ranks on CPU, 1 NCCL rank on a GPU). Targets: auto's
-step within 5% of the best fixed cap's and at most torch DDP's. Then, for
-the 25 MiB and the tuned layout, the exposed synchronization from
-``model.sync_timeline()``, a Gantt chart per model (rank by rank: compute,
-each bucket's ready span, pack, communication, write-back) and a merged
-Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
+Per model, a step (zero_grad + forward + backward) of each of :data:`METHODS`
+(torch DDP, fixed bucket caps, ``bucket_cap_mb="auto"`` after its tuning) in
+rounds on shared weights. Then, for the 25 MiB and the tuned layout, the
+exposed synchronization (``model.sync_timeline()``), a Gantt chart per model and
+a merged Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
@@ -48,6 +43,9 @@ SMOKE_AUTOTUNE_STEPS = "12"
 LEGEND = (("forward", 0, "forward"), ("backward", 0, "backward compute"), ("exposed", 0, "exposed sync"),
           ("ready", 1, "gradients ready (first-last)"), ("pack", 1, "pack"), ("comm", 1, "communication"),
           ("write-back", 1, "write-back"))  # fmt: skip
+#: The bucket lanes of the Gantt chart: colour kind, and the record's start and end fields.
+BUCKET_LANES = (("ready", "ready_first_us", "ready_last_us"), ("pack", "pack_start_us", "pack_end_us"),
+                ("comm", "issued_us", "completed_us"), ("write-back", "writeback_start_us", "writeback_end_us"))  # fmt: skip
 LANE_COLOURS = {
     "forward": ("#d9d9d9", "#d9d9d9"),
     "backward": ("#8c8c8c", "#8c8c8c"),
@@ -57,11 +55,6 @@ LANE_COLOURS = {
     "comm": ("#9ecae1", "#3182bd"),
     "write-back": ("#bcbddc", "#756bb1"),
 }
-
-
-def supported() -> bool:
-    """Whether this checkout's fastcoll.DDP has the timeline and autotuning API (issue 13)."""
-    return runner.ddp_supports(("record_timeline",), ("sync_timeline", "export_chrome_trace", "tuning_report", "bucket_info"))
 
 
 CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
@@ -116,7 +109,7 @@ def _autotune_steps() -> int:
     return autotune_steps()
 
 
-def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None], trace_dir: str) -> dict[str, Any]:
+def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None]) -> dict[str, Any]:
     """One model on this rank: the sweep, then the timelines and tuning report (gathered from every rank)."""
     device = cfg["device"]
     storage = models.build_storage(spec, device)
@@ -128,14 +121,8 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     for method in METHODS:
         wrapper = make_wrapper(method, models.build_model(spec, device, storage), device)
         step = models.backward_step(spec, wrapper, x)
-        n = tune_steps if method == "auto" else cfg["setup_steps"]
-        for _ in range(n - 1):  # the rebuild (and auto's tuning) happen here
-            step()
-        runner.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        runner.synchronize(device)
-        setup_s[method] = time.perf_counter() - t0
+        runner.run_steps(step, (tune_steps if method == "auto" else cfg["setup_steps"]) - 1)  # the rebuild, auto's tuning
+        setup_s[method] = runner.time_calls(step, 1, device)
         wrappers[method], steps[method] = wrapper, step
         tick(1)
     per_step = runner.all_max([max(setup_s.values())], device)[0]
@@ -148,10 +135,11 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     layouts: dict[str, Any] = {}
     for method in TIMELINE_LAYOUTS:
         w = wrappers[method]
-        path = os.path.join(trace_dir, f"{spec.name}_{method.replace(' ', '')}_rank{rank}.json")
-        w.export_chrome_trace(path)
+        with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as tmp:
+            events = json.loads(w.export_chrome_trace(os.path.join(tmp, "trace.json")).read_text())["traceEvents"]
         layouts[method] = {"timeline": runner.gather(w.sync_timeline()), "buckets": len(w.bucket_info()),  # per rank
-                           "bucket_bytes": [b["bytes"] for b in w.bucket_info()], "traces": runner.gather(path)}  # fmt: skip
+                           "bucket_bytes": [b["bytes"] for b in w.bucket_info()],
+                           "trace_events": runner.gather(events)}  # fmt: skip
     params = [p for p in wrappers["torch"].module.parameters() if p.requires_grad]
     row = {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "params": len(params),
            "numel": sum(p.numel() for p in params), "inner": inner,
@@ -163,11 +151,11 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     return row
 
 
-def _ranks(me: runner.Rank, trace_dir: str) -> dict[str, Any]:
+def _ranks(me: runner.Rank) -> dict[str, Any]:
     rows, specs = [], model_specs(me.cfg)
     for spec in specs:
         me.describe(f"timeline: {spec.label}")
-        rows.append(bench_model(spec, me.rank, me.cfg, me.tick, trace_dir))
+        rows.append(bench_model(spec, me.rank, me.cfg, me.tick))
         me.row(spec.label, len(specs))
     return {"rows": rows}
 
@@ -179,25 +167,24 @@ def representative(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[int | 
     Returns:
         Its iteration number and each rank's record of it (None where a rank lacks it).
     """
-    common_its = None
-    for its in per_rank:
-        nums = {it["iteration"] for it in its}
-        common_its = nums if common_its is None else common_its & nums
-    if not common_its:
+    by_num, exposed = _slowest_exposed(per_rank)
+    if not exposed:
         return None, [None] * len(per_rank)
-    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
-    exposed = sorted((max(r[n]["exposed_sync_us"] for r in by_num), n) for n in common_its)
-    num = exposed[(len(exposed) - 1) // 2][1]
+    num = sorted((us, n) for n, us in exposed.items())[(len(exposed) - 1) // 2][1]
     return num, [r.get(num) for r in by_num]
+
+
+def _slowest_exposed(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[dict[int, Any]], dict[int, float]]:
+    """Each rank's records by iteration, and the slowest rank's exposed sync (us) of each iteration every rank recorded."""
+    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
+    nums = set.intersection(*(set(r) for r in by_num)) if by_num else set()
+    return by_num, {n: max(r[n]["exposed_sync_us"] for r in by_num) for n in nums}
 
 
 def exposed_median_s(per_rank: Sequence[Sequence[dict[str, Any]]]) -> float | None:
     """Median over the iterations every rank recorded of the slowest rank's exposed sync time (seconds)."""
-    by_num = [{it["iteration"]: it for it in its} for its in per_rank]
-    nums = set.intersection(*(set(r) for r in by_num)) if by_num else set()
-    if not nums:
-        return None
-    return statistics.median(max(r[n]["exposed_sync_us"] for r in by_num) for n in nums) / 1e6
+    exposed = _slowest_exposed(per_rank)[1]
+    return statistics.median(exposed.values()) / 1e6 if exposed else None
 
 
 def _auto_vs_best_fixed(samples: dict[str, list[float]]) -> float | None:
@@ -255,16 +242,11 @@ def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]]
 # Gantt chart
 def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
     """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
-
-    def ms(v: float | None) -> float | None:
-        return None if v is None else v / 1e3
-
     out: list[tuple[int, str, int, float, float]] = []
 
     def add(lane: int, kind: str, k: int, a: float | None, b: float | None) -> None:
-        a, b = ms(a), ms(b)
         if a is not None and b is not None and b >= a:
-            out.append((lane, kind, k, a, b))
+            out.append((lane, kind, k, a / 1e3, b / 1e3))
 
     add(0, "forward", -1, it.get("forward_start_us"), it.get("backward_start_us"))
     add(0, "backward", -1, it.get("backward_start_us"), it.get("backward_end_us"))
@@ -272,11 +254,8 @@ def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
     if end is not None:
         add(0, "exposed", -1, end, end + it.get("exposed_sync_us", 0.0))
     for b in it.get("buckets", []):
-        k = b["bucket"]
-        add(1, "ready", k, b.get("ready_first_us"), b.get("ready_last_us"))
-        add(2, "pack", k, b.get("pack_start_us"), b.get("pack_end_us"))
-        add(3, "comm", k, b.get("issued_us"), b.get("completed_us"))
-        add(4, "write-back", k, b.get("writeback_start_us"), b.get("writeback_end_us"))
+        for lane, (kind, start, end) in enumerate(BUCKET_LANES, 1):
+            add(lane, kind, b["bucket"], b.get(start), b.get(end))
     return out
 
 
@@ -348,35 +327,20 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
 # Entry points
 def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
-    device = getattr(args, "device", "cpu") or "cpu"
+    device = args.device
     cfg = _config(args, device)
     ws = cfg["world_size"]
     specs = model_specs(cfg)
     rank_cfg = {**cfg, "keep_freed_memory": True, "freeze": True, "env": autotune_env(cfg)}
-    with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as trace_dir:
-        with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
-            result = runner.run_ranks(_ranks, rank_cfg, (trace_dir,), ws, prog)
-        rows = [summarize_row(r) for r in result["rows"]]
-        for r in rows:  # the per-rank traces live in tmpdir: read them now
-            for lay in r["layouts"].values():
-                lay["trace_events"] = _read_traces(lay.pop("traces"))
+    with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
+        result = runner.run_ranks(_ranks, rank_cfg, (), ws, prog)
+    rows = [summarize_row(r) for r in result["rows"]]
     config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or _autotune_steps()),
               "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
               "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
               }  # fmt: skip
     return {"benchmark": "timeline", "config": config, "implementation": result["implementation"], "results": rows}
-
-
-def _read_traces(paths: Sequence[str]) -> list[list[dict[str, Any]]]:
-    out = []
-    for p in paths:
-        try:
-            with open(p) as f:
-                out.append(json.load(f).get("traceEvents", []))
-        except (OSError, ValueError):
-            out.append([])
-    return out
 
 
 def _layout_name(row: dict[str, Any], method: str) -> str:
@@ -425,14 +389,6 @@ def print_results(payload: dict[str, Any]) -> None:
             report.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
 
 
-def sweep_chart(path: Path, payload: dict[str, Any]) -> Path | None:
-    """Median step of every method relative to torch DDP's, per model."""
-    panel = {r["label"]: {("torch DDP" if m == "torch" else m): r["methods"][m]["median_s"] / r["methods"]["torch"]["median_s"]
-                          for m in METHODS} for r in payload["results"]}  # fmt: skip
-    title = f"fastcoll timeline ({payload['config']['device']}): step time relative to torch DDP (dashed = 1, lower is better)"
-    return report.bar_chart(path, title, {"step / torch DDP step": panel}, "time / torch DDP", 1.0)
-
-
 def run(args: Any = None) -> int:
     """CLI entry (``python -m fastcoll.bench timeline``): measure, print, write JSON, the sweep chart, Gantt charts and traces.
 
@@ -440,19 +396,13 @@ def run(args: Any = None) -> int:
         0 on success (also when fastcoll.DDP lacks the API: skipped with a
         message), 2 if ``--device cuda`` is asked for without a GPU.
     """
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("timeline", device):
-        return 2
-    if not supported():
-        report.say("[yellow]fastcoll.bench timeline: this checkout's fastcoll.DDP has no record_timeline / sync_timeline / "
-                   "tuning_report (issue 13); skipping[/yellow]")  # fmt: skip
-        return 0
+    device = args.device
     payload = measure(args)
     path = report.json_path(args, f"timeline_{device}")
     traces = write_traces(lambda model: path.with_name(f"{path.stem}_{model}.trace.json"), payload)
     print_results(payload)
     pngs = [model_gantt(path.with_name(f"{path.stem}_{r['model']}.png"), r, device) for r in payload["results"]]
     named = [(f"{r['label']}: {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
-    report.conclude("timeline", path, payload, named, sweep_chart)
+    report.conclude("timeline", path, payload, named)
     report.say(f"{len([p for p in pngs if p])} Gantt chart(s) and {len(traces)} Chrome trace(s) beside it", record=False)
     return 0

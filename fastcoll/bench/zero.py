@@ -1,22 +1,12 @@
 """ZeRO-1: ``fastcoll.ShardedOptimizer`` against torch's ZeroRedundancyOptimizer and DDP, with AdamW (docs/benchmarks.md).
 
-Methods (2 gloo ranks on CPU, one NCCL rank per GPU): ``torch`` (torch DDP +
-AdamW), ``zero`` (torch DDP + ZeroRedundancyOptimizer), ``fastcoll``
-(fastcoll.DDP + AdamW), ``full`` and ``sharded`` (fastcoll.DDP +
-ShardedOptimizer, ``grads="full"`` / ``"sharded"``, the library's default
-``overlap_param_gather``), and ``overlap`` (``grads="sharded"``,
-``overlap_param_gather=True``: the parameters' all-gathers run on into the
-next forward). Only ShardedOptimizer's public API is used.
-
-1. Memory, state, traffic and a check, each (model, method) in a fresh
-   process pair: peak resident growth, live heap bytes, optimizer-state bytes
-   per rank, bytes sent per iteration, and the parameters after the same steps
-   against torch DDP + AdamW's.
-2. Step time: a model's methods side by side in one process pair on shared
-   weights, rounds in rotating order until every step target resolves.
-
-Then the bfloat16 section (:mod:`fastcoll.bench.zero_bf16`) and, on the CPU, the one-rounding section
-(:mod:`fastcoll.bench.zero_one_rounding`).
+Methods: :data:`METHOD_DESCRIPTIONS` (2 gloo ranks on CPU, one NCCL rank per
+GPU; only ShardedOptimizer's public API). First memory, state, traffic and a
+check of the parameters against torch DDP + AdamW's, each (model, method) in a
+fresh process pair; then the step time, a model's methods side by side on
+shared weights, rounds until every step target resolves. Then the bfloat16
+section (:mod:`fastcoll.bench.zero_bf16`) and, on the CPU, the one-rounding
+section (:mod:`fastcoll.bench.zero_one_rounding`).
 """
 
 from __future__ import annotations
@@ -109,18 +99,7 @@ def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module,
 def make_step(spec: ModelSpec, wrapper: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
               sample: Callable[[], None] = lambda: None) -> Callable[[], None]:  # fmt: skip
     """One iteration: zero_grad(set_to_none=True), forward, loss, backward, step (``sample()`` after each phase)."""
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        sample()
-        loss = models.loss_of(spec, wrapper(x))
-        sample()
-        loss.backward()
-        sample()
-        opt.step()
-        sample()
-
-    return step
+    return models.train_step(wrapper, opt, x, lambda out: models.loss_of(spec, out), lambda _phase: sample())
 
 
 def state_bytes(method: str, opt: torch.optim.Optimizer) -> int:
@@ -142,10 +121,7 @@ def param_digest(module: nn.Module) -> List[float]:
 def warm_up(me: runner.Rank, method: str) -> None:
     """A few iterations of ``method`` on a tiny model, so the measured one pays no one-time costs."""
     wrapper, opt = make_method(method, models.build_model(models.WARMUP, me.device), me.device)
-    step = make_step(models.WARMUP, wrapper, opt, models.make_input(models.WARMUP, me.rank, me.device))
-    for _ in range(3):
-        step()
-    runner.settle(opt)
+    runner.run_steps(make_step(models.WARMUP, wrapper, opt, models.make_input(models.WARMUP, me.rank, me.device)), 3, opt)
 
 
 def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
@@ -158,22 +134,14 @@ def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
     module = models.build_model(spec, me.device, layered=True)
     wrapper, opt = make_method(method, module, me.device)
     step = make_step(spec, wrapper, opt, models.make_input(spec, me.rank, me.device), live.sample if live else lambda: None)
-    for _ in range(me.cfg["setup_steps"]):
-        step()
-    runner.settle(opt)
-    w0 = runner.bytes_written()
-    step()
-    runner.settle(opt)
-    runner.synchronize(me.device)
-    w1 = runner.bytes_written()
+    runner.run_steps(step, me.cfg["setup_steps"], opt)
+    _, sent = runner.bytes_sent(lambda: (runner.run_steps(step, 1, opt), runner.synchronize(me.device)))
     buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None
     info = {"rank": me.rank, "peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
-            "state_bytes": state_bytes(method, opt), "sent_bytes": None if w0 is None or w1 is None else w1 - w0,
+            "state_bytes": state_bytes(method, opt), "sent_bytes": sent,
             "digest": param_digest(module), "buckets": buckets}  # fmt: skip
-    del wrapper, opt, step
-    gc.collect()  # the wrappers go while their process group is alive
     me.tick()
-    return {"ranks": runner.gather(info)}
+    return {"ranks": runner.gather(info)}  # the wrappers go in Rank's exit, while their process group is alive
 
 
 def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[str, Any]:
@@ -297,41 +265,13 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "sockets in one iteration; params: after the same iterations, against torch DDP + AdamW's.")  # fmt: skip
 
 
-def chart(path: Any, payload: Dict[str, Any]) -> Optional[Any]:
-    """Step time relative to ZeRO's (with intervals) and peak memory relative to torch DDP's."""
-    steps, errs, peaks = {}, {}, {}
-    for r in payload["results"]:
-        steps[r["label"]], errs[r["label"]], peaks[r["label"]] = {}, {}, {}
-        for m in METHODS:
-            t = step_ratio(r["groups"], m, "zero") if m != "zero" else {"value": 1.0, "ci90": None}
-            steps[r["label"]][METHOD_LABELS[m]] = t["value"] if t["value"] is not None else float("nan")
-            if t["ci90"]:
-                errs[r["label"]][METHOD_LABELS[m]] = t["ci90"]
-            pk, base = r["methods"][m].get("peak_bytes"), r["methods"]["torch"].get("peak_bytes")
-            if pk and base and None not in pk and None not in base and max(base):
-                peaks[r["label"]][METHOD_LABELS[m]] = max(pk) / max(base)
-    title = f"fastcoll zero ({payload['config']['device']}): ShardedOptimizer vs ZeroRedundancyOptimizer vs DDP, AdamW"
-    panels = {f"step / torch ZeRO's (target of the sharded modes: <= {STEP_VS_ZERO})": steps, "peak memory / torch DDP's": peaks}
-    return report.bar_chart(path, title, panels, "ratio", 1.0, {next(iter(panels)): errs}, log=False)
-
-
-def supported() -> bool:
-    """Whether this checkout has ``fastcoll.ShardedOptimizer``."""
-    return hasattr(fastcoll, "ShardedOptimizer")
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench zero``: tables, ``benchmarks/out/zero_<device>.json``, a chart; then the bf16 section."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("zero", device):
-        return 2
+    device = args.device
     if device == "cuda" and torch.cuda.device_count() == 1:
         # One GPU: one NCCL rank whose reduce-scatters and all-gathers are issued as at any world size.
         os.environ["FASTCOLL_FORCE_COLLECTIVES"] = "1"
         report.say("fastcoll.bench zero: one GPU, one NCCL rank with FASTCOLL_FORCE_COLLECTIVES=1", record=False)
-    if not supported():
-        report.say("[yellow]fastcoll.bench zero: this checkout has no fastcoll.ShardedOptimizer; skipping[/yellow]")
-        return 0
     ws = torch.cuda.device_count() if device == "cuda" else WORLD_SIZE
     cfg = runner.level_config(args, CONFIGS, ws, group_limit_bytes=GROUP_LIMIT_BYTES)
     specs = model_specs(args.level)
@@ -366,7 +306,7 @@ def run(args: Any) -> int:
     ok = all(c["ok"] for r in results for c in r["checks"].values())
     if not ok:
         report.say("[red]warning: some method's parameters differ from torch DDP + AdamW's (params column)[/red]")
-    report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named, chart)
+    report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named)
     rc = zero_bf16.run_section(args)
     if device == "cpu":  # gloo ranks on the CPU: at one GPU rank there is nothing to sum
         rc = zero_one_rounding.run_section(args) or rc

@@ -1,13 +1,9 @@
 """bfloat16 training at float32 quality: fastcoll's main gradients + sharded float32 masters (docs/benchmarks.md).
 
-Part of ``python -m fastcoll.bench zero``. On GPT-2's parameter shapes (the
-default run: width 256), four recipes: ``bf16`` (the model in bfloat16 under
-torch DDP), ``autocast`` (float32 under torch DDP, the forward in
-``torch.autocast(bfloat16)``), ``sharded`` and ``full`` (the bfloat16 model
-under ``fastcoll.DDP(main_grad_dtype=torch.float32)`` +
-``ShardedOptimizer(master_dtype=torch.float32)``). Bytes per rank by kind,
-peak memory and step time; then the quality of a tiny causal LM trained
-each way (:mod:`fastcoll.bench.tiny_lm`).
+Part of ``python -m fastcoll.bench zero``: the recipes of :data:`METHOD_DESCRIPTIONS`
+on GPT-2's parameter shapes (default run: width 256), bytes per rank by kind,
+peak memory and step time; then a tiny causal LM trained each way
+(:mod:`fastcoll.bench.tiny_lm`).
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import inspect
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -106,25 +101,9 @@ def forward_context(method: str, device: str) -> Any:
 
 
 def make_step(method: str, wrapper: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, device: str,
-              sample: Optional[Callable[[str], None]] = None) -> Callable[[], None]:  # fmt: skip
-    """One iteration: zero_grad(set_to_none=True), forward (in autocast for ``autocast``), backward, step.
-
-    ``sample(phase)`` is called after each phase (the memory phase's live-heap readings).
-    """
-    note = sample or (lambda _phase: None)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        note("zero_grad")
-        with forward_context(method, device):
-            loss = wrapper(x)
-        note("forward")
-        loss.backward()
-        note("backward")
-        opt.step()
-        note("step")
-
-    return step
+              sample: Callable[[str], None] = lambda phase: None) -> Callable[[], None]:  # fmt: skip
+    """One iteration (the forward in autocast for ``autocast``); ``sample(phase)`` after each phase (live-heap readings)."""
+    return models.train_step(wrapper, opt, x, note=sample, context=lambda: forward_context(method, device))
 
 
 # Phase 1: bytes per rank (a fresh process pair per method)
@@ -222,9 +201,7 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
 
     step = make_step(method, wrapper, opt, x, device, sample)
     module.register_forward_hook(lambda *_: sample("forward end"))
-    for _ in range(cfg["setup_steps"] + 1):
-        step()
-    runner.settle(opt)
+    runner.run_steps(step, cfg["setup_steps"] + 1, opt)
     runner.synchronize(device)
     held = account(method, module, wrapper, opt, kept)
     kept.clear()
@@ -239,11 +216,8 @@ def _warm_up(method: str, device: str, rank: int) -> None:
     """A few iterations of ``method`` on tiny shapes, so the measured model pays no one-time costs."""
     shapes = [(4, 3), (5,), (3, 2)]
     wrapper, opt = make_method(method, build_model(shapes, method, device=device), device)
-    step = make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device)
-    for _ in range(3):
-        step()
-    runner.settle(opt)
-    del wrapper, opt, step
+    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device), 3, opt)
+    del wrapper, opt
     gc.collect()
 
 
@@ -366,7 +340,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
 # Entry points
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the three phases; return ``{"benchmark": "zero_bf16", "config", "implementation", "results": [row], "quality"}``."""
-    device = getattr(args, "device", "cpu") or "cpu"
+    device = args.device
     cfg = config(args)
     ws = cfg["world_size"]
     shapes = model_shapes(cfg)
@@ -466,58 +440,27 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
 
 
-def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
-    """Bytes per parameter by kind, and each recipe's peak and step against autocast's."""
-    (row,) = payload["results"]
-    kinds = ("params", "grads", "buckets", "state", "masters")
-    held = {METHOD_LABELS[k]: {c: row["methods"][k].get("bytes_per_param", {}).get(c, 0.0) for c in kinds} for k in METHODS}
-    vs = {METHOD_LABELS[k]: {"peak": row["ratios"].get(f"peak_bytes {k}/autocast") or float("nan"),
-                             "step": (row["ratios"].get(f"step {k}/autocast") or {}).get("value") or float("nan")}
-          for k in METHODS if k != "autocast"}  # fmt: skip
-    panels = {"bytes per parameter held, by kind": held, "peak and step / fp32 + autocast's": vs}
-    return report.bar_chart(path, f"fastcoll zero bf16 ({payload['config']['device']}): main gradients + sharded fp32 masters",
-                            panels, "", None, log=False)  # fmt: skip
-
-
-def supported() -> bool:
-    """Whether this checkout's fastcoll.DDP has ``main_grad_dtype`` and its ShardedOptimizer ``master_dtype``."""
-    if not hasattr(fastcoll, "ShardedOptimizer") or not runner.ddp_supports(("main_grad_dtype",)):
-        return False
-    return "master_dtype" in inspect.signature(fastcoll.ShardedOptimizer).parameters
-
-
 def json_path(args: Any, device: str) -> Path:
     """``benchmarks/out/zero_bf16_<device>.json``; with ``--json PATH``: PATH run alone, else ``<stem>_bf16.json`` beside it."""
-    given = getattr(args, "json", None)
-    if not given:
-        return report.json_path(args, f"zero_bf16_{device}")
-    p = Path(given)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if getattr(args, "command", None) == "zero_bf16":
-        return p
-    return p.with_name(f"{p.stem}_bf16{p.suffix or '.json'}")
+    p = report.json_path(args, f"zero_bf16_{device}")
+    return p if not args.json or args.command == "zero_bf16" else p.with_name(f"{p.stem}_bf16{p.suffix or '.json'}")
 
 
 def run_section(args: Any = None) -> int:
     """Measure, print, write JSON and the chart (the caller checked the device). Returns 0 (nothing is asserted)."""
-    if not supported():
-        report.say("[yellow]fastcoll.bench zero bf16: this checkout has no main_grad_dtype / master_dtype; skipping[/yellow]")
-        return 0
     report.say("[dim]bf16 section: GPT-2 shapes (synthetic: one module per parameter, forward = each weight's rows dotted "
                "with ones) in bfloat16 with torch DDP, in float32 with autocast, and with fastcoll's main gradients + "
                "sharded float32 masters; then the tiny causal LM's quality runs.[/dim]")  # fmt: skip
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for t in payload["results"][0]["targets"].values()]
-    report.conclude("bf16", json_path(args, payload["config"]["device"]), payload, named, chart)
+    report.conclude("bf16", json_path(args, payload["config"]["device"]), payload, named)
     return 0
 
 
 def run(args: Any = None) -> int:
     """This section alone (``python -m fastcoll.bench.zero_bf16``), with :func:`fastcoll.bench.zero.run`'s device checks."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if report.no_gpu("zero bf16", device):
-        return 2
+    device = args.device
     if device == "cuda" and torch.cuda.device_count() < 2:
         report.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
         return 0

@@ -16,7 +16,6 @@ The last section of ``python -m fastcoll.bench zero`` (docs/benchmarks.md). Two 
 
 from __future__ import annotations
 
-import inspect
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -119,11 +118,6 @@ def _lm(me: runner.Rank, steps: int) -> None:
     me.save({"steps": steps, "runs": metrics})
 
 
-def supported() -> bool:
-    """Whether this checkout's fastcoll.DDP has ``comm_accum_dtype``."""
-    return hasattr(fastcoll, "ShardedOptimizer") and "comm_accum_dtype" in inspect.signature(fastcoll.DDP).parameters
-
-
 def measure(args: Any) -> Dict[str, Any]:
     """Both parts; returns the payload (``results``: one row per N with its targets, ``quality``: the LM runs)."""
     cfg = {**CONFIGS[getattr(args, "level", "default")], "threads": 1, "backend": "gloo", "device": "cpu"}
@@ -194,14 +188,15 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
 
 
 def run_section(args: Any) -> int:
-    """Measure, print, write ``zero_one_rounding_cpu.json`` and its chart. Returns 0 (nothing is asserted)."""
-    if not supported():
-        report.say("[yellow]fastcoll.bench zero one rounding: this checkout has no comm_accum_dtype; skipping[/yellow]")
-        return 0
+    """Measure, print, write ``zero_one_rounding_cpu.json``, its targets chart and the distance against N
+    (``..._vs_ranks.png``). Returns 0 (nothing is asserted)."""
     payload = measure(args)
     print_results(payload)
     named = [(t["what"] + f" ({r['label']})", t) for r in payload["results"] for t in r["targets"].values()]
     given = getattr(args, "json", None)  # --json PATH is zero's file: this section's goes beside it
     path = Path(given).with_name(f"{Path(given).stem}_one_rounding.json") if given else None
-    report.conclude("one rounding", path or report.json_path(args, "zero_one_rounding_cpu"), payload, named, chart)
+    path = report.conclude("one rounding", path or report.json_path(args, "zero_one_rounding_cpu"), payload, named)
+    png = chart(path.with_name(f"{path.stem}_vs_ranks.png"), payload)
+    if png:
+        report.say(f"wrote {png}", record=False)
     return 0
