@@ -9,6 +9,10 @@ a regression (a pass that fails, a refusal that becomes silent) fails here.
 The upstream file is not in git (``make torch-optim-sources`` fetches it):
 without it the test skips. Each upstream test spawns its own ranks (about
 5 s each on an idle 2-core machine; 26 runs).
+
+``test_state_dict`` stops at ZeRO's ``o.optim.state[x]`` after its first step;
+what follows maps onto ShardedOptimizer's API and is checked here (no
+upstream file needed), with ``opt.state_dict()`` where it reads ``o.optim.state``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from multiproc import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITE = os.path.join(HERE, "zero_suite.py")
@@ -58,3 +64,39 @@ def test_zero_redundancy_suite_results_are_the_expected_ones(tmp_path):
     # The counts themselves, as documented (docs/sharded-optimizer.md, README): a change must be deliberate.
     assert counts(results["full"]) == {"passed": 6, "refused": 4, "zero-only": 3}
     assert counts(results["sharded"]) == {"passed": 5, "refused": 5, "zero-only": 3}
+
+
+def state_dict_worker(rank: int, world: int, grads: str) -> None:
+    """Upstream's test_state_dict (SGD, lr 0.1, momentum 0.9, x = [1.0]) through the adapter, ``.optim`` aside."""
+    sys.path.insert(0, HERE)
+    import optim_adapter
+
+    config = optim_adapter.Config(grads=grads)
+    x = torch.tensor([1.0], requires_grad=True)
+    o = optim_adapter.wrap(torch.optim.SGD([x], lr=0.1, momentum=0.9), config)
+    x.backward()
+    o.step()
+    assert torch.equal(x.detach(), torch.tensor([0.9]))
+    o.zero_grad()
+    state_dict = o.state_dict()
+    assert torch.equal(state_dict["state"][0]["momentum_buffer"], torch.tensor([1.0]))
+    group = state_dict["param_groups"][0]
+    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"], group["dampening"]) == (
+        0.1, 0.9, False, 0.0, 0.0
+    )  # fmt: skip
+    assert all(group[k] == o.param_groups[0][k] for k in group if k != "params")
+    o.model.close()  # the next optimizer's fastcoll.DDP takes over x
+    o = optim_adapter.wrap(torch.optim.SGD([x], lr=0.01), config)
+    o.load_state_dict(state_dict)
+    assert o.param_groups[0]["lr"] == 0.1  # the saved lr, not the constructor's
+    x.backward()
+    o.step()
+    assert torch.allclose(x.detach(), torch.tensor([0.71]))
+    assert torch.allclose(o.state_dict()["state"][0]["momentum_buffer"], torch.tensor([1.9]))
+    o.model.close()
+
+
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_upstream_state_dict_without_zero_api(world, grads):
+    run_ranks(state_dict_worker, world, grads, timeout=120)
