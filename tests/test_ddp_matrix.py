@@ -1,8 +1,9 @@
 """fastcoll.DDP against torch DDP in combination, bitwise, on 3 gloo ranks.
 
 Every combination of gradient accumulation with ``no_sync()``,
-``find_unused_parameters``, a 16-bit wire (``comm_dtype``; torch gets a comm
-hook with the same arithmetic), ``join()`` with uneven inputs and a
+``find_unused_parameters``, a 16-bit wire (``comm_dtype``, and the
+one-rounding wires ``comm_accum_dtype=torch.float32`` with bfloat16 and float16;
+torch gets a comm hook with the same arithmetic), ``join()`` with uneven inputs and a
 checkpoint round trip half-way (model and optimizer state saved, loaded into
 fresh wrappers) trains the same model under both wrappers with the plain
 torch optimizer. The parameters must be bitwise equal after every step, on
@@ -63,6 +64,15 @@ def _loss(out: dict, find_unused: bool) -> torch.Tensor:
     return loss if find_unused else loss + 0.1 * out["aux"].pow(2).mean()
 
 
+#: The wires: (comm_dtype, comm_accum_dtype) per name.
+WIRES = {
+    "fp32": (None, None),
+    "bf16": (torch.bfloat16, None),
+    "bf16-accum": (torch.bfloat16, torch.float32),
+    "fp16-accum": (torch.float16, torch.float32),
+}
+
+
 def _bf16_hook(state, bucket):
     """torch's side of comm_dtype=bfloat16: fastcoll's arithmetic (scale by 1/world size in fp32, one rounding, sum, upcast)."""
     ws = dist.get_world_size()
@@ -71,14 +81,41 @@ def _bf16_hook(state, bucket):
     return fut.then(lambda f: f.value()[0].to(bucket.buffer().dtype))
 
 
+def _accum_hook(wire: torch.dtype):
+    """torch's side of ``comm_dtype=wire, comm_accum_dtype=torch.float32``: fastcoll's arithmetic, element by element.
+
+    Every rank's 16-bit values (unscaled) are gathered, summed in float32 in
+    rank order, multiplied by float32(1/world size) and rounded once to
+    ``wire`` (fastcoll's all-gather of its rounded ranges is exact: no
+    second rounding shows). A rank that has joined runs this hook on zeros,
+    as fastcoll's joined rank replays its all-to-all and all-gather.
+    """
+
+    def hook(state, bucket):
+        ws = dist.get_world_size()
+        mine = bucket.buffer().to(wire)
+        parts = [torch.empty_like(mine) for _ in range(ws)]
+        dist.all_gather(parts, mine)
+        acc = parts[0].float()
+        for part in parts[1:]:
+            acc = acc + part.float()
+        reduced = (acc * torch.tensor(1.0 / ws, dtype=torch.float32)).to(wire).to(bucket.buffer().dtype)
+        fut = torch.futures.Future()
+        fut.set_result(reduced)
+        return fut
+
+    return hook
+
+
 def _wrap(cls, seed: int, combo: dict):
     model = Net(seed)
+    comm_dtype, accum = WIRES[combo["wire"]]
     if cls is TorchDDP:
         ddp = TorchDDP(model, find_unused_parameters=combo["find_unused"])
-        if combo["comm_dtype"] is not None:
-            ddp.register_comm_hook(None, _bf16_hook)
+        if comm_dtype is not None:
+            ddp.register_comm_hook(None, _bf16_hook if accum is None else _accum_hook(comm_dtype))
     else:
-        ddp = fastcoll.DDP(model, find_unused_parameters=combo["find_unused"], comm_dtype=combo["comm_dtype"])
+        ddp = fastcoll.DDP(model, find_unused_parameters=combo["find_unused"], comm_dtype=comm_dtype, comm_accum_dtype=accum)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
     return ddp, opt
 
@@ -134,17 +171,21 @@ def _train(cls, rank: int, combo: dict) -> list:
 
 
 COMBOS = [
-    dict(no_sync=a, find_unused=b, comm_dtype=c, join=d, checkpoint=e)
-    for a, b, c, d, e in itertools.product((False, True), (False, True), (None, torch.bfloat16), (False, True), (False, True))
+    dict(no_sync=a, find_unused=b, wire=c, join=d, checkpoint=e)
+    for a, b, c, d, e in itertools.product((False, True), (False, True), tuple(WIRES), (False, True), (False, True))
 ]
 
 
 def matrix_worker(rank: int, world_size: int, combos: list, tolerance: dict) -> list:
     """Train every combination under both wrappers; returns the largest difference seen per combination.
 
-    ``tolerance`` per wire dtype (None: bitwise): with 3 ranks, gloo adds the
+    ``tolerance`` per wire (absent: bitwise): with 3 ranks, gloo adds the
     three contributions in an order that depends on where an element sits in
     the buffer, so bucket layouts that differ from torch's change the last bits.
+    The one-rounding wires sum in rank order on both sides: bitwise at any N
+    (a float32 sum of three 16-bit values is exact unless their exponents lie
+    far apart, so there the order itself rarely shows; the scaling and the
+    rounding do: scaling before the sum, as the plain 16-bit wire does, fails).
     """
     names = [n for n, _ in Net(0).named_parameters()]
     worst = []
@@ -152,7 +193,7 @@ def matrix_worker(rank: int, world_size: int, combos: list, tolerance: dict) -> 
         ours = _train(fastcoll.DDP, rank, combo)
         theirs = _train(TorchDDP, rank, combo)
         assert len(ours) == len(theirs), (combo, len(ours), len(theirs))
-        tol = tolerance.get(combo["comm_dtype"])
+        tol = tolerance.get(combo["wire"])
         most = 0.0
         for step, (a, b) in enumerate(zip(ours, theirs)):
             for name, pa, pb in zip(names, a, b):
@@ -173,6 +214,7 @@ def test_two_ranks_bitwise(part):
 
 @pytest.mark.parametrize("part", range(4))
 def test_three_ranks(part):
-    """Within the last bits of the summation order: 1e-6 relative on a float32 wire, bfloat16's resolution on its wire."""
+    """Within the last bits of gloo's summation order: 1e-6 relative on a float32 wire, bfloat16's resolution on
+    its wire; bitwise on the one-rounding wires (rank order on both sides)."""
     combos = COMBOS[part::4]
-    run_ranks(matrix_worker, 3, combos, {None: 1e-6, torch.bfloat16: 2e-3}, timeout=380)
+    run_ranks(matrix_worker, 3, combos, {"fp32": 1e-6, "bf16": 2e-3}, timeout=380)

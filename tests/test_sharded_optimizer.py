@@ -61,6 +61,18 @@ def _batch(step: int, rank: int, world: int) -> torch.Tensor:
     return x[rank * n : (rank + 1) * n]
 
 
+class _GroupWritingAdamW(torch.optim.AdamW):
+    """AdamW whose step writes into its param groups: a count into group 0 and a key into every group."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        first = self.param_groups[0]
+        first["steps_seen"] = first.get("steps_seen", 0) + 1
+        for i, g in enumerate(self.param_groups):
+            g["lr_seen"] = g["lr"] + i
+        return loss
+
+
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters()]
     two_groups = [
@@ -75,6 +87,7 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
         "adagrad": lambda: torch.optim.Adagrad(params, lr=0.05, weight_decay=0.01),
         "rmsprop": lambda: torch.optim.RMSprop(params, lr=0.01, momentum=0.5, weight_decay=0.01),
         "adamw_two_groups": lambda: torch.optim.AdamW(two_groups, lr=0.01, weight_decay=0.1),
+        "adamw_writes_groups": lambda: _GroupWritingAdamW(two_groups, lr=0.01, weight_decay=0.1),
         "adamax": lambda: torch.optim.Adamax(params, lr=0.01, weight_decay=0.01),
         "nadam": lambda: torch.optim.NAdam(params, lr=0.01, weight_decay=0.01),
         "radam": lambda: torch.optim.RAdam(params, lr=0.01, weight_decay=0.01),
@@ -88,7 +101,8 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 # "bf16" comm_dtype=torch.bfloat16 (the reference is then fastcoll.DDP with the same wire and the plain optimizer),
 # "aligned" the model whose parameters all move into flat buffers (no pack, no write-back), "wide" one with buckets
 # that get none; MORE_ROWS: "closure" step(closure), "keep_grads" zero_grad(set_to_none=False), "no_overlap"
-# overlap_param_gather=False, "eval" a no-grad forward after each step, "torch_clip" torch's clip with grads="full".
+# overlap_param_gather=False, "eval" a no-grad forward after each step, "torch_clip" torch's clip with grads="full",
+# "elementwise" ShardedOptimizer(elementwise=True) (a subclass of a known class).
 ROWS = [
     ("sgd_momentum", {}),
     ("adam", {}),
@@ -124,7 +138,9 @@ def _run(rank: int, world: int, opt_name: str, opts: dict, grads) -> dict:
         ddp = fastcoll.DDP(model, comm_dtype=bf16, **caps)
     opt = _optimizer(opt_name, model)
     if grads is not None:
-        opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads, overlap_param_gather=not opts.get("no_overlap"))
+        opt = fastcoll.ShardedOptimizer(
+            opt, ddp, grads=grads, overlap_param_gather=not opts.get("no_overlap"), elementwise=bool(opts.get("elementwise"))
+        )
         assert isinstance(opt, torch.optim.Optimizer)
         staged = opt.staged_parameters()
         assert (staged == []) == bool(opts.get("aligned")), (opts, staged)  # odd sizes: some are staged
@@ -259,6 +275,9 @@ MORE_ROWS = [
     ("adamw_foreach", {"clip": True, "torch_clip": True, "accumulate": True}),
     ("adamw_foreach", {"eval": True}),
     ("sgd_momentum", {"eval": True, "aligned": True}),
+    # Keys the inner step writes into its groups reach param_groups (and the state dict) as with the plain
+    # optimizer, once per step, on every rank (upstream's test_step_with_extra_inner_key, issue 30).
+    ("adamw_writes_groups", {"elementwise": True, "sched": True}),
 ]
 
 
@@ -483,6 +502,11 @@ def refusal_worker(rank: int, world: int) -> None:
         m.join()
     with pytest.raises(RuntimeError, match="param groups cannot be added"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    before = [p.detach().clone() for p in m.parameters()]
+    m(torch.randn(2, 7)).sum().backward()
+    with pytest.raises(TypeError, match=r"fastcoll.ShardedOptimizer.step\(\) takes only a closure, got 'kwarg'"):
+        opt.step(kwarg=[])  # a subclass's own step arguments (upstream's test_step_with_kwargs): nothing stepped
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
     m = wrapped()
     partial = [m.module.emb.weight]
     with pytest.raises(ValueError, match="every synchronized parameter must be in the optimizer"):

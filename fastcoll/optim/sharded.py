@@ -227,11 +227,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- step
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         """Step this rank's pieces with the inner optimizer, then all-gather the parameters.
 
-        Every rank must call it (the all-gathers are collectives).
+        Every rank must call it (the all-gathers are collectives). Keys that
+        the inner optimizer's step writes into its param groups are copied
+        into :attr:`param_groups`, as the plain optimizer would have them.
+
+        Raises:
+            TypeError: keyword arguments besides ``closure`` (a subclass's own
+                ``step(closure, **kwargs)``): the inner step runs once per
+                bucket, so they cannot be passed on as one call would.
         """
+        if kwargs:
+            raise TypeError(
+                f"fastcoll.ShardedOptimizer.step() takes only a closure, got {', '.join(map(repr, kwargs))}: it runs "
+                f"the wrapped {type(self.wrapped).__name__}'s step() once per bucket over this rank's ranges, so "
+                "arguments of that step() cannot be passed on as one call would. Set them on the optimizer (or its "
+                "param_groups) before wrapping it"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -254,11 +268,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # One inner step per bucket, each bucket's all-gather issued as soon as its pieces are stepped: the
         # all-gathers run during the rest of the step. The update is elementwise, so stepping the pieces bucket
         # by bucket is the same arithmetic as one step over all.
+        stepped_groups: List[Dict[str, Any]] = []
         for pos in gather.order():
             gather.mark(pos, "step")
-            self._step_bucket(pos)
+            stepped_groups = self._step_bucket(pos)
             gather.start_bucket(pos, self._gather_sources(pos))
         gather.end_step()
+        self._pull_group_keys(stepped_groups)
         self._grads.detach_all()
         self._remember_written()
         # LR schedulers built on the wrapped optimizer count its steps (torch warns of a scheduler step first).
@@ -283,17 +299,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "range of every parameter, so its gradient must be dense and of the parameter's shape"
                 )
 
-    def _step_bucket(self, pos: int) -> None:
-        """The inner optimizer's step over the pieces in bucket ``pos`` only (its groups' other pieces left alone)."""
+    def _step_bucket(self, pos: int) -> List[Dict[str, Any]]:
+        """The inner optimizer's step over the pieces in bucket ``pos`` only (its groups' other pieces left alone).
+
+        Every group takes part, with no params where none of its pieces is in this bucket on this rank, so
+        that ``param_groups[i]`` in the inner step is group ``i`` on every rank.
+
+        Returns:
+            The groups that step saw (and may have written keys into): copies of the inner optimizer's own.
+        """
         groups = self._local.param_groups
-        subset = [dict(g, params=ps) for g, ps in zip(groups, self._bucket_params[pos]) if ps]
-        if not subset:
-            return
+        subset = [dict(g, params=ps) for g, ps in zip(groups, self._bucket_params[pos])]
         self._local.param_groups = subset
         try:
             self._local.step()
         finally:
             self._local.param_groups = groups
+        return subset
+
+    def _pull_group_keys(self, stepped: List[Dict[str, Any]]) -> None:
+        """Keys an inner step added to or replaced in its groups, into its own groups and ``param_groups``.
+
+        Each bucket's step starts from the same groups (pushed from ``param_groups`` before the first), so a
+        key computed from a group's values is the same in every bucket's copy: the last one is taken, once.
+        """
+        for g, ig, sub in zip(self.param_groups, self._local.param_groups, stepped):
+            _copy_changed(sub, ig)
+            _copy_changed(sub, g)
 
     def _push_hyperparameters(self) -> None:
         """The hyperparameters of ``param_groups`` (edited by schedulers, by hand) into the local optimizer's groups."""
@@ -618,6 +650,13 @@ _ANSWERS = {
     "state_dict": lambda self: _owner(self).state_dict(),
     "load_state_dict": lambda self, state_dict: _owner(self).load_state_dict(state_dict),
 }
+
+
+def _copy_changed(source: Dict[str, Any], target: Dict[str, Any]) -> None:
+    """The entries of param group ``source`` (but its params) that ``target`` lacks or holds another object for."""
+    for k, v in source.items():
+        if k != "params" and (k not in target or target[k] is not v):
+            target[k] = v
 
 
 def _numbered(state_dict: Dict[str, Any]) -> Dict[str, Any]:

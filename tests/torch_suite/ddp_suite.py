@@ -25,10 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import traceback
 import unittest
-from typing import Any, Dict
 
 os.environ.setdefault("BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "2")
@@ -47,6 +44,7 @@ if IMPLEMENTATION == "fastcoll":
 
 import torch  # noqa: E402
 import torch.testing._internal.distributed.distributed_test as DT  # noqa: E402
+from recorder import Recorder  # noqa: E402  (this script's folder is on sys.path)
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 if IMPLEMENTATION == "fastcoll":
@@ -65,48 +63,11 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         self._spawn_processes()
 
 
-class _Recorder(unittest.TextTestResult):
-    """A text result that also keeps each test's outcome, error text and duration."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.outcomes: Dict[str, Dict[str, Any]] = {}
-        self._started: Dict[str, float] = {}
-
-    def _put(self, test: unittest.TestCase, outcome: str, detail: str = "") -> None:
-        name = test.id().rsplit(".", 1)[-1]
-        self.outcomes[name] = {
-            "outcome": outcome,
-            "detail": detail,
-            "seconds": round(time.monotonic() - self._started.get(name, time.monotonic()), 1),
-        }
-
-    def startTest(self, test: unittest.TestCase) -> None:
-        self._started[test.id().rsplit(".", 1)[-1]] = time.monotonic()
-        super().startTest(test)
-
-    def addSuccess(self, test: unittest.TestCase) -> None:
-        super().addSuccess(test)
-        self._put(test, "passed")
-
-    def addFailure(self, test: unittest.TestCase, err: Any) -> None:
-        super().addFailure(test, err)
-        self._put(test, "failed", "".join(traceback.format_exception(*err)))
-
-    def addError(self, test: unittest.TestCase, err: Any) -> None:
-        super().addError(test, err)
-        self._put(test, "failed", "".join(traceback.format_exception(*err)))
-
-    def addSkip(self, test: unittest.TestCase, reason: str) -> None:
-        super().addSkip(test, reason)
-        self._put(test, "skipped", reason)
-
-
 def main(argv: list) -> int:
     """Run the named tests (all given on the command line after the results path); write their outcomes as JSON."""
     out, names = argv[0], argv[1:]
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
-    runner = unittest.TextTestRunner(verbosity=2, resultclass=_Recorder, stream=sys.stderr)
+    runner = unittest.TextTestRunner(verbosity=2, resultclass=Recorder, stream=sys.stderr)
     result = runner.run(suite)
     with open(out, "w") as f:
         where = sys.modules["fastcoll"].__file__ if IMPLEMENTATION == "fastcoll" else torch.__file__

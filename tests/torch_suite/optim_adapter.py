@@ -83,13 +83,33 @@ def _params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     return list(seen.values())
 
 
-def wrap(optimizer: torch.optim.Optimizer, config: Config) -> torch.optim.Optimizer:
-    """A ShardedOptimizer around ``optimizer``, over a fastcoll.DDP of a module holding ``optimizer``'s tensors."""
+def wrap(
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    process_group: Optional[Any] = None,
+    elementwise: bool = False,
+) -> torch.optim.Optimizer:
+    """A ShardedOptimizer around ``optimizer``, over a fastcoll.DDP of a module holding ``optimizer``'s tensors.
+
+    Args:
+        optimizer: The torch optimizer the test built.
+        config: How to wrap it.
+        process_group: The DDP's process group (None: the default group).
+        elementwise: Passed on to the ShardedOptimizer (the caller asserts the class updates elementwise).
+
+    Returns:
+        The ShardedOptimizer (an :class:`AdaptedShardedOptimizer`), its model's next backward armed.
+    """
     params = _params_of(optimizer)
-    model = fastcoll.DDP(_Holder(params))
+    model = fastcoll.DDP(_Holder(params), process_group=process_group)
     master = torch.float32 if any(p.dtype in _SIXTEEN_BIT for p in params) else None
     opt = AdaptedShardedOptimizer(
-        optimizer, model, grads=config.grads, master_dtype=master, overlap_param_gather=config.overlap_param_gather
+        optimizer,
+        model,
+        grads=config.grads,
+        master_dtype=master,
+        overlap_param_gather=config.overlap_param_gather,
+        elementwise=elementwise,
     )
     arm(model)
     global built

@@ -194,14 +194,8 @@ NOTES = [
     "predates it; two CyclicLR tests of the older test_lrscheduler.py expect older behaviour); they are excluded "
     "from the wrapped runs. `make torch-optim-sources` downloads the files at the tag where github.com is reachable.",
     "",
-    "Not run: `test/distributed/optim/test_zero_redundancy_optimizer.py`. Its CPU-runnable tests (world size 1: "
-    "test_state_dict, test_lr_scheduler, test_step_with_kwargs, test_step_with_extra_inner_key, "
-    "test_step_without_closure, test_zero_grad, test_constructor, test_same_dense_param_type; world size 2: "
-    "test_sharding, test_add_param_group, test_nondefault_process_group, which returns early below 4 ranks) mostly "
-    "assert ZeroRedundancyOptimizer's own API (`.optim`, `consolidate_state_dict`, its partitioning, "
-    "`add_param_group` after construction, which ShardedOptimizer refuses); only test_lr_scheduler and "
-    "test_zero_grad map onto `ShardedOptimizer(optimizer_class(params, **kw), DDP)`. They spawn their own rank "
-    "processes (DistributedTestBase), which needs a second harness (like ddp_suite.py's); not built.",
+    "`test/distributed/optim/test_zero_redundancy_optimizer.py` runs in its own harness (its tests spawn their "
+    "own ranks): `zero_suite.py`, report in ZERO_RESULTS.md.",
 ]
 
 
