@@ -22,7 +22,7 @@ replayed one only waits). The reducer never asks which way a bucket goes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,8 +34,8 @@ from .hooks import call_hook, hook_result
 from .timeline import Timeline
 
 __all__ = [
-    "AccumAllReduce", "AccumReduceScatter", "AllReduce", "CommHook", "InFlight", "ReduceScatter", "ShardGrads", "Skipped",
-    "SparseSum", "ZeroBuffers",
+    "AccumAllReduce", "AccumReduceScatter", "AllReduce", "CommHook", "InFlight", "Pooled", "ReduceScatter", "ShardGrads",
+    "Skipped", "SparseSum", "ZeroBuffers",
 ]  # fmt: skip
 
 
@@ -234,8 +234,12 @@ class _Scattered(InFlight):
                 aside = self.shards.take_aside(b.pos)
                 if aside is not None:
                     self.target.add_(aside)
-            elif isinstance(b, MainGradBucket):
-                b.zero()  # its sum is in the range now
+            elif isinstance(b, MainGradBucket) and not b.pooled:
+                b.zero()  # its sum is in the range now (a pooled bucket's buffer goes back instead)
+        self.sum_squares(sumsq)
+
+    def sum_squares(self, sumsq: Optional[torch.Tensor]) -> None:
+        """The sum of squares of the range (what it holds now) into ``sumsq``, when given."""
         if sumsq is not None:
             ops.sum_of_squares([self.target], out=sumsq)
 
@@ -452,6 +456,69 @@ class AccumReduceScatter(ReduceScatter):
             _, handle = _exchange(self.comm, b, torch.zeros(b.padded, dtype=b.comm.dtype, device=b.device))
             self.comm.wait(handle, f"bucket {b.pos}")
         return InFlight(DONE)
+
+
+# ------------------------------------------------------- pooled bucket buffers
+
+
+class _PooledInFlight(InFlight):
+    """A reduce-scatter whose bucket borrowed its buffers from the pool: they go back when it has landed."""
+
+    __slots__ = ("inner", "bucket", "pool", "done")
+
+    def __init__(self, inner: _Scattered, bucket: GradBucket, pool: Any):
+        super().__init__(DONE)
+        self.inner = inner
+        self.bucket = bucket
+        self.pool = pool
+        self.done = False
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def after_used_map(self) -> None:
+        self.inner.after_used_map()
+
+    def retire(self) -> None:
+        """Before the end of backward (the pool is short of buffers): wait, land the range, give the buffers back."""
+        if not self.done:
+            self.inner.finish(None, None)
+            self.done = True
+            self.pool.release(self.bucket)
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        if self.done:  # retired early: only the norm is left
+            self.inner.sum_squares(sumsq)
+            return
+        self.inner.finish(used, sumsq)
+        self.done = True
+        self.pool.release(self.bucket)
+
+
+class Pooled:
+    """A reduce-scatter (or its one-rounding variant) of buckets whose full-size buffers come from a pool.
+
+    ``start`` lends the bucket a slot (:class:`~fastcoll.reducer.pool.GradBufferPool`), first retiring the
+    oldest of its reductions still in flight when every slot is lent; the slot goes back once the range
+    has landed. Retiring issues no collective, so every rank still issues the same ones in the same order.
+    """
+
+    def __init__(self, inner: ReduceScatter, pool: Any):
+        self.inner = inner
+        self.pool = pool
+        self._live: List[_PooledInFlight] = []  # started, in bucket order
+
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        self._live = [f for f in self._live if not f.done]
+        while self.pool.full and not self.pool.has(b) and self._live:
+            self._live.pop(0).retire()
+        self.pool.attach(b)
+        f = _PooledInFlight(self.inner.start(b, how, done), b, self.pool)
+        self._live.append(f)
+        return f
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
+        return self.inner.start_zeros(b, zeros, how)
 
 
 # ------------------------------------------------------------------- comm hook
