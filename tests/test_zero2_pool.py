@@ -283,3 +283,59 @@ def test_refusals():
     msgs = run_ranks(refusal_worker, 2, timeout=120)[0]
     for m, key in zip(msgs, ["grads='sharded'", "gradient_as_bucket_view", "pool_buffers", "accumulate", "pool", "grad_buffers"]):
         assert m.startswith("fastcoll.ShardedOptimizer") and key in m, m
+
+
+# --------------------------------------------------------------------------- other suites, under the pool
+
+
+def under_pool(rank: int, world: int, module: str, fn: str, *args) -> dict:
+    """Run ``module.fn(rank, world, *args)`` (a worker of another test file) with every ShardedOptimizer that it
+    builds with grads="sharded" given grad_buffers="pool"; returns its result and how many were pooled."""
+    import importlib
+    import types
+
+    mod = importlib.import_module(module)
+    built = []
+
+    class PooledSharded(fastcoll.ShardedOptimizer):
+        def __init__(self, optimizer, model, *, grads="full", **kw):
+            if grads == "sharded":
+                kw.setdefault("grad_buffers", "pool")
+            super().__init__(optimizer, model, grads=grads, **kw)
+            built.append(self.grad_pool is not None)
+
+    shim = types.ModuleType("fastcoll")
+    shim.__dict__.update(fastcoll.__dict__)
+    shim.ShardedOptimizer = PooledSharded
+    mod.fastcoll = shim
+    return {"result": getattr(mod, fn)(rank, world, *args), "pooled": sum(built)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_contract_table_holds_under_the_pool(world):
+    """Every entry of the ShardedOptimizer contract (p.grad, zero_grad, schedulers, GradScaler, clipping, state dicts
+    and DCP, hooks, ...) behaves under the pool as tests/test_sharded_contract.py requires of grads="sharded"."""
+    import test_sharded_contract as contract
+
+    cases = [c for c in contract.CASES if c[1] == "sharded"]
+    out = run_ranks(under_pool, world, "test_sharded_contract", "contract_worker", cases, timeout=580, pg_timeout=60)[0]
+    res = out["result"]
+    assert out["pooled"] >= len(cases), out["pooled"]  # every case ran on the pool
+    problems = {c: p for c, r in res.items() for p in [contract.verdict(r)] if p is not None}
+    assert len(res) == len(cases) and not problems, problems
+
+
+@pytest.mark.parametrize("where", [("emb.weight", 0), ("out.bias", -1)])
+def test_grad_scaler_skips_the_same_steps_under_the_pool(where):
+    """tests/test_sharded_optimizer.py's overflow on one rank: every rank skips the step, as torch DDP's."""
+    out = run_ranks(under_pool, 2, "test_sharded_optimizer", "scaler_worker", "sharded", where, timeout=120)
+    assert all(o["pooled"] == 1 for o in out)
+    scales = [o["result"] for o in out]
+    assert scales[0] == scales[1] and scales[0][2] < scales[0][1], scales
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "buffers"])
+def test_under_torch_compile_with_the_pool(aligned):
+    """tests/test_sharded_compose.py's torch.compile(fastcoll.DDP) case with the sharded run on the pool."""
+    out = run_ranks(under_pool, 2, "test_sharded_compose", "compile_worker", "compile(ddp)", aligned, timeout=280)
+    assert all(o["pooled"] == 1 for o in out)
