@@ -15,7 +15,7 @@ next forward). Only ShardedOptimizer's public API is used.
 2. Step time: a model's methods side by side in one process pair on shared
    weights, rounds in rotating order until every step target resolves.
 
-Then the bfloat16 section (:mod:`fastcoll.bench.zero_bf16`).
+Then the bfloat16 section (:mod:`fastcoll.bench.zero_bf16`) and the ZeRO-2 pool section (:mod:`fastcoll.bench.zero_pool`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fastcoll
 
-from . import models, report, runner, stats, zero_bf16
+from . import models, report, runner, stats, zero_bf16, zero_pool
 from .models import ModelSpec
 
 WORLD_SIZE = 2
@@ -366,5 +366,5 @@ def run(args: Any) -> int:
     if not ok:
         report.say("[red]warning: some method's parameters differ from torch DDP + AdamW's (params column)[/red]")
     report.conclude("zero", report.json_path(args, f"zero_{device}"), payload, named, chart)
-    rc = zero_bf16.run_section(args)
+    rc = zero_bf16.run_section(args) or zero_pool.run_section(args)
     return rc if ok else 1
