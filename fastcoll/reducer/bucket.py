@@ -20,7 +20,7 @@ import torch
 
 from .. import ops
 
-__all__ = ["GradBucket", "PackArgs", "for_each_run"]
+__all__ = ["GradBucket", "PackArgs", "for_each_run", "pack_range"]
 
 
 def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
@@ -191,6 +191,27 @@ class GradBucket:
         self.comm_padded = self.comm = self.flat if wire is None else torch.empty(0, dtype=wire, device=self.device)
         self.views = []
         self.view_ptrs = []
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per element of the pooled buffers (flat, plus the wire buffer when separate)."""
+        flat_dtype, wire = self._dtypes
+        return flat_dtype.itemsize + (0 if wire is None else wire.itemsize)
+
+    def grad_slices(self, lo: int, hi: int) -> List[Tuple[int, Optional[torch.Tensor]]]:
+        """Elements ``[lo, hi)`` of the bucket's layout as ``(length, the gradient's 1-D slice or None)`` runs.
+
+        None: a missing gradient, or the padding past :attr:`numel` (zeros in the bucket).
+        """
+        out: List[Tuple[int, Optional[torch.Tensor]]] = []
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                g = p.grad
+                out.append((b - a, None if g is None else _memory_order(p, g)[a - off : b - off]))
+        if hi > max(lo, self.numel):
+            out.append((hi - max(lo, self.numel), None))
+        return out
 
     @property
     def attached(self) -> bool:
@@ -377,6 +398,47 @@ class GradBucket:
                 sumsq.add_(part)
 
         for_each_run(keep, self.offsets, self.numel, run)
+
+
+def _memory_order(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g`` (a gradient of ``p``) as a 1-D tensor in ``p``'s memory order."""
+    if g.stride() != p.stride() and g.numel() > 1:
+        g = torch.empty_like(p).copy_(g)
+    if g.is_contiguous():
+        return g.view(-1)
+    return g.as_strided((g.numel(),), (1,), g.storage_offset())
+
+
+def pack_range(b: "GradBucket", lo: int, hi: int, out: torch.Tensor, how: "PackArgs", wire: Optional[torch.Tensor]) -> None:
+    """Pack elements ``[lo, hi)`` of bucket ``b`` into ``out`` (``hi - lo`` elements) as its whole pack would.
+
+    A :class:`MainGradBucket`: ``out`` (float32) receives 0 + the 16-bit gradients, times the factor, then
+    ``wire`` (when given) that cast to the wire dtype; another bucket: the gradients times the factor, cast
+    to ``out``'s dtype. Missing gradients and padding are zeros. The arithmetic per element is the whole
+    pack's, so a bucket packed range by range holds the same values.
+    """
+    at = 0
+    main = isinstance(b, MainGradBucket)
+    with torch.no_grad():
+        if main:
+            out.zero_()
+        for n, g in b.grad_slices(lo, hi):
+            part = out[at : at + n]
+            if g is not None:
+                if main:
+                    ops.flatten_accumulate([g], part, nonfinite=how.nonfinite)
+                else:
+                    how.flatten([g], part)
+            elif not main:
+                part.zero_()
+            at += n
+        if main:
+            if wire is not None:
+                how.flatten([out], wire)
+            elif how.scale_by is not None:
+                out.mul_(how.scale_by.reshape(()).to(torch.float64) * how.scale)
+            elif how.scale != 1.0:
+                out.mul_(how.scale)
 
 
 def _aligned(nbytes: int, to: int = 64) -> int:

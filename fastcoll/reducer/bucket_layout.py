@@ -37,9 +37,10 @@ class ReducerLayout:
         pad_world = self._shard_world or (self.world_size if accum else 0)
         pooled = self._pool_bound > 0
         self._set.install(layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum, pooled=pooled)
-        if pooled:
-            stage = max([b.padded * b.dtype.itemsize for b in self._set.buckets if b.pooled] + [0])
-            self.pool = GradBufferPool(self._set.buckets, self._pool_bound, self.usage.device, stage)
+        if pooled:  # (one-rounding reductions are not chunked: their slots hold the largest bucket)
+            caps = self.bucket_cap_bytes
+            cap = None if accum else max(caps) if isinstance(caps, list) else caps
+            self.pool = GradBufferPool(self._set.buckets, self._pool_bound, self.usage.device, self.world_size, cap)
         self.main_buckets = [b for b in self._set.buckets if isinstance(b, MainGradBucket)]
         self.health.resize(len(self._set.buckets))
         self._index_reductions()

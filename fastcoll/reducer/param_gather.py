@@ -62,7 +62,8 @@ class ParamGather:
         stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype),
             or the bucket's parameter buffer, or None: a slot of the reducer's gradient buffer pool
             (:mod:`.pool`), drawn at the bucket's pack and given back once written into the parameters (when
-            every slot is lent, the oldest pending all-gather of a drawn slot is waited for and written first).
+            every slot is lent, the oldest pending all-gather of a drawn slot is waited for and written first;
+            a bucket larger than a slot gets a stage of its own for that all-gather).
         overlap: Leave the all-gathers running after :meth:`end_step`; modules wait for their own.
         borrowed: Per bucket position, a gradient buffer whose memory the stage reuses (float32 main
             gradients, consumed by the step): zeroed once the parameters are written, ready to accumulate.
@@ -166,11 +167,16 @@ class ParamGather:
 
     def _draw(self, pos: int) -> torch.Tensor:
         """A stage for bucket ``pos`` from the pool (the oldest drawn all-gather written first when none is free)."""
-        while self.pool.full:
-            self.wait([next(p for p in self._pending if p in self._drawn)])
-        slot = self.pool.take()
         b = self.buckets[pos]
-        stage = slot[: b.padded * b.dtype.itemsize].view(b.dtype)
+        nbytes = b.padded * b.dtype.itemsize
+        if not self.pool.fits(nbytes):  # larger than a slot: a stage of its own, for this all-gather only
+            stage = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+            self._drawn[pos] = (None, stage)
+            return stage
+        while self.pool.full:
+            self.wait([next(p for p in self._pending if p in self._drawn and self._drawn[p][0] is not None)])
+        slot = self.pool.take()
+        stage = slot[:nbytes].view(b.dtype)
         self._drawn[pos] = (slot, stage)
         return stage
 
@@ -212,7 +218,7 @@ class ParamGather:
         owner = self.borrowed.get(pos)
         if owner is not None:
             owner.zero_()
-        if drawn is not None:
+        if drawn is not None and drawn[0] is not None:
             self.pool.give(drawn[0])
 
     # ------------------------------------------------------------------ hooks

@@ -9,7 +9,10 @@ parameters' all-gather of a bucket without a parameter buffer needs a
 bucket-long stage only from its pack to its write-back. This pool lends both.
 
 It holds at most :attr:`GradBufferPool.bound` slots of :attr:`GradBufferPool.slot_bytes`
-each (the largest bucket's need), allocated on first use and kept. Whoever
+each, allocated on first use and kept: the largest bucket's need, or, when a
+bucket is larger than the bucket cap (one parameter larger than the cap, as
+GPT-2's embedding), the need of a bucket of the cap's size; such a bucket is
+reduced in slot-sized chunks (:class:`~fastcoll.reducer.reduction.Pooled`). Whoever
 draws a slot while all are lent first retires its own oldest user (waits for
 that bucket's reduce-scatter or all-gather and finishes it), so the number of
 live slots never exceeds the bound: a bound of ``k`` lets ``k - 1`` reductions
@@ -24,7 +27,7 @@ those are allocated outside the pool (:meth:`GradBufferPool.hold`), counted in
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +41,11 @@ __all__ = ["ACCUMULATE", "GradBufferPool"]
 ACCUMULATE = ("reduce_scatter", "full")
 
 
+def _oversize(b: GradBucket, cap_bytes: int) -> bool:
+    """Bucket ``b`` holds a parameter larger than the bucket cap (its size is that parameter's, not the cap's)."""
+    return any(p.numel() * p.element_size() > cap_bytes for p in b.params)
+
+
 class GradBufferPool:
     """The slots lent to pooled buckets (see the module docstring).
 
@@ -45,16 +53,27 @@ class GradBufferPool:
         buckets: The reducer's buckets (pooled dense ones, built with ``pooled=True``).
         bound: The most slots lent at once (at least 1).
         device: Where the slots live.
-        stage_bytes: Bytes a parameter all-gather stage needs (the largest bucket's padded parameters).
+        world_size: The ranks the buckets are divided among.
+        cap_bytes: The bucket cap (bytes of parameters), when buckets larger than it may be reduced in chunks;
+            None: every slot holds the largest bucket.
     """
 
-    def __init__(self, buckets: Sequence[GradBucket], bound: int, device: torch.device, stage_bytes: int = 0):
+    def __init__(
+        self, buckets: Sequence[GradBucket], bound: int, device: torch.device, world_size: int = 1,
+        cap_bytes: Optional[int] = None,
+    ):  # fmt: skip
         if bound < 1:
             raise ValueError(f"fastcoll: a gradient buffer pool needs at least 1 buffer, got {bound}")
         self.bound = int(bound)
         self.device = device
-        #: Bytes of every slot: the largest need of any pooled bucket (gradients or all-gather stage).
-        self.slot_bytes = max([b.pool_nbytes for b in buckets if b.pooled] + [stage_bytes, 0])
+        self.world_size = world_size
+        self.chunking = cap_bytes is not None
+        pooled = [b for b in buckets if b.pooled]
+        needs = [b.pool_nbytes for b in pooled]
+        if cap_bytes is not None:  # a bucket holding a parameter larger than the cap is reduced in cap-sized chunks
+            needs = [self._cap_need(b, cap_bytes) if _oversize(b, cap_bytes) else b.pool_nbytes for b in pooled]
+        #: Bytes of every slot (see the module docstring).
+        self.slot_bytes = max(needs + [0])
         self._free: List[torch.Tensor] = []
         self._lent: Dict[int, Tuple[torch.Tensor, bool]] = {}  # bucket position -> (storage, held outside the bound)
         #: Slots lent now, and the most ever lent at once (never above :attr:`bound`).
@@ -63,6 +82,23 @@ class GradBufferPool:
         #: Accumulation buffers held now outside the bound (``accumulate="full"`` under ``no_sync``), and the most.
         self.held = 0
         self.peak_held = 0
+
+    def _cap_need(self, b: GradBucket, cap_bytes: int) -> int:
+        """Bytes of a chunk of bucket ``b`` holding about ``cap_bytes`` of its parameters (whole ranks' slices)."""
+        per = max(1, -(-cap_bytes // (b.dtype.itemsize * self.world_size)))
+        return per * self.world_size * b.elem_bytes + 64
+
+    def chunked(self, b: GradBucket) -> bool:
+        """Bucket ``b`` does not fit a slot: it is reduced in chunks."""
+        return self.chunking and b.pool_nbytes > self.slot_bytes
+
+    def chunk_elements(self, b: GradBucket) -> int:
+        """Elements of each rank's range that one chunk of bucket ``b`` carries."""
+        return max(1, (self.slot_bytes - 64) // (self.world_size * b.elem_bytes))
+
+    def fits(self, nbytes: int) -> bool:
+        """A slot can hold ``nbytes`` (an all-gather stage; a larger one is allocated for its all-gather alone)."""
+        return nbytes <= self.slot_bytes
 
     @property
     def nbytes(self) -> int:
