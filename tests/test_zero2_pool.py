@@ -195,6 +195,15 @@ def test_buckets_larger_than_a_pool_buffer_reduce_in_chunks(world, bf16):
     assert pool["peak"] == 2 and pool["live"] == 0 and pool["bucket_bytes"] == 0 and pool["chunked"] > 0
 
 
+def test_chunks_with_a_wire_dtype_the_nonfinite_check_and_clipping():
+    """Chunked packs cast float32 main gradients to a bf16 wire, raise the non-finite flag, feed the norm."""
+    for extra in (dict(comm_dtype=BF16), dict(clip=0.05, check_nonfinite=True)):
+        persistent = _run(2, impl="persistent", bf16=True, cap=0.0003, **extra)
+        pool = _run(2, impl="pool", bf16=True, cap=0.0003, **extra)
+        _same(pool, persistent, exact=True)
+        assert pool["chunked"] > 0 and pool.get("norms") == persistent.get("norms")
+
+
 def test_find_unused_static_graph_clip_nonfinite_check():
     for extra in (dict(find_unused=True), dict(static_graph=True), dict(clip=0.05, check_nonfinite=True)):
         persistent = _run(2, impl="persistent", bf16=True, **extra)
