@@ -361,3 +361,23 @@ def test_under_torch_compile_with_the_pool(aligned):
     """tests/test_sharded_compose.py's torch.compile(fastcoll.DDP) case with the sharded run on the pool."""
     out = run_ranks(under_pool, 2, "test_sharded_compose", "compile_worker", "compile(ddp)", aligned, timeout=280)
     assert all(o["pooled"] == 1 for o in out)
+
+
+# --------------------------------------------------------------------------- the bench section
+
+
+def test_bench_section_smoke(tmp_path):
+    """``python -m fastcoll.bench zero``'s pool section at the smoke level: it runs and writes its JSON beside --json."""
+    import json
+    import types
+
+    from fastcoll.bench import zero_pool
+
+    args = types.SimpleNamespace(level="smoke", device="cpu", json=str(tmp_path / "zero.json"), threads=None, smoke=True,
+                                 full=False)  # fmt: skip
+    assert zero_pool.run_section(args) == 0
+    data = json.loads((tmp_path / "zero_pool.json").read_text())
+    (row,) = data["results"]
+    assert data["benchmark"] == "zero_pool" and row["world_size"] == 2
+    assert set(row["methods"]) == set(zero_pool.MEMORY) and set(row["step_s"]) == set(zero_pool.TIMED)
+    assert row["methods"]["pool"]["held"]["pool"] > 0 and row["methods"]["persistent"]["held"]["pool"] == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -47,11 +48,12 @@ CONFIGS = {  # memory at ``shapes``, step time at ``timed_shapes``
 }
 
 
-def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, Any]:
-    """fastcoll.DDP(main_grad_dtype=float32) + ShardedOptimizer(AdamW, grads="sharded", float32 masters) of ``method``."""
+def make_method(method: str, module: nn.Module, device: str, cap_mb: float = 25.0) -> Tuple[nn.Module, Any]:
+    """fastcoll.DDP(main_grad_dtype=float32, bucket_cap_mb=cap_mb) + ShardedOptimizer(AdamW, grads="sharded", float32
+    masters) of ``method``."""
     buffers, accumulate, _, bound = METHODS[method]
     # No stall detection: 4 ranks on 2 busy cores can leave one rank seconds behind (it would be diagnosed).
-    wrapper = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32, stall_timeout=0)
+    wrapper = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32, stall_timeout=0, bucket_cap_mb=cap_mb)
     kw = {"grad_buffers": "pool", "accumulate": accumulate, "pool_buffers": bound} if buffers == "pool" else {}
     inner = torch.optim.AdamW(wrapper.parameters(), **models.adamw_kwargs(device, (torch.float32, BF16)))
     return wrapper, fastcoll.ShardedOptimizer(inner, wrapper, grads="sharded", master_dtype=torch.float32, **kw)
@@ -77,7 +79,7 @@ def _memory(me: runner.Rank, shapes: models.GPT2Shapes, method: str) -> Dict[str
     probe.start()
     dims = [s for _, s in shapes.shapes()]
     module = zero_bf16.build_model(dims, "sharded", device=me.device)
-    wrapper, opt = make_method(method, module, me.device)
+    wrapper, opt = make_method(method, module, me.device, me.cfg["bucket_cap_mb"])
     step = make_step(method, wrapper, opt, models.shape_input(len(dims), me.rank, me.device))
     for _ in range(me.cfg["setup_steps"] + 1):
         step()
@@ -98,7 +100,8 @@ def _timing(me: runner.Rank, shapes: models.GPT2Shapes) -> Dict[str, Any]:
     x = models.shape_input(len(dims), me.rank, me.device)
 
     def make(m: str) -> Tuple[Any, Any, Callable[[], None]]:
-        wrapper, opt = make_method(m, zero_bf16.build_model(dims, "sharded", device=me.device), me.device)
+        module = zero_bf16.build_model(dims, "sharded", device=me.device)
+        wrapper, opt = make_method(m, module, me.device, me.cfg["bucket_cap_mb"])
         return wrapper, opt, make_step(m, wrapper, opt, x)
 
     methods = list(TIMED)
@@ -139,7 +142,7 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]])
 
 def measure(args: Any = None) -> Dict[str, Any]:
     """Memory (a process group per method) and timing (one per world size), at each world size of the level."""
-    cfg = runner.level_config(args, CONFIGS, 2)
+    cfg = runner.level_config(args, CONFIGS, 2, bucket_cap_mb=getattr(args, "bucket_cap_mb", None) or 25.0)
     shapes, timed_shapes = cfg["shapes"], cfg["timed_shapes"]
     units = sum(len(MEMORY) + len(TIMED) * (cfg["max_reps"] + 1) for _ in cfg["worlds"])
     rows, started = [], time.perf_counter()
@@ -176,7 +179,8 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "main grads + fp32 masters + AdamW)",
                  ["N", "grad buffers", "params", "buckets + ranges", "pool", "state + masters", "B/P held",
                   "2+16/N / Megatron 6+12/N", "peak growth per rank"], body,
-                 "MiB, worst rank; buckets + ranges: full-size bucket buffers, the kept ranges, all-gather stages")  # fmt: skip
+                 f"bucket_cap_mb={cfg['bucket_cap_mb']}; MiB, worst rank; buckets + ranges: full-size bucket buffers, "
+                 "the kept ranges, all-gather stages")  # fmt: skip
     body = [[row["world_size"], *(report.fmt_time(row["step_s"][m]) for m in TIMED),
              report.target_cell(row["targets"]["step"]),
              *(f"{report.fmt_ratio(r['value'])} ({report.fmt_ratio((r['ci90'] or [None])[0])}..."
@@ -200,5 +204,15 @@ def run_section(args: Any = None) -> int:
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for row in payload["results"] for t in row["targets"].values()]
-    report.conclude("pool", report.json_path(args, f"zero_pool_{device}"), payload, named)
+    report.conclude("pool", json_path(args, device), payload, named)
     return 0
+
+
+def json_path(args: Any, device: str) -> Path:
+    """``benchmarks/out/zero_pool_<device>.json``; with ``--json PATH``: ``<stem>_pool.json`` beside PATH."""
+    given = getattr(args, "json", None)
+    if not given:
+        return report.json_path(args, f"zero_pool_{device}")
+    p = Path(given)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p.with_name(f"{p.stem}_pool{p.suffix or '.json'}")
