@@ -486,16 +486,17 @@ def supported() -> bool:
     return "master_dtype" in inspect.signature(fastcoll.ShardedOptimizer).parameters
 
 
-def json_path(args: Any, device: str) -> Path:
-    """``benchmarks/out/zero_bf16_<device>.json``; with ``--json PATH``: PATH run alone, else ``<stem>_bf16.json`` beside it."""
+def json_path(args: Any, device: str, section: str = "bf16") -> Path:
+    """``benchmarks/out/zero_<section>_<device>.json``; with ``--json PATH``: PATH when the section runs alone
+    (command ``zero_<section>``), else ``<stem>_<section>.json`` beside it."""
     given = getattr(args, "json", None)
     if not given:
-        return report.json_path(args, f"zero_bf16_{device}")
+        return report.json_path(args, f"zero_{section}_{device}")
     p = Path(given)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if getattr(args, "command", None) == "zero_bf16":
+    if getattr(args, "command", None) == f"zero_{section}":
         return p
-    return p.with_name(f"{p.stem}_bf16{p.suffix or '.json'}")
+    return p.with_name(f"{p.stem}_{section}{p.suffix or '.json'}")
 
 
 def run_section(args: Any = None) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -204,15 +203,5 @@ def run_section(args: Any = None) -> int:
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for row in payload["results"] for t in row["targets"].values()]
-    report.conclude("pool", json_path(args, device), payload, named)
+    report.conclude("pool", zero_bf16.json_path(args, device, "pool"), payload, named)
     return 0
-
-
-def json_path(args: Any, device: str) -> Path:
-    """``benchmarks/out/zero_pool_<device>.json``; with ``--json PATH``: ``<stem>_pool.json`` beside PATH."""
-    given = getattr(args, "json", None)
-    if not given:
-        return report.json_path(args, f"zero_pool_{device}")
-    p = Path(given)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    return p.with_name(f"{p.stem}_pool{p.suffix or '.json'}")
