@@ -164,18 +164,22 @@ class GradBucket:
         n = self.padded * flat_dtype.itemsize
         return n if wire is None else _aligned(n) + self.padded * wire.itemsize
 
+    def pool_views(self, storage: torch.Tensor, numel: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``numel`` elements of the flat dtype at the start of ``storage`` (1-D uint8) and, when the wire buffer is
+        separate, ``numel`` of the wire dtype after them (64-byte aligned; else None)."""
+        flat_dtype, wire = self._dtypes
+        nb = numel * flat_dtype.itemsize
+        flat = storage[:nb].view(flat_dtype)
+        return flat, None if wire is None else storage[_aligned(nb) : _aligned(nb) + numel * wire.itemsize].view(wire)
+
     def attach(self, storage: torch.Tensor) -> None:
         """Make the first :attr:`pool_nbytes` bytes of ``storage`` (1-D uint8) this pooled bucket's buffers.
 
         ``flat`` (and ``comm`` when separate) are views of it, their padding zeroed; nothing else is initialized.
         """
-        flat_dtype, wire = self._dtypes
         n, total = self.padded, self.numel
-        nb = n * flat_dtype.itemsize
-        self.flat_padded = storage[:nb].view(flat_dtype)
-        self.comm_padded = (
-            self.flat_padded if wire is None else storage[_aligned(nb) : _aligned(nb) + n * wire.itemsize].view(wire)
-        )
+        self.flat_padded, wire = self.pool_views(storage, n)
+        self.comm_padded = self.flat_padded if wire is None else wire
         if n > total:
             self.flat_padded[total:].zero_()
             self.comm_padded[total:].zero_()
@@ -191,6 +195,11 @@ class GradBucket:
         self.comm_padded = self.comm = self.flat if wire is None else torch.empty(0, dtype=wire, device=self.device)
         self.views = []
         self.view_ptrs = []
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype the collective carries."""
+        return self._dtypes[1] or self._dtypes[0]
 
     @property
     def elem_bytes(self) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from .. import ops
 from ..distributed.sparse import SparseExchange, empty_sparse_grad
-from .bucket import GradBucket, MainGradBucket, PackArgs, _aligned, pack_range
+from .bucket import GradBucket, MainGradBucket, PackArgs, pack_range
 from .comm import DONE, Communicator
 from .hooks import call_hook, hook_result
 from .timeline import Timeline
@@ -584,8 +584,7 @@ class Pooled:
         shards = inner.shards
         target = shards.grads[b.pos]
         shard = target.numel()
-        flat_dtype, wire_dtype = b._dtypes
-        wire = wire_dtype or flat_dtype
+        wire = b.wire_dtype
         per = self.pool.chunk_elements(b)  # elements of each rank's range per chunk
         add = shards.filled
         f = _ChunkedInFlight(b, target, inner.timeline)
@@ -595,9 +594,7 @@ class Pooled:
             while self.pool.full:
                 self._free_one()
             slot = self.pool.take()
-            nb = world * n * flat_dtype.itemsize
-            buf = slot[:nb].view(flat_dtype)
-            wbuf = None if wire_dtype is None else slot[_aligned(nb) : _aligned(nb) + world * n * wire.itemsize].view(wire)
+            buf, wbuf = b.pool_views(slot, world * n)
             for q in range(world):
                 start = q * shard + lo
                 w = None if wbuf is None else wbuf[q * n : (q + 1) * n]
