@@ -6,7 +6,7 @@ pair per method for the memory phase, one for the timing), writes
 well-formed JSON and a chart, and finds every method's parameters equal to
 torch DDP + AdamW's; plus the analysis, which needs no ranks. The same for
 its bfloat16 and one-rounding sections (:mod:`fastcoll.bench.zero_bf16`,
-:mod:`fastcoll.bench.zero_one_rounding`), each run on its own.
+:mod:`fastcoll.bench.zero_one_rounding`), each run on its own (the pool section's: tests/test_zero2_pool.py).
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ import pytest
 import torch
 
 from fastcoll.bench import __main__ as cli
-from fastcoll.bench import models, stats, tiny_lm, zero, zero_bf16, zero_one_rounding
+from fastcoll.bench import models, stats, tiny_lm, zero, zero_bf16, zero_one_rounding, zero_pool
 
 
 @pytest.mark.timeout(300)
 def test_zero_smoke_run(tmp_path, capsys, monkeypatch):
-    sections = []  # the bfloat16 and one-rounding sections run after the tables (tested on their own below)
-    monkeypatch.setattr(zero_bf16, "run_section", lambda args: sections.append(args) or 0)
-    monkeypatch.setattr(zero_one_rounding, "run_section", lambda args: sections.append(args) or 0)
+    sections = []  # the bfloat16, one-rounding and pool sections run after the tables (each tested on its own)
+    for section in (zero_bf16, zero_one_rounding, zero_pool):
+        monkeypatch.setattr(section, "run_section", lambda args: sections.append(args) or 0)
     path = tmp_path / "zero.json"
     rc = cli.main(["zero", "--smoke", "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert len(sections) == 2 and sections[0].smoke and zero_bf16.json_path(sections[0], "cpu") == tmp_path / "zero_bf16.json"
+    assert len(sections) == 3 and sections[0].smoke and zero_bf16.json_path(sections[0], "cpu") == tmp_path / "zero_bf16.json"
     assert "fastcoll zero: step time" in out and "sharded+overlap" in out and "targets" in out
 
     data = json.loads(path.read_text())

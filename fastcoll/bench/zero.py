@@ -6,7 +6,7 @@ check of the parameters against torch DDP + AdamW's, each (model, method) in a
 fresh process pair; then the step time, a model's methods side by side on
 shared weights, rounds until every step target resolves. Then the bfloat16
 section (:mod:`fastcoll.bench.zero_bf16`) and, on the CPU, the one-rounding
-section (:mod:`fastcoll.bench.zero_one_rounding`).
+section (:mod:`fastcoll.bench.zero_one_rounding`) and the ZeRO-2 pool section (:mod:`fastcoll.bench.zero_pool`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fastcoll
 
-from . import models, report, runner, stats, zero_bf16, zero_one_rounding
+from . import models, report, runner, stats, zero_bf16, zero_one_rounding, zero_pool
 from .models import ModelSpec
 
 WORLD_SIZE = 2
@@ -310,4 +310,5 @@ def run(args: Any) -> int:
     rc = zero_bf16.run_section(args)
     if device == "cpu":  # gloo ranks on the CPU: at one GPU rank there is nothing to sum
         rc = zero_one_rounding.run_section(args) or rc
+        rc = zero_pool.run_section(args) or rc
     return rc if ok else 1

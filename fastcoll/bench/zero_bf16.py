@@ -440,10 +440,13 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
 
 
-def json_path(args: Any, device: str) -> Path:
-    """``benchmarks/out/zero_bf16_<device>.json``; with ``--json PATH``: PATH run alone, else ``<stem>_bf16.json`` beside it."""
-    p = report.json_path(args, f"zero_bf16_{device}")
-    return p if not args.json or args.command == "zero_bf16" else p.with_name(f"{p.stem}_bf16{p.suffix or '.json'}")
+def json_path(args: Any, device: str, section: str = "bf16") -> Path:
+    """``benchmarks/out/zero_<section>_<device>.json``; with ``--json PATH``: PATH when the section runs alone (command
+    ``zero_<section>``), else ``<stem>_<section>.json`` beside it."""
+    p = report.json_path(args, f"zero_{section}_{device}")
+    if not args.json or args.command == f"zero_{section}":
+        return p
+    return p.with_name(f"{p.stem}_{section}{p.suffix or '.json'}")
 
 
 def run_section(args: Any = None) -> int:

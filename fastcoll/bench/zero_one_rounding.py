@@ -25,7 +25,7 @@ from torch import nn
 
 import fastcoll
 
-from . import report, runner, stats, tiny_lm
+from . import report, runner, stats, tiny_lm, zero_bf16
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 METHODS = ("bf16", "accum", "accum_rs")
@@ -193,9 +193,7 @@ def run_section(args: Any) -> int:
     payload = measure(args)
     print_results(payload)
     named = [(t["what"] + f" ({r['label']})", t) for r in payload["results"] for t in r["targets"].values()]
-    given = getattr(args, "json", None)  # --json PATH is zero's file: this section's goes beside it
-    path = Path(given).with_name(f"{Path(given).stem}_one_rounding.json") if given else None
-    path = report.conclude("one rounding", path or report.json_path(args, "zero_one_rounding_cpu"), payload, named)
+    path = report.conclude("one rounding", zero_bf16.json_path(args, "cpu", "one_rounding"), payload, named)
     png = chart(path.with_name(f"{path.stem}_vs_ranks.png"), payload)
     if png:
         report.say(f"wrote {png}", record=False)

@@ -435,7 +435,7 @@ class DDP(
                 self._verified_at = done  # every rank has completed the same number of synchronized iterations
                 self.verify_replicas()
         if join:
-            self._join.send_requires_sync(torch.is_grad_enabled() and self.require_backward_grad_sync)
+            self._join.send_requires_sync(torch.is_grad_enabled() and self._syncs_backward)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
@@ -445,7 +445,7 @@ class DDP(
         """After the module ran (torch DDP's signature): arms the reducer for a synchronized backward; returns ``output``."""
         if self.reducer.param_gather is not None and torch.is_grad_enabled():
             self.reducer.param_gather.check_after_forward(output)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        if torch.is_grad_enabled() and self._syncs_backward:
             self.require_forward_param_sync = True
             reducer = self.reducer
             if self._join_config.enable:
@@ -466,11 +466,18 @@ class DDP(
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def _syncs_backward(self) -> bool:
+        """The next backward is reduced: outside ``no_sync``, or always when the reducer reduces every backward."""
+        return self.require_backward_grad_sync or self.reducer.reduces_every_backward
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Context manager: forwards inside it are followed by backwards that only accumulate locally.
 
-        The first forward+backward outside the context averages the accumulated gradients.
+        The first forward+backward outside the context averages the accumulated gradients. When the reducer
+        reduces every backward (pooled gradient buffers accumulating by reduce-scatter: no full-size buffer to
+        accumulate into locally), backwards inside it are reduced all the same.
         """
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False

@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import ops
 from ..reducer.bucket import MainGradBucket
+from ..reducer.pool import ACCUMULATE
 from ..reducer.shards import Piece, flat_view
 from .clip import clip_grad_norm
 from .elementwise import check_optimizer_class
@@ -37,6 +38,7 @@ from .param_buffer import ParamBuffers, movable, shares_memory
 __all__ = ["ShardedOptimizer"]
 
 _GRADS = ("full", "sharded")
+_GRAD_BUFFERS = ("persistent", "pool")
 
 
 def _advice(grads: str) -> str:
@@ -72,12 +74,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gradients upcast) and writes them back rounded to the parameters'
             dtype before the all-gather. They are in :meth:`state_dict` as
             ``"fastcoll_master"`` per parameter.
+        grad_buffers: ``"persistent"`` (default): every bucket keeps its
+            full-size gradient buffers for the whole step. ``"pool"`` (with
+            ``grads="sharded"``; ZeRO-2): a bucket's full-size buffers (the flat
+            gradient buffer, with main gradients the float32 one) exist only
+            from its pack to the end of its reduce-scatter, lent by a pool of
+            ``pool_buffers`` buffers of the largest bucket's size
+            (:attr:`grad_pool`); each rank keeps only its range of every
+            bucket's reduced gradients until the step.
+        pool_buffers: With ``grad_buffers="pool"``: how many buffers the pool
+            holds (default 2: one bucket packs while the previous one's
+            reduce-scatter is in flight; k lets k - 1 be in flight).
+        accumulate: With ``grad_buffers="pool"``: what a backward under
+            ``model.no_sync()`` does. ``"reduce_scatter"`` (default, DeepSpeed's
+            ZeRO-2): it is reduce-scattered as any other, added into the
+            ranges (a collective per micro-batch, no full-size buffer kept).
+            ``"full"``: it accumulates locally (float32 main gradients into a
+            full-size buffer per bucket, kept until the synchronizing
+            backward's reduce-scatter), as with persistent buffers.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer or ``model`` not a fastcoll.DDP.
         ValueError: a class that does not update elementwise, an optimizer
             that already stepped, a parameter that is not synchronized by
-            ``model``, ``grads`` not one of "full"/"sharded", ``master_dtype`` not float32.
+            ``model``, ``grads`` not one of "full"/"sharded", ``master_dtype`` not float32, ``grad_buffers="pool"``
+            with ``grads="full"`` or ``gradient_as_bucket_view=True``, ``pool_buffers``/``accumulate`` without it.
         RuntimeError: ``model`` has a comm hook, ``bucket_cap_mb="auto"`` or sparse gradients, or another
             ShardedOptimizer divides it already.
     """
@@ -91,6 +112,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlap_param_gather: bool = False,
         elementwise: bool = False,
         master_dtype: Optional[torch.dtype] = None,
+        grad_buffers: str = "persistent",
+        pool_buffers: Optional[int] = None,
+        accumulate: Optional[str] = None,
     ):
         from ..ddp import DDP
 
@@ -102,6 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"fastcoll.ShardedOptimizer: grads must be one of {_GRADS}, got {grads!r}")
         if master_dtype not in (None, torch.float32):
             raise ValueError(f"fastcoll.ShardedOptimizer: master_dtype must be None or torch.float32, got {master_dtype!r}")
+        pool_buffers, accumulate = _check_pool(grads, grad_buffers, pool_buffers, accumulate, model)
         check_optimizer_class(type(optimizer), elementwise)
         if _has_stepped(optimizer):
             raise ValueError(
@@ -112,6 +137,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.reducer = reducer
         self.grads = grads
         self.master_dtype = master_dtype
+        self.grad_buffers = grad_buffers
         self.overlap_param_gather = bool(overlap_param_gather)
         index_of = {id(p): i for i, p in enumerate(reducer.params)}
         self._groups_params = [list(g["params"]) for g in optimizer.param_groups]
@@ -121,7 +147,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # State some classes create at construction for parameters that are not sharded (frozen ones): kept as is.
         self._outside_state = {k: st for k, p in enumerate(self._order) if index_of.get(id(p)) is None
                                for st in [optimizer.state.get(p)] if st}  # fmt: skip
-        self._layout = reducer.shard(grads == "sharded", advice=_advice(grads))  # collective when a bucket rebuild is due
+        # (a collective when a bucket rebuild is due)
+        self._layout = reducer.shard(grads == "sharded", _advice(grads), pool_buffers or 0, accumulate)
         shared = shares_memory(reducer.params)
         moving = {bs.pos: movable(reducer.buckets[bs.pos], self._stepped, shared) for bs in self._layout.buckets if bs.padded}
         # Parameters that move into a flat buffer of their bucket's layout: no pack, no write-back for them.
@@ -216,6 +243,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if bs.pos in self._buffers:
                 stages[bs.pos] = self._buffers.buffers[bs.pos]
                 continue
+            if self.grad_buffers == "pool":
+                stages[bs.pos] = None  # a slot of the gradient buffer pool, drawn at the bucket's pack
+                continue
             if isinstance(b, MainGradBucket):
                 stages[bs.pos] = b.flat_padded.view(b.dtype)[: b.padded]
                 borrowed[bs.pos] = b.flat_padded
@@ -223,6 +253,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             free = b.flat.dtype == b.dtype and (self.grads == "sharded" or not b.as_view)
             stages[bs.pos] = b.flat_padded if free else torch.empty(b.padded, dtype=b.dtype, device=b.device)
         return stages, borrowed
+
+    @property
+    def grad_pool(self) -> Any:
+        """With ``grad_buffers="pool"``: the pool (``bound``, ``slot_bytes``, ``nbytes``, ``live``/``peak``
+        buffers lent now / at most, ``held``/``peak_held`` accumulation buffers of ``accumulate="full"``); else None."""
+        return self.reducer.pool
 
     # ----------------------------------------------------------------- step
 
@@ -675,6 +711,43 @@ def _numbered(state_dict: Dict[str, Any]) -> Dict[str, Any]:
         start += len(g["params"])
     state = {number[k]: v for k, v in state_dict["state"].items() if k in number}
     return {**state_dict, "state": state, "param_groups": groups}
+
+
+def _check_pool(
+    grads: str, grad_buffers: str, pool_buffers: Optional[int], accumulate: Optional[str], model: Any
+) -> Tuple[Optional[int], Optional[str]]:
+    """The pool's size and accumulation choice, defaults filled in (None, None without the pool).
+
+    Raises:
+        ValueError: an unknown ``grad_buffers``/``accumulate``, a pool with ``grads="full"`` or gradients as
+            bucket views, a ``pool_buffers`` below 1, or pool arguments without the pool.
+    """
+    if grad_buffers not in _GRAD_BUFFERS:
+        raise ValueError(f"fastcoll.ShardedOptimizer: grad_buffers must be one of {_GRAD_BUFFERS}, got {grad_buffers!r}")
+    if grad_buffers == "persistent":
+        if pool_buffers is not None or accumulate is not None:
+            raise ValueError(
+                "fastcoll.ShardedOptimizer: pool_buffers and accumulate apply to grad_buffers='pool' only "
+                f"(got grad_buffers='persistent', pool_buffers={pool_buffers!r}, accumulate={accumulate!r})"
+            )
+        return None, None
+    if grads != "sharded":
+        raise ValueError(
+            "fastcoll.ShardedOptimizer: grad_buffers='pool' needs grads='sharded' (with grads='full' every rank "
+            "keeps every full gradient, so there is no buffer to release); pass grads='sharded'"
+        )
+    if model.gradient_as_bucket_view:
+        raise ValueError(
+            "fastcoll.ShardedOptimizer: grad_buffers='pool' cannot keep gradients as bucket views (the buffers are "
+            "lent only while a bucket is reduced); construct fastcoll.DDP with gradient_as_bucket_view=False"
+        )
+    pool_buffers = 2 if pool_buffers is None else pool_buffers
+    if isinstance(pool_buffers, bool) or not isinstance(pool_buffers, int) or pool_buffers < 1:
+        raise ValueError(f"fastcoll.ShardedOptimizer: pool_buffers must be an int >= 1, got {pool_buffers!r}")
+    accumulate = "reduce_scatter" if accumulate is None else accumulate
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"fastcoll.ShardedOptimizer: accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+    return pool_buffers, accumulate
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:

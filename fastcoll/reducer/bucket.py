@@ -20,7 +20,7 @@ import torch
 
 from .. import ops
 
-__all__ = ["GradBucket", "PackArgs", "for_each_run"]
+__all__ = ["GradBucket", "PackArgs", "for_each_run", "pack_range"]
 
 
 def _runs(present: Sequence[bool]) -> List[Tuple[int, int]]:
@@ -91,7 +91,7 @@ class GradBucket:
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
         "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views", "padded",
-        "flat_padded", "comm_padded", "plan",
+        "flat_padded", "comm_padded", "plan", "pooled", "_dtypes",
     )  # fmt: skip
 
     def __init__(
@@ -106,6 +106,7 @@ class GradBucket:
         sparse: bool = False,
         buffer: Optional[torch.Tensor] = None,
         padded: Optional[int] = None,
+        pooled: bool = False,
     ):
         self.pos = pos
         self.count = count
@@ -123,7 +124,12 @@ class GradBucket:
             total += p.numel()
         self.numel = total
         self.padded = total if padded is None or sparse else max(int(padded), total)
+        #: The full-size buffers exist only while :meth:`attach` lent them (a pool's, :mod:`.pool`).
+        self.pooled = bool(pooled) and not sparse
+        self._dtypes: Tuple[torch.dtype, Optional[torch.dtype]] = (self.dtype, None)
         self._allocate(wire_dtype, buffer)
+        if self.pooled:
+            self.detach()
         self._hook_buffer: Optional[torch.Tensor] = None
         self._hook_views: Optional[List[torch.Tensor]] = None
         self.plan = ops.BucketPlan()  # the whole bucket's pack and write-back, planned once (fastcoll.ops.BucketPlan)
@@ -136,6 +142,9 @@ class GradBucket:
         # itself is in the wire dtype (gradients are cast into it by the pack).
         separate_wire = wire_dtype is not None and self.as_view and not sparse
         flat_dtype = self.dtype if wire_dtype is None or separate_wire or sparse else wire_dtype
+        self._dtypes = (flat_dtype, wire_dtype if separate_wire else None)
+        if self.pooled:
+            return  # no buffer until one is attached
         if buffer is not None:
             self.flat_padded = buffer
         else:
@@ -145,6 +154,78 @@ class GradBucket:
         self.view_ptrs = [v.data_ptr() for v in self.views]
         self.comm_padded = _padded_empty(total, self.padded, wire_dtype, self.device) if separate_wire else self.flat_padded
         self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
+
+    # ------------------------------------------------------- pooled buffers
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Bytes :meth:`attach` needs: the padded flat buffer, then (64-byte aligned) the padded wire buffer if separate."""
+        flat_dtype, wire = self._dtypes
+        n = self.padded * flat_dtype.itemsize
+        return n if wire is None else _aligned(n) + self.padded * wire.itemsize
+
+    def pool_views(self, storage: torch.Tensor, numel: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``numel`` elements of the flat dtype at the start of ``storage`` (1-D uint8) and, when the wire buffer is
+        separate, ``numel`` of the wire dtype after them (64-byte aligned; else None)."""
+        flat_dtype, wire = self._dtypes
+        nb = numel * flat_dtype.itemsize
+        flat = storage[:nb].view(flat_dtype)
+        return flat, None if wire is None else storage[_aligned(nb) : _aligned(nb) + numel * wire.itemsize].view(wire)
+
+    def attach(self, storage: torch.Tensor) -> None:
+        """Make the first :attr:`pool_nbytes` bytes of ``storage`` (1-D uint8) this pooled bucket's buffers.
+
+        ``flat`` (and ``comm`` when separate) are views of it, their padding zeroed; nothing else is initialized.
+        """
+        n, total = self.padded, self.numel
+        self.flat_padded, wire = self.pool_views(storage, n)
+        self.comm_padded = self.flat_padded if wire is None else wire
+        if n > total:
+            self.flat_padded[total:].zero_()
+            self.comm_padded[total:].zero_()
+        self.flat = self.flat_padded[:total]
+        self.comm = self.comm_padded[:total]
+        self.views = ops.bucket_views(self.flat, self.params)
+        self.view_ptrs = [v.data_ptr() for v in self.views]
+
+    def detach(self) -> None:
+        """Drop the buffers of a pooled bucket: empty placeholders of their dtypes remain (``comm.dtype`` still says the wire)."""
+        flat_dtype, wire = self._dtypes
+        self.flat_padded = self.flat = torch.empty(0, dtype=flat_dtype, device=self.device)
+        self.comm_padded = self.comm = self.flat if wire is None else torch.empty(0, dtype=wire, device=self.device)
+        self.views = []
+        self.view_ptrs = []
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype the collective carries."""
+        return self._dtypes[1] or self._dtypes[0]
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per element of the pooled buffers (flat, plus the wire buffer when separate)."""
+        flat_dtype, wire = self._dtypes
+        return flat_dtype.itemsize + (0 if wire is None else wire.itemsize)
+
+    def grad_slices(self, lo: int, hi: int) -> List[Tuple[int, Optional[torch.Tensor]]]:
+        """Elements ``[lo, hi)`` of the bucket's layout as ``(length, the gradient's 1-D slice or None)`` runs.
+
+        None: a missing gradient, or the padding past :attr:`numel` (zeros in the bucket).
+        """
+        out: List[Tuple[int, Optional[torch.Tensor]]] = []
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                g = p.grad
+                out.append((b - a, None if g is None else _memory_order(p, g)[a - off : b - off]))
+        if hi > max(lo, self.numel):
+            out.append((hi - max(lo, self.numel), None))
+        return out
+
+    @property
+    def attached(self) -> bool:
+        """The bucket has its full-size buffers (always, unless pooled)."""
+        return not self.pooled or self.flat_padded.numel() == self.padded
 
     # ------------------------------------------------ torch's GradBucket API
 
@@ -328,6 +409,51 @@ class GradBucket:
         for_each_run(keep, self.offsets, self.numel, run)
 
 
+def _memory_order(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g`` (a gradient of ``p``) as a 1-D tensor in ``p``'s memory order."""
+    if g.stride() != p.stride() and g.numel() > 1:
+        g = torch.empty_like(p).copy_(g)
+    if g.is_contiguous():
+        return g.view(-1)
+    return g.as_strided((g.numel(),), (1,), g.storage_offset())
+
+
+def pack_range(b: "GradBucket", lo: int, hi: int, out: torch.Tensor, how: "PackArgs", wire: Optional[torch.Tensor]) -> None:
+    """Pack elements ``[lo, hi)`` of bucket ``b`` into ``out`` (``hi - lo`` elements) as its whole pack would.
+
+    A :class:`MainGradBucket`: ``out`` (float32) receives 0 + the 16-bit gradients, times the factor, then
+    ``wire`` (when given) that cast to the wire dtype; another bucket: the gradients times the factor, cast
+    to ``out``'s dtype. Missing gradients and padding are zeros. The arithmetic per element is the whole
+    pack's, so a bucket packed range by range holds the same values.
+    """
+    at = 0
+    main = isinstance(b, MainGradBucket)
+    with torch.no_grad():
+        if main:
+            out.zero_()
+        for n, g in b.grad_slices(lo, hi):
+            part = out[at : at + n]
+            if g is not None:
+                if main:
+                    ops.flatten_accumulate([g], part, nonfinite=how.nonfinite)
+                else:
+                    how.flatten([g], part)
+            elif not main:
+                part.zero_()
+            at += n
+        if main:
+            if wire is not None:
+                how.flatten([out], wire)
+            elif how.scale_by is not None:
+                out.mul_(how.scale_by.reshape(()).to(torch.float64) * how.scale)
+            elif how.scale != 1.0:
+                out.mul_(how.scale)
+
+
+def _aligned(nbytes: int, to: int = 64) -> int:
+    return -(-nbytes // to) * to
+
+
 def _padded_empty(numel: int, padded: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A buffer of ``padded`` elements whose first ``numel`` are left uninitialized and the rest zeroed."""
     buf = torch.empty(padded, dtype=dtype, device=device)
@@ -397,16 +523,19 @@ class MainGradBucket(GradBucket):
 
     def _allocate(self, wire_dtype: Optional[torch.dtype], buffer: Optional[torch.Tensor]) -> None:
         total, dev = self.numel, self.device
+        narrower = wire_dtype is not None and wire_dtype.itemsize < self.main_dtype.itemsize
+        self._dtypes = (self.main_dtype, wire_dtype if narrower else None)
+        if self.pooled:
+            return  # no buffer until one is attached
         self.flat_padded = torch.zeros(self.padded, dtype=self.main_dtype, device=dev)  # the accumulation starts at 0
         self.flat = self.flat_padded[:total] if self.padded > total else self.flat_padded
         self.views = ops.bucket_views(self.flat, self.params)
         self.view_ptrs = [v.data_ptr() for v in self.views]
-        narrower = wire_dtype is not None and wire_dtype.itemsize < self.main_dtype.itemsize
         self.comm_padded = _padded_empty(total, self.padded, wire_dtype, dev) if narrower else self.flat_padded
         self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
 
     def zero(self) -> None:
-        """Forget the accumulated gradients."""
+        """Forget the accumulated gradients (nothing to do for a pooled bucket without its buffer)."""
         self.flat_padded.zero_()
         self.consumed = False
 

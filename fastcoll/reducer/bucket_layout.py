@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from .bucket import GradBucket, MainGradBucket
-from .reduction import AccumAllReduce, AccumReduceScatter, AllReduce, InFlight, ReduceScatter, SparseSum
+from .pool import GradBufferPool
+from .reduction import AccumAllReduce, AccumReduceScatter, AllReduce, InFlight, Pooled, ReduceScatter, SparseSum
 
 __all__ = ["ReducerLayout"]
 
@@ -22,6 +23,8 @@ class ReducerLayout:
     _set: Any
     _hook: Any
     _tuning: Any
+    _pool_bound: int  # > 0: the dense buckets borrow their buffers from a pool of that many (:mod:`.pool`)
+    pool: Optional[GradBufferPool]
 
     @property
     def buckets(self) -> List[GradBucket]:
@@ -32,7 +35,12 @@ class ReducerLayout:
         accum = self.comm_accum_dtype is not None
         # One-rounding reductions divide every bucket among the ranks, as a sharded optimizer does (.shards).
         pad_world = self._shard_world or (self.world_size if accum else 0)
-        self._set.install(layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum)
+        pooled = self._pool_bound > 0
+        self._set.install(layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum, pooled=pooled)
+        if pooled:  # (one-rounding reductions are not chunked: their slots hold the largest bucket)
+            caps = self.bucket_cap_bytes
+            cap = None if accum else max(caps) if isinstance(caps, list) else caps
+            self.pool = GradBufferPool(self._set.buckets, self._pool_bound, self.usage.device, self.world_size, cap)
         self.main_buckets = [b for b in self._set.buckets if isinstance(b, MainGradBucket)]
         self.health.resize(len(self._set.buckets))
         self._index_reductions()
@@ -43,6 +51,8 @@ class ReducerLayout:
         accum = self.comm_accum_dtype is not None
         if self.shard_grads is not None:
             dense = (AccumReduceScatter if accum else ReduceScatter)(self.comm, self.timeline, self.shard_grads)
+            if self.pool is not None:
+                dense = Pooled(dense, self.pool)
         elif self._hook is not None:
             dense = self._hook
         else:

@@ -65,6 +65,7 @@ from .health import Divisor, GradHealth
 from .kept_grads import KeptGradients
 from .layout import BucketSet
 from .param_gather import ParamGather
+from .pool import GradBufferPool
 from .reduction import CommHook, ShardGrads, Skipped, ZeroBuffers
 from .runtime_log import RuntimeLog
 from .settings import ReducerSettings
@@ -222,6 +223,11 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         #: A backward under ``no_sync`` left local gradients that no synchronized backward has reduced yet.
         self.unsynchronized = False
         self._shard_world = 0  # > 0 once a sharded optimizer divides the buckets among that many ranks
+        self._pool_bound = 0
+        #: The pool lending the sharded buckets their full-size buffers (``grad_buffers="pool"``), else None.
+        self.pool: Optional[GradBufferPool] = None
+        #: With the pool: how micro-batches accumulate (:data:`~fastcoll.reducer.pool.ACCUMULATE`), else None.
+        self.accumulate: Optional[str] = None
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
         #: None, or torch.float32: the dense buckets' 16-bit values are summed in float32 (:meth:`_index_reductions`).
         self.comm_accum_dtype: Optional[torch.dtype] = comm_accum_dtype
@@ -324,6 +330,8 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         if self.shard_grads is not None:
             self.shard_grads.set_aside()
         for b in self.main_buckets:
+            if self.pool is not None:
+                self.pool.hold(b)  # kept until the synchronizing backward's reduce-scatter
             b.accumulate()
 
     def _on_grad(self, idx: int) -> None:

@@ -42,11 +42,13 @@ def build_buckets(
     as_view: bool,
     shard_world: int = 0,
     main_dtype: Optional[torch.dtype] = None,
+    pooled: bool = False,
 ) -> List[GradBucket]:
     """Allocate the buckets of ``layout``; with ``as_view``, existing gradients move into their views.
 
     ``shard_world`` > 0: the dense buckets are padded to be divided among that many ranks (:mod:`.shards`).
     ``main_dtype``: buckets of 16-bit parameters accumulate their gradients in it (:class:`MainGradBucket`).
+    ``pooled``: the dense buckets get no buffers of their own (a pool lends them, :mod:`.pool`).
     """
     buckets = []
     for pos, idxs in enumerate(layout):
@@ -56,7 +58,9 @@ def build_buckets(
         grad_dtype = main_dtype if main else ps[0].dtype
         padded = padded_numel(sum(p.numel() for p in ps), shard_world, grad_dtype.itemsize) if shard_world else None
         args = (pos, len(layout), list(idxs), ps, [names[i] for i in idxs])
-        kwargs = dict(wire_dtype=wire_dtype(comm_dtype, grad_dtype), as_view=as_view, sparse=is_sparse, padded=padded)
+        kwargs = dict(
+            wire_dtype=wire_dtype(comm_dtype, grad_dtype), as_view=as_view, sparse=is_sparse, padded=padded, pooled=pooled
+        )
         buckets.append(MainGradBucket(*args, main_dtype=main_dtype, **kwargs) if main else GradBucket(*args, **kwargs))
     if as_view:
         with torch.no_grad():
@@ -199,21 +203,23 @@ class BucketSet:
         shard_world: int = 0,
         main_dtype: Optional[torch.dtype] = None,
         early_packs: bool = True,
+        pooled: bool = False,
     ) -> None:
         """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them.
 
         ``shard_world`` > 0 pads the dense buckets to be divided among that many ranks; ``main_dtype``: see
-        :func:`build_buckets`; ``early_packs``: see :func:`early_pack_slots`.
+        :func:`build_buckets`; ``early_packs``: see :func:`early_pack_slots`
+        (never into pooled buckets, whose buffer exists only from their pack on); ``pooled``: see :func:`build_buckets`.
         """
         self.buckets = []  # release the old buffers before allocating the new ones
         self.buckets = build_buckets(
-            layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world, main_dtype
+            layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world, main_dtype, pooled
         )
         self.bucket_of = [0] * len(self.params)
         for b in self.buckets:
             for i in b.param_indices:
                 self.bucket_of[i] = b.pos
-        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params), early_packs)
+        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params), early_packs and not pooled)
 
     def clear(self) -> None:
         """Drop the buckets (and the slot views that keep their storage alive)."""

@@ -60,7 +60,10 @@ class ParamGather:
         reducer: The model's reducer (its buckets, shard ranges and communicator).
         stepped: Per reducer parameter index, whether the optimizer steps it (only those are written back).
         stages: Per sharded bucket position, the staging buffer (``padded`` elements of the parameters' dtype),
-            or the bucket's parameter buffer.
+            or the bucket's parameter buffer, or None: a slot of the reducer's gradient buffer pool
+            (:mod:`.pool`), drawn at the bucket's pack and given back once written into the parameters (when
+            every slot is lent, the oldest pending all-gather of a drawn slot is waited for and written first;
+            a bucket larger than a slot gets a stage of its own for that all-gather).
         overlap: Leave the all-gathers running after :meth:`end_step`; modules wait for their own.
         borrowed: Per bucket position, a gradient buffer whose memory the stage reuses (float32 main
             gradients, consumed by the step): zeroed once the parameters are written, ready to accumulate.
@@ -90,6 +93,8 @@ class ParamGather:
         self.borrowed = borrowed or {}
         self.stepped = list(stepped)
         self.stages = stages
+        self.pool = reducer.pool
+        self._drawn: Dict[int, Any] = {}  # bucket position -> (pool slot, stage view) while its all-gather is pending
         self.overlap = overlap
         self._pending: Dict[int, Any] = {}  # bucket position -> all-gather handle
         self._hooks: List[Any] = []
@@ -143,6 +148,8 @@ class ParamGather:
         bs, pieces = layout.buckets[k], layout.pieces[k]
         self.mark(pos, "pack")
         stage = self.stages[pos]
+        if stage is None:
+            stage = self._draw(pos)
         own = stage[bs.start : bs.start + bs.shard]
         if pieces:
             at = [pc.at for pc in pieces]
@@ -157,6 +164,21 @@ class ParamGather:
         if self.record_times:
             self.mark(pos, "issued")
             _record_completion(handle, self.times[pos])
+
+    def _draw(self, pos: int) -> torch.Tensor:
+        """A stage for bucket ``pos`` from the pool (the oldest drawn all-gather written first when none is free)."""
+        b = self.buckets[pos]
+        nbytes = b.padded * b.dtype.itemsize
+        if not self.pool.fits(nbytes):  # larger than a slot: a stage of its own, for this all-gather only
+            stage = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+            self._drawn[pos] = (None, stage)
+            return stage
+        while self.pool.full:
+            self.wait([next(p for p in self._pending if p in self._drawn and self._drawn[p][0] is not None)])
+        slot = self.pool.take()
+        stage = slot[:nbytes].view(b.dtype)
+        self._drawn[pos] = (slot, stage)
+        return stage
 
     def end_step(self) -> None:
         """After every bucket's all-gather was issued: without overlap, wait for them all."""
@@ -188,13 +210,16 @@ class ParamGather:
     def _write(self, pos: int) -> None:
         b = self.buckets[pos]
         staged = self.staged[pos]
+        drawn = self._drawn.pop(pos, None)
         if any(staged):
-            stage = self.stages[pos]
+            stage = self.stages[pos] if drawn is None else drawn[1]
             params = [p.detach() for p in b.params]
             for_each_run(staged, b.offsets, b.numel, lambda a, z, lo, hi: ops.unflatten_scale(stage[lo:hi], params[a:z]))
         owner = self.borrowed.get(pos)
         if owner is not None:
             owner.zero_()
+        if drawn is not None and drawn[0] is not None:
+            self.pool.give(drawn[0])
 
     # ------------------------------------------------------------------ hooks
 

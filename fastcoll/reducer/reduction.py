@@ -22,20 +22,20 @@ replayed one only waits). The reducer never asks which way a bucket goes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import ops
 from ..distributed.sparse import SparseExchange, empty_sparse_grad
-from .bucket import GradBucket, MainGradBucket, PackArgs
+from .bucket import GradBucket, MainGradBucket, PackArgs, pack_range
 from .comm import DONE, Communicator
 from .hooks import call_hook, hook_result
 from .timeline import Timeline
 
 __all__ = [
-    "AccumAllReduce", "AccumReduceScatter", "AllReduce", "CommHook", "InFlight", "ReduceScatter", "ShardGrads", "Skipped",
-    "SparseSum", "ZeroBuffers",
+    "AccumAllReduce", "AccumReduceScatter", "AllReduce", "CommHook", "InFlight", "Pooled", "ReduceScatter", "ShardGrads",
+    "Skipped", "SparseSum", "ZeroBuffers",
 ]  # fmt: skip
 
 
@@ -234,8 +234,12 @@ class _Scattered(InFlight):
                 aside = self.shards.take_aside(b.pos)
                 if aside is not None:
                     self.target.add_(aside)
-            elif isinstance(b, MainGradBucket):
-                b.zero()  # its sum is in the range now
+            elif isinstance(b, MainGradBucket) and not b.pooled:
+                b.zero()  # its sum is in the range now (a pooled bucket's buffer goes back instead)
+        self.sum_squares(sumsq)
+
+    def sum_squares(self, sumsq: Optional[torch.Tensor]) -> None:
+        """The sum of squares of the range (what it holds now) into ``sumsq``, when given."""
         if sumsq is not None:
             ops.sum_of_squares([self.target], out=sumsq)
 
@@ -452,6 +456,166 @@ class AccumReduceScatter(ReduceScatter):
             _, handle = _exchange(self.comm, b, torch.zeros(b.padded, dtype=b.comm.dtype, device=b.device))
             self.comm.wait(handle, f"bucket {b.pos}")
         return InFlight(DONE)
+
+
+# ------------------------------------------------------- pooled bucket buffers
+
+
+class _PooledInFlight(InFlight):
+    """A reduce-scatter whose bucket borrowed its buffers from the pool: they go back when it has landed."""
+
+    __slots__ = ("inner", "bucket", "pool", "done")
+
+    def __init__(self, inner: _Scattered, bucket: GradBucket, pool: Any):
+        super().__init__(DONE)
+        self.inner = inner
+        self.bucket = bucket
+        self.pool = pool
+        self.done = False
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def after_used_map(self) -> None:
+        self.inner.after_used_map()
+
+    def retire(self) -> None:
+        """Before the end of backward (the pool is short of buffers): wait, land the range, give the buffers back."""
+        if not self.done:
+            self.inner.finish(None, None)
+            self.done = True
+            self.pool.release(self.bucket)
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        if self.done:  # retired early: only the norm is left
+            self.inner.sum_squares(sumsq)
+            return
+        self.inner.finish(used, sumsq)
+        self.done = True
+        self.pool.release(self.bucket)
+
+
+class _Chunk:
+    """One chunk of a bucket too large for a pool buffer: its reduce-scatter into a slice of the range."""
+
+    __slots__ = ("handle", "out", "target", "add", "slot", "pool", "comm", "what", "done")
+
+    def __init__(self, handle: Any, out: torch.Tensor, target: torch.Tensor, add: bool, slot: torch.Tensor, pool: Any,
+                 comm: Communicator, what: str):  # fmt: skip
+        self.handle, self.out, self.target, self.add = handle, out, target, add
+        self.slot, self.pool, self.comm, self.what = slot, pool, comm, what
+        self.done = False
+
+    def retire(self) -> None:
+        """Wait, land the slice, give the buffer back."""
+        if self.done:
+            return
+        self.comm.wait(self.handle, self.what)
+        with torch.no_grad():
+            if self.add:
+                self.target.add_(self.out)
+            elif self.out.data_ptr() != self.target.data_ptr():
+                self.target.copy_(self.out)
+        self.done = True
+        self.pool.give(self.slot)
+
+
+class _ChunkedInFlight(InFlight):
+    """The chunks of one bucket; finished when every chunk has landed."""
+
+    __slots__ = ("chunks", "bucket", "target", "done")
+
+    def __init__(self, bucket: GradBucket, target: torch.Tensor, timeline: Timeline):
+        super().__init__(DONE, timeline)
+        self.chunks: List[_Chunk] = []
+        self.bucket = bucket
+        self.target = target
+        self.done = False
+
+    def retire(self) -> None:
+        for c in self.chunks:
+            c.retire()
+        self.done = True
+
+    def finish(self, used: Optional[Sequence[bool]], sumsq: Optional[torch.Tensor] = None) -> None:
+        if not self.done:
+            self.retire()
+            self.timeline.completed(self.bucket.pos)
+        if sumsq is not None:
+            ops.sum_of_squares([self.target], out=sumsq)
+
+
+class Pooled:
+    """A reduce-scatter (or its one-rounding variant) of buckets whose full-size buffers come from a pool.
+
+    ``start`` lends the bucket a slot (:class:`~fastcoll.reducer.pool.GradBufferPool`), first retiring the
+    oldest of its reductions still in flight when every slot is lent; the slot goes back once the range
+    has landed. Retiring issues no collective, so every rank still issues the same ones in the same order.
+
+    A bucket larger than a slot (one parameter larger than the bucket cap) is packed and reduce-scattered
+    in chunks (plain reduce-scatter only): chunk j carries the j-th slice of every rank's range, each
+    chunk in a slot of its own, so the pool's bound holds whatever the largest parameter.
+    """
+
+    def __init__(self, inner: ReduceScatter, pool: Any):
+        self.inner = inner
+        self.pool = pool
+        self._live: List[Any] = []  # started (whole buckets or chunks), in order
+
+    def _free_one(self) -> None:
+        """Retire the oldest reduction (or chunk) still holding a slot."""
+        self._live = [f for f in self._live if not f.done]
+        if not self._live:
+            raise RuntimeError(f"fastcoll: internal error: all {self.pool.bound} gradient pool buffers are lent")
+        self._live.pop(0).retire()
+
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        if not self.pool.has(b) and self.pool.chunked(b):
+            return self._start_chunked(b, how)
+        while self.pool.full and not self.pool.has(b):
+            self._free_one()
+        self.pool.attach(b)
+        f = _PooledInFlight(self.inner.start(b, how, done), b, self.pool)
+        self._live.append(f)
+        return f
+
+    def _start_chunked(self, b: GradBucket, how: PackArgs) -> InFlight:
+        inner, comm, world = self.inner, self.inner.comm, self.inner.comm.world_size
+        shards = inner.shards
+        target = shards.grads[b.pos]
+        shard = target.numel()
+        wire = b.wire_dtype
+        per = self.pool.chunk_elements(b)  # elements of each rank's range per chunk
+        add = shards.filled
+        f = _ChunkedInFlight(b, target, inner.timeline)
+        inner.timeline.pack_start(b.pos)
+        for lo in range(0, shard, per):
+            n = min(per, shard - lo)
+            while self.pool.full:
+                self._free_one()
+            slot = self.pool.take()
+            buf, wbuf = b.pool_views(slot, world * n)
+            for q in range(world):
+                start = q * shard + lo
+                w = None if wbuf is None else wbuf[q * n : (q + 1) * n]
+                pack_range(b, start, start + n, buf[q * n : (q + 1) * n], how, w)
+            send = buf if wbuf is None else wbuf
+            direct = not add and target.dtype == wire
+            out = target[lo : lo + n] if direct else torch.empty(n, dtype=wire, device=b.device)
+            what = f"bucket {b.pos} (chunk {lo // per})"
+            handle = comm.reduce_scatter(out, send, what) if n else DONE
+            c = _Chunk(handle, out, target[lo : lo + n], add, slot, self.pool, comm, what)
+            f.chunks.append(c)
+            self._live.append(c)
+        inner.timeline.pack_end(b.pos)
+        inner.timeline.issued(b.pos)
+        if shards.free_local:
+            for p in b.params:
+                p.grad = None
+        return f
+
+    def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:
+        return self.inner.start_zeros(b, zeros, how)
 
 
 # ------------------------------------------------------------------- comm hook

@@ -17,6 +17,7 @@ import torch
 from .bucket import MainGradBucket
 from .kept_grads import KeptGradients
 from .param_gather import ParamGather
+from .pool import GradBufferPool
 from .reduction import ShardGrads
 from .shards import ShardLayout, aligned_first
 
@@ -32,8 +33,13 @@ class ReducerSharding:
     param_gather: Optional[ParamGather]
     main_buckets: list
     unsynchronized: bool
+    pool: Optional[GradBufferPool]
+    accumulate: Optional[str]
+    _pool_bound: int
 
-    def shard(self, sharded_grads: bool, advice: str = "") -> ShardLayout:
+    def shard(
+        self, sharded_grads: bool, advice: str = "", pool_buffers: int = 0, accumulate: Optional[str] = None
+    ) -> ShardLayout:
         """Divide every dense bucket among the ranks, for whoever updates the ranges; returns the ranges.
 
         The layout is fixed from here on: a ready-order rebuild still due
@@ -45,6 +51,11 @@ class ReducerSharding:
         gradients), never in ``.grad``; :attr:`kept` presents the kept
         gradients in ``.grad``, and ``advice`` is what its refusals tell the
         user to do instead. Between iterations only.
+
+        ``pool_buffers`` > 0 (with ``sharded_grads``): the buckets' full-size buffers exist only from their
+        pack to the end of their reduce-scatter, lent by a pool of that many (:attr:`pool`, :mod:`.pool`),
+        and each rank keeps only its ranges; ``accumulate`` says what ``no_sync`` does then
+        (:data:`~fastcoll.reducer.pool.ACCUMULATE`): ``"reduce_scatter"`` reduces every backward.
 
         Raises:
             RuntimeError: already sharded, a comm hook is registered, the layout is being tuned, or a bucket is sparse.
@@ -69,6 +80,9 @@ class ReducerSharding:
         self.rebuild_buckets()
         self._set.order.stop()
         self._shard_world = self.world_size
+        if pool_buffers and sharded_grads:
+            self._pool_bound = int(pool_buffers)
+            self.accumulate = accumulate
         # The optimizer agrees on non-finite gradients from the total when it steps ranges of them (GradScaler).
         self.health.keep_total = bool(sharded_grads or self.main_buckets)
         # The buckets again, padded to be divided, each with its odd-sized parameters last (the others aligned).
@@ -82,11 +96,12 @@ class ReducerSharding:
             grads, in_place = {}, []
             for bs in self.shards.buckets:
                 b = buckets[bs.pos]
-                if isinstance(b, MainGradBucket):  # the range of the float32 bucket itself (Megatron's layout)
+                if isinstance(b, MainGradBucket) and not b.pooled:  # the float32 bucket's own range (Megatron's layout)
                     grads[bs.pos] = b.flat_padded[bs.start : bs.start + bs.shard]
                     in_place.append(bs.pos)
-                else:
-                    grads[bs.pos] = torch.zeros(bs.shard, dtype=b.dtype, device=self.usage.device)
+                else:  # (float32 for main gradients: pooled buckets keep only their ranges)
+                    dtype = b.main_dtype if isinstance(b, MainGradBucket) else b.dtype
+                    grads[bs.pos] = torch.zeros(bs.shard, dtype=dtype, device=self.usage.device)
             self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite, in_place=in_place)
             self._index_reductions()  # the dense buckets are reduce-scattered from now on
             self.health.watched = [self.shard_grads.grads[bs.pos] for bs in self.shards.buckets]
@@ -150,8 +165,16 @@ class ReducerSharding:
             )
         return b.views[self._set.slot_pos[idx]]
 
+    @property
+    def reduces_every_backward(self) -> bool:
+        """Every backward is reduced, ``no_sync`` ones too (pooled buffers with ``accumulate="reduce_scatter"``)."""
+        return self.accumulate == "reduce_scatter"
+
     def zero_main_grads(self, busy: Collection[int] = ()) -> None:
         """Start a new accumulation of the main gradients (``busy``: buckets whose memory is in use now, zeroed later)."""
+        if self.pool is not None:
+            self.pool.release_held(self.main_buckets)  # the pooled ones have no memory of their own
+            return
         for b in self.main_buckets:
             if b.pos not in busy:
                 b.zero()

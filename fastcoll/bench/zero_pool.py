@@ -1,0 +1,207 @@
+"""ZeRO-2 on a buffer pool: ``ShardedOptimizer(grads="sharded", grad_buffers="pool")`` against persistent buffers.
+
+Part of ``python -m fastcoll.bench zero`` (docs/sharded-optimizer.md). GPT-2's
+parameter shapes (the synthetic model of :mod:`fastcoll.bench.zero_bf16`) in
+bfloat16 with float32 main gradients, float32 masters and AdamW, at 2 and 4
+gloo ranks: bytes held per rank per parameter by kind and the peak resident
+growth (a fresh process group per method), then the step time of both side by
+side, without accumulation and with 4 micro-batches under ``no_sync`` (both
+accumulation choices of the pool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+import fastcoll
+
+from ..reducer.shards import PAD_SHARE
+from . import models, report, runner, stats, zero_bf16
+
+BF16 = torch.bfloat16
+#: method -> (grad_buffers, accumulate, micro-batches, pool_buffers)
+METHODS: Dict[str, Tuple[str, Any, int, Any]] = {
+    "persistent": ("persistent", None, 1, None),
+    "pool": ("pool", "reduce_scatter", 1, 2),
+    "pool 1 buffer": ("pool", "reduce_scatter", 1, 1),
+    "persistent x4": ("persistent", None, 4, None),
+    "pool rs x4": ("pool", "reduce_scatter", 4, 2),
+    "pool full x4": ("pool", "full", 4, 2),
+}
+MEMORY = ("persistent", "pool", "pool 1 buffer")
+TIMED = ("persistent", "pool", "persistent x4", "pool rs x4", "pool full x4")
+STEP_VS_PERSISTENT = 1.05  # pool's step <= this x persistent's (no accumulation)
+PEAK_VS_PERSISTENT = 0.75  # pool's peak resident growth per rank <= this x persistent's, at 4 ranks
+#: GPT-2 small's shapes with 4 of its 12 layers (the step times: 4 gloo ranks on 2 cores are slow at 12).
+GPT2_SMALL_4 = models.GPT2Shapes("gpt2_small_4l_bf16", "GPT-2 small shapes, 4 layers", layers=4)
+CONFIGS = {  # memory at ``shapes``, step time at ``timed_shapes``
+    "smoke": dict(worlds=(2,), reps=2, max_reps=2, setup_steps=2, shapes=models.GPT2_SMOKE, timed_shapes=models.GPT2_SMOKE),
+    "default": dict(worlds=(2, 4), reps=4, max_reps=6, setup_steps=2, shapes=models.GPT2_SMALL, timed_shapes=GPT2_SMALL_4),
+    "full": dict(worlds=(2, 4), reps=5, max_reps=10, setup_steps=2, shapes=models.GPT2_SMALL, timed_shapes=models.GPT2_SMALL),
+}
+
+
+def make_method(method: str, module: nn.Module, device: str, cap_mb: float = 25.0) -> Tuple[nn.Module, Any]:
+    """fastcoll.DDP(main_grad_dtype=float32, bucket_cap_mb=cap_mb) + ShardedOptimizer(AdamW, grads="sharded", float32
+    masters) of ``method``."""
+    buffers, accumulate, _, bound = METHODS[method]
+    # No stall detection: 4 ranks on 2 busy cores can leave one rank seconds behind (it would be diagnosed).
+    wrapper = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32, stall_timeout=0, bucket_cap_mb=cap_mb)
+    kw = {"grad_buffers": "pool", "accumulate": accumulate, "pool_buffers": bound} if buffers == "pool" else {}
+    inner = torch.optim.AdamW(wrapper.parameters(), **models.adamw_kwargs(device, (torch.float32, BF16)))
+    return wrapper, fastcoll.ShardedOptimizer(inner, wrapper, grads="sharded", master_dtype=torch.float32, **kw)
+
+
+def make_step(method: str, wrapper: Any, opt: Any, x: torch.Tensor) -> Callable[[], None]:
+    """zero_grad; the micro-batches' forward and backward (all but the last under no_sync); step."""
+    micro = METHODS[method][2]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        for k in range(micro):
+            with wrapper.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                wrapper(x).backward()
+        opt.step()
+
+    return step
+
+
+def _memory(me: runner.Rank, shapes: models.GPT2Shapes, method: str) -> Dict[str, Any]:
+    """This rank's bytes by kind (the pool's slots counted as "pool") and its peak resident growth."""
+    probe = runner.MemoryProbe(me.device)
+    probe.start()
+    dims = [s for _, s in shapes.shapes()]
+    module = zero_bf16.build_model(dims, "sharded", device=me.device)
+    wrapper, opt = make_method(method, module, me.device, me.cfg["bucket_cap_mb"])
+    step = make_step(method, wrapper, opt, models.shape_input(len(dims), me.rank, me.device))
+    for _ in range(me.cfg["setup_steps"] + 1):
+        step()
+    runner.settle(opt)
+    held = zero_bf16.account("sharded", module, wrapper, opt, [])
+    held["pool"] = opt.grad_pool.nbytes if opt.grad_pool is not None else 0
+    held["total"] += held["pool"]
+    info = {"rank": me.rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(), "held": held}
+    del wrapper, opt, step
+    gc.collect()
+    me.tick()
+    return {"ranks": runner.gather(info)}
+
+
+def _timing(me: runner.Rank, shapes: models.GPT2Shapes) -> Dict[str, Any]:
+    """Every method side by side in one process group, rounds until the step target resolves."""
+    dims = [s for _, s in shapes.shapes()]
+    x = models.shape_input(len(dims), me.rank, me.device)
+
+    def make(m: str) -> Tuple[Any, Any, Callable[[], None]]:
+        module = zero_bf16.build_model(dims, "sharded", device=me.device)
+        wrapper, opt = make_method(m, module, me.device, me.cfg["bucket_cap_mb"])
+        return wrapper, opt, make_step(m, wrapper, opt, x)
+
+    methods = list(TIMED)
+    runs, _ = runner.start_runs(me, methods, make)
+    goal = [(stats.median_ratio("pool", "persistent"), STEP_VS_PERSISTENT, "le")]
+    samples = runner.optimizer_rounds(me, runs, 1, me.cfg["reps"], me.cfg["max_reps"], goal)
+    runs.clear()
+    return {"samples": samples}
+
+
+def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]]) -> Dict[str, Any]:
+    """Bytes per parameter, the peak and step ratios and the targets of one world size."""
+    out: Dict[str, Any] = {"world_size": world, "methods": {}, "targets": {}}
+    for m in MEMORY:
+        ranks = memory[m]["ranks"]
+        numel = ranks[0]["numel"]
+        worst = max(ranks, key=lambda r: r["held"]["total"])["held"]
+        out["methods"][m] = {"bytes_per_param": {k: v / numel for k, v in worst.items()}, "held": worst,
+                             "peak_bytes": [r["peak_bytes"] for r in ranks], "numel": numel}  # fmt: skip
+    for m in MEMORY[1:]:
+        pool = out["methods"][m]
+        budget = (2 + 16 / world) * (1 + PAD_SHARE) + pool["bytes_per_param"]["pool"]  # (+ the ranges' padding)
+        out["targets"][f"bytes {m}"] = {**stats.target(pool["bytes_per_param"]["total"], budget, None, "le", "exact"),
+                                        "what": f"{m}: bytes per parameter held, N={world} (<= 2 + 16/N + the pool)"}  # fmt: skip
+        per_rank = stats.per_rank_ratios(pool["peak_bytes"], out["methods"]["persistent"]["peak_bytes"])
+        if per_rank and world == 4:
+            t = stats.target(max(per_rank), PEAK_VS_PERSISTENT, (min(per_rank), max(per_rank)), "le", "range over ranks")
+            out["targets"][f"peak {m}"] = {**t, "what": f"peak resident growth per rank, {m} / persistent, N={world}"}
+        elif per_rank:
+            out[f"peak {m}/persistent"] = max(per_rank)
+    t = stats.ratio_target(samples, "pool", "persistent", STEP_VS_PERSISTENT)
+    out["targets"]["step"] = {**t, "what": f"step, pool / persistent, N={world}"}
+    out["ratios"] = {f"{a}/{b}": stats.ratio_target(samples, a, b, 1.0)
+                     for a, b in (("pool rs x4", "persistent x4"), ("pool full x4", "persistent x4"))}  # fmt: skip
+    out["step_s"] = {m: stats.summarize(s)["median_s"] for m, s in samples.items()}
+    return out
+
+
+def measure(args: Any = None) -> Dict[str, Any]:
+    """Memory (a process group per method) and timing (one per world size), at each world size of the level."""
+    cfg = runner.level_config(args, CONFIGS, 2, bucket_cap_mb=getattr(args, "bucket_cap_mb", None) or 25.0)
+    shapes, timed_shapes = cfg["shapes"], cfg["timed_shapes"]
+    units = sum(len(MEMORY) + len(TIMED) * (cfg["max_reps"] + 1) for _ in cfg["worlds"])
+    rows, started = [], time.perf_counter()
+    with report.progress("zero pool", units) as bar:
+        for ws in cfg["worlds"]:
+            c = {**cfg, "world_size": ws, "threads": runner.threads_per_rank(args, ws), "shapes": None, "timed_shapes": None}
+            memory = {}
+            for m in MEMORY:
+                bar.describe(f"zero pool: {shapes.label}, N={ws}, memory of {m}")
+                memory[m] = runner.run_ranks(_memory, c, (shapes, m), ws, bar)
+            bar.describe(f"zero pool: {timed_shapes.label}, N={ws}, timing")
+            timed = runner.run_ranks(_timing, {**c, "keep_freed_memory": True, "freeze": True}, (timed_shapes,), ws, bar)
+            rows.append(analyze(ws, memory, timed["samples"]))
+    settings = {**{k: v for k, v in cfg.items() if "shapes" not in k}, "model": shapes.label, "numel": shapes.numel(),
+                "timed_model": timed_shapes.label, "timed_numel": timed_shapes.numel(),
+                "methods": {m: dict(zip(("grad_buffers", "accumulate", "micro_batches", "pool_buffers"), v))
+                            for m, v in METHODS.items()},
+                "elapsed_s": time.perf_counter() - started}  # fmt: skip
+    return {"benchmark": "zero_pool", "config": settings, "results": rows}
+
+
+def print_results(payload: Dict[str, Any]) -> None:
+    cfg, mib = payload["config"], report.mib
+    body = []
+    for row in payload["results"]:
+        for m in MEMORY:
+            e = row["methods"][m]
+            b = e["bytes_per_param"]
+            body.append([row["world_size"], m, mib(e["held"]["params"]), mib(e["held"]["buckets"]), mib(e["held"]["pool"]),
+                         mib(e["held"]["state"] + e["held"]["masters"]), f"{b['total']:.2f}",
+                         f"{2 + 16 / row['world_size']:.1f} / {6 + 12 / row['world_size']:.1f}",
+                         report.per_rank_mib(e["peak_bytes"])])  # fmt: skip
+    report.table(f"fastcoll zero pool: bytes per rank, {cfg['model']} ({cfg['numel'] / 1e6:.1f} M parameters, bf16 + fp32 "
+                 "main grads + fp32 masters + AdamW)",
+                 ["N", "grad buffers", "params", "buckets + ranges", "pool", "state + masters", "B/P held",
+                  "2+16/N / Megatron 6+12/N", "peak growth per rank"], body,
+                 f"bucket_cap_mb={cfg['bucket_cap_mb']}; MiB, worst rank; buckets + ranges: full-size bucket buffers, "
+                 "the kept ranges, all-gather stages")  # fmt: skip
+    body = [[row["world_size"], *(report.fmt_time(row["step_s"][m]) for m in TIMED),
+             report.target_cell(row["targets"]["step"]),
+             *(f"{report.fmt_ratio(r['value'])} ({report.fmt_ratio((r['ci90'] or [None])[0])}..."
+               f"{report.fmt_ratio((r['ci90'] or [None, None])[1])})" for r in row["ratios"].values())]
+            for row in payload["results"]]  # fmt: skip
+    report.table(f"fastcoll zero pool: step time, {cfg['timed_model']} ({cfg['timed_numel'] / 1e6:.1f} M, {cfg['device']})",
+                 ["N", *TIMED, "pool/persistent", "rs x4/persistent x4", "full x4/persistent x4"], body,
+                 "median step of the slowest rank, steady state; ratios: median ratio (90% paired bootstrap interval); "
+                 "x4: 4 micro-batches, the first 3 under no_sync")  # fmt: skip
+    body = [[t["what"], report.target_cell(t, lambda v: "-" if v is None else f"{v:.4g}"), f"<= {t['threshold']:.4g}",
+             t["interval"]] for row in payload["results"] for t in row["targets"].values()]  # fmt: skip
+    report.table("fastcoll zero pool: targets", ["target", "value (interval) verdict", "target", "interval"], body)
+
+
+def run_section(args: Any = None) -> int:
+    """Measure, print and write ``benchmarks/out/zero_pool_<device>.json`` (CPU gloo only). Returns 0."""
+    device = getattr(args, "device", "cpu") or "cpu"
+    if device != "cpu":
+        report.say("[yellow]fastcoll.bench zero pool: measured on CPU gloo ranks only; skipping[/yellow]")
+        return 0
+    payload = measure(args)
+    print_results(payload)
+    named = [(t["what"], t) for row in payload["results"] for t in row["targets"].values()]
+    report.conclude("pool", zero_bf16.json_path(args, device, "pool"), payload, named)
+    return 0

@@ -1,0 +1,382 @@
+"""``ShardedOptimizer(grads="sharded", grad_buffers="pool")`` (ZeRO-2), on 2, 3 and 4 gloo ranks.
+
+* Results: the pool trains exactly as persistent buffers do (bitwise where the summation order is the same:
+  one backward per step, ``accumulate="full"`` under ``no_sync``, synchronized micro-batches against
+  ``accumulate="reduce_scatter"``), within rounding otherwise, and as torch DDP + AdamW in float32;
+  bf16 parameters with float32 main gradients and masters; uneven buckets, parameters without a parameter
+  buffer (odd sizes: their all-gather stage comes from the pool) and straddling ranges; find_unused, static_graph,
+  clipping, the non-finite check, comm_accum_dtype=float32 with comm_dtype=bf16.
+* The bound: the pool never lends more than ``pool_buffers`` buffers (its counter), and after backward and step no
+  bucket holds a full-size buffer (the control: persistent buckets do).
+* Checkpoints saved with the pool load without it and at another world size.
+* Refusals.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from multiproc import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastcoll
+from fastcoll.optim import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(600)
+
+BF16 = torch.bfloat16
+
+
+class Net(nn.Module):
+    """Uneven parameters: two of odd sizes (301, 77) keep their buckets from a parameter buffer; an unused head."""
+
+    def __init__(self, unused: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 24)
+        self.odd = nn.Parameter(torch.randn(301) * 0.1)
+        self.b = nn.Linear(24, 40)
+        self.odd2 = nn.Parameter(torch.randn(77) * 0.1)
+        self.c = nn.Linear(40, 8)
+        self.head = nn.Linear(8, 3) if unused else None
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) + self.odd[:24]
+        h = torch.tanh(self.b(h)) * (1 + self.odd2[:40])
+        return self.c(h)
+
+
+def _x(step: int, micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, 16, generator=g)
+
+
+def train(rank: int, world: int, cfg: dict) -> dict:
+    """``cfg``: impl (torch / persistent / pool), bf16, micro, no_sync, and fastcoll.DDP / optimizer options."""
+    model = Net(unused=cfg.get("find_unused", False))
+    if cfg.get("bf16"):
+        model = model.to(BF16)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    pool_stats = {}
+    if cfg["impl"] == "torch":
+        ddp, opt = TorchDDP(model, find_unused_parameters=cfg.get("find_unused", False)), inner
+    else:
+        kw = dict(
+            bucket_cap_mb=cfg.get("cap", 0.004), first_bucket_mb=0.0003, find_unused_parameters=cfg.get("find_unused", False)
+        )
+        kw.update({k: cfg[k] for k in ("static_graph", "check_nonfinite", "comm_dtype", "comm_accum_dtype") if k in cfg})
+        if cfg.get("bf16"):
+            kw["main_grad_dtype"] = torch.float32
+        ddp = fastcoll.DDP(model, **kw)
+        okw = {k: cfg[k] for k in ("accumulate", "pool_buffers", "overlap_param_gather") if k in cfg}
+        if cfg["impl"] == "pool":
+            okw["grad_buffers"] = "pool"
+        master = torch.float32 if cfg.get("bf16") else None
+        opt = fastcoll.ShardedOptimizer(inner, ddp, grads="sharded", master_dtype=master, **okw)
+    micro = cfg.get("micro", 1)
+    lent_after = []
+    for step in range(cfg.get("steps", 3)):
+        opt.zero_grad()
+        for m in range(micro):
+            sync = not cfg.get("no_sync") or m == micro - 1
+            ctx = ddp.no_sync() if not sync else _Null()
+            with ctx:
+                x = _x(step, m, rank).to(BF16 if cfg.get("bf16") else torch.float32)
+                ddp(x).float().pow(2).mean().backward()
+            if cfg["impl"] == "pool":
+                lent_after.append(opt.grad_pool.live)
+        if cfg.get("clip"):
+            norm = opt.clip_grad_norm_(cfg["clip"]) if cfg["impl"] != "torch" else nn.utils.clip_grad_norm_(
+                model.parameters(), cfg["clip"])  # fmt: skip
+            pool_stats.setdefault("norms", []).append(float(norm))
+        opt.step()
+    if cfg["impl"] != "torch":
+        opt.finish_param_sync()
+        bucket_bytes = sum(b.flat_padded.numel() * b.flat_padded.element_size() for b in ddp.reducer.buckets)
+        pool_stats["bucket_bytes"] = bucket_bytes
+    if cfg["impl"] == "pool":
+        p = opt.grad_pool
+        pool_stats.update(chunked=sum(p.chunked(b) for b in ddp.reducer.buckets), bound=p.bound, peak=p.peak,
+                          live=p.live, held=p.held, peak_held=p.peak_held, lent_after_backward=lent_after,
+                          buckets=len(ddp.reducer.buckets))  # fmt: skip
+    params = [q.detach().double().clone() for q in model.parameters()]
+    return {"params": params, **pool_stats}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _same(a: dict, b: dict, exact: bool, tol: float = 0.0) -> None:
+    for k, (x, y) in enumerate(zip(a["params"], b["params"])):
+        if exact:
+            assert torch.equal(x, y), (k, (x - y).abs().max())
+        else:
+            assert torch.allclose(x, y, atol=tol, rtol=tol), (k, (x - y).abs().max())
+
+
+def _run(world: int, **cfg) -> dict:
+    out = run_ranks(train, world, cfg, timeout=240)
+    for r in out[1:]:  # every rank holds the same parameters after the all-gather
+        _same(out[0], r, exact=True)
+    return out[0]
+
+
+# --------------------------------------------------------------------------- results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp32_pool_equals_persistent_and_torch(world):
+    torch_ref = _run(world, impl="torch")
+    persistent = _run(world, impl="persistent")
+    pool = _run(world, impl="pool")
+    _same(pool, persistent, exact=True)
+    _same(pool, torch_ref, exact=False, tol=1e-5)
+    assert pool["peak"] == 2 and pool["live"] == 0 and pool["buckets"] > 2  # the bound was reached, never passed
+    assert pool["bucket_bytes"] == 0 and persistent["bucket_bytes"] > 0  # no full-size buffer kept (the control)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_main_grads_masters_pool_equals_persistent(world):
+    persistent = _run(world, impl="persistent", bf16=True)
+    pool = _run(world, impl="pool", bf16=True)
+    _same(pool, persistent, exact=True)
+    assert pool["peak"] == 2 and pool["bucket_bytes"] == 0 and persistent["bucket_bytes"] > 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_accumulation_choices(bf16):
+    """4 micro-batches: "full" under no_sync is persistent's arithmetic (bitwise); "reduce_scatter" reduces every
+    micro-batch: bitwise equal to persistent buffers synchronizing every micro-batch, within rounding of no_sync."""
+    world = 2
+    persistent_nosync = _run(world, impl="persistent", bf16=bf16, micro=4, no_sync=True)
+    persistent_sync = _run(world, impl="persistent", bf16=bf16, micro=4)
+    full = _run(world, impl="pool", bf16=bf16, micro=4, no_sync=True, accumulate="full")
+    rs = _run(world, impl="pool", bf16=bf16, micro=4, no_sync=True, accumulate="reduce_scatter")
+    _same(full, persistent_nosync, exact=True)
+    _same(rs, persistent_sync, exact=True)
+    _same(rs, persistent_nosync, exact=False, tol=2e-2 if bf16 else 1e-5)
+    for res in (full, rs):
+        assert res["peak"] <= 2 and res["live"] == 0 and res["held"] == 0
+    # "full" holds one accumulation buffer per main-gradient bucket between micro-batches (bf16), none for fp32.
+    assert (full["peak_held"] > 0) == bf16 and rs["peak_held"] == 0
+    if bf16:
+        assert max(full["lent_after_backward"]) == 0  # the held buffers are outside the bound, released after sync
+    if not bf16:
+        torch_ref = _run(world, impl="torch", micro=4, no_sync=True)
+        _same(full, torch_ref, exact=False, tol=1e-5)
+        _same(rs, torch_ref, exact=False, tol=1e-5)
+
+
+@pytest.mark.parametrize("bound", [1, 3])
+def test_pool_bound(bound):
+    persistent = _run(2, impl="persistent", bf16=True, cap=0.0003)
+    pool = _run(2, impl="pool", bf16=True, pool_buffers=bound, cap=0.0003)
+    _same(pool, persistent, exact=True)
+    assert pool["buckets"] > bound and pool["bound"] == bound and pool["peak"] == bound and pool["live"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_buckets_larger_than_a_pool_buffer_reduce_in_chunks(world, bf16):
+    """A cap below the parameters' sizes: their buckets are reduce-scattered in cap-sized chunks (each rank's range
+    sliced alike). Bitwise at 2 ranks (each element is one sum of two values); beyond, gloo's all-reduce of a
+    chunk may add the ranks' values in another order than the whole bucket's: within rounding."""
+    persistent = _run(world, impl="persistent", bf16=bf16, cap=0.0003)
+    pool = _run(world, impl="pool", bf16=bf16, cap=0.0003, pool_buffers=2)
+    _same(pool, persistent, exact=world == 2, tol=2e-2 if bf16 else 1e-6)
+    assert pool["peak"] == 2 and pool["live"] == 0 and pool["bucket_bytes"] == 0 and pool["chunked"] > 0
+
+
+def test_chunks_with_a_wire_dtype_the_nonfinite_check_and_clipping():
+    """Chunked packs cast float32 main gradients to a bf16 wire, raise the non-finite flag, feed the norm."""
+    for extra in (dict(comm_dtype=BF16), dict(clip=0.05, check_nonfinite=True)):
+        persistent = _run(2, impl="persistent", bf16=True, cap=0.0003, **extra)
+        pool = _run(2, impl="pool", bf16=True, cap=0.0003, **extra)
+        _same(pool, persistent, exact=True)
+        assert pool["chunked"] > 0 and pool.get("norms") == persistent.get("norms")
+
+
+def test_find_unused_static_graph_clip_nonfinite_check():
+    for extra in (dict(find_unused=True), dict(static_graph=True), dict(clip=0.05, check_nonfinite=True)):
+        persistent = _run(2, impl="persistent", bf16=True, **extra)
+        pool = _run(2, impl="pool", bf16=True, **extra)
+        _same(pool, persistent, exact=True)
+        if "clip" in extra:
+            assert pool["norms"] == persistent["norms"]
+
+
+def test_comm_accum_dtype_under_the_pool():
+    for world in (2, 3):
+        cfg = dict(bf16=True, comm_dtype=BF16, comm_accum_dtype=torch.float32)
+        _same(_run(world, impl="pool", **cfg), _run(world, impl="persistent", **cfg), exact=True)
+
+
+def test_overlapped_param_gather_with_pool():
+    persistent = _run(2, impl="persistent", bf16=True, overlap_param_gather=True)
+    pool = _run(2, impl="pool", bf16=True, overlap_param_gather=True, pool_buffers=1)
+    _same(pool, persistent, exact=True)
+    assert pool["peak"] == 1
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _ckpt_model(impl: str):
+    model = Net().to(BF16)
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, bucket_cap_mb=0.0003, first_bucket_mb=0.0003)
+    kw = {"grad_buffers": "pool"} if impl == "pool" else {}
+    opt = fastcoll.ShardedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), ddp, grads="sharded", master_dtype=torch.float32, **kw
+    )
+    return model, ddp, opt
+
+
+def _steps(ddp, opt, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        rows = torch.cat([_x(step, 0, r) for r in range(4)])  # the same global batch at every world size
+        mine = rows[rank * 16 // world : (rank + 1) * 16 // world].to(BF16)
+        (ddp(mine).float().pow(2).sum() * (world / 16)).backward()
+        opt.step()
+    opt.finish_param_sync()
+
+
+def ckpt_save(rank: int, world: int, directory: str) -> None:
+    model, ddp, opt = _ckpt_model("pool")
+    _steps(ddp, opt, rank, world, range(2))
+    ckpt.save_sharded(opt, directory)
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(directory, "model.pt"))
+
+
+def ckpt_load(rank: int, world: int, directory: str, impl: str) -> dict:
+    model, ddp, opt = _ckpt_model(impl)
+    if directory:
+        model.load_state_dict(torch.load(os.path.join(directory, "model.pt"), weights_only=True))
+        ckpt.load_sharded(opt, directory)
+        _steps(ddp, opt, rank, world, range(2, 4))
+    else:
+        _steps(ddp, opt, rank, world, range(4))
+    return {"params": [q.detach().double().clone() for q in model.parameters()]}
+
+
+def test_checkpoint_saved_with_pool_loads_without_it_and_at_another_world_size(tmp_path):
+    d = str(tmp_path / "ck")
+    os.makedirs(d)
+    run_ranks(ckpt_save, 2, d, timeout=120)
+    straight = run_ranks(ckpt_load, 2, "", "persistent", timeout=120)[0]
+    _same(run_ranks(ckpt_load, 2, d, "persistent", timeout=120)[0], straight, exact=True)
+    _same(run_ranks(ckpt_load, 2, d, "pool", timeout=120)[0], straight, exact=True)
+    other = run_ranks(ckpt_load, 3, d, "persistent", timeout=120)[0]  # another world size: within 16-bit noise
+    _same(other, straight, exact=False, tol=2e-2)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def refusal_worker(rank: int, world: int) -> list:
+    msgs = []
+
+    def refused(exc_type, **kw):
+        model = Net()
+        ddp = fastcoll.DDP(model, gradient_as_bucket_view=kw.pop("as_view", False))
+        with pytest.raises(exc_type) as info:
+            fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters()), ddp, **kw)
+        msgs.append(str(info.value))
+
+    refused(ValueError, grads="full", grad_buffers="pool")
+    refused(ValueError, grads="sharded", grad_buffers="pool", as_view=True)
+    refused(ValueError, grads="sharded", grad_buffers="pool", pool_buffers=0)
+    refused(ValueError, grads="sharded", grad_buffers="pool", accumulate="sometimes")
+    refused(ValueError, grads="sharded", accumulate="full")
+    refused(ValueError, grads="sharded", grad_buffers="pooled")
+    return msgs
+
+
+def test_refusals():
+    msgs = run_ranks(refusal_worker, 2, timeout=120)[0]
+    for m, key in zip(msgs, ["grads='sharded'", "gradient_as_bucket_view", "pool_buffers", "accumulate", "pool", "grad_buffers"]):
+        assert m.startswith("fastcoll.ShardedOptimizer") and key in m, m
+
+
+# --------------------------------------------------------------------------- other suites, under the pool
+
+
+def under_pool(rank: int, world: int, module: str, fn: str, *args) -> dict:
+    """Run ``module.fn(rank, world, *args)`` (a worker of another test file) with every ShardedOptimizer that it
+    builds with grads="sharded" given grad_buffers="pool"; returns its result and how many were pooled."""
+    import importlib
+    import types
+
+    mod = importlib.import_module(module)
+    built = []
+
+    class PooledSharded(fastcoll.ShardedOptimizer):
+        def __init__(self, optimizer, model, *, grads="full", **kw):
+            if grads == "sharded":
+                kw.setdefault("grad_buffers", "pool")
+            super().__init__(optimizer, model, grads=grads, **kw)
+            built.append(self.grad_pool is not None)
+
+    shim = types.ModuleType("fastcoll")
+    shim.__dict__.update(fastcoll.__dict__)
+    shim.ShardedOptimizer = PooledSharded
+    mod.fastcoll = shim
+    return {"result": getattr(mod, fn)(rank, world, *args), "pooled": sum(built)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_contract_table_holds_under_the_pool(world):
+    """Every entry of the ShardedOptimizer contract (p.grad, zero_grad, schedulers, GradScaler, clipping, state dicts
+    and DCP, hooks, ...) behaves under the pool as tests/test_sharded_contract.py requires of grads="sharded"."""
+    import test_sharded_contract as contract
+
+    cases = [c for c in contract.CASES if c[1] == "sharded"]
+    out = run_ranks(under_pool, world, "test_sharded_contract", "contract_worker", cases, timeout=580, pg_timeout=60)[0]
+    res = out["result"]
+    assert out["pooled"] >= len(cases), out["pooled"]  # every case ran on the pool
+    problems = {c: p for c, r in res.items() for p in [contract.verdict(r)] if p is not None}
+    assert len(res) == len(cases) and not problems, problems
+
+
+@pytest.mark.parametrize("where", [("emb.weight", 0), ("out.bias", -1)])
+def test_grad_scaler_skips_the_same_steps_under_the_pool(where):
+    """tests/test_sharded_optimizer.py's overflow on one rank: every rank skips the step, as torch DDP's."""
+    out = run_ranks(under_pool, 2, "test_sharded_optimizer", "scaler_worker", "sharded", where, timeout=120)
+    assert all(o["pooled"] == 1 for o in out)
+    scales = [o["result"] for o in out]
+    assert scales[0] == scales[1] and scales[0][2] < scales[0][1], scales
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "buffers"])
+def test_under_torch_compile_with_the_pool(aligned):
+    """tests/test_sharded_compose.py's torch.compile(fastcoll.DDP) case with the sharded run on the pool."""
+    out = run_ranks(under_pool, 2, "test_sharded_compose", "compile_worker", "compile(ddp)", aligned, timeout=280)
+    assert all(o["pooled"] == 1 for o in out)
+
+
+# --------------------------------------------------------------------------- the bench section
+
+
+def test_bench_section_smoke(tmp_path):
+    """``python -m fastcoll.bench zero``'s pool section at the smoke level: it runs and writes its JSON beside --json."""
+    import json
+
+    from fastcoll.bench import __main__ as cli
+    from fastcoll.bench import zero_pool
+
+    args = cli._args_for(cli.build_parser().parse_args(["zero", "--smoke", "--json", str(tmp_path / "zero.json")]), "zero")
+    assert zero_pool.run_section(args) == 0
+    data = json.loads((tmp_path / "zero_pool.json").read_text())
+    (row,) = data["results"]
+    assert data["benchmark"] == "zero_pool" and row["world_size"] == 2
+    assert set(row["methods"]) == set(zero_pool.MEMORY) and set(row["step_s"]) == set(zero_pool.TIMED)
+    assert row["methods"]["pool"]["held"]["pool"] > 0 and row["methods"]["persistent"]["held"]["pool"] == 0
