@@ -14,6 +14,7 @@ of test_cuda_paths' docstring (gloo, CPU tensors) runs them too, with ``tests/te
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -105,3 +106,34 @@ def test_bf16_model_with_float32_main_grads_and_masters(pg, grads):  # noqa: F81
         # One bfloat16 rounding apart at most (cuBLAS may pick other kernels for other addresses).
         torch.testing.assert_close(p.float(), q.float(), rtol=8e-3, atol=1e-4, msg=lambda m, name=name: f"{grads} '{name}': {m}")
     fast.close()
+
+
+@pytest.mark.parametrize("accumulate", ["reduce_scatter", "full"])
+@pytest.mark.parametrize("layout", ["mixed", "wide"])
+def test_grad_buffer_pool_equals_persistent_buffers(pg, layout, accumulate):  # noqa: F811
+    """ZeRO-2 on the device: pool buffers on CUDA, NCCL reduce-scatters, two micro-batches per step."""
+    base = Reordered(seed=5, **LAYOUTS[layout]).to(DEVICE)
+    final = {}
+    for mode in ("persistent", "pool"):
+        fast = fastcoll.DDP(copy.deepcopy(base), device_ids=_ids(), bucket_cap_mb=CAP_MB)
+        seen = []
+        fast.reducer.add_collective_listener(seen.append)
+        kw = {"grad_buffers": "pool", "accumulate": accumulate, "pool_buffers": 1} if mode == "pool" else {}
+        opt = fastcoll.ShardedOptimizer(_adamw(fast.parameters()), fast, grads="sharded", **kw)
+        for step in range(STEPS):
+            opt.zero_grad()
+            for micro in range(2):
+                with fast.no_sync() if micro == 0 else contextlib.nullcontext():
+                    fast(_batch(10 * step + micro)).square().mean().backward()
+            opt.step()
+        opt.finish_param_sync()
+        _sync()
+        if mode == "pool":
+            pool = opt.grad_pool
+            assert pool.peak == pool.bound == 1 and pool.live == 0, (pool.peak, pool.bound, pool.live)
+            assert all(b.device.type == DEVICE for b in fast.module.parameters())
+        assert "reduce_scatter" in _kinds(seen) and "all_gather" in _kinds(seen), _kinds(seen)
+        final[mode] = [p.detach().clone() for p in fast.module.parameters()]
+        fast.close()
+    for i, (a, b) in enumerate(zip(final["persistent"], final["pool"])):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"{layout}/{accumulate} parameter {i}: {m}")
