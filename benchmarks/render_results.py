@@ -3,7 +3,7 @@
     python benchmarks/render_results.py [JSON ...] [--out benchmarks/RESULTS.md]
 
 Default input: every ``benchmarks/out/<benchmark>_<device>.json`` (ops, ddp,
-dist, timeline, health, zero, zero_bf16, zero_one_rounding). Per benchmark: its machine line, the
+dist, timeline, health, zero, zero_bf16, zero_one_rounding, zero_pool). Per benchmark: its machine line, the
 tables it printed (JSON version 2 records them) and its notes; first, every
 target of every file in one summary table; last, benchmarks/gpu_sessions.md (what a
 GPU session measured outside the JSON, written by hand). Files of the first layout (no
@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 HERE = Path(__file__).resolve().parent
 # What a GPU session measured outside the benchmarks' JSON (the CUDA tests, crashes, plan timings), by hand.
 SESSIONS = HERE / "gpu_sessions.md"
-ORDER = ("ops", "ddp", "dist", "timeline", "health", "zero", "zero_bf16", "zero_one_rounding")
+ORDER = ("ops", "ddp", "dist", "timeline", "health", "zero", "zero_bf16", "zero_one_rounding", "zero_pool")
 TITLES = {
     "ops": "ops: the fused flatten/unflatten round trip",
     "ddp": "ddp: fastcoll.DDP vs torch DDP",
@@ -31,6 +31,7 @@ TITLES = {
     "zero": "zero: ShardedOptimizer vs ZeroRedundancyOptimizer vs DDP",
     "zero_bf16": "zero bf16: main gradients + sharded float32 masters",
     "zero_one_rounding": "zero one rounding: bf16 on the wire, summed in float32",
+    "zero_pool": "zero pool: gradient buffers from a pool (ZeRO-2)",
 }
 
 
