@@ -44,6 +44,16 @@ def json_path(args: Any, name: str) -> Path:
     return path
 
 
+def section_json_path(args: Any, benchmark: str, section: str, device: str) -> Path:
+    """Where a section of ``benchmark`` writes: ``benchmarks/out/<benchmark>_<section>_<device>.json``; with
+    ``--json PATH``, PATH when the section runs alone (command ``<benchmark>_<section>``), else
+    ``<stem>_<section>.json`` beside the benchmark's own file."""
+    p = json_path(args, f"{benchmark}_{section}_{device}")
+    if not args.json or args.command == f"{benchmark}_{section}":
+        return p
+    return p.with_name(f"{p.stem}_{section}{p.suffix or '.json'}")
+
+
 def available_cpus() -> int:
     """CPUs this process may run on."""
     try:

@@ -440,13 +440,9 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
 
 
-def json_path(args: Any, device: str, section: str = "bf16") -> Path:
-    """``benchmarks/out/zero_<section>_<device>.json``; with ``--json PATH``: PATH when the section runs alone (command
-    ``zero_<section>``), else ``<stem>_<section>.json`` beside it."""
-    p = report.json_path(args, f"zero_{section}_{device}")
-    if not args.json or args.command == f"zero_{section}":
-        return p
-    return p.with_name(f"{p.stem}_{section}{p.suffix or '.json'}")
+def json_path(args: Any, device: str) -> Path:
+    """``benchmarks/out/zero_bf16_<device>.json``, or beside ``--json PATH`` (:func:`report.section_json_path`)."""
+    return report.section_json_path(args, "zero", "bf16", device)
 
 
 def run_section(args: Any = None) -> int:

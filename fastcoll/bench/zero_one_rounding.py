@@ -25,7 +25,7 @@ from torch import nn
 
 import fastcoll
 
-from . import report, runner, stats, tiny_lm, zero_bf16
+from . import report, runner, stats, tiny_lm
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 METHODS = ("bf16", "accum", "accum_rs")
@@ -193,7 +193,7 @@ def run_section(args: Any) -> int:
     payload = measure(args)
     print_results(payload)
     named = [(t["what"] + f" ({r['label']})", t) for r in payload["results"] for t in r["targets"].values()]
-    path = report.conclude("one rounding", zero_bf16.json_path(args, "cpu", "one_rounding"), payload, named)
+    path = report.conclude("one rounding", report.section_json_path(args, "zero", "one_rounding", "cpu"), payload, named)
     png = chart(path.with_name(f"{path.stem}_vs_ranks.png"), payload)
     if png:
         report.say(f"wrote {png}", record=False)

@@ -203,5 +203,5 @@ def run_section(args: Any = None) -> int:
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for row in payload["results"] for t in row["targets"].values()]
-    report.conclude("pool", zero_bf16.json_path(args, device, "pool"), payload, named)
+    report.conclude("pool", report.section_json_path(args, "zero", "pool", device), payload, named)
     return 0
