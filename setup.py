@@ -144,6 +144,7 @@ def _extension_and_command(torch):
                 "torch_git": torch.version.git_version,
                 "torch_cuda": torch.version.cuda,
                 "cuda_kernels": use_cuda,
+                "sources": spec.sources_hash(CSRC),  # an edit of csrc/ makes the import compile anew
             }
             for path in outputs:
                 if os.path.exists(path):

@@ -471,6 +471,25 @@ def test_ahead_of_time_build_for_another_torch_is_skipped(tmp_path):
     assert "carries no C++ sources" in info["fallback_reason"]
 
 
+@pytest.mark.parametrize("edited", [True, False])
+def test_ahead_of_time_build_from_other_sources_is_skipped(tmp_path, edited):
+    """An in-place build (pip install -e .) whose record names other sources than csrc/ now (edited since) is
+    not loaded: the import goes on to the build cache. Control: the same sources' hash, and it is loaded."""
+    tree = tree_copy(tmp_path)
+    lib = os.path.join(tree, "fastcoll", "_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    with open(lib, "wb") as f:
+        f.write(b"not a library")  # loading it fails: the reason says whether it was tried
+    sources = spec.sources_hash(os.path.join(tree, "csrc"))
+    record = {"torch": torch.__version__, "torch_git": torch.version.git_version, "size": os.path.getsize(lib),
+              "sources": "0" * len(sources) if edited else sources}  # fmt: skip
+    with open(os.path.join(tree, "fastcoll", "_C.build.json"), "w") as f:
+        json.dump(record, f)
+    reason = import_info(tree, tmp_path / "cache", CXX="/nonexistent/c++")["info"]["fallback_reason"]
+    assert "no C++ compiler" in reason  # then the cache: it could not compile here
+    assert ("compiled from other sources than" in reason) == edited
+    assert ("could not be imported" in reason) == (not edited)
+
+
 FAKE_CXX = """#!/bin/sh
 case "$1" in  # answers torch's version checks like gcc, fails every compile
   -v|--version) echo "gcc version 12.2.0 (fake)"; exit 0;;

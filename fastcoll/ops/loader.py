@@ -11,7 +11,8 @@ Where the extension comes from, in order (``ORIGIN`` records which):
 
 1. ``fastcoll/_C*.so`` built ahead of time (``pip install --no-build-isolation``,
    ``setup.py build_ext``), unless its record (``_C.build.json``, written by
-   setup.py) says it was built for another torch;
+   setup.py) says it was built for another torch, or from other sources than
+   the ones beside the package (a checkout edited after ``pip install -e .``);
 2. the build cache (fastcoll/extension/): a build for this torch, Python and these
    sources, compiled at first import if there is none. The compile happens at
    import rather than at an op's first call because the ops are registered
@@ -118,6 +119,18 @@ def _aot_mismatch(path: str) -> Optional[str]:
         return None
     if (record.get("torch"), record.get("torch_git")) != (torch.__version__, torch.version.git_version):
         return f"the ahead-of-time build {path} is for torch {record.get('torch')}, not {torch.__version__}"
+    built_from = record.get("sources")
+    if built_from is not None:
+        from ..extension import key
+        from ..extension.errors import ExtensionUnavailable
+
+        try:
+            csrc = key.find_sources()
+            now = key.hash_sources(csrc)
+        except (ExtensionUnavailable, OSError):
+            return None  # no sources to compare with: the record's torch is all there is to check
+        if now != built_from:
+            return f"the ahead-of-time build {path} was compiled from other sources than {csrc} (edited since)"
     return None
 
 
