@@ -298,6 +298,23 @@ def _zero_pattern(how: str, set_to_none: bool) -> Callable[[Callable[..., Run]],
     return pattern
 
 
+def _zero_after_forward(how: str, set_to_none: bool) -> Callable[[Callable[..., Run]], Obs]:
+    """The reset between a forward and its backward (loops that zero the gradients after computing the loss)."""
+
+    def pattern(new: Callable[..., Run]) -> Obs:
+        run = new(opt_name="sgd")
+        for step in range(STEPS):
+            loss = run.ddp(batch(step, run.rank, run.world)).pow(2).mean()
+            run.losses.append(loss.detach().clone())
+            run.zero(how, set_to_none)
+            loss.backward()
+            run.opt.step()
+        run.settle()
+        return {"losses": torch.stack(run.losses), **run.params()}
+
+    return pattern
+
+
 def p_no_zero_grad(new: Callable[..., Run]) -> Obs:
     """No zero_grad at all: the gradients accumulate across steps, as torch's .grad do."""
     return _train(new(opt_name="sgd"), zero="")
@@ -607,6 +624,8 @@ PATTERNS: Dict[str, tuple] = {
     "zero_grad_module": (_zero_pattern("module", True), False, False, True),
     "zero_grad_module_keep": (_zero_pattern("module", False), False, False, True),
     "zero_grad_wrapper_module_keep": (_zero_pattern("wrapper", False), False, False, False),
+    "zero_grad_module_after_forward": (_zero_after_forward("module", True), False, False, True),
+    "zero_grad_module_keep_after_forward": (_zero_after_forward("module", False), False, False, True),
     "zero_grad_inner": (_zero_pattern("inner", True), False, False, True),
     "zero_grad_inner_keep": (_zero_pattern("inner", False), False, False, False),
     "zero_grad_opt_keep": (_zero_pattern("opt", False), False, False, False),

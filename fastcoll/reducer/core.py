@@ -290,7 +290,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         if self.reducing:
             self._raise_unfinished()
         if self.kept is not None:
-            self.kept.at_forward()
+            self.kept.reconcile(at_step=False)  # resets since the last backward (the guards stay in .grad)
         self.prepare_layout()
         self.timeline.begin_iteration(len(self._set.buckets))
         self.comm.state.begin_forward(self.usage.iterations)
@@ -326,7 +326,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
     def _accumulate_idle(self) -> None:
         """End of a ``no_sync`` backward: its 16-bit gradients go into the float32 main gradients."""
         self._idle_queued = False
-        self._before_accumulating()  # (the parameters' all-gathers may still use the buckets)
+        self.before_accumulating()  # (the parameters' all-gathers may still use the buckets)
         if self.shard_grads is not None:
             self.shard_grads.set_aside()
         for b in self.main_buckets:
@@ -371,7 +371,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         if first:
             try:
-                self._before_accumulating()
+                self.before_accumulating()
             except BaseException:
                 self._phase = _IDLE  # refused before anything was reduced: the next forward starts afresh
                 raise

@@ -16,7 +16,11 @@ non-finite value anywhere makes every rank's kept values non-finite too (each
 rank's GradScaler sees its own values only, and all must skip the same
 steps), and torch's ways of resetting a gradient are followed: a guard that
 left ``.grad`` (``model.zero_grad()``, ``p.grad = None``) resets that
-parameter's kept gradient, seen at the next forward, backward or step.
+parameter's kept gradient, seen at the next forward, backward or step. The
+guards stay in ``.grad`` through the forward (a reset between a forward and
+its backward is seen too) and leave it when a backward first reaches a
+parameter: a hook that runs before each guarded parameter's gradient is
+accumulated, so the backward accumulates into fresh gradients.
 A parameter that no rank used since the last reset has no gradient, as a
 ``.grad`` of None.
 """
@@ -24,6 +28,7 @@ A parameter that no rank used since the last reset has no gradient, as a
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Collection, Dict, List, Optional
 
 import torch
@@ -44,6 +49,11 @@ def memory_order_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     if g.stride() != p.stride() and g.numel() > 1:
         g = torch.empty_like(p).copy_(g)
     return flat_view(g)
+
+
+def _remove_all(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 _ORPHANED = (
@@ -82,6 +92,10 @@ class KeptGradients:
         self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
+        # Before a guarded parameter's gradient is accumulated (the guard must not be accumulated into).
+        arriving = weak_method(self._gradient_arriving, _ORPHANED)
+        handles = [reducer.params[i].register_hook(arriving) for i in self.guarded if reducer.params[i].requires_grad]
+        weakref.finalize(self, _remove_all, handles)
 
     # ------------------------------------------------------------- the values
 
@@ -196,13 +210,21 @@ class KeptGradients:
         if forgot and not any(self.used[i] for i in self.guarded):
             self.zero_kept()
 
-    def at_forward(self) -> None:
-        """Before a forward: resets seen; the guards leave ``.grad`` (backward accumulates into fresh gradients)."""
+    def before_accumulating(self) -> None:
+        """Before a backward accumulates: resets seen; the guards leave ``.grad`` (it accumulates into fresh gradients).
+
+        Called by the reducer once a backward has begun, and by the hook of the first guarded parameter a
+        backward reaches (:meth:`_gradient_arriving`), whichever comes first.
+        """
         self.reconcile(at_step=False)
         for p in self.reducer.params:
             if is_guard(p.grad):
                 p.grad = None
         self.placed = {}
+
+    def _gradient_arriving(self, _grad: torch.Tensor) -> None:
+        if self.placed:  # the first guarded parameter this backward reaches: what the reducer does before accumulating
+            self.reducer.before_accumulating()
 
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad`` of the guarded parameters: their ``.grad`` and everything kept for them."""

@@ -128,12 +128,12 @@ class ReducerSharding:
         self.param_gather = gather
         return gather
 
-    def _before_accumulating(self) -> None:
+    def before_accumulating(self) -> None:
         """Before a backward accumulates into the buckets: the all-gathers written, resets seen, nothing consumed."""
         if self.param_gather is not None:
             self.param_gather.finish()
         if self.kept is not None:
-            self.kept.reconcile(at_step=False)
+            self.kept.before_accumulating()
         if any(b.consumed for b in self.main_buckets):
             raise RuntimeError(
                 "fastcoll: call opt.zero_grad() between step() and the next backward (or model.zero_grad()). The step "
