@@ -353,41 +353,38 @@ def timed_rounds(
     return wall, cpu
 
 
-def start_runs(me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[Any, Any, Callable[[], None]]]) -> Tuple[
-    Dict[str, Tuple[Any, Any, Callable[[], None]]], Dict[str, float]
-]:  # fmt: skip
-    """``make(method)``'s (wrapper, optimizer, step) per method, after ``setup_steps`` steps, the last one timed.
+def optimizer_rounds(
+    me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[Any, Any, Callable[[], None]]], lo: int, hi: int,
+    checks: Sequence[Any], inner: Optional[int] = None,
+) -> Tuple[Dict[str, List[float]], int]:  # fmt: skip
+    """:func:`timed_rounds` of the training steps ``make(method) = (wrapper, optimizer, step)``, in steady state.
 
-    The steps before bring the bucket rebuilds and the optimizer state; the
-    timed one waits for its all-gathers; the gradients are dropped after.
-    Returns the runs and the timed step of each (seconds).
+    Each method first runs ``setup_steps`` steps, the last one timed (they
+    bring the bucket rebuilds and the optimizer state; without ``inner``, the
+    slowest sets the calls per sample). Each sample follows an untimed lead-in
+    step; after it the step's all-gathers are drained and the gradients
+    dropped, untimed, so the next sample starts with none pending.
+
+    Returns:
+        The wall-clock samples and the calls per sample.
     """
     runs, setup = {}, {}
     for m in methods:
-        wrapper, opt, step = runs[m] = make(m)
+        _, opt, step = runs[m] = make(m)
         run_steps(step, me.cfg["setup_steps"] - 1, opt)
         setup[m] = time_calls(lambda: (step(), settle(opt)), 1, me.device)
         opt.zero_grad(set_to_none=True)
         me.tick()
-    return runs, setup
-
-
-def optimizer_rounds(
-    me: "Rank", runs: Dict[str, Tuple[Any, Any, Callable[[], None]]], inner: int, lo: int, hi: int, checks: Sequence[Any],
-) -> Dict[str, List[float]]:  # fmt: skip
-    """:func:`timed_rounds` of training steps, ``runs[method] = (wrapper, optimizer, step)``, in steady state.
-
-    Each sample follows an untimed lead-in step; after it the step's all-gathers
-    are drained and the gradients dropped, untimed, so the next sample starts
-    with none pending. Returns the wall-clock samples.
-    """
+    inner = inner or me.inner(max(setup.values()))
 
     def after(m: str) -> None:
         settle(runs[m][1])
         runs[m][1].zero_grad(set_to_none=True)
 
     steps = {m: r[2] for m, r in runs.items()}
-    return timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)[0]
+    samples = timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)[0]
+    runs.clear()
+    return samples, inner
 
 
 class Rank:
