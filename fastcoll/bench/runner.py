@@ -279,7 +279,7 @@ class LiveBytes:
         self._fn = getattr(libc, "mallinfo2", None) if libc is not None else None
         if self._fn is not None:
             self._fn.restype = LiveBytes._Info
-        self.base, self.peak = self.read() or 0, 0
+        self.base, self.peak, self.by_phase = self.read() or 0, 0, {}
 
     @property
     def available(self) -> bool:
@@ -291,11 +291,14 @@ class LiveBytes:
         info = self._fn()
         return int(info.uordblks + info.hblkhd)
 
-    def sample(self) -> None:
-        """Note the bytes alive now (above the construction-time base) if they are the most so far."""
+    def sample(self, phase: Optional[str] = None) -> None:
+        """Note the bytes alive now (above the construction-time base) if they are the most so far (in all, and in
+        ``by_phase[phase]`` given a phase)."""
         now = self.read()
         if now is not None:
             self.peak = max(self.peak, now - self.base)
+            if phase is not None:
+                self.by_phase[phase] = max(self.by_phase.get(phase, 0), now - self.base)
 
 
 # Inside a rank process
@@ -461,20 +464,21 @@ def _rank_main(rank: int, ws: int, store_path: str, out_path: str, progress_q: A
 # In the parent
 #: What forkserver rank processes import once (a start then costs a fork, not seconds of imports).
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "fastcoll", "fastcoll.bench.models")
-_QUEUES: Dict[str, Any] = {}
+#: Ranks still alive this long after rank 0 wrote its result are killed (:func:`run_ranks`).
+GRACE_S = 60.0
+_QUEUE: List[Any] = []  # the progress queue, made with the forkserver context once
 
 
 def run_ranks(
-    fn: Callable[..., Optional[Dict[str, Any]]], cfg: Dict[str, Any], args: Tuple[Any, ...] = (), ws: int = 2,
-    prog: Any = None, start_method: str = "forkserver", grace_s: float = 60.0,
-) -> Dict[str, Any]:  # fmt: skip
+    fn: Callable[..., Optional[Dict[str, Any]]], cfg: Dict[str, Any], args: Tuple[Any, ...] = (), ws: int = 2, prog: Any = None
+) -> Dict[str, Any]:
     """Run ``fn(rank, *args)`` on ``ws`` processes, each a :class:`Rank` of ``cfg``; return rank 0's result.
 
     ``fn`` is a module-level function; rank 0's return value is saved
     (:meth:`Rank.save`). ``cfg["env"]`` is set in each process first;
     ``cfg["freeze"]`` freezes the garbage collector's objects before ``fn``.
     Progress reports go to ``prog`` (:class:`fastcoll.bench.report.Progress`).
-    Ranks still alive ``grace_s`` after rank 0 wrote its result are killed:
+    Ranks still alive :data:`GRACE_S` after rank 0 wrote its result are killed:
     their work is done, and a process stuck in its exit (a gloo destructor once
     deadlocked there) must not hang the benchmark.
     """
@@ -482,26 +486,25 @@ def run_ranks(
 
     import torch.multiprocessing as tmp
 
-    if start_method not in _QUEUES:
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(list(PRELOAD))
-        _QUEUES[start_method] = ctx.Queue()
-    progress_q = _QUEUES[start_method]
+    if not _QUEUE:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))
+        _QUEUE.append(ctx.Queue())
+    progress_q = _QUEUE[0]
     with tempfile.TemporaryDirectory(prefix="fastcoll_bench_") as tmpdir:
         out_path = os.path.join(tmpdir, "result.json")
         procs = tmp.start_processes(_rank_main, args=(ws, os.path.join(tmpdir, "store"), out_path, progress_q, fn, cfg, args),
-                                    nprocs=ws, join=False, start_method=start_method)  # fmt: skip
+                                    nprocs=ws, join=False, start_method="forkserver")  # fmt: skip
         written_at: Optional[float] = None
         while not procs.join(timeout=0.2):
             _drain(progress_q, prog)
             if written_at is None and os.path.exists(out_path):
                 written_at = time.perf_counter()
-            if written_at is not None and time.perf_counter() - written_at > grace_s:
+            if written_at is not None and time.perf_counter() - written_at > GRACE_S:
                 for p in procs.processes:
                     if p.is_alive():
                         p.kill()
-                report.say(f"[yellow]rank processes still alive {grace_s:.0f} s after their result: killed[/yellow]")
+                report.say(f"[yellow]rank processes still alive {GRACE_S:.0f} s after their result: killed[/yellow]")
                 break
         _drain(progress_q, prog)
         with open(out_path) as f:

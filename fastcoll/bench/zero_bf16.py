@@ -122,12 +122,6 @@ def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], seen: Optional[set
     return total
 
 
-def torch_bucket_bytes(wrapper: nn.Module) -> Optional[int]:
-    """torch DDP's flat gradient buckets (bytes, from its logging data), None if absent."""
-    sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")
-    return None if sizes is None else int(sum(sizes))
-
-
 def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
     """fastcoll's gradient-side buffers: bucket storage, narrower wire buffers, kept ranges, all-gather stages.
 
@@ -162,9 +156,10 @@ def account(
     if method in FASTCOLL:
         buckets = _storage_bytes(fastcoll_buffers(wrapper, opt), seen)
     else:
-        buckets = torch_bucket_bytes(wrapper)
-        if buckets is None:  # torch's buckets hold every gradient once, in the parameters' dtype
-            buckets = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")  # torch DDP's flat buckets, from its logging data
+        if sizes is None:  # torch's buckets hold every gradient once, in the parameters' dtype
+            sizes = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
+        buckets = int(sum(sizes))
     dot_grad = _storage_bytes(list(grads), seen)
     master = _storage_bytes(masters(opt), seen)
     state = _storage_bytes([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)], seen)
@@ -193,14 +188,11 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     module = build_model(dims, method, device=device)
     x = models.shape_input(len(dims), rank, device)
     wrapper, opt = make_method(method, module, device)
-    by_phase: Dict[str, int] = {p: 0 for p in PHASES}
     kept: List[torch.Tensor] = []
 
     def sample(phase: str) -> None:
-        if live is not None and live.available:
-            now = (live.read() or 0) - live.base
-            by_phase[phase] = max(by_phase[phase], now)
-            live.peak = max(live.peak, now)
+        if live is not None:
+            live.sample(phase)
         if phase == "backward":
             kept[:] = _real_grads(module)  # the gradients as backward leaves them (weakly: only counted)
 
@@ -212,7 +204,8 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     kept.clear()
     has_live = live is not None and live.available
     return {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
-            "live_peak_bytes": live.peak if has_live else None, "live_by_phase": by_phase if has_live else None,
+            "live_peak_bytes": live.peak if has_live else None,
+            "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
             "held": held, "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
             "iterations": cfg["setup_steps"] + 1}  # fmt: skip
 
