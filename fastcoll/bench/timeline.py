@@ -223,7 +223,12 @@ def print_results(payload: dict[str, Any]) -> None:
 
 
 def run(args: Any = None) -> int:
-    """``python -m fastcoll.bench timeline``: tables, ``benchmarks/out/timeline_<device>.json``, a chart; returns 0."""
+    """CLI entry (``python -m fastcoll.bench timeline``): measure, print, write the JSON and the targets chart.
+
+    Returns:
+        0 on success (also when fastcoll.DDP lacks the API: skipped with a
+        message), 2 if ``--device cuda`` is asked for without a GPU.
+    """
     device = args.device
     payload = measure(args)
     path = report.json_path(args, f"timeline_{device}")
