@@ -461,7 +461,8 @@ def test_bench_smoke_run(tmp_path, capsys):
         assert any(x["chosen"] for x in r["tuning_report"])
         for lay in r["layouts"].values():
             assert len(lay["timeline"]) == 2 and all(lay["timeline"])  # both ranks recorded iterations
-            assert all(it["buckets"] and it["exposed_sync_us"] >= 0 for its in lay["timeline"] for it in its)
+        assert (tmp_path / f"timeline_{r['model']}.png").stat().st_size > 1000
+        assert (tmp_path / f"timeline_{r['model']}.trace.json").exists()
     assert path.with_suffix(".png").stat().st_size > 1000
 
 
