@@ -353,15 +353,59 @@ def fake_ranks(clock: FakeClock, ranks: int = 2, iters: int = 4, nb: int = 3) ->
     return out
 
 
-def test_exposed_median_over_common_iterations(clock):
+def test_gantt_chart_from_synthetic_iterations(clock, tmp_path):
+    pytest.importorskip("matplotlib")
     from fastcoll.bench import timeline as bench
 
     per_rank = fake_ranks(clock)
-    # slowest-rank exposed per iteration: 25, 26, 27, 28 µs; the median: 26.5 µs
+    num, recs = bench.representative(per_rank)
+    # slowest-rank exposed per iteration: 25, 26, 27, 28 µs; the median (lower) is iteration 1
+    assert num == 1 and [r["iteration"] for r in recs] == [1, 1]
     assert bench.exposed_median_s(per_rank) == pytest.approx(26.5e-6)
-    per_rank[1] = per_rank[1][1:]  # iteration 0 only on rank 0: left out
-    assert bench.exposed_median_s(per_rank) == pytest.approx(27e-6)
-    assert bench.exposed_median_s([[], []]) is None
+    spans = bench._spans(recs[0])
+    assert {kind for _, kind, _, _, _ in spans} == {"forward", "backward", "exposed", "ready", "pack", "comm", "write-back"}
+    assert all(a <= b for _, _, _, a, b in spans)
+    path = bench.gantt_chart(
+        tmp_path / "gantt.png",
+        "synthetic",
+        {"default (25 MiB): 3 buckets": recs, "auto: 2 buckets": [per_rank[0][-1], None]},  # a rank without data
+    )
+    assert path is not None and path.stat().st_size > 5000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_model_gantt_and_merged_traces(clock, tmp_path):
+    pytest.importorskip("matplotlib")
+    from fastcoll.bench import timeline as bench
+
+    traces = []
+    for r in range(2):
+        tl = Timeline()
+        for i in range(3):
+            run_iteration(tl, clock, base_us=1000 * i, nb=2, exposed_us=20 + r)
+        traces.append(tl.to_chrome_trace(rank=r)["traceEvents"])
+    row = {
+        "model": "m",
+        "label": "model m",
+        "auto_choice": "5 MiB",
+        "layouts": {
+            "25 MiB": {"timeline": fake_ranks(clock, nb=2), "buckets": 2, "trace_events": traces},
+            "auto": {"timeline": fake_ranks(clock, nb=3), "buckets": 3, "trace_events": traces},
+        },
+    }
+    assert bench.model_gantt(tmp_path / "m.png", row, "cpu").stat().st_size > 5000
+    written = bench.write_traces(lambda model: tmp_path / f"{model}.trace.json", {"results": [row]})
+    assert written == [tmp_path / "m.trace.json"] and "trace_events" not in row["layouts"]["auto"]
+    data = json.loads(written[0].read_text())
+    names = {e["name"] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert {"bucket 1 all-reduce", "bucket 0 pack", "bucket 1 write-back", "exposed sync"} <= names
+    procs = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
+    assert procs == {
+        0: "default (25 MiB), rank 0",
+        1: "default (25 MiB), rank 1",
+        100: "auto (5 MiB), rank 0",
+        101: "auto (5 MiB), rank 1",
+    }
 
 
 def test_summarize_row_targets():

@@ -3,16 +3,20 @@
 Per model, a step (zero_grad + forward + backward) of each of :data:`METHODS`
 (torch DDP, fixed bucket caps, ``bucket_cap_mb="auto"`` after its tuning) in
 rounds on shared weights. Then, for the 25 MiB and the tuned layout, the
-exposed synchronization and every rank's per-bucket timeline (``model.sync_timeline()``, in the JSON).
+exposed synchronization (``model.sync_timeline()``), a Gantt chart per model and
+a merged Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import statistics
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable
 
 from torch import nn
@@ -32,8 +36,25 @@ METHOD_DESCRIPTIONS = {
 }
 AUTO_VS_BEST_FIXED = 1.05  # auto's step <= 1.05x the best fixed cap's
 AUTO_VS_TORCH = 1.0  # auto's step <= 1.0x torch DDP's default
-TIMELINE_LAYOUTS = (f"{DEFAULT_CAP_MB} MiB", "auto")  # the layouts whose timelines are recorded
+TIMELINE_LAYOUTS = (f"{DEFAULT_CAP_MB} MiB", "auto")  # the layouts whose timelines are charted
 SMOKE_AUTOTUNE_STEPS = "12"
+
+# Gantt chart colours per lane (fastcoll.reducer.timeline.LANES), two shades alternating per bucket.
+LEGEND = (("forward", 0, "forward"), ("backward", 0, "backward compute"), ("exposed", 0, "exposed sync"),
+          ("ready", 1, "gradients ready (first-last)"), ("pack", 1, "pack"), ("comm", 1, "communication"),
+          ("write-back", 1, "write-back"))  # fmt: skip
+#: The bucket lanes of the Gantt chart: colour kind, and the record's start and end fields.
+BUCKET_LANES = (("ready", "ready_first_us", "ready_last_us"), ("pack", "pack_start_us", "pack_end_us"),
+                ("comm", "issued_us", "completed_us"), ("write-back", "writeback_start_us", "writeback_end_us"))  # fmt: skip
+LANE_COLOURS = {
+    "forward": ("#d9d9d9", "#d9d9d9"),
+    "backward": ("#8c8c8c", "#8c8c8c"),
+    "exposed": ("#e34a33", "#e34a33"),
+    "ready": ("#a1d99b", "#41ab5d"),
+    "pack": ("#fdae6b", "#e6550d"),
+    "comm": ("#9ecae1", "#3182bd"),
+    "write-back": ("#bcbddc", "#756bb1"),
+}
 
 
 CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
@@ -114,8 +135,11 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     layouts: dict[str, Any] = {}
     for method in TIMELINE_LAYOUTS:
         w = wrappers[method]
+        with tempfile.TemporaryDirectory(prefix="fastcoll_bench_timeline_") as tmp:
+            events = json.loads(w.export_chrome_trace(os.path.join(tmp, "trace.json")).read_text())["traceEvents"]
         layouts[method] = {"timeline": runner.gather(w.sync_timeline()), "buckets": len(w.bucket_info()),  # per rank
-                           "bucket_bytes": [b["bytes"] for b in w.bucket_info()]}  # fmt: skip
+                           "bucket_bytes": [b["bytes"] for b in w.bucket_info()],
+                           "trace_events": runner.gather(events)}  # fmt: skip
     params = [p for p in wrappers["torch"].module.parameters() if p.requires_grad]
     row = {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "params": len(params),
            "numel": sum(p.numel() for p in params), "inner": inner,
@@ -137,6 +161,19 @@ def _ranks(me: runner.Rank) -> dict[str, Any]:
 
 
 # Results
+def representative(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[int | None, list[dict[str, Any] | None]]:
+    """The iteration to chart: the one (present on every rank) whose slowest rank's exposed sync is the median.
+
+    Returns:
+        Its iteration number and each rank's record of it (None where a rank lacks it).
+    """
+    by_num, exposed = _slowest_exposed(per_rank)
+    if not exposed:
+        return None, [None] * len(per_rank)
+    num = sorted((us, n) for n, us in exposed.items())[(len(exposed) - 1) // 2][1]
+    return num, [r.get(num) for r in by_num]
+
+
 def _slowest_exposed(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[dict[int, Any]], dict[int, float]]:
     """Each rank's records by iteration, and the slowest rank's exposed sync (us) of each iteration every rank recorded."""
     by_num = [{it["iteration"]: it for it in its} for its in per_rank]
@@ -172,9 +209,124 @@ def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]], out: Path) -> Path | None:
+    """Write one Chrome trace of every layout and rank: ``traceEvents`` of each rank's trace, as process ``<layout>, rank r``.
+
+    Args:
+        events_by_layout: Layout name -> per rank, the ``traceEvents`` of its
+            ``export_chrome_trace`` file. Process ids are offset by 100 per layout.
+        out: The JSON file to write.
+
+    Returns:
+        ``out``, or None when there was no event at all.
+    """
+    events: list[dict[str, Any]] = []
+    for j, (layout, per_rank) in enumerate(events_by_layout.items()):
+        for rank_events in per_rank:
+            for ev in rank_events:
+                ev = dict(ev)
+                ev["pid"] = 100 * j + int(ev.get("pid", 0))
+                if ev.get("ph") == "M" and ev.get("name") == "process_name":
+                    ev["args"] = {"name": f"{layout}, {ev.get('args', {}).get('name', '')}"}
+                elif ev.get("ph") == "M" and ev.get("name") == "process_sort_index":
+                    ev["args"] = {"sort_index": ev["pid"]}
+                events.append(ev)
+    if not events:
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "fastcoll.bench timeline"}}, f)
+    return out
+
+
+# Gantt chart
+def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
+    """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
+    out: list[tuple[int, str, int, float, float]] = []
+
+    def add(lane: int, kind: str, k: int, a: float | None, b: float | None) -> None:
+        if a is not None and b is not None and b >= a:
+            out.append((lane, kind, k, a / 1e3, b / 1e3))
+
+    add(0, "forward", -1, it.get("forward_start_us"), it.get("backward_start_us"))
+    add(0, "backward", -1, it.get("backward_start_us"), it.get("backward_end_us"))
+    end = it.get("backward_end_us")
+    if end is not None:
+        add(0, "exposed", -1, end, end + it.get("exposed_sync_us", 0.0))
+    for b in it.get("buckets", []):
+        for lane, (kind, start, end) in enumerate(BUCKET_LANES, 1):
+            add(lane, kind, b["bucket"], b.get(start), b.get(end))
+    return out
+
+
+def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any] | None]]) -> Path | None:
+    """Draw one iteration per rank per panel as a Gantt chart (PNG); None without matplotlib.
+
+    Args:
+        path: Where to write the PNG.
+        title: The figure's title.
+        panels: Panel title (e.g. ``"default 25 MiB: 3 buckets"``) -> per rank,
+            one record of :meth:`fastcoll.reducer.timeline.Timeline.iterations`
+            (None: that rank has none). Each rank gets the lanes of
+            :data:`fastcoll.reducer.timeline.LANES`; times in ms from the
+            backward start; the exposed sync time is the red bar after the backward.
+    """
+    from ..reducer.timeline import LANES
+
+    plt = report.pyplot()
+    if plt is None or not panels:
+        return None
+    from matplotlib.patches import Patch
+
+    nl = len(LANES)
+    ranks_max = max(len(v) for v in panels.values()) or 1
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 0.32 * (nl + 1) * ranks_max * len(panels) + 1.6 * len(panels)), squeeze=False
+    )
+    xmin = min((s[3] for recs in panels.values() for it in recs if it for s in _spans(it)), default=0.0)
+    xmax = max((s[4] for recs in panels.values() for it in recs if it for s in _spans(it)), default=1.0)
+    for ax, (name, recs) in zip(axes[:, 0], panels.items()):
+        ticks, labels = [], []
+        for r, it in enumerate(recs):
+            base = r * (nl + 1)
+            for lane, lane_name in enumerate(LANES):
+                ticks.append(base + lane)
+                labels.append(f"rank {r} · {lane_name}")
+            if it is None:
+                continue
+            for lane, kind, k, a, b in _spans(it):
+                colour = LANE_COLOURS[kind][k % 2 if k >= 0 else 0]
+                ax.broken_barh([(a, max(b - a, (xmax - xmin) * 1e-4))], (base + lane - 0.4, 0.8), facecolors=colour)
+                if kind == "comm" and (b - a) > 0.04 * (xmax - xmin):
+                    ax.text((a + b) / 2, base + lane, str(k), ha="center", va="center", fontsize=6)
+        ax.set_yticks(ticks)
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.set_ylim(len(recs) * (nl + 1) - 1, -1)
+        ax.set_xlim(xmin - 0.01 * (xmax - xmin), xmax + 0.01 * (xmax - xmin))
+        ax.set_title(name, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms from the start of backward")
+    legend = [Patch(color=LANE_COLOURS[k][shade], label=label) for k, shade, label in LEGEND]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    return report.save_figure(fig, path)
+
+
+def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
+    """The Gantt chart of one model's row: the default layout and the autotuned one."""
+    panels: dict[str, list[dict[str, Any] | None]] = {}
+    for method, lay in row["layouts"].items():
+        num, recs = representative(lay["timeline"])
+        exposed = max((it["exposed_sync_us"] for it in recs if it), default=None)
+        exposed_s = report.fmt_time(exposed and exposed / 1e6)
+        panels[f"{_layout_name(row, method)}: {lay['buckets']} buckets, iteration {num}, exposed sync {exposed_s}"] = recs
+    return gantt_chart(path, f"fastcoll timeline ({device}): {row['label']}", panels)
+
+
 # Entry points
 def measure(args: Any = None) -> dict[str, Any]:
-    """Spawn the ranks, run the benchmark and return its results (rows summarized)."""
+    """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
     device = args.device
     cfg = _config(args, device)
     ws = cfg["world_size"]
@@ -189,6 +341,21 @@ def measure(args: Any = None) -> dict[str, Any]:
               "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
               }  # fmt: skip
     return {"benchmark": "timeline", "config": config, "implementation": result["implementation"], "results": rows}
+
+
+def _layout_name(row: dict[str, Any], method: str) -> str:
+    return f"auto ({row.get('auto_choice') or '?'})" if method == "auto" else f"default ({method})"
+
+
+def write_traces(path_for: Callable[[str], Path], payload: dict[str, Any]) -> list[Path]:
+    """One merged Chrome trace per model (every rank, both layouts), taking the events out of ``payload``; returns the paths."""
+    written = []
+    for row in payload["results"]:
+        by_layout = {_layout_name(row, m): lay.pop("trace_events", []) for m, lay in row["layouts"].items()}
+        out = merge_traces(by_layout, path_for(row["model"]))
+        if out is not None:
+            written.append(out)
+    return written
 
 
 def print_results(payload: dict[str, Any]) -> None:
@@ -223,7 +390,7 @@ def print_results(payload: dict[str, Any]) -> None:
 
 
 def run(args: Any = None) -> int:
-    """CLI entry (``python -m fastcoll.bench timeline``): measure, print, write the JSON and the targets chart.
+    """CLI entry (``python -m fastcoll.bench timeline``): measure, print, write JSON, the sweep chart, Gantt charts and traces.
 
     Returns:
         0 on success (also when fastcoll.DDP lacks the API: skipped with a
@@ -232,7 +399,10 @@ def run(args: Any = None) -> int:
     device = args.device
     payload = measure(args)
     path = report.json_path(args, f"timeline_{device}")
+    traces = write_traces(lambda model: path.with_name(f"{path.stem}_{model}.trace.json"), payload)
     print_results(payload)
+    pngs = [model_gantt(path.with_name(f"{path.stem}_{r['model']}.png"), r, device) for r in payload["results"]]
     named = [(f"{r['label']}: {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
     report.conclude("timeline", path, payload, named)
+    report.say(f"{len([p for p in pngs if p])} Gantt chart(s) and {len(traces)} Chrome trace(s) beside it", record=False)
     return 0
