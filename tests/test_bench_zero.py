@@ -281,6 +281,7 @@ def test_zero_one_rounding_smoke_run(tmp_path, capsys):
     path = tmp_path / "zero_one_rounding.json"  # beside zero's file, not over it
     data = json.loads(path.read_text())
     assert data["benchmark"] == "zero_one_rounding" and data["machine"]["torch"] and path.with_suffix(".png").exists()
+    assert (tmp_path / "zero_one_rounding_vs_ranks.png").exists()
     (row,) = data["results"]
     m = row["methods"]
     # Two ranks: a bf16 all-reduce rounds once too (half an ulp at most); the sharded range keeps the float32 sum.

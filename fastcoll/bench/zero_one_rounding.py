@@ -17,7 +17,8 @@ The last section of ``python -m fastcoll.bench zero`` (docs/benchmarks.md). Two 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -163,10 +164,37 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "distance: ||w - w(a)|| / ||w(a)||")  # fmt: skip
 
 
+def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
+    """Max and mean distance against N, per method."""
+    plt = report.pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    ns = [r["world_size"] for r in payload["results"]]
+    for ax, key in zip(axes, ("max_ulp", "mean_ulp")):
+        for m in METHODS:
+            ax.plot(ns, [r["methods"][m][key] for r in payload["results"]], marker="o", label=LABELS[m])
+        if key == "max_ulp":
+            ax.axhline(ULP_TARGET, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("ranks")
+        ax.set_ylabel(f"{key.split('_')[0]} distance, bf16 ulps")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("bf16 gradient reduction: distance from the float64 mean against the number of ranks")
+    fig.tight_layout()
+    return report.save_figure(fig, path)
+
+
 def run_section(args: Any) -> int:
-    """Measure, print, write ``zero_one_rounding_cpu.json`` and its targets chart. Returns 0 (nothing is asserted)."""
+    """Measure, print, write ``zero_one_rounding_cpu.json``, its targets chart and the distance against N
+    (``..._vs_ranks.png``). Returns 0 (nothing is asserted)."""
     payload = measure(args)
     print_results(payload)
     named = [(t["what"] + f" ({r['label']})", t) for r in payload["results"] for t in r["targets"].values()]
-    report.conclude("one rounding", report.section_json_path(args, "zero", "one_rounding", "cpu"), payload, named)
+    path = report.conclude("one rounding", report.section_json_path(args, "zero", "one_rounding", "cpu"), payload, named)
+    png = chart(path.with_name(f"{path.stem}_vs_ranks.png"), payload)
+    if png:
+        report.say(f"wrote {png}", record=False)
     return 0
