@@ -322,21 +322,24 @@ def backward_step(spec: ModelSpec, wrapper: nn.Module, x: torch.Tensor, no_sync:
 
 def train_step(
     wrapper: nn.Module, opt: Any, x: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: out,
-    note: Callable[[str], None] = lambda phase: None, context: Callable[[], Any] = contextlib.nullcontext,
+    note: Callable[[str], None] = lambda phase: None, context: Callable[[], Any] = contextlib.nullcontext, micro: int = 1,
 ) -> Callable[[], None]:  # fmt: skip
     """One iteration: ``zero_grad(set_to_none=True)``, forward (in ``context()``), ``loss``, backward, ``opt.step()``.
 
+    ``micro`` micro-batches of ``x`` each go forward and backward, all but the last under ``wrapper.no_sync()``.
     ``note(phase)`` runs after each phase ("zero_grad", "forward", "backward", "step").
     """
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         note("zero_grad")
-        with context():
-            out = loss(wrapper(x))
-        note("forward")
-        out.backward()
-        note("backward")
+        for k in range(micro):
+            with wrapper.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                with context():
+                    out = loss(wrapper(x))
+                note("forward")
+                out.backward()
+                note("backward")
         opt.step()
         note("step")
 

@@ -209,6 +209,14 @@ def say(message: str, record: bool = True) -> None:
     console.print(message) if console is not None else print(strip_markup(message))  # pragma: no branch
 
 
+def targets_table(title: str, targets: Sequence[Dict[str, Any]], caption: str = "") -> None:
+    """A table of targets that carry ``what`` (:func:`fastcoll.bench.stats.target`): value, interval, verdict."""
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    body = [[t["what"], target_cell(t, fmt), f"{'<=' if t['op'] == 'le' else '>='} {t['threshold']:.4g}", t["interval"]]
+            for t in targets]  # fmt: skip
+    table(title, ["target", "value (interval) verdict", "target", "interval"], body, caption)
+
+
 def targets_summary(name: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> None:
     """One line of verdict counts, then one line per target that is not met; ``named``: (where, target) pairs."""
     counts = count_verdicts(t for _, t in named)

@@ -279,7 +279,7 @@ class LiveBytes:
         self._fn = getattr(libc, "mallinfo2", None) if libc is not None else None
         if self._fn is not None:
             self._fn.restype = LiveBytes._Info
-        self.base, self.peak = self.read() or 0, 0
+        self.base, self.peak, self.by_phase = self.read() or 0, 0, {}
 
     @property
     def available(self) -> bool:
@@ -291,11 +291,14 @@ class LiveBytes:
         info = self._fn()
         return int(info.uordblks + info.hblkhd)
 
-    def sample(self) -> None:
-        """Note the bytes alive now (above the construction-time base) if they are the most so far."""
+    def sample(self, phase: Optional[str] = None) -> None:
+        """Note the bytes alive now (above the construction-time base) if they are the most so far (in all, and in
+        ``by_phase[phase]`` given a phase)."""
         now = self.read()
         if now is not None:
             self.peak = max(self.peak, now - self.base)
+            if phase is not None:
+                self.by_phase[phase] = max(self.by_phase.get(phase, 0), now - self.base)
 
 
 # Inside a rank process
@@ -353,41 +356,38 @@ def timed_rounds(
     return wall, cpu
 
 
-def start_runs(me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[Any, Any, Callable[[], None]]]) -> Tuple[
-    Dict[str, Tuple[Any, Any, Callable[[], None]]], Dict[str, float]
-]:  # fmt: skip
-    """``make(method)``'s (wrapper, optimizer, step) per method, after ``setup_steps`` steps, the last one timed.
+def optimizer_rounds(
+    me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[Any, Any, Callable[[], None]]], lo: int, hi: int,
+    checks: Sequence[Any], inner: Optional[int] = None,
+) -> Tuple[Dict[str, List[float]], int]:  # fmt: skip
+    """:func:`timed_rounds` of the training steps ``make(method) = (wrapper, optimizer, step)``, in steady state.
 
-    The steps before bring the bucket rebuilds and the optimizer state; the
-    timed one waits for its all-gathers; the gradients are dropped after.
-    Returns the runs and the timed step of each (seconds).
+    Each method first runs ``setup_steps`` steps, the last one timed (they
+    bring the bucket rebuilds and the optimizer state; without ``inner``, the
+    slowest sets the calls per sample). Each sample follows an untimed lead-in
+    step; after it the step's all-gathers are drained and the gradients
+    dropped, untimed, so the next sample starts with none pending.
+
+    Returns:
+        The wall-clock samples and the calls per sample.
     """
     runs, setup = {}, {}
     for m in methods:
-        wrapper, opt, step = runs[m] = make(m)
+        _, opt, step = runs[m] = make(m)
         run_steps(step, me.cfg["setup_steps"] - 1, opt)
         setup[m] = time_calls(lambda: (step(), settle(opt)), 1, me.device)
         opt.zero_grad(set_to_none=True)
         me.tick()
-    return runs, setup
-
-
-def optimizer_rounds(
-    me: "Rank", runs: Dict[str, Tuple[Any, Any, Callable[[], None]]], inner: int, lo: int, hi: int, checks: Sequence[Any],
-) -> Dict[str, List[float]]:  # fmt: skip
-    """:func:`timed_rounds` of training steps, ``runs[method] = (wrapper, optimizer, step)``, in steady state.
-
-    Each sample follows an untimed lead-in step; after it the step's all-gathers
-    are drained and the gradients dropped, untimed, so the next sample starts
-    with none pending. Returns the wall-clock samples.
-    """
+    inner = inner or me.inner(max(setup.values()))
 
     def after(m: str) -> None:
         settle(runs[m][1])
         runs[m][1].zero_grad(set_to_none=True)
 
     steps = {m: r[2] for m, r in runs.items()}
-    return timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)[0]
+    samples = timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)[0]
+    runs.clear()
+    return samples, inner
 
 
 class Rank:
@@ -464,20 +464,21 @@ def _rank_main(rank: int, ws: int, store_path: str, out_path: str, progress_q: A
 # In the parent
 #: What forkserver rank processes import once (a start then costs a fork, not seconds of imports).
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.optim", "fastcoll", "fastcoll.bench.models")
-_QUEUES: Dict[str, Any] = {}
+#: Ranks still alive this long after rank 0 wrote its result are killed (:func:`run_ranks`).
+GRACE_S = 60.0
+_QUEUE: List[Any] = []  # the progress queue, made with the forkserver context once
 
 
 def run_ranks(
-    fn: Callable[..., Optional[Dict[str, Any]]], cfg: Dict[str, Any], args: Tuple[Any, ...] = (), ws: int = 2,
-    prog: Any = None, start_method: str = "forkserver", grace_s: float = 60.0,
-) -> Dict[str, Any]:  # fmt: skip
+    fn: Callable[..., Optional[Dict[str, Any]]], cfg: Dict[str, Any], args: Tuple[Any, ...] = (), ws: int = 2, prog: Any = None
+) -> Dict[str, Any]:
     """Run ``fn(rank, *args)`` on ``ws`` processes, each a :class:`Rank` of ``cfg``; return rank 0's result.
 
     ``fn`` is a module-level function; rank 0's return value is saved
     (:meth:`Rank.save`). ``cfg["env"]`` is set in each process first;
     ``cfg["freeze"]`` freezes the garbage collector's objects before ``fn``.
     Progress reports go to ``prog`` (:class:`fastcoll.bench.report.Progress`).
-    Ranks still alive ``grace_s`` after rank 0 wrote its result are killed:
+    Ranks still alive :data:`GRACE_S` after rank 0 wrote its result are killed:
     their work is done, and a process stuck in its exit (a gloo destructor once
     deadlocked there) must not hang the benchmark.
     """
@@ -485,26 +486,25 @@ def run_ranks(
 
     import torch.multiprocessing as tmp
 
-    if start_method not in _QUEUES:
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(list(PRELOAD))
-        _QUEUES[start_method] = ctx.Queue()
-    progress_q = _QUEUES[start_method]
+    if not _QUEUE:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))
+        _QUEUE.append(ctx.Queue())
+    progress_q = _QUEUE[0]
     with tempfile.TemporaryDirectory(prefix="fastcoll_bench_") as tmpdir:
         out_path = os.path.join(tmpdir, "result.json")
         procs = tmp.start_processes(_rank_main, args=(ws, os.path.join(tmpdir, "store"), out_path, progress_q, fn, cfg, args),
-                                    nprocs=ws, join=False, start_method=start_method)  # fmt: skip
+                                    nprocs=ws, join=False, start_method="forkserver")  # fmt: skip
         written_at: Optional[float] = None
         while not procs.join(timeout=0.2):
             _drain(progress_q, prog)
             if written_at is None and os.path.exists(out_path):
                 written_at = time.perf_counter()
-            if written_at is not None and time.perf_counter() - written_at > grace_s:
+            if written_at is not None and time.perf_counter() - written_at > GRACE_S:
                 for p in procs.processes:
                     if p.is_alive():
                         p.kill()
-                report.say(f"[yellow]rank processes still alive {grace_s:.0f} s after their result: killed[/yellow]")
+                report.say(f"[yellow]rank processes still alive {GRACE_S:.0f} s after their result: killed[/yellow]")
                 break
         _drain(progress_q, prog)
         with open(out_path) as f:

@@ -118,43 +118,41 @@ def verdict(value: Optional[float], threshold: float, ci: Optional[Sequence[floa
 
 
 def target(
-    value: Optional[float], threshold: float, ci: Optional[Sequence[float]] = None, op: str = "le", interval: str = "exact"
-) -> Dict[str, Any]:
+    value: Optional[float], threshold: float, ci: Optional[Sequence[float]] = None, op: str = "le", interval: str = "exact",
+    what: Optional[str] = None,
+) -> Dict[str, Any]:  # fmt: skip
     """A reported target: ``value`` against ``threshold`` (``op`` "le": lower is better, "ge": higher).
 
     Returns:
         ``op``, ``threshold``, ``value``, ``ci90`` (None for exact values),
         ``interval`` (what the interval is over), ``verdict`` (:func:`verdict`),
-        ``pass`` (the point value alone against the threshold) and ``resolved``
-        (the verdict is MET or MISSED).
+        ``pass`` (the point value alone against the threshold), ``resolved``
+        (the verdict is MET or MISSED) and, when given, ``what`` (the target in words).
     """
     v = verdict(value, threshold, ci, op)
     ok = None if value is None else (value <= threshold if op == "le" else value >= threshold)
-    return {
-        "op": op,
-        "threshold": threshold,
-        "value": value,
-        "ci90": list(ci) if ci is not None else None,
-        "interval": interval,
-        "verdict": v,
-        "pass": ok,
-        "resolved": v in (MET, MISSED),
-    }
+    out = {"op": op, "threshold": threshold, "value": value, "ci90": list(ci) if ci is not None else None,
+           "interval": interval, "verdict": v, "pass": ok, "resolved": v in (MET, MISSED)}  # fmt: skip
+    return out if what is None else {**out, "what": what}
 
 
-def ratio_target(samples: Samples, a: str, b: str, threshold: float, op: str = "le") -> Dict[str, Any]:
+def ratio_target(
+    samples: Samples, a: str, b: str, threshold: float, op: str = "le", what: Optional[str] = None
+) -> Dict[str, Any]:
     """The target ``median(a) / median(b)`` against ``threshold``, with its paired 90% bootstrap interval."""
     sub = {a: samples[a], b: samples[b]}
     ci = bootstrap_ci(median_ratio(a, b), sub, paired=True) if len(samples[a]) > 2 else None
-    return target(median_ratio(a, b)(sub), threshold, ci, op, "90% bootstrap (rounds)")
+    return target(median_ratio(a, b)(sub), threshold, ci, op, "90% bootstrap (rounds)", what)
 
 
-def group_target(groups: Sequence[Dict[str, Any]], a: str, b: str, threshold: float = 1.0) -> Dict[str, Any]:
+def group_target(
+    groups: Sequence[Dict[str, Any]], a: str, b: str, threshold: float = 1.0, what: Optional[str] = None
+) -> Dict[str, Any]:
     """:func:`ratio_target` of ``a`` over ``b`` from the first group (``{"samples": ...}``) timing both."""
     for g in groups:
         if a in g["samples"] and b in g["samples"]:
-            return ratio_target(g["samples"], a, b, threshold)
-    return target(None, threshold)
+            return ratio_target(g["samples"], a, b, threshold, what=what)
+    return target(None, threshold, what=what)
 
 
 def method_entry(

@@ -390,12 +390,8 @@ def print_results(payload: dict[str, Any]) -> None:
 
 
 def run(args: Any = None) -> int:
-    """CLI entry (``python -m fastcoll.bench timeline``): measure, print, write JSON, the sweep chart, Gantt charts and traces.
-
-    Returns:
-        0 on success (also when fastcoll.DDP lacks the API: skipped with a
-        message), 2 if ``--device cuda`` is asked for without a GPU.
-    """
+    """``python -m fastcoll.bench timeline``: tables, ``benchmarks/out/timeline_<device>.json``, the targets chart, a Gantt
+    chart and a Chrome trace per model; returns 0."""
     device = args.device
     payload = measure(args)
     path = report.json_path(args, f"timeline_{device}")

@@ -154,12 +154,9 @@ def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[st
         wrapper, opt = make_method(m, models.build_model(spec, device, storage, layered=True), device)
         return wrapper, opt, make_step(spec, wrapper, opt, x)
 
-    runs, setup = runner.start_runs(me, methods, make)
-    inner = me.inner(max(setup.values()))
     lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
     checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
-    samples = runner.optimizer_rounds(me, runs, inner, lo, hi, checks)
-    runs.clear()
+    samples, inner = runner.optimizer_rounds(me, methods, make, lo, hi, checks)
     return {"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples}
 
 

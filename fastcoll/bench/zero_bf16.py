@@ -82,13 +82,18 @@ def build_model(shapes: Sequence[Sequence[int]], method: str, storage: Any = Non
     return models.LayeredShapeModel(shapes, storage, device, param_dtype(method), matmul=True)
 
 
-def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
-    """The wrapper and the optimizer of ``method`` (one of :data:`METHODS`) around ``module`` (already in its dtype)."""
+def make_method(
+    method: str, module: nn.Module, device: str, ddp_kwargs: Optional[Dict[str, Any]] = None, **sharded_kwargs: Any
+) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """The wrapper and the optimizer of ``method`` (one of :data:`METHODS`) around ``module`` (already in its dtype).
+
+    The fastcoll methods pass ``ddp_kwargs`` to ``fastcoll.DDP`` and ``sharded_kwargs`` to ``ShardedOptimizer``.
+    """
     adamw = models.adamw_kwargs(device, (torch.float32, BF16))
     if method in FASTCOLL:
-        wrapper: nn.Module = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32)
+        wrapper: nn.Module = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32, **(ddp_kwargs or {}))
         opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
-            torch.optim.AdamW(wrapper.parameters(), **adamw), wrapper, grads=method, master_dtype=torch.float32
+            torch.optim.AdamW(wrapper.parameters(), **adamw), wrapper, grads=method, master_dtype=torch.float32, **sharded_kwargs
         )
     else:
         wrapper = runner.wrap("torch", module, device)
@@ -115,12 +120,6 @@ def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], seen: Optional[set
             seen.add(st.data_ptr())
             total += st.nbytes()
     return total
-
-
-def torch_bucket_bytes(wrapper: nn.Module) -> Optional[int]:
-    """torch DDP's flat gradient buckets (bytes, from its logging data), None if absent."""
-    sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")
-    return None if sizes is None else int(sum(sizes))
 
 
 def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -157,9 +156,10 @@ def account(
     if method in FASTCOLL:
         buckets = _storage_bytes(fastcoll_buffers(wrapper, opt), seen)
     else:
-        buckets = torch_bucket_bytes(wrapper)
-        if buckets is None:  # torch's buckets hold every gradient once, in the parameters' dtype
-            buckets = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")  # torch DDP's flat buckets, from its logging data
+        if sizes is None:  # torch's buckets hold every gradient once, in the parameters' dtype
+            sizes = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
+        buckets = int(sum(sizes))
     dot_grad = _storage_bytes(list(grads), seen)
     master = _storage_bytes(masters(opt), seen)
     state = _storage_bytes([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)], seen)
@@ -188,14 +188,11 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     module = build_model(dims, method, device=device)
     x = models.shape_input(len(dims), rank, device)
     wrapper, opt = make_method(method, module, device)
-    by_phase: Dict[str, int] = {p: 0 for p in PHASES}
     kept: List[torch.Tensor] = []
 
     def sample(phase: str) -> None:
-        if live is not None and live.available:
-            now = (live.read() or 0) - live.base
-            by_phase[phase] = max(by_phase[phase], now)
-            live.peak = max(live.peak, now)
+        if live is not None:
+            live.sample(phase)
         if phase == "backward":
             kept[:] = _real_grads(module)  # the gradients as backward leaves them (weakly: only counted)
 
@@ -207,7 +204,8 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     kept.clear()
     has_live = live is not None and live.available
     return {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
-            "live_peak_bytes": live.peak if has_live else None, "live_by_phase": by_phase if has_live else None,
+            "live_peak_bytes": live.peak if has_live else None,
+            "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
             "held": held, "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
             "iterations": cfg["setup_steps"] + 1}  # fmt: skip
 
@@ -243,10 +241,8 @@ def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict
         wrapper, opt = make_method(m, build_model(dims, m, storage[dtype], device), device)
         return wrapper, opt, make_step(m, wrapper, opt, x, device)
 
-    runs, _ = runner.start_runs(me, methods, make)
     goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
-    samples = runner.optimizer_rounds(me, runs, 1, cfg["reps"], cfg["max_reps"], goal)
-    runs.clear()
+    samples, _ = runner.optimizer_rounds(me, methods, make, cfg["reps"], cfg["max_reps"], goal, inner=1)
     return {"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples}
 
 
@@ -270,12 +266,6 @@ def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
 
 
 # Analysis
-def _target(value: Optional[float], threshold: float, ci: Optional[Sequence[float]], what: str, interval: str) -> Dict[str, Any]:
-    t = stats.target(value, threshold, ci, "le", interval)
-    t["what"] = what
-    return t
-
-
 def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """Per-method summaries, the ratios to ``autocast`` and the targets (in place; returns ``row``)."""
     mem, groups = row["memory"], row["groups"]
@@ -299,12 +289,12 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     for m in FASTCOLL:
         per_rank = stats.per_rank_ratios(methods[m].get("peak_bytes"), base.get("peak_bytes"))
         if per_rank:
-            targets[f"memory {m}/autocast"] = _target(max(per_rank), MEMORY_VS_AUTOCAST, (min(per_rank), max(per_rank)),
-                                                      f"peak resident growth per rank, {METHOD_LABELS[m]} / autocast's",
-                                                      "range over ranks")  # fmt: skip
-        t = stats.group_target(groups, m, "autocast", STEP_VS_AUTOCAST)
+            what = f"peak resident growth per rank, {METHOD_LABELS[m]} / autocast's"
+            span = (min(per_rank), max(per_rank))
+            targets[f"memory {m}/autocast"] = stats.target(span[1], MEMORY_VS_AUTOCAST, span, "le", "range over ranks", what)
+        t = stats.group_target(groups, m, "autocast", STEP_VS_AUTOCAST, f"step, {METHOD_LABELS[m]} / autocast's")
         if t["value"] is not None:
-            targets[f"step {m}/autocast"] = {**t, "what": f"step, {METHOD_LABELS[m]} / autocast's"}
+            targets[f"step {m}/autocast"] = t
     ratios: Dict[str, Any] = {}
     for m in METHODS:
         if m == "autocast":
@@ -328,11 +318,10 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
                 continue
             share = r["weight_distance"] / plain if plain > 0 else None
             r["distance_vs_bf16"] = share
-            targets[f"distance {m}/torch_bf16"] = _target(share, DISTANCE_VS_BF16, None,
-                                                          f"weight distance from float32, {QUALITY_LABELS[m]} / (b)'s",
-                                                          "exact")  # fmt: skip
-            targets[f"loss {m}"] = _target(abs(r["loss_gap"]), LOSS_GAP, None,
-                                           f"relative final-loss gap from float32, {QUALITY_LABELS[m]}", "exact")  # fmt: skip
+            targets[f"distance {m}/torch_bf16"] = stats.target(share, DISTANCE_VS_BF16, what=f"weight distance from float32, "
+                                                               f"{QUALITY_LABELS[m]} / (b)'s")  # fmt: skip
+            targets[f"loss {m}"] = stats.target(abs(r["loss_gap"]), LOSS_GAP,
+                                                what=f"relative final-loss gap from float32, {QUALITY_LABELS[m]}")  # fmt: skip
     row["targets"] = targets
     return row
 
@@ -434,10 +423,11 @@ def print_results(payload: Dict[str, Any]) -> None:
         report.table(f"fastcoll zero bf16: quality, tiny causal LM, {q['steps']} AdamW steps (2 gloo ranks)",
                      ["run", "final loss", "gap vs (a)", "weight distance", "master distance", "distance / (b)'s", "time"], body,
                      "distance: ||w - w(a)|| / ||w(a)|| over every parameter; master distance: the float32 masters'")  # fmt: skip
-    body = [[t["what"], report.target_cell(t, lambda v: "-" if v is None else f"{v:.4g}"), f"<= {t['threshold']}", t["interval"]]
-            for t in row["targets"].values()]  # fmt: skip
-    report.table(f"fastcoll zero bf16: targets ({device})", ["target", "value (interval) verdict", "target", "interval"], body,
-                 "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
+    report.targets_table(
+        f"fastcoll zero bf16: targets ({device})",
+        list(row["targets"].values()),
+        "the issue's targets are sharded's; full's against the same levels for information",
+    )
 
 
 def json_path(args: Any, device: str) -> Path:

@@ -128,8 +128,8 @@ def measure(args: Any) -> Dict[str, Any]:
             bar.describe(f"zero one rounding: precision at {n} ranks")
             got = runner.run_ranks(_precision, cfg, (cfg["numel"],), n, bar)
             got.pop("implementation", None), got.pop("malloc", None)
-            targets = {f"max ulp {m}, {n} ranks": dict(stats.target(got[m]["max_ulp"], ULP_TARGET),
-                                                       what=f"{LABELS[m]}: max distance, bf16 ulps")
+            targets = {f"max ulp {m}, {n} ranks": stats.target(got[m]["max_ulp"], ULP_TARGET,
+                                                               what=f"{LABELS[m]}: max distance, bf16 ulps")
                        for m in METHODS[1:]}  # fmt: skip
             results.append({"label": f"{n} ranks", "world_size": n, "methods": got, "targets": targets})
             bar.row(f"{n} ranks", len(cfg["worlds"]) + 1)

@@ -11,7 +11,6 @@ accumulation choices of the pool).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from typing import Any, Callable, Dict, List, Tuple
@@ -19,12 +18,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-import fastcoll
-
 from ..reducer.shards import PAD_SHARE
 from . import models, report, runner, stats, zero_bf16
 
-BF16 = torch.bfloat16
 #: method -> (grad_buffers, accumulate, micro-batches, pool_buffers)
 METHODS: Dict[str, Tuple[str, Any, int, Any]] = {
     "persistent": ("persistent", None, 1, None),
@@ -52,24 +48,13 @@ def make_method(method: str, module: nn.Module, device: str, cap_mb: float = 25.
     masters) of ``method``."""
     buffers, accumulate, _, bound = METHODS[method]
     # No stall detection: 4 ranks on 2 busy cores can leave one rank seconds behind (it would be diagnosed).
-    wrapper = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32, stall_timeout=0, bucket_cap_mb=cap_mb)
     kw = {"grad_buffers": "pool", "accumulate": accumulate, "pool_buffers": bound} if buffers == "pool" else {}
-    inner = torch.optim.AdamW(wrapper.parameters(), **models.adamw_kwargs(device, (torch.float32, BF16)))
-    return wrapper, fastcoll.ShardedOptimizer(inner, wrapper, grads="sharded", master_dtype=torch.float32, **kw)
+    return zero_bf16.make_method("sharded", module, device, {"stall_timeout": 0, "bucket_cap_mb": cap_mb}, **kw)
 
 
 def make_step(method: str, wrapper: Any, opt: Any, x: torch.Tensor) -> Callable[[], None]:
     """zero_grad; the micro-batches' forward and backward (all but the last under no_sync); step."""
-    micro = METHODS[method][2]
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        for k in range(micro):
-            with wrapper.no_sync() if k < micro - 1 else contextlib.nullcontext():
-                wrapper(x).backward()
-        opt.step()
-
-    return step
+    return models.train_step(wrapper, opt, x, micro=METHODS[method][2])
 
 
 def _memory(me: runner.Rank, shapes: models.GPT2Shapes, method: str) -> Dict[str, Any]:
@@ -103,11 +88,8 @@ def _timing(me: runner.Rank, shapes: models.GPT2Shapes) -> Dict[str, Any]:
         wrapper, opt = make_method(m, module, me.device, me.cfg["bucket_cap_mb"])
         return wrapper, opt, make_step(m, wrapper, opt, x)
 
-    methods = list(TIMED)
-    runs, _ = runner.start_runs(me, methods, make)
     goal = [(stats.median_ratio("pool", "persistent"), STEP_VS_PERSISTENT, "le")]
-    samples = runner.optimizer_rounds(me, runs, 1, me.cfg["reps"], me.cfg["max_reps"], goal)
-    runs.clear()
+    samples, _ = runner.optimizer_rounds(me, TIMED, make, me.cfg["reps"], me.cfg["max_reps"], goal, inner=1)
     return {"samples": samples}
 
 
@@ -123,16 +105,18 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]])
     for m in MEMORY[1:]:
         pool = out["methods"][m]
         budget = (2 + 16 / world) * (1 + PAD_SHARE) + pool["bytes_per_param"]["pool"]  # (+ the ranges' padding)
-        out["targets"][f"bytes {m}"] = {**stats.target(pool["bytes_per_param"]["total"], budget, None, "le", "exact"),
-                                        "what": f"{m}: bytes per parameter held, N={world} (<= 2 + 16/N + the pool)"}  # fmt: skip
+        out["targets"][f"bytes {m}"] = stats.target(
+            pool["bytes_per_param"]["total"], budget, what=f"{m}: bytes per parameter held, N={world} (<= 2 + 16/N + the pool)"
+        )
         per_rank = stats.per_rank_ratios(pool["peak_bytes"], out["methods"]["persistent"]["peak_bytes"])
         if per_rank and world == 4:
-            t = stats.target(max(per_rank), PEAK_VS_PERSISTENT, (min(per_rank), max(per_rank)), "le", "range over ranks")
-            out["targets"][f"peak {m}"] = {**t, "what": f"peak resident growth per rank, {m} / persistent, N={world}"}
+            what, span = f"peak resident growth per rank, {m} / persistent, N={world}", (min(per_rank), max(per_rank))
+            out["targets"][f"peak {m}"] = stats.target(span[1], PEAK_VS_PERSISTENT, span, "le", "range over ranks", what)
         elif per_rank:
             out[f"peak {m}/persistent"] = max(per_rank)
-    t = stats.ratio_target(samples, "pool", "persistent", STEP_VS_PERSISTENT)
-    out["targets"]["step"] = {**t, "what": f"step, pool / persistent, N={world}"}
+    out["targets"]["step"] = stats.ratio_target(
+        samples, "pool", "persistent", STEP_VS_PERSISTENT, what=f"step, pool / persistent, N={world}"
+    )
     out["ratios"] = {f"{a}/{b}": stats.ratio_target(samples, a, b, 1.0)
                      for a, b in (("pool rs x4", "persistent x4"), ("pool full x4", "persistent x4"))}  # fmt: skip
     out["step_s"] = {m: stats.summarize(s)["median_s"] for m, s in samples.items()}
@@ -189,9 +173,7 @@ def print_results(payload: Dict[str, Any]) -> None:
                  ["N", *TIMED, "pool/persistent", "rs x4/persistent x4", "full x4/persistent x4"], body,
                  "median step of the slowest rank, steady state; ratios: median ratio (90% paired bootstrap interval); "
                  "x4: 4 micro-batches, the first 3 under no_sync")  # fmt: skip
-    body = [[t["what"], report.target_cell(t, lambda v: "-" if v is None else f"{v:.4g}"), f"<= {t['threshold']:.4g}",
-             t["interval"]] for row in payload["results"] for t in row["targets"].values()]  # fmt: skip
-    report.table("fastcoll zero pool: targets", ["target", "value (interval) verdict", "target", "interval"], body)
+    report.targets_table("fastcoll zero pool: targets", [t for row in payload["results"] for t in row["targets"].values()])
 
 
 def run_section(args: Any = None) -> int:
