@@ -51,6 +51,20 @@ def memory_order_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return flat_view(g)
 
 
+def _arriving_hook(ref: "weakref.ReferenceType[KeptGradients]") -> Any:
+    """A gradient hook: at the first guarded parameter a backward reaches, what the reducer does before accumulating.
+
+    A plain closure over a weak reference (it runs for every guarded parameter of every backward: kept cheap).
+    """
+
+    def arriving(_grad: torch.Tensor) -> None:
+        kept = ref()
+        if kept is not None and kept.placed:
+            kept.reducer.before_accumulating()
+
+    return arriving
+
+
 def _remove_all(handles: List[Any]) -> None:
     for h in handles:
         h.remove()
@@ -93,8 +107,8 @@ class KeptGradients:
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
         # Before a guarded parameter's gradient is accumulated (the guard must not be accumulated into).
-        arriving = weak_method(self._gradient_arriving, _ORPHANED)
-        handles = [reducer.params[i].register_hook(arriving) for i in self.guarded if reducer.params[i].requires_grad]
+        handles = [p.register_hook(_arriving_hook(weakref.ref(self))) for i in self.guarded for p in [reducer.params[i]]
+                   if p.requires_grad]  # fmt: skip
         weakref.finalize(self, _remove_all, handles)
 
     # ------------------------------------------------------------- the values
@@ -214,17 +228,13 @@ class KeptGradients:
         """Before a backward accumulates: resets seen; the guards leave ``.grad`` (it accumulates into fresh gradients).
 
         Called by the reducer once a backward has begun, and by the hook of the first guarded parameter a
-        backward reaches (:meth:`_gradient_arriving`), whichever comes first.
+        backward reaches (:func:`_arriving_hook`), whichever comes first.
         """
         self.reconcile(at_step=False)
         for p in self.reducer.params:
             if is_guard(p.grad):
                 p.grad = None
         self.placed = {}
-
-    def _gradient_arriving(self, _grad: torch.Tensor) -> None:
-        if self.placed:  # the first guarded parameter this backward reaches: what the reducer does before accumulating
-            self.reducer.before_accumulating()
 
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad`` of the guarded parameters: their ``.grad`` and everything kept for them."""
