@@ -62,15 +62,11 @@ from .bucket import PackArgs
 from .bucket_layout import ReducerLayout
 from .comm import Communicator
 from .health import Divisor, GradHealth
-from .kept_grads import KeptGradients
 from .layout import BucketSet
-from .param_gather import ParamGather
-from .pool import GradBufferPool
-from .reduction import CommHook, ShardGrads, Skipped, ZeroBuffers
+from .reduction import CommHook, Skipped, ZeroBuffers
 from .runtime_log import RuntimeLog
 from .settings import ReducerSettings
 from .sharding import ReducerSharding
-from .shards import ShardLayout
 from .timeline import Timeline
 from .tuning import LayoutTuning
 from .usage import ParameterUsage
@@ -222,12 +218,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self._idle_queued = False  # a no_sync backward's accumulation into the main gradients is queued
         #: A backward under ``no_sync`` left local gradients that no synchronized backward has reduced yet.
         self.unsynchronized = False
-        self._shard_world = 0  # > 0 once a sharded optimizer divides the buckets among that many ranks
-        self._pool_bound = 0
-        #: The pool lending the sharded buckets their full-size buffers (``grad_buffers="pool"``), else None.
-        self.pool: Optional[GradBufferPool] = None
-        #: With the pool: how micro-batches accumulate (:data:`~fastcoll.reducer.pool.ACCUMULATE`), else None.
-        self.accumulate: Optional[str] = None
+        self._init_unsharded()
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
         #: None, or torch.float32: the dense buckets' 16-bit values are summed in float32 (:meth:`_index_reductions`).
         self.comm_accum_dtype: Optional[torch.dtype] = comm_accum_dtype
@@ -243,13 +234,6 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
             self.gradient_as_bucket_view, record_order=not self.usage.searching,
         )  # fmt: skip
         self._hook: Optional[CommHook] = None
-        #: The ranges of the buckets among ranks, once a sharded optimizer divided them (:meth:`shard`).
-        self.shards: Optional[ShardLayout] = None
-        #: This rank's range of the reduced gradients when they are reduce-scattered (``grads="sharded"``).
-        self.shard_grads: Optional[ShardGrads] = None
-        #: The gradients kept outside ``.grad`` once sharded (:meth:`shard`), and the parameters' all-gathers.
-        self.kept: Optional[KeptGradients] = None
-        self.param_gather: Optional[ParamGather] = None
         self._phase = _IDLE
         self.timeline = Timeline(enabled=bool(record_timeline))
         #: torch DDP's logging data recorded while training (sampled times, the last error).

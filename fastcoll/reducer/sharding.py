@@ -37,6 +37,22 @@ class ReducerSharding:
     accumulate: Optional[str]
     _pool_bound: int
 
+    def _init_unsharded(self) -> None:
+        """The sharded side's state before any optimizer divides the buckets (from the reducer's ``__init__``)."""
+        self._shard_world = 0  # > 0 once a sharded optimizer divides the buckets among that many ranks
+        self._pool_bound = 0
+        #: The pool lending the sharded buckets their full-size buffers (``grad_buffers="pool"``), else None.
+        self.pool = None
+        #: With the pool: how micro-batches accumulate (:data:`~fastcoll.reducer.pool.ACCUMULATE`), else None.
+        self.accumulate = None
+        #: The ranges of the buckets among ranks, once a sharded optimizer divided them (:meth:`shard`).
+        self.shards = None
+        #: This rank's range of the reduced gradients when they are reduce-scattered (``grads="sharded"``).
+        self.shard_grads = None
+        #: The gradients kept outside ``.grad`` once sharded (:meth:`shard`), and the parameters' all-gathers.
+        self.kept = None
+        self.param_gather = None
+
     def shard(
         self, sharded_grads: bool, advice: str = "", pool_buffers: int = 0, accumulate: Optional[str] = None
     ) -> ShardLayout:
