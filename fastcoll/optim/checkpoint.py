@@ -74,7 +74,7 @@ def _piece_states(opt: Any) -> List[Tuple[int, Any, Dict[str, Any]]]:
     out = []
     for k, ((pos, pc), t) in enumerate(zip(opt._pieces, opt._shard_params)):
         st = dict(state[t]) if t in state and state[t] else {}
-        if opt._has_master(k):
+        if opt._values.has_master(k):
             st[MASTER] = t
         if st:
             out.append((pos, pc, st))
@@ -195,7 +195,7 @@ def _load_inner(opt: Any, groups: List[Dict[str, Any]], piece_state: List[Option
     for k, ((_, pc), t) in enumerate(zip(opt._pieces, opt._shard_params)):
         st = piece_state[k]
         master = st.pop(MASTER, None) if st else None
-        if not opt._has_master(k):
+        if not opt._values.has_master(k):
             continue
         with torch.no_grad():
             if master is not None:

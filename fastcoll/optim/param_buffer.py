@@ -29,14 +29,15 @@ parameter points back.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from .. import ops
+from ..reducer.bucket import MainGradBucket
 from ..reducer.shards import ALIGN_BYTES
 
-__all__ = ["STAGED_MIN_ELEMENTS", "STAGED_SHARE", "ParamBuffers", "movable", "shares_memory"]
+__all__ = ["STAGED_MIN_ELEMENTS", "STAGED_SHARE", "ParamBuffers", "gather_stages", "movable", "shares_memory"]
 
 #: A bucket whose unmovable parameters hold at most this share of its elements (or
 #: :data:`STAGED_MIN_ELEMENTS`, whichever is larger) gets a buffer: the bound on the memory it adds.
@@ -126,3 +127,38 @@ def shares_memory(params: List[torch.Tensor]) -> List[bool]:
     for key in keys:
         owners[key] = owners.get(key, 0) + 1
     return [key is not None and owners[key] > 1 for key in keys]
+
+
+def gather_stages(
+    reducer: Any, layout: Any, buffers: ParamBuffers, pooled: bool, grads: str
+) -> Tuple[Dict[int, Optional[torch.Tensor]], Dict[int, torch.Tensor]]:
+    """Per sharded bucket, where its parameters are all-gathered, and which gradient buffers that borrows.
+
+    The parameters' own buffer when they have one (:class:`ParamBuffers`). With gradient buffers from a pool
+    (``pooled``): None, a slot of the pool drawn at the bucket's pack. Else the bucket's own buffer when it is
+    free after the step: the gradient bucket itself (or its float32 main-gradient bucket, whose bytes hold
+    the 16-bit parameters: consumed by the step, zeroed after the all-gather); else a buffer of its own
+    (gradients as bucket views, kept by ``grads="full"``).
+
+    Args:
+        reducer: The sharded reducer.
+        layout: Its :class:`~fastcoll.reducer.shards.ShardLayout`.
+        buffers: The flat parameter buffers.
+        pooled: ``grad_buffers="pool"``.
+        grads: ``"full"`` or ``"sharded"``.
+    """
+    stages: Dict[int, Optional[torch.Tensor]] = {}
+    borrowed: Dict[int, torch.Tensor] = {}
+    for bs in layout.buckets:
+        b = reducer.buckets[bs.pos]
+        if bs.pos in buffers:
+            stages[bs.pos] = buffers.buffers[bs.pos]
+        elif pooled:
+            stages[bs.pos] = None
+        elif isinstance(b, MainGradBucket):
+            stages[bs.pos] = b.flat_padded.view(b.dtype)[: b.padded]
+            borrowed[bs.pos] = b.flat_padded
+        else:
+            free = b.flat.dtype == b.dtype and (grads == "sharded" or not b.as_view)
+            stages[bs.pos] = b.flat_padded if free else torch.empty(b.padded, dtype=b.dtype, device=b.device)
+    return stages, borrowed

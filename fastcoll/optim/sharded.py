@@ -26,14 +26,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-from .. import ops
-from ..reducer.bucket import MainGradBucket
 from ..reducer.pool import ACCUMULATE
-from ..reducer.shards import Piece, flat_view
+from ..reducer.shards import Piece
 from .clip import clip_grad_norm
 from .elementwise import check_optimizer_class
 from .gradients import PieceGradients
-from .param_buffer import ParamBuffers, movable, shares_memory
+from .param_buffer import ParamBuffers, gather_stages, movable, shares_memory
+from .piece_values import PieceValues
 
 __all__ = ["ShardedOptimizer"]
 
@@ -48,9 +47,6 @@ def _advice(grads: str) -> str:
         "global norm, the same on every rank); with torch.amp.GradScaler, scaler.unscale_(opt) and scaler.step(opt) "
         "work as with torch. Pass grads='full' (and no main_grad_dtype) to keep every rank's full gradients in p.grad."
     )
-
-
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -156,7 +152,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pieces: List[Tuple[int, Piece]] = [  # (bucket position, piece) of the stepped parameters, bucket order
             (bs.pos, pc) for bs, pcs in zip(self._layout.buckets, self._layout.pieces) for pc in pcs if self._stepped[pc.param]
         ]
-        self._shard_params = self._make_shard_params()
+        self._values = PieceValues(reducer.params, reducer.names, self._pieces, master_dtype, self._buffers.moved)
+        self._shard_params = self._values.tensors
         self._grads = PieceGradients(reducer, self._pieces, self._shard_params, sharded=grads == "sharded")
         inner_groups = self._inner_groups(optimizer, index_of)
         #: The torch optimizer that was wrapped: its ``param_groups`` and ``defaults`` are this optimizer's own
@@ -165,9 +162,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: The optimizer of the wrapped class over this rank's pieces (private: its groups follow ``param_groups``).
         self._local = _same_class(optimizer, inner_groups)
         self._bucket_index = {bs.pos: k for k, bs in enumerate(self._layout.buckets)}
-        #: (parameter, first element) -> the float32 master copy of that piece (with ``master_dtype``).
-        self._masters = {(pc.param, pc.lo): t for j, ((_, pc), t) in enumerate(zip(self._pieces, self._shard_params))
-                         if self._has_master(j)}  # fmt: skip
         bucket_of_piece = {id(t): pos for (pos, _), t in zip(self._pieces, self._shard_params)}
         #: Per bucket position, per inner param group, the pieces of that group in that bucket (in group order).
         self._bucket_params: Dict[int, List[List[torch.Tensor]]] = {
@@ -182,41 +176,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.state = ShardedState(self._local.state, {id(p) for p in self._order})
         _redirect(optimizer, self)
-        stages, borrowed = self._stages()
+        stages, borrowed = gather_stages(reducer, self._layout, self._buffers, grad_buffers == "pool", grads)
         self._gather = reducer.enable_param_gather(
             self._stepped, stages, self.overlap_param_gather, borrowed, self._buffers.moved, model.module
         )
-        self._written_hash: Optional[torch.Tensor] = None  # see _refresh_masters
-        #: The pieces with a master copy, and (the parameters' storage, their views) once built: see _master_pieces.
-        self._master_ks = [k for k in range(len(self._pieces)) if self._has_master(k)]
-        self._master_views: Optional[Tuple[Tuple[Any, ...], List[Tuple[torch.Tensor, torch.Tensor]]]] = None
-        #: The pieces the inner optimizer steps as views of their parameter (no master, not in a buffer), and the
-        #: storage of those parameters when the views were taken: see _follow_storage.
-        self._view_ks = [k for k in range(len(self._pieces))
-                         if k not in set(self._master_ks) and self._pieces[k][1].param not in self._buffers.moved]  # fmt: skip
-        self._view_key = self._storage_key(self._view_ks)
-        self._view_numel = {self._pieces[k][1].param: self.reducer.params[self._pieces[k][1].param].numel()
-                            for k in self._view_ks}  # fmt: skip
         gather = self._gather  # the reducer's: the hooks hold no reference to this optimizer
         for m in (model, model.module):
             m.register_state_dict_pre_hook(lambda *args, **kwargs: gather.finish())
 
     # ------------------------------------------------------------- building
-
-    def _make_shard_params(self) -> List[torch.Tensor]:
-        """One 1-D tensor per piece: a view of this rank's part of the parameter, or its float32 master copy."""
-        views = piece_views(self.reducer.params, [pc for _, pc in self._pieces])
-        if self.master_dtype is None:
-            return views
-        return [v.to(self.master_dtype, copy=True) if v.dtype in _SIXTEEN_BIT else v for v in views]
-
-    def _has_master(self, k: int) -> bool:
-        t = self._shard_params[k]
-        return (
-            self.master_dtype is not None
-            and t.dtype == self.master_dtype
-            and self.reducer.params[self._pieces[k][1].param].dtype in _SIXTEEN_BIT
-        )
 
     def _inner_groups(self, optimizer: torch.optim.Optimizer, index_of: Dict[int, int]) -> List[Dict[str, Any]]:
         by_param: Dict[int, List[torch.Tensor]] = {}
@@ -227,32 +195,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             params = [t for p in g["params"] if id(p) in index_of for t in by_param.get(index_of[id(p)], [])]
             groups.append(dict(g, params=params))
         return groups
-
-    def _stages(self) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
-        """Per sharded bucket, where its parameters are all-gathered, and which gradient buffers that borrows.
-
-        The parameters' own buffer when they have one (:mod:`.param_buffer`). Else the bucket's own buffer
-        when it is free after the step: the gradient bucket itself (or its float32 main-gradient bucket,
-        whose bytes hold the 16-bit parameters: consumed by the step, zeroed after the all-gather); else a
-        buffer of its own (gradients as bucket views, kept by ``grads="full"``).
-        """
-        r = self.reducer
-        stages, borrowed = {}, {}
-        for bs in self._layout.buckets:
-            b = r.buckets[bs.pos]
-            if bs.pos in self._buffers:
-                stages[bs.pos] = self._buffers.buffers[bs.pos]
-                continue
-            if self.grad_buffers == "pool":
-                stages[bs.pos] = None  # a slot of the gradient buffer pool, drawn at the bucket's pack
-                continue
-            if isinstance(b, MainGradBucket):
-                stages[bs.pos] = b.flat_padded.view(b.dtype)[: b.padded]
-                borrowed[bs.pos] = b.flat_padded
-                continue
-            free = b.flat.dtype == b.dtype and (self.grads == "sharded" or not b.as_view)
-            stages[bs.pos] = b.flat_padded if free else torch.empty(b.padded, dtype=b.dtype, device=b.device)
-        return stages, borrowed
 
     @property
     def grad_pool(self) -> Any:
@@ -297,8 +239,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.reducer.kept.reconcile(at_step=True)
         self._check_grads()
         self._buffers.check()
-        self._follow_storage()
-        self._refresh_masters()
+        self._values.follow_storage()
+        self._values.refresh_masters()
         self._push_hyperparameters()
         self._grads.attach()  # as the gradients are now (unscaled, clipped, zeroed since backward)
         # One inner step per bucket, each bucket's all-gather issued as soon as its pieces are stepped: the
@@ -312,7 +254,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gather.end_step()
         self._pull_group_keys(stepped_groups)
         self._grads.detach_all()
-        self._remember_written()
+        self._values.remember_written()
         # LR schedulers built on the wrapped optimizer count its steps (torch warns of a scheduler step first).
         self.wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
@@ -381,82 +323,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         The piece's values, or its master copy (rounded to the parameters' dtype by the pack); None for a
         parameter that lives in the bucket's buffer (its values are there already).
         """
-        params, moved = self.reducer.params, self._buffers.moved
-        out: List[Optional[torch.Tensor]] = []
-        for pc in self._layout.pieces[self._bucket_index[pos]]:
-            value = self._masters.get((pc.param, pc.lo))
-            if value is None and pc.param not in moved:
-                value = piece_views(params, [pc])[0]
-            out.append(value)
-        return out
-
-    def _master_pieces(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(master, the parameter's piece it rounds to) for every piece with a float32 master copy.
-
-        The views are built once and kept while every such parameter keeps its storage and strides (a
-        ``p.data = ...`` gives it new ones): building them is a few tensor operations per piece, per step.
-        """
-        params = self.reducer.params
-        key = self._storage_key(self._master_ks)
-        if self._master_views is None or self._master_views[0] != key:
-            views = [(self._shard_params[k], flat_view(params[pc.param].detach())[pc.lo : pc.hi])
-                     for k, pc in ((k, self._pieces[k][1]) for k in self._master_ks)]  # fmt: skip
-            self._master_views = (key, views)
-        return self._master_views[1]
-
-    def _storage_key(self, ks: Sequence[int]) -> Tuple[Any, ...]:
-        """Where the parameters of pieces ``ks`` keep their values (address and strides): ``p.data = ...`` changes it."""
-        params = self.reducer.params
-        return tuple((params[self._pieces[k][1].param].data_ptr(), params[self._pieces[k][1].param].stride()) for k in ks)
-
-    def _follow_storage(self) -> None:
-        """Pieces stepped as views of their parameter follow a parameter given new storage (``p.data = ...``).
-
-        The inner optimizer keeps each piece's tensor (its state is keyed by it); only what it views changes, to
-        the same range of the parameter's new storage, so the step updates the values the model now holds.
-        """
-        key = self._storage_key(self._view_ks)
-        if key == self._view_key:
-            return
-        r = self.reducer
-        for k in self._view_ks:
-            pc, t = self._pieces[k][1], self._shard_params[k]
-            p = r.params[pc.param]
-            numel = self._view_numel[pc.param]
-            if p.numel() != numel or p.dtype != t.dtype or p.device != t.device:
-                raise RuntimeError(
-                    f"fastcoll.ShardedOptimizer: parameter '{r.names[pc.param]}' is now {tuple(p.shape)} {p.dtype} on "
-                    f"{p.device} (p.data replaced); its bucket layout holds {numel} {t.dtype} elements on "
-                    f"{t.device}. Give a parameter new values of its own shape, dtype and device, or wrap the model again"
-                )
-            fresh = flat_view(p.detach())[pc.lo : pc.hi]
-            if t.data_ptr() != fresh.data_ptr():
-                t.data = fresh
-        self._view_key = key
-
-    def _remember_written(self) -> None:
-        """After the parameters were written from the masters: a hash of those pieces (one fused pass)."""
-        pieces = self._master_pieces() if self.master_dtype is not None else []
-        self._written_hash = ops.checksum([v for _, v in pieces]) if pieces else None
-
-    def _refresh_masters(self) -> None:
-        """A parameter changed outside the optimizer (a checkpoint loaded into the model): its masters follow it.
-
-        After a step each parameter holds its master rounded, and the hash of those pieces is kept: a different
-        hash means something was written since (a write through ``p.data`` moves no version counter), and only
-        then are the pieces compared value by value.
-        """
-        if self.master_dtype is None:
-            return
-        pieces = self._master_pieces()
-        if not pieces:
-            return
-        now = ops.checksum([v for _, v in pieces])
-        if self._written_hash is not None and torch.equal(now, self._written_hash):
-            return
-        for master, value in pieces:
-            if not torch.equal(master.to(value.dtype), value):
-                master.copy_(value)
+        moved = self._buffers.moved
+        return [self._values.gather_source(pc, moved) for pc in self._layout.pieces[self._bucket_index[pos]]]
 
     def staged_parameters(self) -> List[str]:
         """Names of the stepped parameters that do not live in their bucket's flat buffer (:mod:`.param_buffer`).
@@ -799,8 +667,3 @@ def _same_class(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]) 
         return cls(groups, **optimizer.defaults)
     except TypeError:
         return cls(groups)
-
-
-def piece_views(params: Sequence[torch.Tensor], pieces: Sequence[Any]) -> List[torch.Tensor]:
-    """1-D views of ``pieces`` (:class:`~fastcoll.reducer.shards.Piece`) of the reducer's ``params``, in memory order."""
-    return [flat_view(params[pc.param].detach())[pc.lo : pc.hi] for pc in pieces]
