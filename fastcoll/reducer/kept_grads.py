@@ -195,6 +195,24 @@ class KeptGradients:
                     first.copy_(torch.where(bad, torch.full_like(first, math.inf), first))
                     return
 
+    def after_local_backward(self, arrived: List[int]) -> None:
+        """After a ``no_sync`` backward added the 16-bit gradients of ``arrived`` into the float32 buckets.
+
+        Unsharded, each parameter's slot holds its local sum, which is what ``.grad`` holds under torch DDP:
+        guards in ``.grad`` present it (norms, scaling, resets). With reduce-scattered buckets the ranges hold
+        the last reduced values beside the local sums, which no ``.grad`` can present: it stays None.
+        """
+        if self.sharded:
+            return
+        params = self.reducer.params
+        for i in arrived:
+            self.used[i] = True
+        for i in self.guarded:
+            if self.used[i]:
+                guard = ShardedGradient(params[i], self.book, i)
+                params[i].grad = guard
+                self.placed[i] = guard
+
     # ----------------------------------------------------------------- resets
 
     def reconcile(self, at_step: bool) -> None:
