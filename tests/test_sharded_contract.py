@@ -654,7 +654,8 @@ PATTERNS: Dict[str, tuple] = {
     "zero_grad_wrapper_module_keep": (_zero_pattern("wrapper", False), False, False, False),
     "zero_grad_module_after_forward": (_zero_after_forward("module", True), False, False, True),
     "zero_grad_module_keep_after_forward": (_zero_after_forward("module", False), False, False, True),
-    "grad_between_micro_batches": (p_grad_between_micro_batches, False, True, True),
+    # with the pool's accumulate="reduce_scatter" each micro-batch is reduced: norms of its guards are refused
+    "grad_between_micro_batches": (p_grad_between_micro_batches, "sharded", True, True),
     "zero_grad_inner": (_zero_pattern("inner", True), False, False, True),
     "zero_grad_inner_keep": (_zero_pattern("inner", False), False, False, False),
     "zero_grad_opt_keep": (_zero_pattern("opt", False), False, False, False),

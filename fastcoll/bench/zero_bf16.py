@@ -141,10 +141,14 @@ def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[tor
 
 
 def masters(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
-    """ShardedOptimizer's float32 master copies of this rank's pieces (none for a plain optimizer)."""
-    if not hasattr(opt, "_has_master") or not hasattr(opt, "_shard_params"):  # internals: none where they moved
+    """ShardedOptimizer's float32 master copies of this rank's pieces (none for a plain optimizer).
+
+    Internals (fastcoll.optim.piece_values): where they moved, this raises rather than count none.
+    """
+    if not isinstance(opt, fastcoll.ShardedOptimizer):
         return []
-    return [t for k, t in enumerate(opt._shard_params) if opt._has_master(k)]  # type: ignore[attr-defined]
+    values = opt._values  # type: ignore[attr-defined]
+    return [values.tensors[k] for k in values.master_ks]
 
 
 def account(
