@@ -258,7 +258,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self.health = GradHealth(bool(compute_grad_norm), bool(check_nonfinite), self.params[0].device)
         self._user_divisor: Divisor = None
         self._how = PackArgs()
-        self._install_layout(self._set.initial_layout())
+        self._install_layout(self._set.initial_layout(), lazy=True)  # buffers at first need (ensure_buffers)
 
         lock = (
             threading.Lock() if len({p.device for p in self.params}) > 1 else None
@@ -326,6 +326,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
     def _accumulate_idle(self) -> None:
         """End of a ``no_sync`` backward: its 16-bit gradients go into the float32 main gradients."""
         self._idle_queued = False
+        self.ensure_buffers()
         self._before_accumulating()  # (the parameters' all-gathers may still use the buckets)
         if self.shard_grads is not None:
             self.shard_grads.set_aside()
@@ -368,6 +369,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
             self._advance()
 
     def _start_backward(self) -> None:
+        self.ensure_buffers()  # (a backward without the wrapper's forward)
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         if first:
             try:
@@ -521,6 +523,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         (:meth:`_end_iteration`), so every rank agrees on what the next
         iteration issues.
         """
+        self.ensure_buffers()
         zeros = ZeroBuffers()
         how = self._pack_args()  # the training ranks' factor (the divisor is set by the join protocol)
         usage = self.usage
