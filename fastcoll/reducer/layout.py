@@ -20,7 +20,7 @@ from .bucket import GradBucket, MainGradBucket
 from .comm import Communicator
 from .shards import padded_numel
 
-__all__ = ["BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "wire_dtype"]
+__all__ = ["BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "packs_early", "wire_dtype"]
 
 
 def wire_dtype(comm_dtype: Optional[torch.dtype], dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -98,17 +98,26 @@ def early_pack_slots(
         Per parameter index: its slice of the bucket's wire buffer, or None
         when it waits for the bucket pack; and its position in its bucket.
     """
-    min_numel = early_pack_min_numel() if enabled else None
     slots: List[Optional[torch.Tensor]] = [None] * n
     slot_pos = [0] * n
+    early = packs_early(buckets, n, enabled)
     for b in buckets:
-        eligible = b.device.type == "cpu" and not b.sparse and not b.lazy and not isinstance(b, MainGradBucket)
         for k, i in enumerate(b.param_indices):
             slot_pos[i] = k
-            numel = b.params[k].numel()
-            if eligible and min_numel is not None and numel >= min_numel:
-                slots[i] = b.comm[b.offsets[k] : b.offsets[k] + numel]
+            if early[i] and not b.lazy:  # (a lazy bucket gets its slots once it has buffers)
+                slots[i] = b.comm[b.offsets[k] : b.offsets[k] + b.params[k].numel()]
     return slots, slot_pos
+
+
+def packs_early(buckets: Sequence[GradBucket], n: int, enabled: bool = True) -> List[bool]:
+    """Per parameter index: its gradient is packed as soon as it is final (see :func:`early_pack_slots`)."""
+    min_numel = early_pack_min_numel() if enabled else None
+    out = [False] * n
+    for b in buckets:
+        eligible = b.device.type == "cpu" and not b.sparse and not isinstance(b, MainGradBucket)
+        for k, i in enumerate(b.param_indices):
+            out[i] = eligible and min_numel is not None and b.params[k].numel() >= min_numel
+    return out
 
 
 class ReadyOrder:
@@ -276,6 +285,7 @@ class BucketSet:
 
     def info(self) -> List[Dict[str, Any]]:
         """Each bucket's index, parameter names, dtype, device, numel, bytes, wire dtype and early-packed names."""
+        early = packs_early(self.buckets, len(self.params), self._early_packs)
         return [
             {
                 "index": b.pos,
@@ -289,7 +299,7 @@ class BucketSet:
                 if b.sparse
                 else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
                 "sparse": b.sparse,
-                "packed_early": [self.names[i] for i in b.param_indices if self.eager_slots[i] is not None],
+                "packed_early": [self.names[i] for i in b.param_indices if early[i]],
             }
             for b in self.buckets
         ]
