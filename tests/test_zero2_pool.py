@@ -254,6 +254,25 @@ def test_chunks_with_a_wire_dtype_the_nonfinite_check_and_clipping():
         assert pool["chunked"] > 0 and pool.get("norms") == persistent.get("norms")
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_accumulation_and_one_rounding_with_buckets_larger_than_the_cap(world):
+    """Buckets larger than the cap, 4 micro-batches: accumulate="full" reduces the held bucket whole (persistent's
+    arithmetic, bitwise), "reduce_scatter" in chunks every micro-batch (bitwise at 2 ranks against persistent buckets
+    synchronizing every micro-batch, within rounding beyond); with comm_accum_dtype the pool is not chunked (its
+    buffers hold the largest bucket) and equals persistent buffers bitwise."""
+    acc = dict(bf16=True, cap=0.0003, micro=4)
+    full = _run(world, impl="pool", no_sync=True, accumulate="full", **acc)
+    _same(full, _run(world, impl="persistent", no_sync=True, **acc), exact=True)
+    assert full["chunked"] > 0 and full["peak_held"] > 0 and full["held"] == 0 and full["live"] == 0
+    rs = _run(world, impl="pool", no_sync=True, accumulate="reduce_scatter", **acc)
+    _same(rs, _run(world, impl="persistent", **acc), exact=world == 2, tol=2e-2)
+    assert rs["chunked"] > 0 and rs["peak"] <= 2 and rs["peak_held"] == 0
+    one = dict(bf16=True, cap=0.0003, comm_dtype=BF16, comm_accum_dtype=torch.float32)
+    pool = _run(world, impl="pool", **one)
+    _same(pool, _run(world, impl="persistent", **one), exact=True)
+    assert pool["chunked"] == 0 and pool["peak"] <= 2
+
+
 def test_find_unused_static_graph_clip_nonfinite_check():
     for extra in (dict(find_unused=True), dict(static_graph=True), dict(clip=0.05, check_nonfinite=True)):
         persistent = _run(2, impl="persistent", bf16=True, **extra)
