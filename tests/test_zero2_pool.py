@@ -183,6 +183,56 @@ def test_pool_bound(bound):
     assert pool["buckets"] > bound and pool["bound"] == bound and pool["peak"] == bound and pool["live"] == 0
 
 
+def _largest_allocation(fn):
+    """``fn()``'s result and the bytes of the largest single CPU allocation it made (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return out, max([e.self_cpu_memory_usage for e in prof.events()] + [0])
+
+
+def construction_worker(rank: int, world: int, impl: str) -> dict:
+    """bf16 parameters in one bucket, float32 main gradients: the largest allocation of building the wrapper and the
+    optimizer, then of two steps, against the bytes of the bucket's float32 buffer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 64)).to(BF16)
+    numel = sum(p.numel() for p in model.parameters())
+
+    def build():
+        ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, bucket_cap_mb=25)
+        kw = {"grad_buffers": "pool", "pool_buffers": 1} if impl == "pool" else {}
+        inner = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        return ddp, fastcoll.ShardedOptimizer(inner, ddp, grads="sharded", master_dtype=torch.float32, **kw)
+
+    (ddp, opt), built = _largest_allocation(build)
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(rank)).to(BF16)
+
+    def steps():
+        for _ in range(2):
+            opt.zero_grad()
+            ddp(x).float().pow(2).mean().backward()
+            opt.step()
+        opt.finish_param_sync()
+
+    _, stepped = _largest_allocation(steps)
+    slot = opt.grad_pool.slot_bytes if opt.grad_pool is not None else None
+    return {"numel": numel, "buckets": len(ddp.reducer.buckets), "built": built, "stepped": stepped, "slot": slot}
+
+
+def test_the_pool_never_allocates_the_full_float32_buckets():
+    """With the pool, the float32 main-gradient buckets are never allocated: DDP's construction defers its buckets'
+    buffers to their first need, and the optimizer built before the first forward installs pooled ones. Seen through
+    torch's profiler: the largest allocation of construction stays below the float32 bucket (persistent buckets, the
+    control, allocate it), and during steps only the pool's one slot reaches its size."""
+    pool, persistent = (run_ranks(construction_worker, 2, impl, timeout=120)[0] for impl in ("pool", "persistent"))
+    full = 4 * pool["numel"]  # the one bucket's float32 buffer (unpadded)
+    assert pool["buckets"] == persistent["buckets"] == 1
+    assert persistent["built"] >= full  # the control: the probe sees a full float32 bucket
+    assert pool["built"] < full, (pool["built"], full)
+    assert pool["slot"] >= full and pool["stepped"] <= pool["slot"]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_buckets_larger_than_a_pool_buffer_reduce_in_chunks(world, bf16):
@@ -202,6 +252,25 @@ def test_chunks_with_a_wire_dtype_the_nonfinite_check_and_clipping():
         pool = _run(2, impl="pool", bf16=True, cap=0.0003, **extra)
         _same(pool, persistent, exact=True)
         assert pool["chunked"] > 0 and pool.get("norms") == persistent.get("norms")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_accumulation_and_one_rounding_with_buckets_larger_than_the_cap(world):
+    """Buckets larger than the cap, 4 micro-batches: accumulate="full" reduces the held bucket whole (persistent's
+    arithmetic, bitwise), "reduce_scatter" in chunks every micro-batch (bitwise at 2 ranks against persistent buckets
+    synchronizing every micro-batch, within rounding beyond); with comm_accum_dtype the pool is not chunked (its
+    buffers hold the largest bucket) and equals persistent buffers bitwise."""
+    acc = dict(bf16=True, cap=0.0003, micro=4)
+    full = _run(world, impl="pool", no_sync=True, accumulate="full", **acc)
+    _same(full, _run(world, impl="persistent", no_sync=True, **acc), exact=True)
+    assert full["chunked"] > 0 and full["peak_held"] > 0 and full["held"] == 0 and full["live"] == 0
+    rs = _run(world, impl="pool", no_sync=True, accumulate="reduce_scatter", **acc)
+    _same(rs, _run(world, impl="persistent", **acc), exact=world == 2, tol=2e-2)
+    assert rs["chunked"] > 0 and rs["peak"] <= 2 and rs["peak_held"] == 0
+    one = dict(bf16=True, cap=0.0003, comm_dtype=BF16, comm_accum_dtype=torch.float32)
+    pool = _run(world, impl="pool", **one)
+    _same(pool, _run(world, impl="persistent", **one), exact=True)
+    assert pool["chunked"] == 0 and pool["peak"] <= 2
 
 
 def test_find_unused_static_graph_clip_nonfinite_check():

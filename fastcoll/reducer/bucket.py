@@ -85,13 +85,15 @@ class GradBucket:
     ``numel``): when the bucket is divided among ranks
     (:mod:`fastcoll.reducer.shards`), ``flat_padded`` and ``comm_padded`` are
     that long (the padding zeros) and ``flat``/``comm`` their first ``numel``
-    elements; otherwise they are the same tensors.
+    elements; otherwise they are the same tensors. ``lazy``: the buffers are
+    allocated by :meth:`materialize`, not now (``flat``, ``comm`` and ``views``
+    are empty until then).
     """
 
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
         "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views", "padded",
-        "flat_padded", "comm_padded", "plan", "pooled", "_dtypes",
+        "flat_padded", "comm_padded", "plan", "pooled", "_dtypes", "lazy", "_wire",
     )  # fmt: skip
 
     def __init__(
@@ -107,6 +109,7 @@ class GradBucket:
         buffer: Optional[torch.Tensor] = None,
         padded: Optional[int] = None,
         pooled: bool = False,
+        lazy: bool = False,
     ):
         self.pos = pos
         self.count = count
@@ -126,9 +129,12 @@ class GradBucket:
         self.padded = total if padded is None or sparse else max(int(padded), total)
         #: The full-size buffers exist only while :meth:`attach` lent them (a pool's, :mod:`.pool`).
         self.pooled = bool(pooled) and not sparse
+        #: The buffers are allocated on first need (:meth:`materialize`), not now.
+        self.lazy = bool(lazy) and not self.pooled and not sparse and buffer is None
+        self._wire = wire_dtype
         self._dtypes: Tuple[torch.dtype, Optional[torch.dtype]] = (self.dtype, None)
         self._allocate(wire_dtype, buffer)
-        if self.pooled:
+        if self.pooled or self.lazy:
             self.detach()
         self._hook_buffer: Optional[torch.Tensor] = None
         self._hook_views: Optional[List[torch.Tensor]] = None
@@ -143,8 +149,8 @@ class GradBucket:
         separate_wire = wire_dtype is not None and self.as_view and not sparse
         flat_dtype = self.dtype if wire_dtype is None or separate_wire or sparse else wire_dtype
         self._dtypes = (flat_dtype, wire_dtype if separate_wire else None)
-        if self.pooled:
-            return  # no buffer until one is attached
+        if self.pooled or self.lazy:
+            return  # no buffer until one is attached (or materialized)
         if buffer is not None:
             self.flat_padded = buffer
         else:
@@ -224,8 +230,16 @@ class GradBucket:
 
     @property
     def attached(self) -> bool:
-        """The bucket has its full-size buffers (always, unless pooled)."""
-        return not self.pooled or self.flat_padded.numel() == self.padded
+        """The bucket has its full-size buffers (always, unless pooled or not materialized yet)."""
+        return not (self.pooled or self.lazy) or self.flat_padded.numel() == self.padded
+
+    def materialize(self) -> bool:
+        """Allocate the buffers of a bucket built ``lazy`` (its own, as if built eagerly); True if it did."""
+        if not self.lazy:
+            return False
+        self.lazy = False
+        self._allocate(self._wire, None)
+        return True
 
     # ------------------------------------------------ torch's GradBucket API
 
@@ -525,8 +539,8 @@ class MainGradBucket(GradBucket):
         total, dev = self.numel, self.device
         narrower = wire_dtype is not None and wire_dtype.itemsize < self.main_dtype.itemsize
         self._dtypes = (self.main_dtype, wire_dtype if narrower else None)
-        if self.pooled:
-            return  # no buffer until one is attached
+        if self.pooled or self.lazy:
+            return  # no buffer until one is attached (or materialized)
         self.flat_padded = torch.zeros(self.padded, dtype=self.main_dtype, device=dev)  # the accumulation starts at 0
         self.flat = self.flat_padded[:total] if self.padded > total else self.flat_padded
         self.views = ops.bucket_views(self.flat, self.params)

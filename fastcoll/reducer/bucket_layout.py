@@ -31,12 +31,14 @@ class ReducerLayout:
         """The buckets, in reduction order."""
         return self._set.buckets
 
-    def _install_layout(self, layout: List[List[int]]) -> None:
+    def _install_layout(self, layout: List[List[int]], lazy: bool = False) -> None:
         accum = self.comm_accum_dtype is not None
         # One-rounding reductions divide every bucket among the ranks, as a sharded optimizer does (.shards).
         pad_world = self._shard_world or (self.world_size if accum else 0)
         pooled = self._pool_bound > 0
-        self._set.install(layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum, pooled=pooled)
+        self._set.install(
+            layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum, pooled=pooled, lazy=lazy
+        )
         if pooled:  # (one-rounding reductions are not chunked: their slots hold the largest bucket)
             caps = self.bucket_cap_bytes
             cap = None if accum else max(caps) if isinstance(caps, list) else caps
@@ -46,6 +48,16 @@ class ReducerLayout:
         self._index_reductions()
         self._count_expected()
         self._reset_progress()
+
+    def ensure_buffers(self) -> None:
+        """Allocate the bucket buffers the construction deferred (at the first forward, backward or read of them).
+
+        A sharded optimizer built before the first forward installs its own layout first, so the construction's
+        full-size buffers (float32 ones with main gradients) never exist; pooled buckets never get their own.
+        """
+        if self._set.deferred:
+            self._set.materialize()
+            self._eager_slots = self._set.eager_slots
 
     def _index_reductions(self) -> None:
         accum = self.comm_accum_dtype is not None
@@ -102,3 +114,4 @@ class ReducerLayout:
             layout = self._tuning.next_layout(self)
             if layout is not None and layout != self.layout():
                 self._install_layout(layout)
+        self.ensure_buffers()

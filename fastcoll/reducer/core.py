@@ -122,6 +122,13 @@ def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[t
     return hook
 
 
+def _register_hooks(reducer: "Reducer") -> List[Any]:
+    """A post-accumulate-grad hook per parameter, holding the reducer weakly; their handles."""
+    lock = threading.Lock() if len({p.device for p in reducer.params}) > 1 else None  # hooks of several devices' threads
+    ref = weakref.ref(reducer)
+    return [p.register_post_accumulate_grad_hook(_make_hook(ref, i, lock)) for i, p in enumerate(reducer.params)]
+
+
 class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
     """Bucketed, overlapped gradient averaging for a list of parameters.
 
@@ -242,15 +249,9 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self.health = GradHealth(bool(compute_grad_norm), bool(check_nonfinite), self.params[0].device)
         self._user_divisor: Divisor = None
         self._how = PackArgs()
-        self._install_layout(self._set.initial_layout())
+        self._install_layout(self._set.initial_layout(), lazy=True)  # buffers at first need (ensure_buffers)
 
-        lock = (
-            threading.Lock() if len({p.device for p in self.params}) > 1 else None
-        )  # hooks of several devices run on several threads
-        ref = weakref.ref(self)
-        self._handles: List[Any] = [
-            p.register_post_accumulate_grad_hook(_make_hook(ref, i, lock)) for i, p in enumerate(self.params)
-        ]
+        self._handles: List[Any] = _register_hooks(self)
         self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
 
     @property
@@ -310,6 +311,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
     def _accumulate_idle(self) -> None:
         """End of a ``no_sync`` backward: its 16-bit gradients go into the float32 main gradients."""
         self._idle_queued = False
+        self.ensure_buffers()
         self.before_accumulating()  # (the parameters' all-gathers may still use the buckets)
         if self.shard_grads is not None:
             self.shard_grads.set_aside()
@@ -355,6 +357,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
             self._advance()
 
     def _start_backward(self) -> None:
+        self.ensure_buffers()  # (a backward without the wrapper's forward)
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         if first:
             try:
@@ -508,6 +511,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         (:meth:`_end_iteration`), so every rank agrees on what the next
         iteration issues.
         """
+        self.ensure_buffers()
         zeros = ZeroBuffers()
         how = self._pack_args()  # the training ranks' factor (the divisor is set by the join protocol)
         usage = self.usage

@@ -20,7 +20,7 @@ from .bucket import GradBucket, MainGradBucket
 from .comm import Communicator
 from .shards import padded_numel
 
-__all__ = ["BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "wire_dtype"]
+__all__ = ["BucketSet", "ReadyOrder", "build_buckets", "early_pack_slots", "packs_early", "wire_dtype"]
 
 
 def wire_dtype(comm_dtype: Optional[torch.dtype], dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -43,34 +43,42 @@ def build_buckets(
     shard_world: int = 0,
     main_dtype: Optional[torch.dtype] = None,
     pooled: bool = False,
+    lazy: bool = False,
 ) -> List[GradBucket]:
     """Allocate the buckets of ``layout``; with ``as_view``, existing gradients move into their views.
 
     ``shard_world`` > 0: the dense buckets are padded to be divided among that many ranks (:mod:`.shards`).
     ``main_dtype``: buckets of 16-bit parameters accumulate their gradients in it (:class:`MainGradBucket`).
     ``pooled``: the dense buckets get no buffers of their own (a pool lends them, :mod:`.pool`).
+    ``lazy``: the dense buckets allocate theirs on first need (:meth:`GradBucket.materialize`), except those with
+    ``as_view`` whose parameters hold gradients already (moved into their views now).
     """
     buckets = []
     for pos, idxs in enumerate(layout):
         ps = [params[i] for i in idxs]
         is_sparse = bool(sparse[idxs[0]])
+        defer = lazy and not (as_view and any(p.grad is not None for p in ps))
         main = main_dtype is not None and not is_sparse and ps[0].dtype in (torch.float16, torch.bfloat16)
         grad_dtype = main_dtype if main else ps[0].dtype
         padded = padded_numel(sum(p.numel() for p in ps), shard_world, grad_dtype.itemsize) if shard_world else None
         args = (pos, len(layout), list(idxs), ps, [names[i] for i in idxs])
-        kwargs = dict(
-            wire_dtype=wire_dtype(comm_dtype, grad_dtype), as_view=as_view, sparse=is_sparse, padded=padded, pooled=pooled
-        )
+        wire = wire_dtype(comm_dtype, grad_dtype)
+        kwargs = dict(wire_dtype=wire, as_view=as_view, sparse=is_sparse, padded=padded, pooled=pooled, lazy=defer)
         buckets.append(MainGradBucket(*args, main_dtype=main_dtype, **kwargs) if main else GradBucket(*args, **kwargs))
     if as_view:
-        with torch.no_grad():
-            for b in buckets:
-                for p, v in zip(b.params, b.views):  # none for a sparse bucket
-                    g = p.grad
-                    if g is not None and g.data_ptr() != v.data_ptr():
-                        v.copy_(g)
-                        p.grad = v
+        move_grads_into_views(buckets)
     return buckets
+
+
+def move_grads_into_views(buckets: Sequence[GradBucket]) -> None:
+    """Gradients as bucket views: the parameters' existing gradients are copied into their views and become them."""
+    with torch.no_grad():
+        for b in buckets:
+            for p, v in zip(b.params, b.views):  # none for a sparse bucket (or one without buffers)
+                g = p.grad
+                if g is not None and g.data_ptr() != v.data_ptr():
+                    v.copy_(g)
+                    p.grad = v
 
 
 def early_pack_slots(
@@ -90,17 +98,26 @@ def early_pack_slots(
         Per parameter index: its slice of the bucket's wire buffer, or None
         when it waits for the bucket pack; and its position in its bucket.
     """
-    min_numel = early_pack_min_numel() if enabled else None
     slots: List[Optional[torch.Tensor]] = [None] * n
     slot_pos = [0] * n
+    early = packs_early(buckets, n, enabled)
+    for b in buckets:
+        for k, i in enumerate(b.param_indices):
+            slot_pos[i] = k
+            if early[i] and not b.lazy:  # (a lazy bucket gets its slots once it has buffers)
+                slots[i] = b.comm[b.offsets[k] : b.offsets[k] + b.params[k].numel()]
+    return slots, slot_pos
+
+
+def packs_early(buckets: Sequence[GradBucket], n: int, enabled: bool = True) -> List[bool]:
+    """Per parameter index: its gradient is packed as soon as it is final (see :func:`early_pack_slots`)."""
+    min_numel = early_pack_min_numel() if enabled else None
+    out = [False] * n
     for b in buckets:
         eligible = b.device.type == "cpu" and not b.sparse and not isinstance(b, MainGradBucket)
         for k, i in enumerate(b.param_indices):
-            slot_pos[i] = k
-            numel = b.params[k].numel()
-            if eligible and min_numel is not None and numel >= min_numel:
-                slots[i] = b.comm[b.offsets[k] : b.offsets[k] + numel]
-    return slots, slot_pos
+            out[i] = eligible and min_numel is not None and b.params[k].numel() >= min_numel
+    return out
 
 
 class ReadyOrder:
@@ -189,6 +206,9 @@ class BucketSet:
         self.bucket_of: List[int] = []
         self.eager_slots: List[Optional[torch.Tensor]] = []
         self.slot_pos: List[int] = []
+        #: Some buckets were installed ``lazy`` and have no buffers yet (:meth:`materialize`).
+        self.deferred = False
+        self._early_packs = True
 
     def initial_layout(self) -> List[List[int]]:
         """Buckets in reverse registration order (before any gradient-ready order was seen)."""
@@ -204,22 +224,41 @@ class BucketSet:
         main_dtype: Optional[torch.dtype] = None,
         early_packs: bool = True,
         pooled: bool = False,
+        lazy: bool = False,
     ) -> None:
         """Allocate the buckets of ``layout`` (lists of parameter indices, in reduction order) and index them.
 
         ``shard_world`` > 0 pads the dense buckets to be divided among that many ranks; ``main_dtype``: see
         :func:`build_buckets`; ``early_packs``: see :func:`early_pack_slots`
-        (never into pooled buckets, whose buffer exists only from their pack on); ``pooled``: see :func:`build_buckets`.
+        (never into pooled buckets, whose buffer exists only from their pack on); ``pooled``, ``lazy``: see
+        :func:`build_buckets` (lazy buckets get their early-pack slots when :meth:`materialize` allocates them).
         """
         self.buckets = []  # release the old buffers before allocating the new ones
         self.buckets = build_buckets(
-            layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world, main_dtype, pooled
-        )
+            layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world, main_dtype, pooled,
+            lazy,
+        )  # fmt: skip
         self.bucket_of = [0] * len(self.params)
         for b in self.buckets:
             for i in b.param_indices:
                 self.bucket_of[i] = b.pos
-        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params), early_packs and not pooled)
+        self._early_packs = early_packs and not pooled
+        self.deferred = any(b.lazy for b in self.buckets)
+        self._index_slots()
+
+    def _index_slots(self) -> None:
+        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params), self._early_packs)
+
+    def materialize(self) -> bool:
+        """Allocate the buffers of the buckets installed ``lazy`` and index their early-pack slots; True if any."""
+        if not self.deferred:
+            return False
+        self.deferred = False
+        made = [b for b in self.buckets if b.materialize()]
+        if self.as_view:
+            move_grads_into_views(made)
+        self._index_slots()
+        return True
 
     def clear(self) -> None:
         """Drop the buckets (and the slot views that keep their storage alive)."""
@@ -246,6 +285,7 @@ class BucketSet:
 
     def info(self) -> List[Dict[str, Any]]:
         """Each bucket's index, parameter names, dtype, device, numel, bytes, wire dtype and early-packed names."""
+        early = packs_early(self.buckets, len(self.params), self._early_packs)
         return [
             {
                 "index": b.pos,
@@ -259,7 +299,7 @@ class BucketSet:
                 if b.sparse
                 else b.comm_nbytes,  # sparse: the values when every row is sent (each rank also sends 8 bytes of index per row)
                 "sparse": b.sparse,
-                "packed_early": [self.names[i] for i in b.param_indices if self.eager_slots[i] is not None],
+                "packed_early": [self.names[i] for i in b.param_indices if early[i]],
             }
             for b in self.buckets
         ]

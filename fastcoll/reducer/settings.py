@@ -110,7 +110,7 @@ class ReducerSettings:
             return
         self.comm_dtype = comm_dtype
         if not self.closed:
-            self._install_layout(self.layout())
+            self._install_layout(self.layout(), lazy=self._set.deferred)  # (still no buffers before their first need)
 
     # ------------------------------------------------------------ inspection
 

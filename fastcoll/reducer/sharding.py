@@ -163,6 +163,7 @@ class ReducerSharding:
         Raises:
             RuntimeError: there are no main gradients, or they are reduce-scattered (each rank holds a range).
         """
+        self.ensure_buffers()
         b = self._set.buckets[self._set.bucket_of[idx]]
         if not isinstance(b, MainGradBucket):
             raise RuntimeError(
