@@ -367,13 +367,24 @@ def refusal_worker(rank: int, world: int) -> list:
     refused(ValueError, grads="sharded", grad_buffers="pool", accumulate="sometimes")
     refused(ValueError, grads="sharded", accumulate="full")
     refused(ValueError, grads="sharded", grad_buffers="pooled")
+    # join() for uneven inputs: refused for divided buckets, so under the pool too (on every rank, before a collective)
+    model = Net()
+    ddp = fastcoll.DDP(model)
+    fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters()), ddp, grads="sharded", grad_buffers="pool")
+    with pytest.raises(ValueError) as info:
+        with ddp.join():
+            pass
+    msgs.append(str(info.value))
     return msgs
 
 
 def test_refusals():
-    msgs = run_ranks(refusal_worker, 2, timeout=120)[0]
-    for m, key in zip(msgs, ["grads='sharded'", "gradient_as_bucket_view", "pool_buffers", "accumulate", "pool", "grad_buffers"]):
-        assert m.startswith("fastcoll.ShardedOptimizer") and key in m, m
+    per_rank = run_ranks(refusal_worker, 2, timeout=120)
+    keys = ["grads='sharded'", "gradient_as_bucket_view", "pool_buffers", "accumulate", "pool", "grad_buffers", "join()"]
+    for msgs in per_rank:
+        assert len(msgs) == len(keys)
+        for m, key in zip(msgs, keys):
+            assert m.startswith("fastcoll.ShardedOptimizer" if key != "join()" else "fastcoll.DDP") and key in m, m
 
 
 # --------------------------------------------------------------------------- other suites, under the pool
