@@ -107,8 +107,8 @@ class KeptGradients:
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
         # Before a guarded parameter's gradient is accumulated (the guard must not be accumulated into).
-        handles = [p.register_hook(_arriving_hook(weakref.ref(self))) for i in self.guarded for p in [reducer.params[i]]
-                   if p.requires_grad]  # fmt: skip
+        arriving = _arriving_hook(weakref.ref(self))
+        handles = [reducer.params[i].register_hook(arriving) for i in self.guarded if reducer.params[i].requires_grad]
         weakref.finalize(self, _remove_all, handles)
 
     # ------------------------------------------------------------- the values
