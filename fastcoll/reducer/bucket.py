@@ -553,12 +553,16 @@ class MainGradBucket(GradBucket):
         self.flat_padded.zero_()
         self.consumed = False
 
-    def accumulate(self, nonfinite: Optional[torch.Tensor] = None) -> None:
-        """Add the present 16-bit gradients into their float32 slots (one fused call per run) and release them."""
+    def accumulate(self, nonfinite: Optional[torch.Tensor] = None) -> List[int]:
+        """Add the present 16-bit gradients into their float32 slots (one fused call per run) and release them.
+
+        Returns:
+            The reducer indices of the parameters whose gradients were added.
+        """
         grads = [p.grad for p in self.params]
         present = [g is not None for g in grads]
         if not any(present):
-            return
+            return []
         with torch.no_grad():
             for_each_run(
                 present, self.offsets, self.numel,
@@ -567,6 +571,7 @@ class MainGradBucket(GradBucket):
         for p, has in zip(self.params, present):
             if has:
                 p.grad = None
+        return [i for i, has in zip(self.param_indices, present) if has]
 
     def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
         return False  # accumulated with the rest of the bucket (the scale applies to the whole sum)

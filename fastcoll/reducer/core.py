@@ -315,11 +315,11 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self.before_accumulating()  # (the parameters' all-gathers may still use the buckets)
         if self.shard_grads is not None:
             self.shard_grads.set_aside()
-        arrived = [i for b in self.main_buckets for i in b.param_indices if self.params[i].grad is not None]
+        arrived: List[int] = []
         for b in self.main_buckets:
             if self.pool is not None:
                 self.pool.hold(b)  # kept until the synchronizing backward's reduce-scatter
-            b.accumulate()
+            arrived += b.accumulate()
         if self.kept is not None:
             self.kept.after_local_backward(arrived)
 
