@@ -263,23 +263,25 @@ def test_padding_rule():
     assert padded_numel(10, 3, 2) % 3 == 0
 
 
-def _combined_run(impl: str, grads, rank: int, world: int, comm_dtype, resume_at=None, aligned=False) -> dict:
+def _combined_run(impl: str, grads, rank: int, world: int, comm_dtype, resume_at=None, aligned=False, bf16=False) -> dict:
     """4 steps of 2 micro-batches (the first under no_sync, using ``side`` on some ranks only), find_unused on.
 
     With ``resume_at``, the model and the optimizer are rebuilt from their
     state dicts after that many steps (a checkpoint round trip), then train on.
     """
 
+    low = torch.bfloat16 if bf16 else torch.float32  # bf16: float32 main gradients and masters
+
     def build(state=None):
-        model = Branchy(aligned=aligned)
+        model = Branchy(aligned=aligned).to(low)
         if impl == "torch":
             ddp = TorchDDP(model, find_unused_parameters=True)
         else:
             ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, find_unused_parameters=True,
-                               comm_dtype=comm_dtype)  # fmt: skip
+                               comm_dtype=comm_dtype, main_grad_dtype=torch.float32 if bf16 else None)  # fmt: skip
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         if grads is not None:
-            opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads)
+            opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads, master_dtype=torch.float32 if bf16 else None)
         if state is not None:
             model.load_state_dict(state[0])
             opt.load_state_dict(state[1])
@@ -294,8 +296,8 @@ def _combined_run(impl: str, grads, rank: int, world: int, comm_dtype, resume_at
             model, ddp, opt = build(state)
         opt.zero_grad()
         with ddp.no_sync():
-            ddp(_batch(10 + step, rank, world), use_side=(step + rank) % 3 == 0).pow(2).mean().backward()
-        ddp(_batch(step, rank, world), use_side=False).pow(2).mean().backward()
+            ddp(_batch(10 + step, rank, world).to(low), use_side=(step + rank) % 3 == 0).pow(2).mean().backward()
+        ddp(_batch(step, rank, world).to(low), use_side=False).pow(2).mean().backward()
         opt.step()
     return _final_params(model, ddp, opt)
 
@@ -320,6 +322,27 @@ def combined_worker(rank: int, world: int) -> None:
         else:
             for n, p in ref.items():
                 assert torch.allclose(got[n], p, rtol=2e-3, atol=2e-4 * float(p.abs().max())), (what, n)
+
+
+def combined_bf16_worker(rank: int, world: int) -> None:
+    # bfloat16 parameters with float32 main gradients and masters (the guards in .grad between micro-batches and
+    # after backward): against the same training without the checkpoint round trip, grads="full" (exact); the
+    # reduce-scatter of grads="sharded" sums in another order: within bfloat16 rounding.
+    ref = _combined_run("fastcoll", "full", rank, world, None, bf16=True)
+    for grads in ("full", "sharded"):
+        got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2, bf16=True)
+        what = f"bf16 main grads x no_sync x find_unused x checkpoint, grads={grads}"
+        if grads == "full":
+            _compare(ref, got, what)
+        else:
+            for n, p in ref.items():
+                assert torch.allclose(got[n].float(), p.float(), rtol=2e-2, atol=1e-2 * float(p.abs().max())), (what, n)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_combined_features_bf16_main_grads(world):
+    """The combination above with bfloat16 parameters, float32 main gradients and float32 masters."""
+    run_ranks(combined_bf16_worker, world, timeout=280)
 
 
 @pytest.mark.parametrize("world", [2, 3])
