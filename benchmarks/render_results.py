@@ -60,7 +60,10 @@ def machine(d: Dict[str, Any]) -> str:
     )
 
 
-def _number(v: Any) -> str:
+def _number(v: Any, unit: Any = None) -> str:
+    """A value as the summary shows it: 3 significant digits; byte counts in MiB."""
+    if unit == "bytes" and isinstance(v, (int, float)):
+        return f"{v / 2**20:.3g} MiB"
     if isinstance(v, float):
         return f"{v:.3g}"
     return "-" if v is None else str(v)
@@ -91,10 +94,11 @@ def summary(files: Sequence[Dict[str, Any]]) -> str:
     for d in files:
         for where, key, t in targets(d):
             ci = t.get("ci90")
-            interval = f"{_number(ci[0])} .. {_number(ci[1])}" if ci else t.get("interval", "exact")
+            unit = t.get("unit")
+            interval = f"{_number(ci[0], unit)} .. {_number(ci[1], unit)}" if ci else t.get("interval", "exact")
             bench = f"{d['benchmark']} ({d.get('config', {}).get('device', 'cpu')})"
-            body.append([bench, where, key, _number(t.get("value")), interval,
-                         f"{t.get('op', '')} {t.get('threshold', '')}", verdict(t)])  # fmt: skip
+            body.append([bench, where, key, _number(t.get("value"), unit), interval,
+                         f"{t.get('op', '')} {_number(t.get('threshold'), unit)}", verdict(t)])  # fmt: skip
     return table(["benchmark", "row", "target", "value", "90% interval", "target", "verdict"], body)
 
 

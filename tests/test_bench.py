@@ -72,6 +72,23 @@ def _renderer():
     return module
 
 
+def test_summary_names_each_row_and_shows_bytes_in_mib(tmp_path):
+    """The summary of every target: the row's own label (not "?"), thresholds rounded, byte targets in MiB."""
+    targets = {
+        "peak pool": stats.target(0.8, 0.75, (0.79, 0.81), "le", "range over ranks"),
+        "bytes pool": stats.target(6.91, 2 + 16 / 4 * 1.011331782189828, what="bytes per parameter"),
+        "memory sharded": stats.target(-(2**21), 0.0, (-(2**21), -(2**20)), "ge", "range over ranks", unit="bytes"),
+    }
+    row = {"world_size": 4, "label": "GPT-2 small shapes, N=4", "targets": targets}
+    path = tmp_path / "zero_pool_cpu.json"
+    path.write_text(json.dumps({"version": report.JSON_VERSION, "benchmark": "zero_pool", "config": {"device": "cpu"},
+                                "machine": {}, "results": [row], "tables": []}))  # fmt: skip
+    md = _renderer().render([path])
+    assert "| zero_pool (cpu) | GPT-2 small shapes, N=4 | peak pool | 0.8 | 0.79 .. 0.81 | le 0.75 | **missed** |" in md
+    assert "| bytes pool | 6.91 | exact | le 6.05 | **missed** |" in md
+    assert "| memory sharded | -2 MiB | -2 MiB .. -1 MiB | ge 0 MiB | **missed** |" in md
+
+
 def test_ddp_bucket_assignment():
     MiB = models.MiB
     params = [("a", (MiB // 4,)), ("b", (3 * MiB // 4,)), ("c", (MiB // 8,)), ("d", (MiB // 8,)), ("e", (2 * MiB,))]

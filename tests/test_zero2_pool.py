@@ -457,6 +457,7 @@ def test_bench_section_smoke(tmp_path):
     assert zero_pool.run_section(args) == 0
     data = json.loads((tmp_path / "zero_pool.json").read_text())
     (row,) = data["results"]
-    assert data["benchmark"] == "zero_pool" and row["world_size"] == 2
+    assert data["benchmark"] == "zero_pool" and row["world_size"] == 2 and row["label"].endswith(", N=2")
+    assert data["config"]["methods"]["pool 1x10MB"]["bucket_cap_mb"] == 10.0
     assert set(row["methods"]) == set(zero_pool.MEMORY) and set(row["step_s"]) == set(zero_pool.TIMED)
     assert row["methods"]["pool"]["held"]["pool"] > 0 and row["methods"]["persistent"]["held"]["pool"] == 0

@@ -119,7 +119,7 @@ def verdict(value: Optional[float], threshold: float, ci: Optional[Sequence[floa
 
 def target(
     value: Optional[float], threshold: float, ci: Optional[Sequence[float]] = None, op: str = "le", interval: str = "exact",
-    what: Optional[str] = None,
+    what: Optional[str] = None, unit: Optional[str] = None,
 ) -> Dict[str, Any]:  # fmt: skip
     """A reported target: ``value`` against ``threshold`` (``op`` "le": lower is better, "ge": higher).
 
@@ -127,13 +127,15 @@ def target(
         ``op``, ``threshold``, ``value``, ``ci90`` (None for exact values),
         ``interval`` (what the interval is over), ``verdict`` (:func:`verdict`),
         ``pass`` (the point value alone against the threshold), ``resolved``
-        (the verdict is MET or MISSED) and, when given, ``what`` (the target in words).
+        (the verdict is MET or MISSED) and, when given, ``what`` (the target in
+        words) and ``unit`` (``"bytes"``; none: a ratio or a count).
     """
     v = verdict(value, threshold, ci, op)
     ok = None if value is None else (value <= threshold if op == "le" else value >= threshold)
     out = {"op": op, "threshold": threshold, "value": value, "ci90": list(ci) if ci is not None else None,
            "interval": interval, "verdict": v, "pass": ok, "resolved": v in (MET, MISSED)}  # fmt: skip
-    return out if what is None else {**out, "what": what}
+    extra = {"what": what, "unit": unit}
+    return {**out, **{k: v for k, v in extra.items() if v is not None}}
 
 
 def ratio_target(

@@ -191,7 +191,9 @@ def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
         st, pk = methods[m].get("state_bytes"), methods[m].get("peak_bytes")
         if t_state and st and t_peak and pk and None not in t_peak and None not in pk:
             margins = [(tp - p) - (ts - s) for tp, p, ts, s in zip(t_peak, pk, t_state, st)]
-            targets[f"memory {m}"] = stats.target(min(margins), 0.0, (min(margins), max(margins)), "ge", "range over ranks")
+            targets[f"memory {m}"] = stats.target(
+                min(margins), 0.0, (min(margins), max(margins)), "ge", "range over ranks", unit="bytes"
+            )
     row["targets"] = targets
     t_live = methods["torch"].get("live_peak_bytes")
     row["live_margins"] = {}

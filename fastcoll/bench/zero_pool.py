@@ -21,16 +21,16 @@ from torch import nn
 from ..reducer.shards import PAD_SHARE
 from . import models, report, runner, stats, zero_bf16
 
-#: method -> (grad_buffers, accumulate, micro-batches, pool_buffers)
-METHODS: Dict[str, Tuple[str, Any, int, Any]] = {
-    "persistent": ("persistent", None, 1, None),
-    "pool": ("pool", "reduce_scatter", 1, 2),
-    "pool 1 buffer": ("pool", "reduce_scatter", 1, 1),
-    "persistent x4": ("persistent", None, 4, None),
-    "pool rs x4": ("pool", "reduce_scatter", 4, 2),
-    "pool full x4": ("pool", "full", 4, 2),
+#: method -> (grad_buffers, accumulate, micro-batches, pool_buffers, bucket_cap_mb: None for the level's)
+METHODS: Dict[str, Tuple[str, Any, int, Any, Any]] = {
+    "persistent": ("persistent", None, 1, None, None),
+    "pool": ("pool", "reduce_scatter", 1, 2, None),
+    "pool 1x10MB": ("pool", "reduce_scatter", 1, 1, 10.0),  # the smallest pool: one buffer of 10 MB buckets
+    "persistent x4": ("persistent", None, 4, None, None),
+    "pool rs x4": ("pool", "reduce_scatter", 4, 2, None),
+    "pool full x4": ("pool", "full", 4, 2, None),
 }
-MEMORY = ("persistent", "pool", "pool 1 buffer")
+MEMORY = ("persistent", "pool", "pool 1x10MB")
 TIMED = ("persistent", "pool", "persistent x4", "pool rs x4", "pool full x4")
 STEP_VS_PERSISTENT = 1.05  # pool's step <= this x persistent's (no accumulation)
 PEAK_VS_PERSISTENT = 0.75  # pool's peak resident growth per rank <= this x persistent's, at 4 ranks
@@ -44,9 +44,10 @@ CONFIGS = {  # memory at ``shapes``, step time at ``timed_shapes``
 
 
 def make_method(method: str, module: nn.Module, device: str, cap_mb: float = 25.0) -> Tuple[nn.Module, Any]:
-    """fastcoll.DDP(main_grad_dtype=float32, bucket_cap_mb=cap_mb) + ShardedOptimizer(AdamW, grads="sharded", float32
-    masters) of ``method``."""
-    buffers, accumulate, _, bound = METHODS[method]
+    """fastcoll.DDP(main_grad_dtype=float32, bucket_cap_mb=cap_mb, or the method's own cap) + ShardedOptimizer(AdamW,
+    grads="sharded", float32 masters) of ``method``."""
+    buffers, accumulate, _, bound, own_cap = METHODS[method]
+    cap_mb = own_cap or cap_mb
     # No stall detection: 4 ranks on 2 busy cores can leave one rank seconds behind (it would be diagnosed).
     kw = {"grad_buffers": "pool", "accumulate": accumulate, "pool_buffers": bound} if buffers == "pool" else {}
     return zero_bf16.make_method("sharded", module, device, {"stall_timeout": 0, "bucket_cap_mb": cap_mb}, **kw)
@@ -93,9 +94,9 @@ def _timing(me: runner.Rank, shapes: models.GPT2Shapes) -> Dict[str, Any]:
     return {"samples": samples}
 
 
-def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]]) -> Dict[str, Any]:
-    """Bytes per parameter, the peak and step ratios and the targets of one world size."""
-    out: Dict[str, Any] = {"world_size": world, "methods": {}, "targets": {}}
+def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]], label: str) -> Dict[str, Any]:
+    """Bytes per parameter, the peak and step ratios and the targets of one world size (its row named ``label``, N)."""
+    out: Dict[str, Any] = {"world_size": world, "label": f"{label}, N={world}", "methods": {}, "targets": {}}
     for m in MEMORY:
         ranks = memory[m]["ranks"]
         numel = ranks[0]["numel"]
@@ -111,6 +112,8 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]])
         per_rank = stats.per_rank_ratios(pool["peak_bytes"], out["methods"]["persistent"]["peak_bytes"])
         if per_rank and world == 4:
             what, span = f"peak resident growth per rank, {m} / persistent, N={world}", (min(per_rank), max(per_rank))
+            if METHODS[m][4]:
+                what += f" (the pool at bucket_cap_mb={METHODS[m][4]:g}, persistent at the level's)"
             out["targets"][f"peak {m}"] = stats.target(span[1], PEAK_VS_PERSISTENT, span, "le", "range over ranks", what)
         elif per_rank:
             out[f"peak {m}/persistent"] = max(per_rank)
@@ -138,10 +141,10 @@ def measure(args: Any = None) -> Dict[str, Any]:
                 memory[m] = runner.run_ranks(_memory, c, (shapes, m), ws, bar)
             bar.describe(f"zero pool: {timed_shapes.label}, N={ws}, timing")
             timed = runner.run_ranks(_timing, {**c, "keep_freed_memory": True, "freeze": True}, (timed_shapes,), ws, bar)
-            rows.append(analyze(ws, memory, timed["samples"]))
+            rows.append(analyze(ws, memory, timed["samples"], shapes.label))
     settings = {**{k: v for k, v in cfg.items() if "shapes" not in k}, "model": shapes.label, "numel": shapes.numel(),
                 "timed_model": timed_shapes.label, "timed_numel": timed_shapes.numel(),
-                "methods": {m: dict(zip(("grad_buffers", "accumulate", "micro_batches", "pool_buffers"), v))
+                "methods": {m: dict(zip(("grad_buffers", "accumulate", "micro_batches", "pool_buffers", "bucket_cap_mb"), v))
                             for m, v in METHODS.items()},
                 "elapsed_s": time.perf_counter() - started}  # fmt: skip
     return {"benchmark": "zero_pool", "config": settings, "results": rows}
@@ -162,8 +165,8 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "main grads + fp32 masters + AdamW)",
                  ["N", "grad buffers", "params", "buckets + ranges", "pool", "state + masters", "B/P held",
                   "2+16/N / Megatron 6+12/N", "peak growth per rank"], body,
-                 f"bucket_cap_mb={cfg['bucket_cap_mb']}; MiB, worst rank; buckets + ranges: full-size bucket buffers, "
-                 "the kept ranges, all-gather stages")  # fmt: skip
+                 f"bucket_cap_mb={cfg['bucket_cap_mb']} (pool 1x10MB: pool_buffers=1, bucket_cap_mb=10); MiB, worst rank; "
+                 "buckets + ranges: full-size bucket buffers, the kept ranges, all-gather stages")  # fmt: skip
     body = [[row["world_size"], *(report.fmt_time(row["step_s"][m]) for m in TIMED),
              report.target_cell(row["targets"]["step"]),
              *(f"{report.fmt_ratio(r['value'])} ({report.fmt_ratio((r['ci90'] or [None])[0])}..."
