@@ -31,7 +31,7 @@ METHODS: Dict[str, Tuple[str, Any, int, Any, Any]] = {
     "pool full x4": ("pool", "full", 4, 2, None),
 }
 MEMORY = ("persistent", "pool", "pool 1x10MB")
-TIMED = ("persistent", "pool", "persistent x4", "pool rs x4", "pool full x4")
+TIMED = ("persistent", "pool", "pool 1x10MB", "persistent x4", "pool rs x4", "pool full x4")
 STEP_VS_PERSISTENT = 1.05  # pool's step <= this x persistent's (no accumulation)
 PEAK_VS_PERSISTENT = 0.75  # pool's peak resident growth per rank <= this x persistent's, at 4 ranks
 #: GPT-2 small's shapes with 4 of its 12 layers (the step times: 4 gloo ranks on 2 cores are slow at 12).
@@ -120,6 +120,9 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]],
     out["targets"]["step"] = stats.ratio_target(
         samples, "pool", "persistent", STEP_VS_PERSISTENT, what=f"step, pool / persistent, N={world}"
     )
+    out["targets"]["step pool 1x10MB"] = stats.ratio_target(
+        samples, "pool 1x10MB", "persistent", STEP_VS_PERSISTENT, what=f"step, pool 1x10MB / persistent, N={world}"
+    )
     out["ratios"] = {f"{a}/{b}": stats.ratio_target(samples, a, b, 1.0)
                      for a, b in (("pool rs x4", "persistent x4"), ("pool full x4", "persistent x4"))}  # fmt: skip
     out["step_s"] = {m: stats.summarize(s)["median_s"] for m, s in samples.items()}
@@ -168,12 +171,12 @@ def print_results(payload: Dict[str, Any]) -> None:
                  f"bucket_cap_mb={cfg['bucket_cap_mb']} (pool 1x10MB: pool_buffers=1, bucket_cap_mb=10); MiB, worst rank; "
                  "buckets + ranges: full-size bucket buffers, the kept ranges, all-gather stages")  # fmt: skip
     body = [[row["world_size"], *(report.fmt_time(row["step_s"][m]) for m in TIMED),
-             report.target_cell(row["targets"]["step"]),
+             report.target_cell(row["targets"]["step"]), report.target_cell(row["targets"]["step pool 1x10MB"]),
              *(f"{report.fmt_ratio(r['value'])} ({report.fmt_ratio((r['ci90'] or [None])[0])}..."
                f"{report.fmt_ratio((r['ci90'] or [None, None])[1])})" for r in row["ratios"].values())]
             for row in payload["results"]]  # fmt: skip
     report.table(f"fastcoll zero pool: step time, {cfg['timed_model']} ({cfg['timed_numel'] / 1e6:.1f} M, {cfg['device']})",
-                 ["N", *TIMED, "pool/persistent", "rs x4/persistent x4", "full x4/persistent x4"], body,
+                 ["N", *TIMED, "pool/persistent", "1x10MB/persistent", "rs x4/persistent x4", "full x4/persistent x4"], body,
                  "median step of the slowest rank, steady state; ratios: median ratio (90% paired bootstrap interval); "
                  "x4: 4 micro-batches, the first 3 under no_sync")  # fmt: skip
     report.targets_table("fastcoll zero pool: targets", [t for row in payload["results"] for t in row["targets"].values()])
