@@ -18,7 +18,7 @@
 # command runs under `timeout`, its output tee'd as it comes), ends the log with "exit=N" and exits N.
 # What a step writes there: build: build.log (+ ext.so, ext.sha256 on the device tool, see below);
 # test: test.log, test.xml; bench-ops: ops.log, ops_cuda.json, pad_cuda.json; bench-plan: plan.log; bench-zero:
-# zero.log, zero_cuda.json, zero_cuda_bf16.json; bench-ddp: ddp.log, ddp_cuda.json. Charts go to build/gpu-check/
+# zero.log, zero_cuda.json, zero_cuda_bf16.json, zero_cuda_pool.json; bench-ddp: ddp.log, ddp_cuda.json. Charts go to build/gpu-check/
 # (the device tool brings back 8 files a call);
 # benchmarks/render_results.py and the benches' chart() functions redo them from the JSON.
 #
@@ -416,7 +416,7 @@ case "$step" in
     ;;
   bench-zero)
     ensure_built || echo "gpu_check: benchmarking without the CUDA kernels" | tee -a "$GPU_OUT/${GPU_LOG:-zero}.log"
-    # One GPU: one NCCL rank with FASTCOLL_FORCE_COLLECTIVES=1 (the bench sets it); then the bf16 section.
+    # One GPU: one NCCL rank with FASTCOLL_FORCE_COLLECTIVES=1 (the bench sets it); then the bf16 and pool sections.
     logged zero "$(limit 300)" "$PYTHON" -m fastcoll.bench zero --device cuda --json "$GPU_OUT/zero_cuda.json" ${BENCH_ARGS:-}
     rc=$?
     bench_charts_out

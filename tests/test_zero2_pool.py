@@ -461,3 +461,22 @@ def test_bench_section_smoke(tmp_path):
     assert data["config"]["methods"]["pool 1x10MB"]["bucket_cap_mb"] == 10.0
     assert set(row["methods"]) == set(zero_pool.MEMORY) and set(row["step_s"]) == set(zero_pool.TIMED)
     assert row["methods"]["pool"]["held"]["pool"] > 0 and row["methods"]["persistent"]["held"]["pool"] == 0
+
+
+def test_bench_section_one_rank_forced(tmp_path, monkeypatch):
+    """The pool section at one rank with the collectives forced: the path ``bench zero --device cuda`` takes on one GPU,
+    here on one gloo rank (held bytes 2 + 16/N at N = 1, the peak ratio reported without a target, the step target)."""
+    import json
+
+    from fastcoll.bench import __main__ as cli
+    from fastcoll.bench import zero_pool
+
+    monkeypatch.setenv("FASTCOLL_FORCE_COLLECTIVES", "1")
+    monkeypatch.setitem(zero_pool.CONFIGS, "smoke", {**zero_pool.CONFIGS["smoke"], "worlds": (1,)})
+    args = cli._args_for(cli.build_parser().parse_args(["zero", "--smoke", "--json", str(tmp_path / "zero.json")]), "zero")
+    assert zero_pool.run_section(args) == 0
+    (row,) = json.loads((tmp_path / "zero_pool.json").read_text())["results"]
+    assert row["world_size"] == 1 and row["label"].endswith(", N=1")
+    assert set(row["targets"]) == {"bytes pool", "bytes pool 1x10MB", "step", "step pool 1x10MB"}
+    assert row["targets"]["bytes pool"]["pass"] and row["peak pool/persistent"] > 0
+    assert row["methods"]["pool"]["held"]["pool"] > 0

@@ -3,7 +3,7 @@
 Part of ``python -m fastcoll.bench zero`` (docs/sharded-optimizer.md). GPT-2's
 parameter shapes (the synthetic model of :mod:`fastcoll.bench.zero_bf16`) in
 bfloat16 with float32 main gradients, float32 masters and AdamW, at 2 and 4
-gloo ranks: bytes held per rank per parameter by kind and the peak resident
+gloo ranks (on CUDA: one NCCL rank per GPU): bytes held per rank per parameter by kind and the peak resident
 growth (a fresh process group per method), then the step time of both side by
 side, without accumulation and with 4 micro-batches under ``no_sync`` (both
 accumulation choices of the pool).
@@ -130,8 +130,13 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]],
 
 
 def measure(args: Any = None) -> Dict[str, Any]:
-    """Memory (a process group per method) and timing (one per world size), at each world size of the level."""
+    """Memory (a process group per method) and timing (one per world size), at each world size of the level.
+
+    On CUDA: one NCCL rank per GPU (on one GPU, the collectives forced as ``bench zero`` sets them).
+    """
     cfg = runner.level_config(args, CONFIGS, 2, bucket_cap_mb=getattr(args, "bucket_cap_mb", None) or 25.0)
+    if cfg["device"] == "cuda":
+        cfg["worlds"] = (torch.cuda.device_count(),)
     shapes, timed_shapes = cfg["shapes"], cfg["timed_shapes"]
     units = sum(len(MEMORY) + len(TIMED) * (cfg["max_reps"] + 1) for _ in cfg["worlds"])
     rows, started = [], time.perf_counter()
@@ -183,11 +188,8 @@ def print_results(payload: Dict[str, Any]) -> None:
 
 
 def run_section(args: Any = None) -> int:
-    """Measure, print and write ``benchmarks/out/zero_pool_<device>.json`` (CPU gloo only). Returns 0."""
+    """Measure, print and write ``benchmarks/out/zero_pool_<device>.json``. Returns 0."""
     device = getattr(args, "device", "cpu") or "cpu"
-    if device != "cpu":
-        report.say("[yellow]fastcoll.bench zero pool: measured on CPU gloo ranks only; skipping[/yellow]")
-        return 0
     payload = measure(args)
     print_results(payload)
     named = [(t["what"], t) for row in payload["results"] for t in row["targets"].values()]
