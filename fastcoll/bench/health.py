@@ -96,12 +96,6 @@ def extension_file() -> Optional[Dict[str, Any]]:
 
 
 # Configuration
-def model_specs(smoke: bool) -> List[ModelSpec]:
-    if smoke:
-        return [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
-    return [models.MLP96, models.RESNET50, models.GPT2]
-
-
 CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-finite and clip targets resolve
     "smoke": dict(reps=2, max_reps=2, reps_large=2, max_large=2, setup_steps=2, target_s=0.0, max_inner=1, ops_reps=3,
                   ops_target_s=0.0),
@@ -112,38 +106,23 @@ CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-
 }  # fmt: skip
 
 
-def _config(args: Any, device: str) -> Dict[str, Any]:
-    cfg = runner.level_config(args, CONFIGS, 2 if device == "cpu" else 1)
-    del cfg["world_size"]  # the 1-rank pass (no communication) only in the full run:
-    cfg["world_sizes"] = list(CUDA_WORLD_SIZES) if device == "cuda" else list(CPU_WORLD_SIZES) if cfg["level"] == "full" else [2]
-    return cfg
-
-
 def _reps_for(spec: ModelSpec, cfg: Dict[str, Any]) -> Tuple[int, int]:
     return (cfg["reps_large"], cfg["max_large"]) if spec.name == "gpt2_small" else (cfg["reps"], cfg["max_reps"])
 
 
-def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:
-    return stats.target(value, threshold, ci, "le", "90% bootstrap (rounds)")
+_target = functools.partial(stats.target, op="le", interval="90% bootstrap (rounds)")
 
 
 # The ops-level rows (parent process, 1 intra-op thread)
-def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
-    """ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke."""
-    buckets = models.ddp_buckets(models.model_shapes()["resnet50"])
-    b = min((b for b in buckets if b["cap"] == models.BUCKET_CAP), key=lambda b: abs(b["bytes"] - models.BUCKET_CAP))
-    shapes = [tuple(s) for s in b["shapes"]]
-    name = f"resnet50 b{b['index']} ({len(shapes)} tensors, {b['bytes'] / MiB:.1f} MiB fp32)"
-    if smoke:
-        shapes = [(max(1, math.prod(s) // 64),) for s in shapes]
-        name += " x1/64"
-    return name, shapes
-
-
 def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved."""
-    device = cfg["device"]
-    name, shapes = ops_bucket(cfg["smoke"])
+    """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved.
+
+    On ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke.
+    """
+    device, buckets = cfg["device"], models.ddp_buckets(models.model_shapes()["resnet50"])
+    b = min((b for b in buckets if b["cap"] == models.BUCKET_CAP), key=lambda b: abs(b["bytes"] - models.BUCKET_CAP))
+    shapes = [tuple(s) if not cfg["smoke"] else (max(1, math.prod(s) // 64),) for s in b["shapes"]]
+    name = f"resnet50 b{b['index']} ({len(shapes)} tensors, {b['bytes'] / MiB:.1f} MiB fp32)" + (" x1/64" if cfg["smoke"] else "")
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     dests = [torch.empty_like(g) for g in grads]
@@ -349,21 +328,19 @@ def measure(args: Any = None) -> Dict[str, Any]:
         per method the timing summary (seconds) and raw samples, the paired
         ``costs``, ``ratios``, ``targets`` and the clipping ``checks``.
     """
-    device = args.device
-    cfg = _config(args, device)
-    specs = model_specs(cfg["smoke"])
+    cfg = runner.level_config(args, CONFIGS, 2 if args.device == "cpu" else 1)
+    del cfg["world_size"]  # the 1-rank pass (no communication) only in the full run:
+    full = list(CUDA_WORLD_SIZES) if args.device == "cuda" else list(CPU_WORLD_SIZES)
+    cfg["world_sizes"] = full if args.device == "cuda" or cfg["level"] == "full" else [2]
+    smoke = [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
+    specs = smoke if cfg["smoke"] else [models.MLP96, models.RESNET50, models.GPT2]
     ops_rows = bench_ops_rows(cfg)
-    results: List[Dict[str, Any]] = []
-    health_ops, malloc = health_ops_implementation(), None
     libraries = {"parent (ops rows)": extension_file()}
     units = len(cfg["world_sizes"]) * sum(len(METHODS) * (_reps_for(s, cfg)[1] + 1) for s in specs)
     with report.progress("health", units) as prog:
-        rank_cfg = {**cfg, "keep_freed_memory": True}
-        outs = [(ws, runner.run_ranks(_ranks, rank_cfg, (specs,), ws, prog)) for ws in cfg["world_sizes"]]
-    for ws, out in outs:
-        results += out["rows"]
-        health_ops, malloc = out["health_ops"], out["malloc"]
-        libraries[f"{ws} rank{'s' if ws > 1 else ''}"] = out["library"]
+        outs = {ws: runner.run_ranks(_ranks, {**cfg, "keep_freed_memory": True}, (specs,), ws, prog) for ws in cfg["world_sizes"]}
+    libraries.update({f"{ws} rank{'s' if ws > 1 else ''}": out["library"] for ws, out in outs.items()})
+    last = list(outs.values())[-1]  # the health ops and malloc settings as the last ranks had them
     targets = {
         "clip": f"fastcoll clipping cost <= {CLIP_TARGET}x torch's ({', '.join(CLIP_TARGET_MODELS)})",
         "norm": f"compute_grad_norm=True costs <= {NORM_TARGET:.0%} of fastcoll's step",
@@ -375,10 +352,10 @@ def measure(args: Any = None) -> Dict[str, Any]:
               "costs": {k: f"median over rounds of ({a}) - ({b})" for k, (a, b) in COSTS.items()},
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward(); then the clipping, if any "
               "(no optimizer step); gradients dropped after each sample, outside the timing",
-              "malloc": malloc or "unchanged", "targets": targets,
+              "malloc": last["malloc"] or "unchanged", "targets": targets,
               "max_norm": f"{CLIP_FRACTION} x the measured global gradient norm (clipping scales every gradient)"}  # fmt: skip
-    return {"benchmark": "health", "config": config, "health_ops": health_ops, "extension_files": libraries, "ops": ops_rows,
-            "results": results}  # fmt: skip
+    return {"benchmark": "health", "config": config, "health_ops": last["health_ops"], "extension_files": libraries,
+            "ops": ops_rows, "results": [r for out in outs.values() for r in out["rows"]]}  # fmt: skip
 
 
 def costs_table(rows: List[Dict[str, Any]], title: str, key: Optional[str]) -> None:

@@ -40,6 +40,8 @@ GPU_TARGETS = {"floor/fused": ("floor", "fused", "ge", 0.90), "per-param/fused":
 PAIR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PAIR_TARGET = 1.25  # fused/floor for every (gradient dtype, bucket dtype) pair, 1 thread
 PAIR_THREADS = 1
+#: The 16 ordered (gradient dtype, bucket dtype) pairs: the 4 same-dtype ones first.
+PAIRS = [(d, d) for d in PAIR_DTYPES] + [(s, d) for s in PAIR_DTYPES for d in PAIR_DTYPES if s != d]
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 # torch.testing.assert_close's default (rtol, atol); a pair is checked with its coarser dtype's
 TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5),
@@ -69,7 +71,7 @@ class Layout:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def model_layouts(one_per_model: bool, names: Sequence[str] = MODELS) -> Tuple[List[Layout], List[str]]:
@@ -248,11 +250,6 @@ def _rounds(fns: Dict[str, Callable[[], Any]], device: str, cfg: Dict[str, Any],
 
 
 # Dtype pairs: mixed-dtype round trips against a floor of plain copies
-def dtype_pairs() -> List[Tuple[torch.dtype, torch.dtype]]:
-    """The 16 ordered (gradient dtype, bucket dtype) pairs: the 4 same-dtype ones first."""
-    return [(d, d) for d in PAIR_DTYPES] + [(s, d) for s in PAIR_DTYPES for d in PAIR_DTYPES if s != d]
-
-
 def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """The fused round trip from ``src`` gradients through a ``dst`` bucket, against a copy of the same bytes in each."""
     gen = torch.Generator().manual_seed(0)
@@ -289,7 +286,7 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
         raise RuntimeError(f"fused round trip {SHORT[src]} -> {SHORT[dst]} produced a wrong result: {checks}")
     samples = _rounds({"floor": floor, "fused": fused}, "cpu", cfg, [("fused", "floor", "le", PAIR_TARGET)], prog)
     t = stats.ratio_target(samples, "fused", "floor", PAIR_TARGET)
-    moved = 2 * n * (_size(src) + _size(dst))
+    moved = 2 * n * (src.itemsize + dst.itemsize)
     name = lambda d: str(d).replace("torch.", "")  # noqa: E731
     return {
         "layout": layout.name, "kind": layout.kind, "model": layout.model, "tensors": len(layout.shapes), "numel": n,
@@ -298,10 +295,6 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
         "ratios": {"fused/floor": t["value"]}, "targets": {"fused/floor": t}, "checks": checks,
         "bandwidth_gb_s": {m: moved / statistics.median(xs) / 1e9 for m, xs in samples.items()},
     }  # fmt: skip
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # Output and entry
@@ -358,11 +351,8 @@ def run(args: Any) -> int:
     cfg = CONFIGS[level]
     if ops.implementation() != "extension":
         report.say("[yellow]fastcoll.bench ops: the C++ extension is not loaded; 'fused' is the pure-PyTorch reference[/yellow]")
-    if level == "smoke":
-        layouts, skipped = model_layouts(True, ("resnet50",))
-        layouts = [shrunk(lay) for lay in layouts]
-    else:
-        layouts, skipped = model_layouts(one_per_model=level != "full")
+    layouts, skipped = model_layouts(level != "full", ("resnet50",) if level == "smoke" else MODELS)
+    layouts = [shrunk(lay) for lay in layouts] if level == "smoke" else layouts
     layouts += synthetic_layouts(cfg["counts"], cfg["synth_total"])
     settings: List[Optional[int]] = [None] if device == "cuda" else runner.thread_counts(args)[: 1 if level == "smoke" else None]
     bucket = next(lay for lay in model_layouts(False, ("resnet50",))[0] if lay.meta["bucket_index"] == 2)  # "resnet50 b2"
@@ -388,7 +378,7 @@ def run(args: Any) -> int:
             prog.row(setting(device, threads), len(settings) + bool(pair_layouts))
             print_rows(setting(device, threads), rows, device)
         with runner.num_threads(PAIR_THREADS):
-            for src, dst in dtype_pairs() if pair_layouts else []:
+            for src, dst in PAIRS if pair_layouts else []:
                 for layout in pair_layouts:
                     prog.describe(f"ops, dtype pairs: {SHORT[src]} → {SHORT[dst]}, {layout.name}")
                     pairs.append(bench_pair(layout, src, dst, cfg, prog))

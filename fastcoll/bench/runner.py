@@ -1,11 +1,7 @@
-"""Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner.
+"""Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner (:func:`run_ranks`).
 
-:func:`run_ranks` starts the rank processes of one measurement (gloo over
-loopback on CPU, a FileStore in a temporary folder), runs a benchmark's
-function ``fn(rank, ...)`` in each, follows their progress and returns rank
-0's result. Inside, the :class:`Rank` has the configuration and reports
-progress; :func:`all_max` makes a sample the slowest rank's; :func:`gather`
-collects what every rank measured; :func:`timed_rounds` takes the samples.
+Inside a rank process, :class:`Rank` has the configuration and reports progress; :func:`all_max` makes a
+sample the slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples.
 """
 
 from __future__ import annotations
@@ -79,15 +75,10 @@ def measure_interleaved(
     """Per-call seconds of several callables, taken round-robin (round k starts at the k-th callable).
 
     Args:
-        fns: The callables by name.
-        device: "cpu" or "cuda".
-        warmup: Untimed calls of each first.
-        reps: Rounds (the most, with ``stop``).
+        fns: The callables by name; each first runs ``warmup`` untimed calls.
+        reps: Rounds (the most, with ``stop(samples, rounds_done)``, asked after every round: True ends early).
         inner: Calls per sample (default: calibrated to last ``target_s``).
-        target_s: A sample's length when calibrating.
-        on_sample: Called after every sample (progress).
-        stop: ``stop(samples, rounds_done)``, asked after every round: True ends the sampling early.
-        before, after: ``before(name)`` and ``after(name)`` run around each sample, untimed.
+        on_sample: Called after every sample (progress); ``before(name)``, ``after(name)`` around it, untimed.
         cpu: Filled with the calling thread's CPU seconds per call (``time.thread_time``), per callable.
         wall: Time by the clock on CUDA too (:func:`time_calls`).
     """
@@ -177,9 +168,7 @@ def torch_bucket_sizes(wrapper: Any, *keys: str) -> Optional[List[int]]:
 
 def settle(opt: Any) -> None:
     """Wait for a ShardedOptimizer's pending all-gathers (its public ``finish_param_sync``); a no-op otherwise."""
-    finish = getattr(opt, "finish_param_sync", None)
-    if finish is not None:
-        finish()
+    getattr(opt, "finish_param_sync", lambda: None)()
 
 
 def run_steps(step: Callable[[], object], n: int, opt: Any = None) -> None:
@@ -190,11 +179,10 @@ def run_steps(step: Callable[[], object], n: int, opt: Any = None) -> None:
 
 
 # Memory and traffic
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # pragma: no cover (not glibc)
-        return None
+try:
+    _LIBC: Any = ctypes.CDLL("libc.so.6")
+except OSError:  # pragma: no cover (not glibc)
+    _LIBC = None
 
 
 def keep_freed_memory() -> Optional[str]:
@@ -205,10 +193,9 @@ def keep_freed_memory() -> Optional[str]:
     page-faulted in every step (on the 2-core box, over 40% of a run's CPU
     time and its largest source of noise, the same for every method).
     """
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):  # pragma: no cover
+    if not hasattr(_LIBC, "mallopt"):  # pragma: no cover
         return None
-    ok = libc.mallopt(-1, 2**31 - 1) == 1 and libc.mallopt(-3, 32 * report.MiB) == 1 and libc.mallopt(-4, 0) == 1
+    ok = _LIBC.mallopt(-1, 2**31 - 1) == 1 and _LIBC.mallopt(-3, 32 * report.MiB) == 1 and _LIBC.mallopt(-4, 0) == 1
     return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB, M_MMAP_MAX 0" if ok else None
 
 
@@ -244,9 +231,8 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return
-        libc = _libc()
-        if libc is not None:
-            libc.malloc_trim(0)  # free heap goes back to the OS, so reusing it shows in the RSS again
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)  # free heap goes back to the OS, so reusing it shows in the RSS again
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS
@@ -275,25 +261,21 @@ class LiveBytes:
                                                    "uordblks", "fordblks", "keepcost")]  # fmt: skip
 
     def __init__(self) -> None:
-        libc = _libc()
-        self._fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+        self._fn = getattr(_LIBC, "mallinfo2", None)
+        self.available = self._fn is not None
         if self._fn is not None:
             self._fn.restype = LiveBytes._Info
         self.base, self.peak, self.by_phase = self.read() or 0, 0, {}
 
-    @property
-    def available(self) -> bool:
-        return self._fn is not None
-
     def read(self) -> Optional[int]:
+        """Bytes alive in the C heap now (None off glibc)."""
         if self._fn is None:
             return None
         info = self._fn()
         return int(info.uordblks + info.hblkhd)
 
     def sample(self, phase: Optional[str] = None) -> None:
-        """Note the bytes alive now (above the construction-time base) if they are the most so far (in all, and in
-        ``by_phase[phase]`` given a phase)."""
+        """Note the bytes alive now above the base, if the most so far (in all, and in ``by_phase[phase]``)."""
         now = self.read()
         if now is not None:
             self.peak = max(self.peak, now - self.base)

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..reducer.autotune import autotune_steps
+from ..reducer.timeline import LANES
 from . import models, report, runner, stats
 
 CPU_WORLD_SIZE = 2
@@ -94,19 +96,11 @@ def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
 def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
     """Samples per method: as many as ``budget_s`` of one model's sampling allows, within ``[reps, max_reps]``.
 
-    The steps vary by 10-30% sample to sample on a 2-core machine
-    (interquartile range over the median), so 10 samples leave a median
-    uncertain by about 5%, as much as the target to resolve; 30 or more
-    bring the 90% interval of a ratio to about +-3%.
+    Steps vary by 10-30% on a 2-core machine: 10 samples leave a median uncertain by about 5%, as much as the
+    target to resolve; 30 or more bring the 90% interval of a ratio to about +-3%.
     """
     fit = int(cfg["budget_s"] / (len(METHODS) * max(sample_s, 1e-6)))
     return max(cfg["reps"], min(cfg["max_reps"], fit))
-
-
-def _autotune_steps() -> int:
-    from ..reducer.autotune import autotune_steps
-
-    return autotune_steps()
 
 
 def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None]) -> dict[str, Any]:
@@ -117,7 +111,7 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     wrappers: dict[str, nn.Module] = {}
     steps: dict[str, Callable[[], None]] = {}
     setup_s: dict[str, float] = {}
-    tune_steps = _autotune_steps() + 5
+    tune_steps = autotune_steps() + 5
     for method in METHODS:
         wrapper = make_wrapper(method, models.build_model(spec, device, storage), device)
         step = models.backward_step(spec, wrapper, x)
@@ -187,16 +181,13 @@ def exposed_median_s(per_rank: Sequence[Sequence[dict[str, Any]]]) -> float | No
     return statistics.median(exposed.values()) / 1e6 if exposed else None
 
 
-def _auto_vs_best_fixed(samples: dict[str, list[float]]) -> float | None:
-    return stats.ratio(statistics.median(samples["auto"]), min(statistics.median(samples[m]) for m in FIXED_METHODS))
-
-
 def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     """Ratios, targets and exposed sync times of one model's row (added in place; returned)."""
     med = {m: st["median_s"] for m, st in row["methods"].items()}
     best = min(FIXED_METHODS, key=lambda m: med[m])
     samples, how = row.get("samples_s") or {}, "90% bootstrap (rounds)"
-    stat = {"auto vs best fixed": _auto_vs_best_fixed, "auto vs torch": stats.median_ratio("auto", "torch")}
+    best_fixed = lambda s: stats.ratio(statistics.median(s["auto"]), min(statistics.median(s[m]) for m in FIXED_METHODS))  # noqa: E731
+    stat = {"auto vs best fixed": best_fixed, "auto vs torch": stats.median_ratio("auto", "torch")}
     ci = {k: stats.bootstrap_ci(f, samples, paired=True) if samples else None for k, f in stat.items()}
     row["best_fixed"] = best
     row["ratios"] = {"auto/best fixed": stats.ratio(med["auto"], med[best]), "auto/torch": stats.ratio(med["auto"], med["torch"]),
@@ -271,8 +262,6 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
             :data:`fastcoll.reducer.timeline.LANES`; times in ms from the
             backward start; the exposed sync time is the red bar after the backward.
     """
-    from ..reducer.timeline import LANES
-
     plt = report.pyplot()
     if plt is None or not panels:
         return None
@@ -335,7 +324,7 @@ def measure(args: Any = None) -> dict[str, Any]:
     with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
         result = runner.run_ranks(_ranks, rank_cfg, (), ws, prog)
     rows = [summarize_row(r) for r in result["rows"]]
-    config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or _autotune_steps()),
+    config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or autotune_steps()),
               "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
               "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
