@@ -1,11 +1,9 @@
 """fastcoll.DDP against torch DistributedDataParallel, side by side in one run (docs/benchmarks.md, "ddp").
 
-Per model and ``gradient_as_bucket_view`` setting, a step (zero_grad + forward
-+ backward) of each of :data:`METHODS`, then ``comm_dtype`` against torch DDP's
-compress hooks; peak memory, bytes sent, buckets, and whether the gradients
-equal torch DDP's. 2 gloo ranks on CPU; one NCCL rank on a GPU, measured with
-``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1 (at world size 1 fastcoll issues no
-collective unless forced).
+Per model and ``gradient_as_bucket_view`` setting, a step (zero_grad + forward + backward) of each of :data:`METHODS`,
+then ``comm_dtype`` against torch DDP's compress hooks; peak memory, bytes sent, buckets, and whether the gradients
+equal torch DDP's. 2 gloo ranks on CPU; one NCCL rank on a GPU, measured with ``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1 (at
+world size 1 fastcoll issues no collective unless forced).
 """
 
 from __future__ import annotations

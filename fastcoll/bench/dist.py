@@ -1,9 +1,8 @@
 """fastcoll.dist's tensor collectives against a per-tensor loop and the seed projects' cat + all-reduce + split.
 
-Two gloo ranks time ``allreduce_grads`` on ResNet-50's gradients (one fused
-flatten, one all-reduce, one fused unflatten; and with 25 MiB buckets) and
-``all_reduce_dict(op="mean")`` on a loss dict and a metrics dict. Every
-method is checked against a plain per-tensor mean first (docs/benchmarks.md).
+Two gloo ranks time ``allreduce_grads`` on ResNet-50's gradients (one fused flatten, one all-reduce, one fused
+unflatten; and with 25 MiB buckets) and ``all_reduce_dict(op="mean")`` on a loss dict and a metrics dict. Every method
+is checked against a plain per-tensor mean first (docs/benchmarks.md).
 """
 
 from __future__ import annotations

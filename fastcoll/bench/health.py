@@ -1,10 +1,9 @@
 """What gradient health costs: clipping, the fused norm and the non-finite check (docs/benchmarks.md, "health").
 
-The steps of :data:`METHODS` (zero_grad + forward + backward, then the clipping
-if any) are timed in rounds per model, on 2 gloo ranks (the full run: then 1)
-or one NCCL rank; each of :data:`COSTS` is the median over rounds of a paired
-difference, ``fastcoll again`` the A/A control. Also the ops-level rows: the
-fused ops with and without their health outputs on ResNet-50's 25 MiB bucket.
+The steps of :data:`METHODS` (zero_grad + forward + backward, then the clipping if any) are timed in rounds per model,
+on 2 gloo ranks (the full run: then 1) or one NCCL rank; each of :data:`COSTS` is the median over rounds of a paired
+difference, ``fastcoll again`` the A/A control. Also the ops-level rows: the fused ops with and without their health
+outputs on ResNet-50's 25 MiB bucket.
 """
 
 from __future__ import annotations
@@ -323,9 +322,8 @@ def measure(args: Any = None) -> Dict[str, Any]:
     """Run the ops rows, then spawn the ranks for each world size; return the results.
 
     Returns:
-        ``{"benchmark": "health", "config": {...}, "health_ops": ..., "ops": [row, ...],
-        "results": [row, ...]}``; each result row has the model, the world size,
-        per method the timing summary (seconds) and raw samples, the paired
+        ``{"benchmark": "health", "config": {...}, "health_ops": ..., "ops": [row, ...], "results": [row, ...]}``; each
+        result row has the model, the world size, per method the timing summary (seconds) and raw samples, the paired
         ``costs``, ``ratios``, ``targets`` and the clipping ``checks``.
     """
     cfg = runner.level_config(args, CONFIGS, 2 if args.device == "cpu" else 1)

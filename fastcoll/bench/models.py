@@ -1,13 +1,10 @@
 """Every model the benchmarks run, and the parameter shapes of ResNet-50, GPT-2 small and BERT-base.
 
-Real models (:class:`ManyLayerMLP`, :class:`ConvBNNet`, :class:`Encoder`) and
-synthetic ones holding parameters of a real model's shapes
-(``model_shapes.json``, or :class:`GPT2Shapes` for any width) whose forward
-is ``sum_i p_i.sum() * x_i``: one read of every parameter, so a step is
-dominated by writing the gradients and synchronizing them.
-:class:`ModelSpec` names one; :func:`build_model`, :func:`make_input` and
-:func:`loss_of` make it, its per-rank input and its loss, identically on
-every rank and for every method.
+Real models (:class:`ManyLayerMLP`, :class:`ConvBNNet`, :class:`Encoder`) and synthetic ones holding parameters of a
+real model's shapes (``model_shapes.json``, or :class:`GPT2Shapes` for any width) whose forward is ``sum_i p_i.sum() *
+x_i``: one read of every parameter, so a step is dominated by writing the gradients and synchronizing them.
+:class:`ModelSpec` names one; :func:`build_model`, :func:`make_input` and :func:`loss_of` make it, its per-rank input
+and its loss, identically on every rank and for every method.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ def ddp_buckets(
 ) -> List[Dict[str, Any]]:
     """torch DDP's bucket assignment: reverse parameter order; a bucket closes once its size reaches its cap.
 
-    The first bucket's cap is ``first_cap``, every later one's ``cap``.
-    Returns, in reduction order, dicts with ``index``, ``cap``, ``names``,
-    ``shapes`` and ``bytes``.
+    The first bucket's cap is ``first_cap``, every later one's ``cap``. Returns, in reduction order, dicts with
+    ``index``, ``cap``, ``names``, ``shapes`` and ``bytes``.
     """
     buckets: List[Dict[str, Any]] = []
     names: List[str] = []
@@ -149,9 +145,8 @@ class Encoder(nn.Module):
 class ShapeModel(nn.Module):
     """Parameters of given shapes; ``forward(x) = sum_i p_i.sum() * x[i]`` (one read of each parameter).
 
-    The gradient of parameter i is ``x[i]`` everywhere. ``storage`` (tensors
-    of the same shapes) shares the weights with another instance's, so
-    several wrappers are timed on the same memory.
+    The gradient of parameter i is ``x[i]`` everywhere. ``storage`` (tensors of the same shapes) shares the weights with
+    another instance's, so several wrappers are timed on the same memory.
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], storage: Optional[Sequence[torch.Tensor]] = None, device: Any = "cpu"):
@@ -189,10 +184,9 @@ def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 class LayeredShapeModel(nn.Module):
     """:class:`ShapeModel` with every parameter in its own module, called in registration order.
 
-    Forward pre-hooks (ShardedOptimizer's waits for the parameters'
-    all-gathers) then run before each parameter is read, as in a real model.
-    ``matmul``: each holder's forward is a row-wise dot product with ones, which
-    autocast runs in bfloat16 (the bfloat16 benchmark).
+    Forward pre-hooks (ShardedOptimizer's waits for the parameters' all-gathers) then run before each parameter is read,
+    as in a real model. ``matmul``: each holder's forward is a row-wise dot product with ones, which autocast runs in
+    bfloat16 (the bfloat16 benchmark).
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], storage: Optional[Sequence[torch.Tensor]] = None, device: Any = "cpu",
@@ -265,9 +259,8 @@ def param_count(spec: ModelSpec) -> int:
 def build_storage(spec: ModelSpec, device: str) -> List[torch.Tensor]:
     """Weights that every instance of ``spec``'s model built with them shares (parameters, then buffers).
 
-    The wrappers timed side by side then compute on the same memory (two
-    identical wrappers on separately allocated small models differed by up
-    to 15% on the 2-core box).
+    The wrappers timed side by side then compute on the same memory (two identical wrappers on separately allocated
+    small models differed by up to 15% on the 2-core box).
     """
     if spec.synthetic:
         return filled(spec_shapes(spec)[1], device=device)
@@ -349,9 +342,8 @@ def train_step(
 def compare_grads(a: nn.Module, b: nn.Module, rtol: float) -> Dict[str, Any]:
     """Compare the ``.grad`` of two modules' parameters (same architecture).
 
-    ``close``: the largest absolute difference is at most ``rtol`` times the
-    largest gradient magnitude of ``b`` (half-precision communication rounds
-    small gradients to a grid set by the large ones).
+    ``close``: the largest absolute difference is at most ``rtol`` times the largest gradient magnitude of ``b``
+    (half-precision communication rounds small gradients to a grid set by the large ones).
     """
     equal = shapes_ok = True
     max_abs = scale = 0.0

@@ -1,8 +1,7 @@
 """The fused flatten/unflatten ops against torch's ways of doing the same round trip (docs/benchmarks.md, "ops").
 
-A round trip packs gradients into a flat bucket times 1/world_size and unpacks
-it into gradients of the same layout, by each of :data:`METHOD_DESCRIPTIONS`, in
-rounds. Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base and
+A round trip packs gradients into a flat bucket times 1/world_size and unpacks it into gradients of the same layout, by
+each of :data:`METHOD_DESCRIPTIONS`, in rounds. Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base and
 synthetic tensor counts; then the 16 (gradient dtype, bucket dtype) pairs.
 """
 
@@ -77,9 +76,8 @@ class Layout:
 def model_layouts(one_per_model: bool, names: Sequence[str] = MODELS) -> Tuple[List[Layout], List[str]]:
     """The 25 MiB-cap buckets of the models, and a note on every bucket left out.
 
-    Left out: the first (1 MiB cap) bucket, buckets dominated by an embedding
-    far beyond the cap, and repeats of an identical bucket.
-    ``one_per_model`` keeps the full bucket with the most tensors.
+    Left out: the first (1 MiB cap) bucket, buckets dominated by an embedding far beyond the cap, and repeats of an
+    identical bucket. ``one_per_model`` keeps the full bucket with the most tensors.
     """
     layouts: List[Layout] = []
     skipped: List[str] = []
@@ -134,8 +132,7 @@ def shrunk(layout: Layout) -> Layout:
 def make_methods(layout: Layout, device: str) -> Dict[str, Tuple[Callable[[], Any], Callable[[], Any]]]:
     """The (pack, unpack) halves of each method's round trip, checked to leave ``grads / ws`` in the destinations.
 
-    Each round trip unpacks into separate tensors of the gradients' layout, so
-    every repetition sees the same values.
+    Each round trip unpacks into separate tensors of the gradients' layout, so every repetition sees the same values.
     """
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 

@@ -1,10 +1,8 @@
 """Output of the benchmarks: terminal tables (rich), progress with the time left, JSON and PNG charts.
 
-Every table a benchmark prints goes through :func:`table` and every summary
-line through :func:`say`; both are recorded, and :func:`write_json` stores
-them with the results (``"tables"``, ``"notes"``), so that
-``benchmarks/render_results.py`` renders the same tables as Markdown without
-recomputing anything.
+Every table a benchmark prints goes through :func:`table` and every summary line through :func:`say`; both are recorded,
+and :func:`write_json` stores them with the results (``"tables"``, ``"notes"``), so that
+``benchmarks/render_results.py`` renders the same tables as Markdown without recomputing anything.
 """
 
 from __future__ import annotations
@@ -252,8 +250,8 @@ def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path
 class Progress:
     """Units of work done out of ``total``; a line per finished row with the time left in this benchmark.
 
-    The estimate is the elapsed time per unit so far times the units left. On
-    a terminal a rich bar shows the same (with its own estimate) between rows.
+    The estimate is the elapsed time per unit so far times the units left. On a terminal a rich bar shows the same (with
+    its own estimate) between rows.
     """
 
     def __init__(self, name: str, total: int, bar: Any = None, task: Any = None):
@@ -329,8 +327,8 @@ def save_figure(fig: Any, path: Path) -> Path:
 def targets_chart(path: Path, title: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> Optional[Path]:
     """A bar per target: its value over its threshold (the dashed line), its 90% interval, its verdict's colour.
 
-    Targets without a numeric non-zero threshold (a margin against 0, a launch count) are left out.
-    Returns the PNG path, or None without matplotlib or such targets.
+    Targets without a numeric non-zero threshold (a margin against 0, a launch count) are left out. Returns the PNG
+    path, or None without matplotlib or such targets.
     """
     plt = pyplot()
     rows = [(w, t) for w, t in named if isinstance(t["value"], (int, float)) and isinstance(t["threshold"], (int, float))

@@ -1,7 +1,7 @@
 """Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner (:func:`run_ranks`).
 
-Inside a rank process, :class:`Rank` has the configuration and reports progress; :func:`all_max` makes a
-sample the slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples.
+Inside a rank process, :class:`Rank` has the configuration and reports progress; :func:`all_max` makes a sample the
+slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples.
 """
 
 from __future__ import annotations
@@ -188,10 +188,9 @@ except OSError:  # pragma: no cover (not glibc)
 def keep_freed_memory() -> Optional[str]:
     """Make glibc keep freed heap memory (as a caching allocator would); returns what was set, None if not glibc.
 
-    Every step drops its gradients and the next backward allocates them again;
-    with glibc's defaults that memory goes back to the kernel and is
-    page-faulted in every step (on the 2-core box, over 40% of a run's CPU
-    time and its largest source of noise, the same for every method).
+    Every step drops its gradients and the next backward allocates them again; with glibc's defaults that memory goes
+    back to the kernel and is page-faulted in every step (on the 2-core box, over 40% of a run's CPU time and its
+    largest source of noise, the same for every method).
     """
     if not hasattr(_LIBC, "mallopt"):  # pragma: no cover
         return None
@@ -251,9 +250,8 @@ class MemoryProbe:
 class LiveBytes:
     """Bytes the C heap has handed out and not taken back (glibc ``mallinfo2``), sampled between the phases of a step.
 
-    Unlike the resident set it leaves out freed memory the allocator keeps, so
-    the two together tell retention from live data. Off glibc (< 2.33) every
-    reading is None.
+    Unlike the resident set it leaves out freed memory the allocator keeps, so the two together tell retention from live
+    data. Off glibc (< 2.33) every reading is None.
     """
 
     class _Info(ctypes.Structure):
@@ -310,17 +308,14 @@ def timed_rounds(
 ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:  # fmt: skip
     """Rounds of ``inner`` calls of every callable (rotating order) on every rank, until the targets resolve.
 
-    Each sample is the slowest rank's (:func:`all_max` after every round), so
-    every rank sees the same samples and stops after the same round:
-    :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between
-    ``lo`` and ``hi`` rounds. ``before(name)`` and ``after(name)`` run around
-    each sample, untimed (a lead-in step, dropping gradients); ``tick()`` after
-    each sample, and once for every sample of the rounds not taken.
+    Each sample is the slowest rank's (:func:`all_max` after every round), so every rank sees the same samples and stops
+    after the same round: :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between ``lo`` and ``hi`` rounds.
+    ``before(name)`` and ``after(name)`` run around each sample, untimed (a lead-in step, dropping gradients);
+    ``tick()`` after each sample, and once for every sample of the rounds not taken.
 
     Returns:
-        Wall-clock seconds per call, and the calling thread's CPU seconds per
-        call (``time.thread_time``: what other processes on the cores inflate
-        less), per callable.
+        Wall-clock seconds per call, and the calling thread's CPU seconds per call (``time.thread_time``: what other
+        processes on the cores inflate less), per callable.
     """
     cpu: Dict[str, List[float]] = {}
 
@@ -344,11 +339,10 @@ def optimizer_rounds(
 ) -> Tuple[Dict[str, List[float]], int]:  # fmt: skip
     """:func:`timed_rounds` of the training steps ``make(method) = (wrapper, optimizer, step)``, in steady state.
 
-    Each method first runs ``setup_steps`` steps, the last one timed (they
-    bring the bucket rebuilds and the optimizer state; without ``inner``, the
-    slowest sets the calls per sample). Each sample follows an untimed lead-in
-    step; after it the step's all-gathers are drained and the gradients
-    dropped, untimed, so the next sample starts with none pending.
+    Each method first runs ``setup_steps`` steps, the last one timed (they bring the bucket rebuilds and the optimizer
+    state; without ``inner``, the slowest sets the calls per sample). Each sample follows an untimed lead-in step; after
+    it the step's all-gathers are drained and the gradients dropped, untimed, so the next sample starts with none
+    pending.
 
     Returns:
         The wall-clock samples and the calls per sample.
@@ -375,9 +369,8 @@ def optimizer_rounds(
 class Rank:
     """One rank of a measurement (the first argument of the function :func:`run_ranks` runs).
 
-    As a context manager it sets the device and intra-op threads, joins the
-    process group over the FileStore, and tears it down after (collecting
-    garbage first, so that wrappers go while their process group is alive).
+    As a context manager it sets the device and intra-op threads, joins the process group over the FileStore, and tears
+    it down after (collecting garbage first, so that wrappers go while their process group is alive).
     """
 
     def __init__(self, rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]):
@@ -456,13 +449,11 @@ def run_ranks(
 ) -> Dict[str, Any]:
     """Run ``fn(rank, *args)`` on ``ws`` processes, each a :class:`Rank` of ``cfg``; return rank 0's result.
 
-    ``fn`` is a module-level function; rank 0's return value is saved
-    (:meth:`Rank.save`). ``cfg["env"]`` is set in each process first;
-    ``cfg["freeze"]`` freezes the garbage collector's objects before ``fn``.
-    Progress reports go to ``prog`` (:class:`fastcoll.bench.report.Progress`).
-    Ranks still alive :data:`GRACE_S` after rank 0 wrote its result are killed:
-    their work is done, and a process stuck in its exit (a gloo destructor once
-    deadlocked there) must not hang the benchmark.
+    ``fn`` is a module-level function; rank 0's return value is saved (:meth:`Rank.save`). ``cfg["env"]`` is set in each
+    process first; ``cfg["freeze"]`` freezes the garbage collector's objects before ``fn``. Progress reports go to
+    ``prog`` (:class:`fastcoll.bench.report.Progress`). Ranks still alive :data:`GRACE_S` after rank 0 wrote its result
+    are killed: their work is done, and a process stuck in its exit (a gloo destructor once deadlocked there) must not
+    hang the benchmark.
     """
     import multiprocessing as mp
 

@@ -1,12 +1,10 @@
 """Statistics of the benchmarks: medians, bootstrap intervals, A/A controls, target verdicts, when to stop sampling.
 
-Every target a benchmark reports is a dict made by :func:`target`: its value,
-its 90% interval where it has one, and a verdict, :data:`MET`, :data:`MISSED`
-or :data:`UNRESOLVED` (the interval straddles the threshold). Timing samples
-are taken in rounds (sample k of every method before sample k+1), so ratios
-resample whole rounds (``paired=True``) and a drift of a shared machine
-cancels in them. :func:`resolved` lets a benchmark stop taking rounds once
-every target's interval lies on one side of its threshold.
+Every target a benchmark reports is a dict made by :func:`target`: its value, its 90% interval where it has one, and a
+verdict, :data:`MET`, :data:`MISSED` or :data:`UNRESOLVED` (the interval straddles the threshold). Timing samples are
+taken in rounds (sample k of every method before sample k+1), so ratios resample whole rounds (``paired=True``) and a
+drift of a shared machine cancels in them. :func:`resolved` lets a benchmark stop taking rounds once every target's
+interval lies on one side of its threshold.
 """
 
 from __future__ import annotations
@@ -124,10 +122,9 @@ def target(
     """A reported target: ``value`` against ``threshold`` (``op`` "le": lower is better, "ge": higher).
 
     Returns:
-        ``op``, ``threshold``, ``value``, ``ci90`` (None for exact values),
-        ``interval`` (what the interval is over), ``verdict`` (:func:`verdict`),
-        ``pass`` (the point value alone against the threshold), ``resolved``
-        (the verdict is MET or MISSED) and, when given, ``what`` (the target in words).
+        ``op``, ``threshold``, ``value``, ``ci90`` (None for exact values), ``interval`` (what the interval is over),
+        ``verdict`` (:func:`verdict`), ``pass`` (the point value alone against the threshold), ``resolved`` (the verdict
+        is MET or MISSED) and, when given, ``what`` (the target in words).
     """
     v = verdict(value, threshold, ci, op)
     ok = None if value is None else (value <= threshold if op == "le" else value >= threshold)

@@ -1,10 +1,9 @@
 """Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain (docs/benchmarks.md).
 
-Per model, a step (zero_grad + forward + backward) of each of :data:`METHODS`
-(torch DDP, fixed bucket caps, ``bucket_cap_mb="auto"`` after its tuning) in
-rounds on shared weights. Then, for the 25 MiB and the tuned layout, the
-exposed synchronization (``model.sync_timeline()``), a Gantt chart per model and
-a merged Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
+Per model, a step (zero_grad + forward + backward) of each of :data:`METHODS` (torch DDP, fixed bucket caps,
+``bucket_cap_mb="auto"`` after its tuning) in rounds on shared weights. Then, for the 25 MiB and the tuned layout, the
+exposed synchronization (``model.sync_timeline()``), a Gantt chart per model and a merged Chrome trace
+(``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -96,8 +95,8 @@ def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
 def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
     """Samples per method: as many as ``budget_s`` of one model's sampling allows, within ``[reps, max_reps]``.
 
-    Steps vary by 10-30% on a 2-core machine: 10 samples leave a median uncertain by about 5%, as much as the
-    target to resolve; 30 or more bring the 90% interval of a ratio to about +-3%.
+    Steps vary by 10-30% on a 2-core machine: 10 samples leave a median uncertain by about 5%, as much as the target to
+    resolve; 30 or more bring the 90% interval of a ratio to about +-3%.
     """
     fit = int(cfg["budget_s"] / (len(METHODS) * max(sample_s, 1e-6)))
     return max(cfg["reps"], min(cfg["max_reps"], fit))
@@ -204,8 +203,8 @@ def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]]
     """Write one Chrome trace of every layout and rank: ``traceEvents`` of each rank's trace, as process ``<layout>, rank r``.
 
     Args:
-        events_by_layout: Layout name -> per rank, the ``traceEvents`` of its
-            ``export_chrome_trace`` file. Process ids are offset by 100 per layout.
+        events_by_layout: Layout name -> per rank, the ``traceEvents`` of its ``export_chrome_trace`` file. Process ids
+            are offset by 100 per layout.
         out: The JSON file to write.
 
     Returns:
@@ -256,11 +255,10 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
     Args:
         path: Where to write the PNG.
         title: The figure's title.
-        panels: Panel title (e.g. ``"default 25 MiB: 3 buckets"``) -> per rank,
-            one record of :meth:`fastcoll.reducer.timeline.Timeline.iterations`
-            (None: that rank has none). Each rank gets the lanes of
-            :data:`fastcoll.reducer.timeline.LANES`; times in ms from the
-            backward start; the exposed sync time is the red bar after the backward.
+        panels: Panel title (e.g. ``"default 25 MiB: 3 buckets"``) -> per rank, one record of
+            :meth:`fastcoll.reducer.timeline.Timeline.iterations` (None: that rank has none). Each rank gets the lanes
+            of :data:`fastcoll.reducer.timeline.LANES`; times in ms from the backward start; the exposed sync time is
+            the red bar after the backward.
     """
     plt = report.pyplot()
     if plt is None or not panels:

@@ -1,8 +1,7 @@
 """bfloat16 training at float32 quality: fastcoll's main gradients + sharded float32 masters (docs/benchmarks.md).
 
-Part of ``python -m fastcoll.bench zero``: the recipes of :data:`METHOD_DESCRIPTIONS`
-on GPT-2's parameter shapes (default run: width 256), bytes per rank by kind,
-peak memory and step time; then a tiny causal LM trained each way
+Part of ``python -m fastcoll.bench zero``: the recipes of :data:`METHOD_DESCRIPTIONS` on GPT-2's parameter shapes
+(default run: width 256), bytes per rank by kind, peak memory and step time; then a tiny causal LM trained each way
 (:mod:`fastcoll.bench.tiny_lm`).
 """
 
@@ -20,6 +19,7 @@ from torch import nn
 
 import fastcoll
 
+from ..reducer.grad_guard import is_guard
 from . import models, report, runner, stats, tiny_lm
 from .models import GPT2_QUICK, GPT2_SMALL, GPT2_SMOKE, GPT2Shapes
 
@@ -171,12 +171,6 @@ def account(
             "total": params + dot_grad + buckets + state + master}  # fmt: skip
 
 
-def _real_grads(module: nn.Module) -> List[torch.Tensor]:
-    from ..reducer.grad_guard import is_guard
-
-    return [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
-
-
 #: Where the live heap is read: after zero_grad; at the model's last forward hook (inside autocast's region, its
 #: bfloat16 weight copies still cached); after the forward (the region ended); after backward; after step.
 PHASES = ("zero_grad", "forward end", "forward", "backward", "step")
@@ -197,8 +191,8 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     def sample(phase: str) -> None:
         if live is not None:
             live.sample(phase)
-        if phase == "backward":
-            kept[:] = _real_grads(module)  # the gradients as backward leaves them (weakly: only counted)
+        if phase == "backward":  # the gradients as backward leaves them (weakly: only counted)
+            kept[:] = [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
 
     step = make_step(method, wrapper, opt, x, device, sample)
     module.register_forward_hook(lambda *_: sample("forward end"))
@@ -214,17 +208,12 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
             "iterations": cfg["setup_steps"] + 1}  # fmt: skip
 
 
-def _warm_up(method: str, device: str, rank: int) -> None:
-    """A few iterations of ``method`` on tiny shapes, so the measured model pays no one-time costs."""
-    shapes = [(4, 3), (5,), (3, 2)]
-    wrapper, opt = make_method(method, build_model(shapes, method, device=device), device)
-    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device), 3, opt)
+def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
+    tiny = [(4, 3), (5,), (3, 2)]  # a few iterations on tiny shapes first: the measured model pays no one-time costs
+    wrapper, opt = make_method(method, build_model(tiny, method, device=me.device), me.device)
+    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(tiny), me.rank, me.device), me.device), 3, opt)
     del wrapper, opt
     gc.collect()
-
-
-def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
-    _warm_up(method, me.device, me.rank)
     info = measure_memory(shapes, method, me.rank, me.cfg)
     gc.collect()  # the wrappers go while their process group is alive
     me.tick()
@@ -252,21 +241,11 @@ def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict
 
 # Phase 3: quality (the tiny causal LM, every recipe in one process pair)
 def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
-    steps, runs, seconds = me.cfg["quality_steps"], {}, {}
-    for name in me.cfg["quality_runs"]:
-        t0 = time.perf_counter()
-        runs[name] = tiny_lm.train(me.rank, me.ws, "fastcoll" if name in FASTCOLL else name, steps,
-                                   grads=name if name in FASTCOLL else "sharded", lr=QUALITY_LR,
-                                   micro_batches=QUALITY_MICRO_BATCHES, masters=True)  # fmt: skip
-        seconds[name] = time.perf_counter() - t0
-        gc.collect()
-        me.tick()
-    if me.rank != 0:
-        return None
-    init = tiny_lm.flat_weights(tiny_lm.TinyCausalLM())
-    metrics = tiny_lm.quality_metrics(runs, init)
-    return {"steps": steps, "params": int(init.numel()),
-            "runs": {n: {**metrics[n], "losses": runs[n]["losses"], "seconds": seconds[n]} for n in runs}}  # fmt: skip
+    init, kw = tiny_lm.flat_weights(tiny_lm.TinyCausalLM()), {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES}
+    runs = {n: {"recipe": "fastcoll" if n in FASTCOLL else n, "grads": n if n in FASTCOLL else "sharded", "masters": True, **kw}
+            for n in me.cfg["quality_runs"]}  # fmt: skip
+    runs = tiny_lm.train_runs(me.rank, me.ws, me.cfg["quality_steps"], runs, me.tick, init)
+    return {"steps": me.cfg["quality_steps"], "params": int(init.numel()), "runs": runs} if me.rank == 0 else None
 
 
 # Analysis
