@@ -278,13 +278,11 @@ def run(args: Any) -> int:
                 status[p] = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
                 report.say(f"[red]fastcoll.bench ddp: the '{p}' pass failed: {status[p]['error']}[/red]")
                 continue
-            implementation = result["implementation"]
-            for r in result["rows"]:
-                if p is not None:
-                    r.update(collectives=p, label=r["label"] + PASS_SUFFIX[p])
-            rows += result["rows"]
+            implementation, rows = result["implementation"], rows + result["rows"]
             if p is not None:
                 status[p] = {"ok": True}
+                for r in result["rows"]:
+                    r.update(collectives=p, label=r["label"] + PASS_SUFFIX[p])
     payload = {"benchmark": "ddp", "config": config, "implementation": implementation,
                "comm_dtype": {"supported": True, "measured": True}, "results": rows}  # fmt: skip
     print_results(payload)

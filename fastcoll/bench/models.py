@@ -283,17 +283,11 @@ def build_model(spec: ModelSpec, device: str, storage: Optional[List[torch.Tenso
 
 def make_input(spec: ModelSpec, rank: int, device: str) -> torch.Tensor:
     """This rank's input (a different one per rank, the same for every method)."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    kw = spec.kwargs
-    if spec.kind == "mlp":
-        x = torch.randn(spec.batch, kw.get("width", 32), generator=g)
-    elif spec.kind == "convbn":
-        x = torch.randn(spec.batch, 3, kw.get("image", 16), kw.get("image", 16), generator=g)
-    elif spec.kind == "encoder":
-        x = torch.randn(spec.batch, kw.get("seq", 32), kw.get("d_model", 128), generator=g)
-    else:
+    if spec.synthetic:
         return shape_input(len(spec_shapes(spec)[1]), rank, device)
-    return x.to(device)
+    kw, image = spec.kwargs, spec.kwargs.get("image", 16)
+    dims = {"mlp": (kw.get("width", 32),), "convbn": (3, image, image), "encoder": (kw.get("seq", 32), kw.get("d_model", 128))}
+    return torch.randn(spec.batch, *dims[spec.kind], generator=torch.Generator().manual_seed(1000 + rank)).to(device)
 
 
 def loss_of(spec: ModelSpec, out: torch.Tensor) -> torch.Tensor:

@@ -343,8 +343,7 @@ def print_pairs(rows: List[Dict[str, Any]], layouts: List[Layout]) -> None:
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ops``: tables, ``benchmarks/out/ops_<device>.json`` and a chart."""
-    device = args.device
-    level = args.level
+    device, level = args.device, args.level
     cfg = CONFIGS[level]
     if ops.implementation() != "extension":
         report.say("[yellow]fastcoll.bench ops: the C++ extension is not loaded; 'fused' is the pure-PyTorch reference[/yellow]")
@@ -366,14 +365,12 @@ def run(args: Any) -> int:
     total = (len(layouts) * len(settings) * len(METHODS) + len(pair_layouts) * 16 * 2) * cfg["max_reps"]
     with report.progress("ops", total) as prog:
         for threads in settings:
-            rows = []
             with runner.num_threads(threads or torch.get_num_threads()):
                 for layout in layouts:
                     prog.describe(f"ops, {setting(device, threads)}: {layout.name}")
-                    rows.append(bench_layout(layout, device, threads, cfg, prog))
-            results += rows
+                    results.append(bench_layout(layout, device, threads, cfg, prog))
             prog.row(setting(device, threads), len(settings) + bool(pair_layouts))
-            print_rows(setting(device, threads), rows, device)
+            print_rows(setting(device, threads), results[-len(layouts) :], device)
         with runner.num_threads(PAIR_THREADS):
             for src, dst in PAIRS if pair_layouts else []:
                 for layout in pair_layouts:

@@ -255,10 +255,8 @@ class Progress:
     """
 
     def __init__(self, name: str, total: int, bar: Any = None, task: Any = None):
-        self.name, self.total, self.done = name, max(1, total), 0
-        self.started = time.perf_counter()
-        self._bar, self._task = bar, task
-        self.rows = 0
+        self.name, self.total, self.done, self.rows = name, max(1, total), 0, 0
+        self.started, self._bar, self._task = time.perf_counter(), bar, task
 
     def advance(self, n: int = 1) -> None:
         self.done = min(self.total, self.done + n)

@@ -40,23 +40,19 @@ AUTO_VS_TORCH = 1.0  # auto's step <= 1.0x torch DDP's default
 TIMELINE_LAYOUTS = (f"{DEFAULT_CAP_MB} MiB", "auto")  # the layouts whose timelines are charted
 SMOKE_AUTOTUNE_STEPS = "12"
 
-# Gantt chart colours per lane (fastcoll.reducer.timeline.LANES), two shades alternating per bucket.
-LEGEND = (("forward", 0, "forward"), ("backward", 0, "backward compute"), ("exposed", 0, "exposed sync"),
-          ("ready", 1, "gradients ready (first-last)"), ("pack", 1, "pack"), ("comm", 1, "communication"),
-          ("write-back", 1, "write-back"))  # fmt: skip
+#: Gantt chart colours per lane kind (fastcoll.reducer.timeline.LANES): two shades alternating per bucket, the legend.
+LANE_COLOURS = {
+    "forward": ("#d9d9d9", "#d9d9d9", "forward"),
+    "backward": ("#8c8c8c", "#8c8c8c", "backward compute"),
+    "exposed": ("#e34a33", "#e34a33", "exposed sync"),
+    "ready": ("#a1d99b", "#41ab5d", "gradients ready (first-last)"),
+    "pack": ("#fdae6b", "#e6550d", "pack"),
+    "comm": ("#9ecae1", "#3182bd", "communication"),
+    "write-back": ("#bcbddc", "#756bb1", "write-back"),
+}
 #: The bucket lanes of the Gantt chart: colour kind, and the record's start and end fields.
 BUCKET_LANES = (("ready", "ready_first_us", "ready_last_us"), ("pack", "pack_start_us", "pack_end_us"),
                 ("comm", "issued_us", "completed_us"), ("write-back", "writeback_start_us", "writeback_end_us"))  # fmt: skip
-LANE_COLOURS = {
-    "forward": ("#d9d9d9", "#d9d9d9"),
-    "backward": ("#8c8c8c", "#8c8c8c"),
-    "exposed": ("#e34a33", "#e34a33"),
-    "ready": ("#a1d99b", "#41ab5d"),
-    "pack": ("#fdae6b", "#e6550d"),
-    "comm": ("#9ecae1", "#3182bd"),
-    "write-back": ("#bcbddc", "#756bb1"),
-}
-
 
 CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
     "smoke": {"reps": 2, "max_reps": 2, "budget_s": 0.0, "setup_steps": 3, "target_s": 0.0, "max_inner": 1},
@@ -293,7 +289,7 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
         ax.set_title(name, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("ms from the start of backward")
-    legend = [Patch(color=LANE_COLOURS[k][shade], label=label) for k, shade, label in LEGEND]
+    legend = [Patch(color=dark, label=label) for _, dark, label in LANE_COLOURS.values()]
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
