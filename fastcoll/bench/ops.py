@@ -194,20 +194,13 @@ def count_cuda_kernels(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == cuda and not e.name.startswith(("Memcpy", "Memset")))
 
 
-def row_targets(layout: Layout, device: str) -> Dict[str, Tuple[str, str, str, float]]:
-    """The issue's ratio targets of this row (CPU: ResNet-50 buckets; GPU: bandwidth on all models, speedup on ResNet-50)."""
-    if layout.kind != "model":
-        return {}
-    if device == "cpu":
-        return dict(CPU_TARGETS) if layout.model == "resnet50" else {}
-    return {k: v for k, v in GPU_TARGETS.items() if k == "floor/fused" or layout.model == "resnet50"}
-
-
 def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """Time every method on ``layout``, rounds until its targets resolve (or the cap); return the row."""
     halves = make_methods(layout, device)
     methods = {name: (lambda p=p, u=u: (p(), u())) for name, (p, u) in halves.items()}
-    goals = row_targets(layout, device)
+    # the issue's ratio targets of this row (CPU: ResNet-50 buckets; GPU: bandwidth on all models, speedup on ResNet-50)
+    goals = dict(CPU_TARGETS if device == "cpu" else GPU_TARGETS) if layout.kind == "model" else {}
+    goals = {k: v for k, v in goals.items() if layout.model == "resnet50" or (device == "cuda" and k == "floor/fused")}
     samples = _rounds(methods, device, cfg, goals.values(), prog)
     med = {m: statistics.median(xs) for m, xs in samples.items()}
     ratios = {

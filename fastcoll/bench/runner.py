@@ -51,9 +51,7 @@ def time_calls(fn: Callable[[], object], inner: int, device: str, wall: bool = F
 
 def inner_for(per_call_s: float, target_s: float, max_inner: int) -> int:
     """Back-to-back calls that make a sample last about ``target_s`` (1 when ``target_s`` is 0)."""
-    if target_s <= 0:
-        return 1
-    return max(1, min(max_inner, int(math.ceil(target_s / max(per_call_s, 1e-9)))))
+    return 1 if target_s <= 0 else max(1, min(max_inner, int(math.ceil(target_s / max(per_call_s, 1e-9)))))
 
 
 def calibrate(fn: Callable[[], object], device: str, target_s: float, max_inner: int = 10_000) -> int:
@@ -119,17 +117,13 @@ def num_threads(n: int) -> Iterator[None]:
 def thread_counts(args: Any) -> List[int]:
     """The intra-op thread counts a one-process CPU benchmark runs at: ``--threads N|all``, default 1 and all."""
     spec, every = args.threads, report.available_cpus()
-    if spec is None:
-        return sorted({1, every})
-    return [every] if str(spec) == "all" else [int(spec)]
+    return sorted({1, every}) if spec is None else [every] if str(spec) == "all" else [int(spec)]
 
 
 def threads_per_rank(args: Any, world_size: int) -> int:
     """Intra-op threads of each rank: ``--threads N``, ``all`` (the CPUs shared out), default 1."""
     spec = args.threads
-    if spec is None:
-        return 1
-    return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
+    return 1 if spec is None else max(1, report.available_cpus() // world_size if str(spec) == "all" else int(spec))
 
 
 def level_config(args: Any, configs: Dict[str, Dict[str, Any]], world_size: int, **extra: Any) -> Dict[str, Any]:

@@ -9,6 +9,7 @@ interval lies on one side of its threshold.
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import statistics
@@ -97,12 +98,8 @@ def per_rank_ratios(a: Optional[Sequence[Optional[float]]], b: Optional[Sequence
 def paired_cost(with_feature: Sequence[float], without: Sequence[float]) -> Dict[str, float]:
     """Median and quartiles of the per-round differences ``with_feature[k] - without[k]`` (an A/A pair: the noise)."""
     st = summarize([a - b for a, b in zip(with_feature, without)])
-    return {
-        "median_s": st["median_s"],
-        "q1_s": st["q1_s"],
-        "q3_s": st["q3_s"],
-        "diff_of_medians_s": statistics.median(with_feature) - statistics.median(without),
-    }
+    diff = statistics.median(with_feature) - statistics.median(without)
+    return {"median_s": st["median_s"], "q1_s": st["q1_s"], "q3_s": st["q3_s"], "diff_of_medians_s": diff}
 
 
 def verdict(value: Optional[float], threshold: float, ci: Optional[Sequence[float]] = None, op: str = "le") -> str:
@@ -190,7 +187,4 @@ def enough_rounds(
 
 def count_verdicts(targets: Iterable[Dict[str, Any]]) -> Dict[str, int]:
     """How many targets are met, missed and not resolved."""
-    counts = {MET: 0, MISSED: 0, UNRESOLVED: 0}
-    for t in targets:
-        counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
-    return counts
+    return {MET: 0, MISSED: 0, UNRESOLVED: 0, **collections.Counter(t["verdict"] for t in targets)}

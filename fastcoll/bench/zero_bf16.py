@@ -176,9 +176,14 @@ def account(
 PHASES = ("zero_grad", "forward end", "forward", "backward", "step")
 
 
-def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """This rank's bytes by kind, its peak resident growth and its live heap per phase for ``method``."""
-    device = cfg["device"]
+def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
+    """Every rank's bytes by kind, peak resident growth and live heap per phase for ``method``."""
+    device, rank, cfg, tiny = me.device, me.rank, me.cfg, [(4, 3), (5,), (3, 2)]
+    # a few iterations on tiny shapes first: the measured model pays no one-time costs
+    wrapper, opt = make_method(method, build_model(tiny, method, device=device), device)
+    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(tiny), rank, device), device), 3, opt)
+    del wrapper, opt
+    gc.collect()
     probe = runner.MemoryProbe(device)
     probe.start()
     live = runner.LiveBytes() if device == "cpu" else None
@@ -201,23 +206,13 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     held = account(method, module, wrapper, opt, kept)
     kept.clear()
     has_live = live is not None and live.available
-    return {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
+    info = {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
             "live_peak_bytes": live.peak if has_live else None,
             "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
             "held": held, "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
             "iterations": cfg["setup_steps"] + 1}  # fmt: skip
-
-
-def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
-    tiny = [(4, 3), (5,), (3, 2)]  # a few iterations on tiny shapes first: the measured model pays no one-time costs
-    wrapper, opt = make_method(method, build_model(tiny, method, device=me.device), me.device)
-    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(tiny), me.rank, me.device), me.device), 3, opt)
-    del wrapper, opt
-    gc.collect()
-    info = measure_memory(shapes, method, me.rank, me.cfg)
-    gc.collect()  # the wrappers go while their process group is alive
     me.tick()
-    return {"ranks": runner.gather(info)}
+    return {"ranks": runner.gather(info)}  # the wrappers go in Rank's exit, while their process group is alive
 
 
 # Phase 2: step time (the timed methods side by side in one process pair)
@@ -242,8 +237,8 @@ def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict
 # Phase 3: quality (the tiny causal LM, every recipe in one process pair)
 def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
     init, kw = tiny_lm.flat_weights(tiny_lm.TinyCausalLM()), {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES}
-    runs = {n: {"recipe": "fastcoll" if n in FASTCOLL else n, "grads": n if n in FASTCOLL else "sharded", "masters": True, **kw}
-            for n in me.cfg["quality_runs"]}  # fmt: skip
+    fc = {n: {"recipe": "fastcoll", "grads": n} for n in FASTCOLL}  # the others: recipe = name
+    runs = {n: {**fc.get(n, {"recipe": n}), "masters": True, **kw} for n in me.cfg["quality_runs"]}
     runs = tiny_lm.train_runs(me.rank, me.ws, me.cfg["quality_steps"], runs, me.tick, init)
     return {"steps": me.cfg["quality_steps"], "params": int(init.numel()), "runs": runs} if me.rank == 0 else None
 
@@ -253,9 +248,10 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     """Per-method summaries, the ratios to ``autocast`` and the targets (in place; returns ``row``)."""
     mem, groups = row["memory"], row["groups"]
     methods: Dict[str, Dict[str, Any]] = {}
+    row["methods"] = methods
     for m in METHODS:
         ranks = mem.get(m, {}).get("ranks") or []
-        entry = stats.method_entry(groups, ranks, m, ("held", "peak_bytes", "live_peak_bytes", "live_by_phase"))
+        entry = methods[m] = stats.method_entry(groups, ranks, m, ("held", "peak_bytes", "live_peak_bytes", "live_by_phase"))
         if ranks:
             numel = ranks[0]["numel"]
             bpp = entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
@@ -264,8 +260,6 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
                 known = [p for p in entry[key] if p is not None]
                 bpp[name] = max(known) / numel if known else None
         entry["readme_bytes_per_param"] = README_BYTES_PER_PARAM[m][0]
-        methods[m] = entry
-    row["methods"] = methods
 
     targets: Dict[str, Any] = {}
     base = methods["autocast"]
@@ -279,9 +273,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
         if t["value"] is not None:
             targets[f"step {m}/autocast"] = t
     ratios: Dict[str, Any] = {}
-    for m in METHODS:
-        if m == "autocast":
-            continue
+    for m in [m for m in METHODS if m != "autocast"]:
         t = stats.group_target(groups, m, "autocast")
         ratios[f"step {m}/autocast"] = {"value": t["value"], "ci90": t["ci90"]}
         me = methods[m]
@@ -293,12 +285,8 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
             ratios[f"held {m}/autocast"] = max(x["total"] / y["total"] for x, y in zip(me["held"], base["held"]))
     row["ratios"] = ratios
     if quality is not None:
-        runs = quality["runs"]
-        plain = runs["torch_bf16"]["weight_distance"]
-        for m in FASTCOLL:
-            r = runs.get(m)
-            if r is None:
-                continue
+        runs, plain = quality["runs"], quality["runs"]["torch_bf16"]["weight_distance"]
+        for r, m in [(runs[m], m) for m in FASTCOLL if m in runs]:
             share = r["weight_distance"] / plain if plain > 0 else None
             r["distance_vs_bf16"] = share
             targets[f"distance {m}/torch_bf16"] = stats.target(share, DISTANCE_VS_BF16, what=f"weight distance from float32, "
