@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import loader
 from . import models, report, runner, stats
 from .models import MiB, ModelSpec
 
@@ -71,8 +72,6 @@ COSTS = {
 
 def health_ops_implementation() -> str:
     """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
-    from ..ops import loader
-
     if ops.implementation() != "extension":
         return "reference (pure PyTorch): the extension is not loaded"
     missing = [n for n in HEALTH_OPS if n in loader.REFERENCE_OPS]
@@ -83,8 +82,6 @@ def health_ops_implementation() -> str:
 
 def extension_file() -> Optional[Dict[str, Any]]:
     """Path, size and modification time of the compiled extension's file, read when called (so: at load time)."""
-    from ..ops import loader
-
     mod = getattr(loader, "_C", None)
     path = getattr(mod, "__file__", None)
     if not path:
@@ -224,9 +221,9 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
     norm = global_norm(wrappers["torch"].module)
     max_norm[0] = CLIP_FRACTION * norm
 
-    # Checks against the float64 norm of the synchronized gradients: the norm each clipping saw, the
-    # clipped norm, and fastcoll's clipped gradients against torch's. torch's foreach norm sums in
-    # float32 (relative error up to ~1e-4 over 10^8 elements here); fastcoll's sums are float64.
+    # Checks against the float64 norm of the synchronized gradients: the norm each clipping saw, the clipped norm, and
+    # fastcoll's clipped gradients against torch's. torch's foreach norm sums in float32 (relative error up to ~1e-4
+    # over 10^8 elements here); fastcoll's sums are float64.
     torch_norm = float(steps["torch+clip"]())
     fc_norm = float(steps["fastcoll norm+clip"]())
     fc_torch_norm = float(steps["fastcoll+torch clip"]())

@@ -46,9 +46,7 @@ def ddp_buckets(
     ``index``, ``cap``, ``names``, ``shapes`` and ``bytes``.
     """
     buckets: List[Dict[str, Any]] = []
-    names: List[str] = []
-    shapes: List[Tuple[int, ...]] = []
-    size = 0
+    names, shapes, size = [], [], 0
     for name, shape in reversed(list(params)):
         names.append(name)
         shapes.append(tuple(shape))
@@ -242,17 +240,16 @@ SMOKE_GPT2 = ModelSpec("gpt2_small", "GPT-2 shapes (12, x1/4096)", "shapes", {"m
 WARMUP = ModelSpec("warmup", "", "mlp", {"width": 4, "depth": 2}, batch=2)
 
 
-def spec_shapes(spec: ModelSpec) -> Tuple[List[str], List[Tuple[int, ...]]]:
-    """Parameter names and shapes of a synthetic spec (``limit``: the first ones; ``divide``: 1-D and that much smaller)."""
-    entries = _shapes_file()[spec.kwargs["model"]][: spec.kwargs.get("limit")]
-    div = spec.kwargs.get("divide", 1)
-    return [n for n, _ in entries], [s if div <= 1 else (max(1, math.prod(s) // div),) for _, s in entries]
+def spec_shapes(spec: ModelSpec) -> List[Tuple[int, ...]]:
+    """Parameter shapes of a synthetic spec (``limit``: the first ones; ``divide``: 1-D and that much smaller)."""
+    entries, div = _shapes_file()[spec.kwargs["model"]][: spec.kwargs.get("limit")], spec.kwargs.get("divide", 1)
+    return [s if div <= 1 else (max(1, math.prod(s) // div),) for _, s in entries]
 
 
 def param_count(spec: ModelSpec) -> int:
     """Parameter elements of ``spec``'s model (without building the synthetic ones)."""
     if spec.synthetic:
-        return sum(math.prod(s) for s in spec_shapes(spec)[1])
+        return sum(math.prod(s) for s in spec_shapes(spec))
     return sum(p.numel() for p in build_model(spec, "cpu").parameters())
 
 
@@ -263,7 +260,7 @@ def build_storage(spec: ModelSpec, device: str) -> List[torch.Tensor]:
     small models differed by up to 15% on the 2-core box).
     """
     if spec.synthetic:
-        return filled(spec_shapes(spec)[1], device=device)
+        return filled(spec_shapes(spec), device=device)
     model = build_model(spec, device)
     return [t.detach() for t in (*model.parameters(), *model.buffers())]
 
@@ -272,7 +269,7 @@ def build_model(spec: ModelSpec, device: str, storage: Optional[List[torch.Tenso
     """The model of ``spec`` with seed-0 weights; ``layered``: a synthetic one as :class:`LayeredShapeModel`."""
     torch.manual_seed(0)
     if spec.synthetic:
-        shapes = spec_shapes(spec)[1]
+        shapes = spec_shapes(spec)
         return LayeredShapeModel(shapes, storage, device) if layered else ShapeModel(shapes, storage, device)
     model = {"mlp": ManyLayerMLP, "convbn": ConvBNNet, "encoder": Encoder}[spec.kind](**spec.kwargs).to(device)
     if storage is not None:
@@ -284,7 +281,7 @@ def build_model(spec: ModelSpec, device: str, storage: Optional[List[torch.Tenso
 def make_input(spec: ModelSpec, rank: int, device: str) -> torch.Tensor:
     """This rank's input (a different one per rank, the same for every method)."""
     if spec.synthetic:
-        return shape_input(len(spec_shapes(spec)[1]), rank, device)
+        return shape_input(len(spec_shapes(spec)), rank, device)
     kw, image = spec.kwargs, spec.kwargs.get("image", 16)
     dims = {"mlp": (kw.get("width", 32),), "convbn": (3, image, image), "encoder": (kw.get("seq", 32), kw.get("d_model", 128))}
     return torch.randn(spec.batch, *dims[spec.kind], generator=torch.Generator().manual_seed(1000 + rank)).to(device)

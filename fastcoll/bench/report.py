@@ -20,6 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+import fastcoll
+
 from .stats import MET, MISSED, UNRESOLVED, count_verdicts
 
 MiB = 1 << 20
@@ -79,8 +81,6 @@ def load_average() -> Optional[List[float]]:
 
 def machine_info(device: str = "cpu") -> Dict[str, object]:
     """What the numbers were measured on: recorded with every JSON result."""
-    import fastcoll
-
     info: Dict[str, object] = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": platform.node(),

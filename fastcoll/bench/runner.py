@@ -12,6 +12,7 @@ import datetime
 import gc
 import json
 import math
+import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -19,7 +20,13 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.nn.parallel import DistributedDataParallel
 
+import fastcoll
+
+from .. import ops
 from . import report
 from .stats import enough_rounds, rotated
 
@@ -139,11 +146,7 @@ def wrap(kind: str, module: Any, device: str, **kw: Any) -> Any:
     if device == "cuda":
         kw["device_ids"] = [torch.cuda.current_device()]
     if kind == "torch":
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(module, **kw)
-    import fastcoll
-
     return fastcoll.DDP(module, **kw)
 
 
@@ -278,8 +281,6 @@ class LiveBytes:
 # Inside a rank process
 def all_max(values: Sequence[float], device: str = "cpu") -> List[float]:
     """Element-wise maximum over the ranks (a sample's time is the slowest rank's)."""
-    import torch.distributed as dist
-
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -288,8 +289,6 @@ def all_max(values: Sequence[float], device: str = "cpu") -> List[float]:
 
 def gather(obj: Any) -> List[Any]:
     """Every rank's ``obj``, in rank order."""
-    import torch.distributed as dist
-
     out: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -374,8 +373,6 @@ class Rank:
         self.malloc = keep_freed_memory() if cfg.get("keep_freed_memory") and self.device == "cpu" else None
 
     def __enter__(self) -> "Rank":
-        import torch.distributed as dist
-
         if self.device == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         torch.set_num_threads(self.cfg.get("threads", 1))
@@ -384,8 +381,6 @@ class Rank:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
         gc.collect()
         dist.destroy_process_group()
 
@@ -412,8 +407,6 @@ class Rank:
     def save(self, result: Dict[str, Any]) -> None:
         """Rank 0 writes its result (with the op implementation and allocator settings) for the parent."""
         if self.rank == 0:
-            from .. import ops
-
             with open(self._out, "w") as f:
                 json.dump({**result, "implementation": ops.implementation(), "malloc": self.malloc}, f)
 
@@ -449,10 +442,6 @@ def run_ranks(
     are killed: their work is done, and a process stuck in its exit (a gloo destructor once deadlocked there) must not
     hang the benchmark.
     """
-    import multiprocessing as mp
-
-    import torch.multiprocessing as tmp
-
     if not _QUEUE:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))

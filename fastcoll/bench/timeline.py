@@ -310,13 +310,11 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
 # Entry points
 def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
-    device = args.device
-    cfg = _config(args, device)
-    ws = cfg["world_size"]
+    cfg = _config(args, args.device)
     specs = model_specs(cfg)
     rank_cfg = {**cfg, "keep_freed_memory": True, "freeze": True, "env": autotune_env(cfg)}
     with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
-        result = runner.run_ranks(_ranks, rank_cfg, (), ws, prog)
+        result = runner.run_ranks(_ranks, rank_cfg, (), cfg["world_size"], prog)
     rows = [summarize_row(r) for r in result["rows"]]
     config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or autotune_steps()),
               "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,

@@ -20,6 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+import fastcoll
+
+from ..optim import checkpoint as ckpt
+
 VOCAB = 32
 SEQ = 16
 BATCH = 4  # sequences per micro-batch and rank
@@ -86,8 +90,6 @@ def train(
     if recipe != "fp32":
         model.to(BF16)
     if recipe == "fastcoll":
-        import fastcoll
-
         ddp: nn.Module = fastcoll.DDP(model, main_grad_dtype=torch.float32, **(ddp_kwargs or {}))
         opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
             torch.optim.AdamW(model.parameters(), lr=lr), ddp, grads=grads, master_dtype=torch.float32
@@ -112,8 +114,6 @@ def train(
     if recipe == "fastcoll":
         opt.finish_param_sync()  # type: ignore[attr-defined]
         if masters:
-            from ..optim import checkpoint as ckpt
-
             state = opt.state_dict()["state"]  # a collective: every rank
             out["masters"] = torch.cat([state[k][ckpt.MASTER].float().flatten() for k in sorted(state)])
     t = torch.tensor(losses, dtype=torch.float64)

@@ -25,6 +25,7 @@ from torch import nn
 
 import fastcoll
 
+from ..optim import checkpoint as ckpt
 from . import report, runner, stats, tiny_lm
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
@@ -77,8 +78,6 @@ def _reduced(method: str, rank: int, numel: int) -> torch.Tensor:
     opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), ddp, grads="sharded", master_dtype=F32)
     ddp(x).backward()
     opt.step()  # the float32 master of w (zero) becomes exactly -(the rank's float32 range of the mean)
-    from ..optim import checkpoint as ckpt
-
     (state,) = opt.state_dict()["state"].values()  # a collective: the masters of every range
     return -state[ckpt.MASTER].to(F64)
 
