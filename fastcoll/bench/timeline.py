@@ -269,21 +269,14 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
     xmin = min((s[3] for recs in panels.values() for it in recs if it for s in _spans(it)), default=0.0)
     xmax = max((s[4] for recs in panels.values() for it in recs if it for s in _spans(it)), default=1.0)
     for ax, (name, recs) in zip(axes[:, 0], panels.items()):
-        ticks, labels = [], []
-        for r, it in enumerate(recs):
-            base = r * (nl + 1)
-            for lane, lane_name in enumerate(LANES):
-                ticks.append(base + lane)
-                labels.append(f"rank {r} · {lane_name}")
-            if it is None:
-                continue
-            for lane, kind, k, a, b in _spans(it):
-                colour = LANE_COLOURS[kind][k % 2 if k >= 0 else 0]
-                ax.broken_barh([(a, max(b - a, (xmax - xmin) * 1e-4))], (base + lane - 0.4, 0.8), facecolors=colour)
+        for r, it in enumerate(recs):  # rank r's lanes are r * (nl + 1) + lane
+            for lane, kind, k, a, b in _spans(it) if it is not None else []:
+                colour, y = LANE_COLOURS[kind][k % 2 if k >= 0 else 0], r * (nl + 1) + lane
+                ax.broken_barh([(a, max(b - a, (xmax - xmin) * 1e-4))], (y - 0.4, 0.8), facecolors=colour)
                 if kind == "comm" and (b - a) > 0.04 * (xmax - xmin):
-                    ax.text((a + b) / 2, base + lane, str(k), ha="center", va="center", fontsize=6)
-        ax.set_yticks(ticks)
-        ax.set_yticklabels(labels, fontsize=7)
+                    ax.text((a + b) / 2, y, str(k), ha="center", va="center", fontsize=6)
+        lanes = [(r * (nl + 1) + lane, f"rank {r} · {name}") for r in range(len(recs)) for lane, name in enumerate(LANES)]
+        ax.set_yticks([y for y, _ in lanes], [label for _, label in lanes], fontsize=7)
         ax.set_ylim(len(recs) * (nl + 1) - 1, -1)
         ax.set_xlim(xmin - 0.01 * (xmax - xmin), xmax + 0.01 * (xmax - xmin))
         ax.set_title(name, fontsize=9)
