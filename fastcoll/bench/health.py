@@ -400,7 +400,6 @@ def print_results(payload: Dict[str, Any]) -> None:
 
 def run(args: Any = None) -> int:
     """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
-    device = args.device
     payload = measure(args)
     print_results(payload)
     named = [(f"{r['label']}, {r['world_size']} rank(s): {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
@@ -409,5 +408,5 @@ def run(args: Any = None) -> int:
     for r in payload["results"]:
         if not r["checks"]["ok"]:
             report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
-    report.conclude("health", report.json_path(args, f"health_{device}"), payload, named)
+    report.conclude("health", report.json_path(args, f"health_{args.device}"), payload, named)
     return 0 if all(r["checks"]["ok"] for r in payload["results"]) else 1

@@ -420,8 +420,7 @@ def run_section(args: Any = None) -> int:
 
 def run(args: Any = None) -> int:
     """This section alone (``python -m fastcoll.bench.zero_bf16``), with :func:`fastcoll.bench.zero.run`'s device checks."""
-    device = args.device
-    if device == "cuda" and torch.cuda.device_count() < 2:
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
         report.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
         return 0
     return run_section(args)
