@@ -2,11 +2,10 @@
 
     python -m fastcoll.bench {ops,ddp,dist,timeline,health,zero,all} [--full] [--device cpu|cuda] [--threads N|all] [--json PATH]
 
-Each benchmark prints its tables and writes ``benchmarks/out/<name>_<device>.json``
-(and a PNG chart). The default run takes rounds until every target's 90%
-interval resolves, within caps sized so that ``all`` takes about 10 minutes on
-a 2-core machine; ``--full`` runs every row with higher caps. A benchmark
-module exposes ``run(args) -> int`` and is imported only when it runs (the device checked first).
+Each benchmark prints its tables and writes ``benchmarks/out/<name>_<device>.json`` (and a PNG chart). The default run
+takes rounds until every target's 90% interval resolves, within caps sized so that ``all`` takes about 10 minutes on a
+2-core machine; ``--full`` runs every row with higher caps. A benchmark module exposes ``run(args) -> int`` and is
+imported only when it runs (the device checked first).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """fastcoll.DDP against torch DistributedDataParallel, side by side in one run (docs/benchmarks.md, "ddp").
 
-Per model and ``gradient_as_bucket_view`` setting, a step (zero_grad + forward
-+ backward) of each of :data:`METHODS`, then ``comm_dtype`` against torch DDP's
-compress hooks; peak memory, bytes sent, buckets, and whether the gradients
-equal torch DDP's. 2 gloo ranks on CPU; one NCCL rank on a GPU, measured with
-``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1 (at world size 1 fastcoll issues no
-collective unless forced).
+Per model and ``gradient_as_bucket_view`` setting, a step (zero_grad + forward + backward) of each of :data:`METHODS`,
+then ``comm_dtype`` against torch DDP's compress hooks; peak memory, bytes sent, buckets, and whether the gradients
+equal torch DDP's. 2 gloo ranks on CPU; one NCCL rank on a GPU, measured with ``FASTCOLL_FORCE_COLLECTIVES`` 0 and 1 (at
+world size 1 fastcoll issues no collective unless forced).
 """
 
 from __future__ import annotations
@@ -73,10 +71,6 @@ def build_cases(level: str) -> List[Case]:
     return cases + [Case("comm_dtype", s, False, COMM_METHODS) for s in comm]
 
 
-def _force_env(collectives: Optional[str]) -> Dict[str, str]:
-    return {} if collectives is None else {"FASTCOLL_FORCE_COLLECTIVES": "1" if collectives == "forced" else "0"}
-
-
 def collective_passes(world_size: int) -> List[Optional[str]]:
     """``[None]`` with 2+ ranks; at 1 rank both passes, or the one FASTCOLL_FORCE_COLLECTIVES names."""
     if world_size > 1:
@@ -86,6 +80,13 @@ def collective_passes(world_size: int) -> List[Optional[str]]:
 
 
 # The wrappers and their steps (inside the ranks)
+def count_buckets(method: str, wrapper: nn.Module) -> Optional[int]:
+    """Buckets of the wrapper's current layout (torch DDP: from its logging data, after the rebuild)."""
+    if method.startswith("fastcoll"):
+        return len(wrapper.bucket_info())
+    return len(runner.torch_bucket_sizes(wrapper, "rebuilt_bucket_sizes", "bucket_sizes") or []) or None
+
+
 def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.Module:
     kind, name = (method.split() + [""])[:2]
     if method == "no_sync" or kind == "torch":
@@ -96,13 +97,6 @@ def make_wrapper(method: str, module: nn.Module, gabv: bool, device: str) -> nn.
         return wrapper
     comm = {"comm_dtype": dict(COMM_DTYPES)[name]} if name else {}
     return runner.wrap("fastcoll", module, device, gradient_as_bucket_view=gabv, **comm)
-
-
-def count_buckets(method: str, wrapper: nn.Module) -> Optional[int]:
-    """Buckets of the wrapper's current layout (torch DDP: from its logging data, after the rebuild)."""
-    if method.startswith("fastcoll"):
-        return len(wrapper.bucket_info())
-    return len(runner.torch_bucket_sizes(wrapper, "rebuilt_bucket_sizes", "bucket_sizes") or []) or None
 
 
 def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
@@ -129,10 +123,9 @@ def bench_case(case: Case, me: runner.Rank) -> Dict[str, Any]:
     inner = me.inner(max(i["setup_step_s"] for i in info.values()))
     goal = [(stats.median_ratio("fastcoll", "torch"), cfg["target"], "le")] if case.section == "fp32" else []
     samples, _ = runner.timed_rounds(steps, inner, cfg["reps"], cfg["max_reps"], goal, device, me.tick)
-    peaks = runner.all_max([float(info[m]["peak_mem_bytes"] or 0) for m in case.methods], device)
-    sent = runner.all_max([float(info[m]["sent_bytes_per_step"] or 0) for m in case.methods], device)
-    for m, p, s in zip(case.methods, peaks, sent):
-        info[m].update({k: int(v) for k, v in (("peak_mem_bytes", p), ("sent_bytes_per_step", s)) if info[m][k] is not None})
+    for k in ("peak_mem_bytes", "sent_bytes_per_step"):  # the most of any rank
+        for m, v in zip(case.methods, runner.all_max([float(info[m][k] or 0) for m in case.methods], device)):
+            info[m][k] = None if info[m][k] is None else int(v)
     params = [p for p in wrappers[case.methods[-1]].module.parameters() if p.requires_grad]
     del wrappers, steps, storage
     gc.collect()
@@ -277,20 +270,19 @@ def run(args: Any) -> int:
     with report.progress("ddp", units) as prog:
         for p in passes:
             try:
-                result = runner.run_ranks(_ranks, {**cfg, "collectives": p, "env": _force_env(p)}, (cases,), ws, prog)
+                env = {} if p is None else {"FASTCOLL_FORCE_COLLECTIVES": "1" if p == "forced" else "0"}
+                result = runner.run_ranks(_ranks, {**cfg, "collectives": p, "env": env}, (cases,), ws, prog)
             except Exception as exc:
                 if p is None:
                     raise
                 status[p] = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
                 report.say(f"[red]fastcoll.bench ddp: the '{p}' pass failed: {status[p]['error']}[/red]")
                 continue
-            implementation = result["implementation"]
-            for r in result["rows"]:
-                if p is not None:
-                    r.update(collectives=p, label=r["label"] + PASS_SUFFIX[p])
-            rows += result["rows"]
+            implementation, rows = result["implementation"], rows + result["rows"]
             if p is not None:
                 status[p] = {"ok": True}
+                for r in result["rows"]:
+                    r.update(collectives=p, label=r["label"] + PASS_SUFFIX[p])
     payload = {"benchmark": "ddp", "config": config, "implementation": implementation,
                "comm_dtype": {"supported": True, "measured": True}, "results": rows}  # fmt: skip
     print_results(payload)

@@ -1,9 +1,8 @@
 """fastcoll.dist's tensor collectives against a per-tensor loop and the seed projects' cat + all-reduce + split.
 
-Two gloo ranks time ``allreduce_grads`` on ResNet-50's gradients (one fused
-flatten, one all-reduce, one fused unflatten; and with 25 MiB buckets) and
-``all_reduce_dict(op="mean")`` on a loss dict and a metrics dict. Every
-method is checked against a plain per-tensor mean first (docs/benchmarks.md).
+Two gloo ranks time ``allreduce_grads`` on ResNet-50's gradients (one fused flatten, one all-reduce, one fused
+unflatten; and with 25 MiB buckets) and ``all_reduce_dict(op="mean")`` on a loss dict and a metrics dict. Every method
+is checked against a plain per-tensor mean first (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -72,19 +71,6 @@ def seed_dict(d: Dict[str, torch.Tensor], ws: int) -> Dict[str, torch.Tensor]:
     return {k: p.reshape(d[k].shape) for k, p in zip(keys, pieces)}
 
 
-def _loss_dict(rank: int, n: int = 16) -> Dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(rank)
-    return {f"loss_{i}": torch.rand((), generator=g) for i in range(n)}
-
-
-def _metric_dict(rank: int, n: int = 64, width: int = 80) -> Dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + rank)
-    keys = [f"metric_{i}" for i in range(n)]
-    if rank % 2:
-        keys.reverse()  # fastcoll accepts any key order; the others need the same order
-    return {k: torch.rand(width, generator=g) for k in keys}
-
-
 # The ranks
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6))
@@ -106,11 +92,13 @@ def _row(rank: runner.Rank, function: str, case: str, fns: Dict[str, Callable[[]
     return {"function": function, "case": case, "methods": methods}
 
 
-def _bench_dicts(rank: runner.Rank) -> List[Dict[str, Any]]:
-    ws, r = rank.ws, rank.rank
-    cases = {"loss dict, 16 scalars": _loss_dict(r), "metric dict, 64 x 80": _metric_dict(r)}
-    if rank.cfg["grad_shapes"]:  # smoke
-        cases = {"loss dict, 4 scalars": _loss_dict(r, 4)}
+def _ranks(rank: runner.Rank) -> Dict[str, Any]:
+    ws, r, g = rank.ws, rank.rank, torch.Generator().manual_seed(rank.rank)
+    n = 4 if rank.cfg["grad_shapes"] else 16  # smoke: 4
+    cases = {f"loss dict, {n} scalars": {f"loss_{i}": torch.rand((), generator=g) for i in range(n)}}
+    if not rank.cfg["grad_shapes"]:  # fastcoll accepts any key order; the others need the same: odd ranks reverse it
+        keys, g = [f"metric_{i}" for i in range(64)], torch.Generator().manual_seed(1000 + r)
+        cases["metric dict, 64 x 80"] = {k: torch.rand(80, generator=g) for k in (keys[::-1] if r % 2 else keys)}
     rows = []
     for name, d in cases.items():
         fns: Dict[str, Callable[[], object]] = {
@@ -124,7 +112,7 @@ def _bench_dicts(rank: runner.Rank) -> List[Dict[str, Any]]:
             reference[k] = reference[k] / ws
         checks = {m: all(_close(fn()[k], reference[k]) for k in d) for m, fn in fns.items()}  # type: ignore[index]
         rows.append(_row(rank, "all_reduce_dict", name, fns, checks, rank.cfg["dict_inner"]))
-    return rows
+    return {"rows": rows + [_bench_grads(rank)]}
 
 
 def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
@@ -153,10 +141,6 @@ def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
     numel = sum(p.numel() for p in params)
     name = f"{MODEL} grads, {len(params)} tensors, {numel * 4 / models.MiB:.1f} MiB"
     return _row(rank, "allreduce_grads", name, fns, checks, rank.cfg["grad_inner"])
-
-
-def _ranks(me: runner.Rank) -> Dict[str, Any]:
-    return {"rows": _bench_dicts(me) + [_bench_grads(me)]}
 
 
 def run(args: Any) -> int:

@@ -1,10 +1,9 @@
 """What gradient health costs: clipping, the fused norm and the non-finite check (docs/benchmarks.md, "health").
 
-The steps of :data:`METHODS` (zero_grad + forward + backward, then the clipping
-if any) are timed in rounds per model, on 2 gloo ranks (the full run: then 1)
-or one NCCL rank; each of :data:`COSTS` is the median over rounds of a paired
-difference, ``fastcoll again`` the A/A control. Also the ops-level rows: the
-fused ops with and without their health outputs on ResNet-50's 25 MiB bucket.
+The steps of :data:`METHODS` (zero_grad + forward + backward, then the clipping if any) are timed in rounds per model,
+on 2 gloo ranks (the full run: then 1) or one NCCL rank; each of :data:`COSTS` is the median over rounds of a paired
+difference, ``fastcoll again`` the A/A control. Also the ops-level rows: the fused ops with and without their health
+outputs on ResNet-50's 25 MiB bucket.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import loader
 from . import models, report, runner, stats
 from .models import MiB, ModelSpec
 
@@ -72,8 +72,6 @@ COSTS = {
 
 def health_ops_implementation() -> str:
     """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
-    from ..ops import loader
-
     if ops.implementation() != "extension":
         return "reference (pure PyTorch): the extension is not loaded"
     missing = [n for n in HEALTH_OPS if n in loader.REFERENCE_OPS]
@@ -84,8 +82,6 @@ def health_ops_implementation() -> str:
 
 def extension_file() -> Optional[Dict[str, Any]]:
     """Path, size and modification time of the compiled extension's file, read when called (so: at load time)."""
-    from ..ops import loader
-
     mod = getattr(loader, "_C", None)
     path = getattr(mod, "__file__", None)
     if not path:
@@ -96,12 +92,6 @@ def extension_file() -> Optional[Dict[str, Any]]:
 
 
 # Configuration
-def model_specs(smoke: bool) -> List[ModelSpec]:
-    if smoke:
-        return [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
-    return [models.MLP96, models.RESNET50, models.GPT2]
-
-
 CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-finite and clip targets resolve
     "smoke": dict(reps=2, max_reps=2, reps_large=2, max_large=2, setup_steps=2, target_s=0.0, max_inner=1, ops_reps=3,
                   ops_target_s=0.0),
@@ -112,38 +102,23 @@ CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-
 }  # fmt: skip
 
 
-def _config(args: Any, device: str) -> Dict[str, Any]:
-    cfg = runner.level_config(args, CONFIGS, 2 if device == "cpu" else 1)
-    del cfg["world_size"]  # the 1-rank pass (no communication) only in the full run:
-    cfg["world_sizes"] = list(CUDA_WORLD_SIZES) if device == "cuda" else list(CPU_WORLD_SIZES) if cfg["level"] == "full" else [2]
-    return cfg
-
-
 def _reps_for(spec: ModelSpec, cfg: Dict[str, Any]) -> Tuple[int, int]:
     return (cfg["reps_large"], cfg["max_large"]) if spec.name == "gpt2_small" else (cfg["reps"], cfg["max_reps"])
 
 
-def _target(value: Optional[float], threshold: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:
-    return stats.target(value, threshold, ci, "le", "90% bootstrap (rounds)")
+_target = functools.partial(stats.target, op="le", interval="90% bootstrap (rounds)")
 
 
 # The ops-level rows (parent process, 1 intra-op thread)
-def ops_bucket(smoke: bool) -> Tuple[str, List[Tuple[int, ...]]]:
-    """ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke."""
-    buckets = models.ddp_buckets(models.model_shapes()["resnet50"])
-    b = min((b for b in buckets if b["cap"] == models.BUCKET_CAP), key=lambda b: abs(b["bytes"] - models.BUCKET_CAP))
-    shapes = [tuple(s) for s in b["shapes"]]
-    name = f"resnet50 b{b['index']} ({len(shapes)} tensors, {b['bytes'] / MiB:.1f} MiB fp32)"
-    if smoke:
-        shapes = [(max(1, math.prod(s) // 64),) for s in shapes]
-        name += " x1/64"
-    return name, shapes
-
-
 def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved."""
-    device = cfg["device"]
-    name, shapes = ops_bucket(cfg["smoke"])
+    """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved.
+
+    On ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke.
+    """
+    device, buckets = cfg["device"], models.ddp_buckets(models.model_shapes()["resnet50"])
+    b = min((b for b in buckets if b["cap"] == models.BUCKET_CAP), key=lambda b: abs(b["bytes"] - models.BUCKET_CAP))
+    shapes = [tuple(s) if not cfg["smoke"] else (max(1, math.prod(s) // 64),) for s in b["shapes"]]
+    name = f"resnet50 b{b['index']} ({len(shapes)} tensors, {b['bytes'] / MiB:.1f} MiB fp32)" + (" x1/64" if cfg["smoke"] else "")
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     dests = [torch.empty_like(g) for g in grads]
@@ -246,9 +221,9 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
     norm = global_norm(wrappers["torch"].module)
     max_norm[0] = CLIP_FRACTION * norm
 
-    # Checks against the float64 norm of the synchronized gradients: the norm each clipping saw, the
-    # clipped norm, and fastcoll's clipped gradients against torch's. torch's foreach norm sums in
-    # float32 (relative error up to ~1e-4 over 10^8 elements here); fastcoll's sums are float64.
+    # Checks against the float64 norm of the synchronized gradients: the norm each clipping saw, the clipped norm, and
+    # fastcoll's clipped gradients against torch's. torch's foreach norm sums in float32 (relative error up to ~1e-4
+    # over 10^8 elements here); fastcoll's sums are float64.
     torch_norm = float(steps["torch+clip"]())
     fc_norm = float(steps["fastcoll norm+clip"]())
     fc_torch_norm = float(steps["fastcoll+torch clip"]())
@@ -344,26 +319,23 @@ def measure(args: Any = None) -> Dict[str, Any]:
     """Run the ops rows, then spawn the ranks for each world size; return the results.
 
     Returns:
-        ``{"benchmark": "health", "config": {...}, "health_ops": ..., "ops": [row, ...],
-        "results": [row, ...]}``; each result row has the model, the world size,
-        per method the timing summary (seconds) and raw samples, the paired
+        ``{"benchmark": "health", "config": {...}, "health_ops": ..., "ops": [row, ...], "results": [row, ...]}``; each
+        result row has the model, the world size, per method the timing summary (seconds) and raw samples, the paired
         ``costs``, ``ratios``, ``targets`` and the clipping ``checks``.
     """
-    device = args.device
-    cfg = _config(args, device)
-    specs = model_specs(cfg["smoke"])
+    cfg = runner.level_config(args, CONFIGS, 2 if args.device == "cpu" else 1)
+    del cfg["world_size"]  # the 1-rank pass (no communication) only in the full run:
+    full = list(CUDA_WORLD_SIZES) if args.device == "cuda" else list(CPU_WORLD_SIZES)
+    cfg["world_sizes"] = full if args.device == "cuda" or cfg["level"] == "full" else [2]
+    smoke = [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
+    specs = smoke if cfg["smoke"] else [models.MLP96, models.RESNET50, models.GPT2]
     ops_rows = bench_ops_rows(cfg)
-    results: List[Dict[str, Any]] = []
-    health_ops, malloc = health_ops_implementation(), None
     libraries = {"parent (ops rows)": extension_file()}
     units = len(cfg["world_sizes"]) * sum(len(METHODS) * (_reps_for(s, cfg)[1] + 1) for s in specs)
     with report.progress("health", units) as prog:
-        rank_cfg = {**cfg, "keep_freed_memory": True}
-        outs = [(ws, runner.run_ranks(_ranks, rank_cfg, (specs,), ws, prog)) for ws in cfg["world_sizes"]]
-    for ws, out in outs:
-        results += out["rows"]
-        health_ops, malloc = out["health_ops"], out["malloc"]
-        libraries[f"{ws} rank{'s' if ws > 1 else ''}"] = out["library"]
+        outs = {ws: runner.run_ranks(_ranks, {**cfg, "keep_freed_memory": True}, (specs,), ws, prog) for ws in cfg["world_sizes"]}
+    libraries.update({f"{ws} rank{'s' if ws > 1 else ''}": out["library"] for ws, out in outs.items()})
+    last = list(outs.values())[-1]  # the health ops and malloc settings as the last ranks had them
     targets = {
         "clip": f"fastcoll clipping cost <= {CLIP_TARGET}x torch's ({', '.join(CLIP_TARGET_MODELS)})",
         "norm": f"compute_grad_norm=True costs <= {NORM_TARGET:.0%} of fastcoll's step",
@@ -375,10 +347,10 @@ def measure(args: Any = None) -> Dict[str, Any]:
               "costs": {k: f"median over rounds of ({a}) - ({b})" for k, (a, b) in COSTS.items()},
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward(); then the clipping, if any "
               "(no optimizer step); gradients dropped after each sample, outside the timing",
-              "malloc": malloc or "unchanged", "targets": targets,
+              "malloc": last["malloc"] or "unchanged", "targets": targets,
               "max_norm": f"{CLIP_FRACTION} x the measured global gradient norm (clipping scales every gradient)"}  # fmt: skip
-    return {"benchmark": "health", "config": config, "health_ops": health_ops, "extension_files": libraries, "ops": ops_rows,
-            "results": results}  # fmt: skip
+    return {"benchmark": "health", "config": config, "health_ops": last["health_ops"], "extension_files": libraries,
+            "ops": ops_rows, "results": [r for out in outs.values() for r in out["rows"]]}  # fmt: skip
 
 
 def costs_table(rows: List[Dict[str, Any]], title: str, key: Optional[str]) -> None:
@@ -428,7 +400,6 @@ def print_results(payload: Dict[str, Any]) -> None:
 
 def run(args: Any = None) -> int:
     """``python -m fastcoll.bench health``: tables, JSON, a chart; 1 if a clipping check failed."""
-    device = args.device
     payload = measure(args)
     print_results(payload)
     named = [(f"{r['label']}, {r['world_size']} rank(s): {k}", t) for r in payload["results"] for k, t in r["targets"].items()]
@@ -437,5 +408,5 @@ def run(args: Any = None) -> int:
     for r in payload["results"]:
         if not r["checks"]["ok"]:
             report.say(f"[red]warning: {r['label']}, {r['world_size']} rank(s): clipping check failed: {r['checks']}[/red]")
-    report.conclude("health", report.json_path(args, f"health_{device}"), payload, named)
+    report.conclude("health", report.json_path(args, f"health_{args.device}"), payload, named)
     return 0 if all(r["checks"]["ok"] for r in payload["results"]) else 1

@@ -1,13 +1,10 @@
 """Every model the benchmarks run, and the parameter shapes of ResNet-50, GPT-2 small and BERT-base.
 
-Real models (:class:`ManyLayerMLP`, :class:`ConvBNNet`, :class:`Encoder`) and
-synthetic ones holding parameters of a real model's shapes
-(``model_shapes.json``, or :class:`GPT2Shapes` for any width) whose forward
-is ``sum_i p_i.sum() * x_i``: one read of every parameter, so a step is
-dominated by writing the gradients and synchronizing them.
-:class:`ModelSpec` names one; :func:`build_model`, :func:`make_input` and
-:func:`loss_of` make it, its per-rank input and its loss, identically on
-every rank and for every method.
+Real models (:class:`ManyLayerMLP`, :class:`ConvBNNet`, :class:`Encoder`) and synthetic ones holding parameters of a
+real model's shapes (``model_shapes.json``, or :class:`GPT2Shapes` for any width) whose forward is ``sum_i p_i.sum() *
+x_i``: one read of every parameter, so a step is dominated by writing the gradients and synchronizing them.
+:class:`ModelSpec` names one; :func:`build_model`, :func:`make_input` and :func:`loss_of` make it, its per-rank input
+and its loss, identically on every rank and for every method.
 """
 
 from __future__ import annotations
@@ -45,14 +42,11 @@ def ddp_buckets(
 ) -> List[Dict[str, Any]]:
     """torch DDP's bucket assignment: reverse parameter order; a bucket closes once its size reaches its cap.
 
-    The first bucket's cap is ``first_cap``, every later one's ``cap``.
-    Returns, in reduction order, dicts with ``index``, ``cap``, ``names``,
-    ``shapes`` and ``bytes``.
+    The first bucket's cap is ``first_cap``, every later one's ``cap``. Returns, in reduction order, dicts with
+    ``index``, ``cap``, ``names``, ``shapes`` and ``bytes``.
     """
     buckets: List[Dict[str, Any]] = []
-    names: List[str] = []
-    shapes: List[Tuple[int, ...]] = []
-    size = 0
+    names, shapes, size = [], [], 0
     for name, shape in reversed(list(params)):
         names.append(name)
         shapes.append(tuple(shape))
@@ -149,9 +143,8 @@ class Encoder(nn.Module):
 class ShapeModel(nn.Module):
     """Parameters of given shapes; ``forward(x) = sum_i p_i.sum() * x[i]`` (one read of each parameter).
 
-    The gradient of parameter i is ``x[i]`` everywhere. ``storage`` (tensors
-    of the same shapes) shares the weights with another instance's, so
-    several wrappers are timed on the same memory.
+    The gradient of parameter i is ``x[i]`` everywhere. ``storage`` (tensors of the same shapes) shares the weights with
+    another instance's, so several wrappers are timed on the same memory.
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], storage: Optional[Sequence[torch.Tensor]] = None, device: Any = "cpu"):
@@ -189,10 +182,9 @@ def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 class LayeredShapeModel(nn.Module):
     """:class:`ShapeModel` with every parameter in its own module, called in registration order.
 
-    Forward pre-hooks (ShardedOptimizer's waits for the parameters'
-    all-gathers) then run before each parameter is read, as in a real model.
-    ``matmul``: each holder's forward is a row-wise dot product with ones, which
-    autocast runs in bfloat16 (the bfloat16 benchmark).
+    Forward pre-hooks (ShardedOptimizer's waits for the parameters' all-gathers) then run before each parameter is read,
+    as in a real model. ``matmul``: each holder's forward is a row-wise dot product with ones, which autocast runs in
+    bfloat16 (the bfloat16 benchmark).
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], storage: Optional[Sequence[torch.Tensor]] = None, device: Any = "cpu",
@@ -248,29 +240,27 @@ SMOKE_GPT2 = ModelSpec("gpt2_small", "GPT-2 shapes (12, x1/4096)", "shapes", {"m
 WARMUP = ModelSpec("warmup", "", "mlp", {"width": 4, "depth": 2}, batch=2)
 
 
-def spec_shapes(spec: ModelSpec) -> Tuple[List[str], List[Tuple[int, ...]]]:
-    """Parameter names and shapes of a synthetic spec (``limit``: the first ones; ``divide``: 1-D and that much smaller)."""
-    entries = _shapes_file()[spec.kwargs["model"]][: spec.kwargs.get("limit")]
-    div = spec.kwargs.get("divide", 1)
-    return [n for n, _ in entries], [s if div <= 1 else (max(1, math.prod(s) // div),) for _, s in entries]
+def spec_shapes(spec: ModelSpec) -> List[Tuple[int, ...]]:
+    """Parameter shapes of a synthetic spec (``limit``: the first ones; ``divide``: 1-D and that much smaller)."""
+    entries, div = _shapes_file()[spec.kwargs["model"]][: spec.kwargs.get("limit")], spec.kwargs.get("divide", 1)
+    return [s if div <= 1 else (max(1, math.prod(s) // div),) for _, s in entries]
 
 
 def param_count(spec: ModelSpec) -> int:
     """Parameter elements of ``spec``'s model (without building the synthetic ones)."""
     if spec.synthetic:
-        return sum(math.prod(s) for s in spec_shapes(spec)[1])
+        return sum(math.prod(s) for s in spec_shapes(spec))
     return sum(p.numel() for p in build_model(spec, "cpu").parameters())
 
 
 def build_storage(spec: ModelSpec, device: str) -> List[torch.Tensor]:
     """Weights that every instance of ``spec``'s model built with them shares (parameters, then buffers).
 
-    The wrappers timed side by side then compute on the same memory (two
-    identical wrappers on separately allocated small models differed by up
-    to 15% on the 2-core box).
+    The wrappers timed side by side then compute on the same memory (two identical wrappers on separately allocated
+    small models differed by up to 15% on the 2-core box).
     """
     if spec.synthetic:
-        return filled(spec_shapes(spec)[1], device=device)
+        return filled(spec_shapes(spec), device=device)
     model = build_model(spec, device)
     return [t.detach() for t in (*model.parameters(), *model.buffers())]
 
@@ -279,7 +269,7 @@ def build_model(spec: ModelSpec, device: str, storage: Optional[List[torch.Tenso
     """The model of ``spec`` with seed-0 weights; ``layered``: a synthetic one as :class:`LayeredShapeModel`."""
     torch.manual_seed(0)
     if spec.synthetic:
-        shapes = spec_shapes(spec)[1]
+        shapes = spec_shapes(spec)
         return LayeredShapeModel(shapes, storage, device) if layered else ShapeModel(shapes, storage, device)
     model = {"mlp": ManyLayerMLP, "convbn": ConvBNNet, "encoder": Encoder}[spec.kind](**spec.kwargs).to(device)
     if storage is not None:
@@ -290,17 +280,11 @@ def build_model(spec: ModelSpec, device: str, storage: Optional[List[torch.Tenso
 
 def make_input(spec: ModelSpec, rank: int, device: str) -> torch.Tensor:
     """This rank's input (a different one per rank, the same for every method)."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    kw = spec.kwargs
-    if spec.kind == "mlp":
-        x = torch.randn(spec.batch, kw.get("width", 32), generator=g)
-    elif spec.kind == "convbn":
-        x = torch.randn(spec.batch, 3, kw.get("image", 16), kw.get("image", 16), generator=g)
-    elif spec.kind == "encoder":
-        x = torch.randn(spec.batch, kw.get("seq", 32), kw.get("d_model", 128), generator=g)
-    else:
-        return shape_input(len(spec_shapes(spec)[1]), rank, device)
-    return x.to(device)
+    if spec.synthetic:
+        return shape_input(len(spec_shapes(spec)), rank, device)
+    kw, image = spec.kwargs, spec.kwargs.get("image", 16)
+    dims = {"mlp": (kw.get("width", 32),), "convbn": (3, image, image), "encoder": (kw.get("seq", 32), kw.get("d_model", 128))}
+    return torch.randn(spec.batch, *dims[spec.kind], generator=torch.Generator().manual_seed(1000 + rank)).to(device)
 
 
 def loss_of(spec: ModelSpec, out: torch.Tensor) -> torch.Tensor:
@@ -349,9 +333,8 @@ def train_step(
 def compare_grads(a: nn.Module, b: nn.Module, rtol: float) -> Dict[str, Any]:
     """Compare the ``.grad`` of two modules' parameters (same architecture).
 
-    ``close``: the largest absolute difference is at most ``rtol`` times the
-    largest gradient magnitude of ``b`` (half-precision communication rounds
-    small gradients to a grid set by the large ones).
+    ``close``: the largest absolute difference is at most ``rtol`` times the largest gradient magnitude of ``b``
+    (half-precision communication rounds small gradients to a grid set by the large ones).
     """
     equal = shapes_ok = True
     max_abs = scale = 0.0

@@ -1,8 +1,7 @@
 """The fused flatten/unflatten ops against torch's ways of doing the same round trip (docs/benchmarks.md, "ops").
 
-A round trip packs gradients into a flat bucket times 1/world_size and unpacks
-it into gradients of the same layout, by each of :data:`METHOD_DESCRIPTIONS`, in
-rounds. Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base and
+A round trip packs gradients into a flat bucket times 1/world_size and unpacks it into gradients of the same layout, by
+each of :data:`METHOD_DESCRIPTIONS`, in rounds. Layouts: 25 MiB DDP buckets of ResNet-50, GPT-2 small and BERT-base and
 synthetic tensor counts; then the 16 (gradient dtype, bucket dtype) pairs.
 """
 
@@ -40,6 +39,8 @@ GPU_TARGETS = {"floor/fused": ("floor", "fused", "ge", 0.90), "per-param/fused":
 PAIR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PAIR_TARGET = 1.25  # fused/floor for every (gradient dtype, bucket dtype) pair, 1 thread
 PAIR_THREADS = 1
+#: The 16 ordered (gradient dtype, bucket dtype) pairs: the 4 same-dtype ones first.
+PAIRS = [(d, d) for d in PAIR_DTYPES] + [(s, d) for s in PAIR_DTYPES for d in PAIR_DTYPES if s != d]
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 # torch.testing.assert_close's default (rtol, atol); a pair is checked with its coarser dtype's
 TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5),
@@ -69,15 +70,14 @@ class Layout:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def model_layouts(one_per_model: bool, names: Sequence[str] = MODELS) -> Tuple[List[Layout], List[str]]:
     """The 25 MiB-cap buckets of the models, and a note on every bucket left out.
 
-    Left out: the first (1 MiB cap) bucket, buckets dominated by an embedding
-    far beyond the cap, and repeats of an identical bucket.
-    ``one_per_model`` keeps the full bucket with the most tensors.
+    Left out: the first (1 MiB cap) bucket, buckets dominated by an embedding far beyond the cap, and repeats of an
+    identical bucket. ``one_per_model`` keeps the full bucket with the most tensors.
     """
     layouts: List[Layout] = []
     skipped: List[str] = []
@@ -132,8 +132,7 @@ def shrunk(layout: Layout) -> Layout:
 def make_methods(layout: Layout, device: str) -> Dict[str, Tuple[Callable[[], Any], Callable[[], Any]]]:
     """The (pack, unpack) halves of each method's round trip, checked to leave ``grads / ws`` in the destinations.
 
-    Each round trip unpacks into separate tensors of the gradients' layout, so
-    every repetition sees the same values.
+    Each round trip unpacks into separate tensors of the gradients' layout, so every repetition sees the same values.
     """
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -195,20 +194,13 @@ def count_cuda_kernels(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == cuda and not e.name.startswith(("Memcpy", "Memset")))
 
 
-def row_targets(layout: Layout, device: str) -> Dict[str, Tuple[str, str, str, float]]:
-    """The issue's ratio targets of this row (CPU: ResNet-50 buckets; GPU: bandwidth on all models, speedup on ResNet-50)."""
-    if layout.kind != "model":
-        return {}
-    if device == "cpu":
-        return dict(CPU_TARGETS) if layout.model == "resnet50" else {}
-    return {k: v for k, v in GPU_TARGETS.items() if k == "floor/fused" or layout.model == "resnet50"}
-
-
 def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """Time every method on ``layout``, rounds until its targets resolve (or the cap); return the row."""
     halves = make_methods(layout, device)
     methods = {name: (lambda p=p, u=u: (p(), u())) for name, (p, u) in halves.items()}
-    goals = row_targets(layout, device)
+    # the issue's ratio targets of this row (CPU: ResNet-50 buckets; GPU: bandwidth on all models, speedup on ResNet-50)
+    goals = dict(CPU_TARGETS if device == "cpu" else GPU_TARGETS) if layout.kind == "model" else {}
+    goals = {k: v for k, v in goals.items() if layout.model == "resnet50" or (device == "cuda" and k == "floor/fused")}
     samples = _rounds(methods, device, cfg, goals.values(), prog)
     med = {m: statistics.median(xs) for m, xs in samples.items()}
     ratios = {
@@ -248,11 +240,6 @@ def _rounds(fns: Dict[str, Callable[[], Any]], device: str, cfg: Dict[str, Any],
 
 
 # Dtype pairs: mixed-dtype round trips against a floor of plain copies
-def dtype_pairs() -> List[Tuple[torch.dtype, torch.dtype]]:
-    """The 16 ordered (gradient dtype, bucket dtype) pairs: the 4 same-dtype ones first."""
-    return [(d, d) for d in PAIR_DTYPES] + [(s, d) for s in PAIR_DTYPES for d in PAIR_DTYPES if s != d]
-
-
 def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str, Any], prog: Any) -> Dict[str, Any]:
     """The fused round trip from ``src`` gradients through a ``dst`` bucket, against a copy of the same bytes in each."""
     gen = torch.Generator().manual_seed(0)
@@ -289,7 +276,7 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
         raise RuntimeError(f"fused round trip {SHORT[src]} -> {SHORT[dst]} produced a wrong result: {checks}")
     samples = _rounds({"floor": floor, "fused": fused}, "cpu", cfg, [("fused", "floor", "le", PAIR_TARGET)], prog)
     t = stats.ratio_target(samples, "fused", "floor", PAIR_TARGET)
-    moved = 2 * n * (_size(src) + _size(dst))
+    moved = 2 * n * (src.itemsize + dst.itemsize)
     name = lambda d: str(d).replace("torch.", "")  # noqa: E731
     return {
         "layout": layout.name, "kind": layout.kind, "model": layout.model, "tensors": len(layout.shapes), "numel": n,
@@ -298,10 +285,6 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
         "ratios": {"fused/floor": t["value"]}, "targets": {"fused/floor": t}, "checks": checks,
         "bandwidth_gb_s": {m: moved / statistics.median(xs) / 1e9 for m, xs in samples.items()},
     }  # fmt: skip
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # Output and entry
@@ -353,16 +336,12 @@ def print_pairs(rows: List[Dict[str, Any]], layouts: List[Layout]) -> None:
 
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ops``: tables, ``benchmarks/out/ops_<device>.json`` and a chart."""
-    device = args.device
-    level = args.level
+    device, level = args.device, args.level
     cfg = CONFIGS[level]
     if ops.implementation() != "extension":
         report.say("[yellow]fastcoll.bench ops: the C++ extension is not loaded; 'fused' is the pure-PyTorch reference[/yellow]")
-    if level == "smoke":
-        layouts, skipped = model_layouts(True, ("resnet50",))
-        layouts = [shrunk(lay) for lay in layouts]
-    else:
-        layouts, skipped = model_layouts(one_per_model=level != "full")
+    layouts, skipped = model_layouts(level != "full", ("resnet50",) if level == "smoke" else MODELS)
+    layouts = [shrunk(lay) for lay in layouts] if level == "smoke" else layouts
     layouts += synthetic_layouts(cfg["counts"], cfg["synth_total"])
     settings: List[Optional[int]] = [None] if device == "cuda" else runner.thread_counts(args)[: 1 if level == "smoke" else None]
     bucket = next(lay for lay in model_layouts(False, ("resnet50",))[0] if lay.meta["bucket_index"] == 2)  # "resnet50 b2"
@@ -379,16 +358,14 @@ def run(args: Any) -> int:
     total = (len(layouts) * len(settings) * len(METHODS) + len(pair_layouts) * 16 * 2) * cfg["max_reps"]
     with report.progress("ops", total) as prog:
         for threads in settings:
-            rows = []
             with runner.num_threads(threads or torch.get_num_threads()):
                 for layout in layouts:
                     prog.describe(f"ops, {setting(device, threads)}: {layout.name}")
-                    rows.append(bench_layout(layout, device, threads, cfg, prog))
-            results += rows
+                    results.append(bench_layout(layout, device, threads, cfg, prog))
             prog.row(setting(device, threads), len(settings) + bool(pair_layouts))
-            print_rows(setting(device, threads), rows, device)
+            print_rows(setting(device, threads), results[-len(layouts) :], device)
         with runner.num_threads(PAIR_THREADS):
-            for src, dst in dtype_pairs() if pair_layouts else []:
+            for src, dst in PAIRS if pair_layouts else []:
                 for layout in pair_layouts:
                     prog.describe(f"ops, dtype pairs: {SHORT[src]} → {SHORT[dst]}, {layout.name}")
                     pairs.append(bench_pair(layout, src, dst, cfg, prog))

@@ -1,10 +1,8 @@
 """Output of the benchmarks: terminal tables (rich), progress with the time left, JSON and PNG charts.
 
-Every table a benchmark prints goes through :func:`table` and every summary
-line through :func:`say`; both are recorded, and :func:`write_json` stores
-them with the results (``"tables"``, ``"notes"``), so that
-``benchmarks/render_results.py`` renders the same tables as Markdown without
-recomputing anything.
+Every table a benchmark prints goes through :func:`table` and every summary line through :func:`say`; both are recorded,
+and :func:`write_json` stores them with the results (``"tables"``, ``"notes"``), so that
+``benchmarks/render_results.py`` renders the same tables as Markdown without recomputing anything.
 """
 
 from __future__ import annotations
@@ -21,6 +19,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+import fastcoll
 
 from .stats import MET, MISSED, UNRESOLVED, count_verdicts
 
@@ -81,8 +81,6 @@ def load_average() -> Optional[List[float]]:
 
 def machine_info(device: str = "cpu") -> Dict[str, object]:
     """What the numbers were measured on: recorded with every JSON result."""
-    import fastcoll
-
     info: Dict[str, object] = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": platform.node(),
@@ -252,15 +250,13 @@ def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path
 class Progress:
     """Units of work done out of ``total``; a line per finished row with the time left in this benchmark.
 
-    The estimate is the elapsed time per unit so far times the units left. On
-    a terminal a rich bar shows the same (with its own estimate) between rows.
+    The estimate is the elapsed time per unit so far times the units left. On a terminal a rich bar shows the same (with
+    its own estimate) between rows.
     """
 
     def __init__(self, name: str, total: int, bar: Any = None, task: Any = None):
-        self.name, self.total, self.done = name, max(1, total), 0
-        self.started = time.perf_counter()
-        self._bar, self._task = bar, task
-        self.rows = 0
+        self.name, self.total, self.done, self.rows = name, max(1, total), 0, 0
+        self.started, self._bar, self._task = time.perf_counter(), bar, task
 
     def advance(self, n: int = 1) -> None:
         self.done = min(self.total, self.done + n)
@@ -329,8 +325,8 @@ def save_figure(fig: Any, path: Path) -> Path:
 def targets_chart(path: Path, title: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> Optional[Path]:
     """A bar per target: its value over its threshold (the dashed line), its 90% interval, its verdict's colour.
 
-    Targets without a numeric non-zero threshold (a margin against 0, a launch count) are left out.
-    Returns the PNG path, or None without matplotlib or such targets.
+    Targets without a numeric non-zero threshold (a margin against 0, a launch count) are left out. Returns the PNG
+    path, or None without matplotlib or such targets.
     """
     plt = pyplot()
     rows = [(w, t) for w, t in named if isinstance(t["value"], (int, float)) and isinstance(t["threshold"], (int, float))

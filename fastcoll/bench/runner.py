@@ -1,11 +1,7 @@
-"""Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner.
+"""Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner (:func:`run_ranks`).
 
-:func:`run_ranks` starts the rank processes of one measurement (gloo over
-loopback on CPU, a FileStore in a temporary folder), runs a benchmark's
-function ``fn(rank, ...)`` in each, follows their progress and returns rank
-0's result. Inside, the :class:`Rank` has the configuration and reports
-progress; :func:`all_max` makes a sample the slowest rank's; :func:`gather`
-collects what every rank measured; :func:`timed_rounds` takes the samples.
+Inside a rank process, :class:`Rank` has the configuration and reports progress; :func:`all_max` makes a sample the
+slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import datetime
 import gc
 import json
 import math
+import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -23,7 +20,13 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.nn.parallel import DistributedDataParallel
 
+import fastcoll
+
+from .. import ops
 from . import report
 from .stats import enough_rounds, rotated
 
@@ -55,9 +58,7 @@ def time_calls(fn: Callable[[], object], inner: int, device: str, wall: bool = F
 
 def inner_for(per_call_s: float, target_s: float, max_inner: int) -> int:
     """Back-to-back calls that make a sample last about ``target_s`` (1 when ``target_s`` is 0)."""
-    if target_s <= 0:
-        return 1
-    return max(1, min(max_inner, int(math.ceil(target_s / max(per_call_s, 1e-9)))))
+    return 1 if target_s <= 0 else max(1, min(max_inner, int(math.ceil(target_s / max(per_call_s, 1e-9)))))
 
 
 def calibrate(fn: Callable[[], object], device: str, target_s: float, max_inner: int = 10_000) -> int:
@@ -79,15 +80,10 @@ def measure_interleaved(
     """Per-call seconds of several callables, taken round-robin (round k starts at the k-th callable).
 
     Args:
-        fns: The callables by name.
-        device: "cpu" or "cuda".
-        warmup: Untimed calls of each first.
-        reps: Rounds (the most, with ``stop``).
+        fns: The callables by name; each first runs ``warmup`` untimed calls.
+        reps: Rounds (the most, with ``stop(samples, rounds_done)``, asked after every round: True ends early).
         inner: Calls per sample (default: calibrated to last ``target_s``).
-        target_s: A sample's length when calibrating.
-        on_sample: Called after every sample (progress).
-        stop: ``stop(samples, rounds_done)``, asked after every round: True ends the sampling early.
-        before, after: ``before(name)`` and ``after(name)`` run around each sample, untimed.
+        on_sample: Called after every sample (progress); ``before(name)``, ``after(name)`` around it, untimed.
         cpu: Filled with the calling thread's CPU seconds per call (``time.thread_time``), per callable.
         wall: Time by the clock on CUDA too (:func:`time_calls`).
     """
@@ -128,17 +124,13 @@ def num_threads(n: int) -> Iterator[None]:
 def thread_counts(args: Any) -> List[int]:
     """The intra-op thread counts a one-process CPU benchmark runs at: ``--threads N|all``, default 1 and all."""
     spec, every = args.threads, report.available_cpus()
-    if spec is None:
-        return sorted({1, every})
-    return [every] if str(spec) == "all" else [int(spec)]
+    return sorted({1, every}) if spec is None else [every] if str(spec) == "all" else [int(spec)]
 
 
 def threads_per_rank(args: Any, world_size: int) -> int:
     """Intra-op threads of each rank: ``--threads N``, ``all`` (the CPUs shared out), default 1."""
     spec = args.threads
-    if spec is None:
-        return 1
-    return max(1, report.available_cpus() // world_size) if str(spec) == "all" else max(1, int(spec))
+    return 1 if spec is None else max(1, report.available_cpus() // world_size if str(spec) == "all" else int(spec))
 
 
 def level_config(args: Any, configs: Dict[str, Dict[str, Any]], world_size: int, **extra: Any) -> Dict[str, Any]:
@@ -154,11 +146,7 @@ def wrap(kind: str, module: Any, device: str, **kw: Any) -> Any:
     if device == "cuda":
         kw["device_ids"] = [torch.cuda.current_device()]
     if kind == "torch":
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(module, **kw)
-    import fastcoll
-
     return fastcoll.DDP(module, **kw)
 
 
@@ -177,9 +165,7 @@ def torch_bucket_sizes(wrapper: Any, *keys: str) -> Optional[List[int]]:
 
 def settle(opt: Any) -> None:
     """Wait for a ShardedOptimizer's pending all-gathers (its public ``finish_param_sync``); a no-op otherwise."""
-    finish = getattr(opt, "finish_param_sync", None)
-    if finish is not None:
-        finish()
+    getattr(opt, "finish_param_sync", lambda: None)()
 
 
 def run_steps(step: Callable[[], object], n: int, opt: Any = None) -> None:
@@ -190,25 +176,22 @@ def run_steps(step: Callable[[], object], n: int, opt: Any = None) -> None:
 
 
 # Memory and traffic
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # pragma: no cover (not glibc)
-        return None
+try:
+    _LIBC: Any = ctypes.CDLL("libc.so.6")
+except OSError:  # pragma: no cover (not glibc)
+    _LIBC = None
 
 
 def keep_freed_memory() -> Optional[str]:
     """Make glibc keep freed heap memory (as a caching allocator would); returns what was set, None if not glibc.
 
-    Every step drops its gradients and the next backward allocates them again;
-    with glibc's defaults that memory goes back to the kernel and is
-    page-faulted in every step (on the 2-core box, over 40% of a run's CPU
-    time and its largest source of noise, the same for every method).
+    Every step drops its gradients and the next backward allocates them again; with glibc's defaults that memory goes
+    back to the kernel and is page-faulted in every step (on the 2-core box, over 40% of a run's CPU time and its
+    largest source of noise, the same for every method).
     """
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):  # pragma: no cover
+    if not hasattr(_LIBC, "mallopt"):  # pragma: no cover
         return None
-    ok = libc.mallopt(-1, 2**31 - 1) == 1 and libc.mallopt(-3, 32 * report.MiB) == 1 and libc.mallopt(-4, 0) == 1
+    ok = _LIBC.mallopt(-1, 2**31 - 1) == 1 and _LIBC.mallopt(-3, 32 * report.MiB) == 1 and _LIBC.mallopt(-4, 0) == 1
     return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB, M_MMAP_MAX 0" if ok else None
 
 
@@ -244,9 +227,8 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return
-        libc = _libc()
-        if libc is not None:
-            libc.malloc_trim(0)  # free heap goes back to the OS, so reusing it shows in the RSS again
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)  # free heap goes back to the OS, so reusing it shows in the RSS again
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS
@@ -265,9 +247,8 @@ class MemoryProbe:
 class LiveBytes:
     """Bytes the C heap has handed out and not taken back (glibc ``mallinfo2``), sampled between the phases of a step.
 
-    Unlike the resident set it leaves out freed memory the allocator keeps, so
-    the two together tell retention from live data. Off glibc (< 2.33) every
-    reading is None.
+    Unlike the resident set it leaves out freed memory the allocator keeps, so the two together tell retention from live
+    data. Off glibc (< 2.33) every reading is None.
     """
 
     class _Info(ctypes.Structure):
@@ -275,25 +256,21 @@ class LiveBytes:
                                                    "uordblks", "fordblks", "keepcost")]  # fmt: skip
 
     def __init__(self) -> None:
-        libc = _libc()
-        self._fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+        self._fn = getattr(_LIBC, "mallinfo2", None)
+        self.available = self._fn is not None
         if self._fn is not None:
             self._fn.restype = LiveBytes._Info
         self.base, self.peak, self.by_phase = self.read() or 0, 0, {}
 
-    @property
-    def available(self) -> bool:
-        return self._fn is not None
-
     def read(self) -> Optional[int]:
+        """Bytes alive in the C heap now (None off glibc)."""
         if self._fn is None:
             return None
         info = self._fn()
         return int(info.uordblks + info.hblkhd)
 
     def sample(self, phase: Optional[str] = None) -> None:
-        """Note the bytes alive now (above the construction-time base) if they are the most so far (in all, and in
-        ``by_phase[phase]`` given a phase)."""
+        """Note the bytes alive now above the base, if the most so far (in all, and in ``by_phase[phase]``)."""
         now = self.read()
         if now is not None:
             self.peak = max(self.peak, now - self.base)
@@ -304,8 +281,6 @@ class LiveBytes:
 # Inside a rank process
 def all_max(values: Sequence[float], device: str = "cpu") -> List[float]:
     """Element-wise maximum over the ranks (a sample's time is the slowest rank's)."""
-    import torch.distributed as dist
-
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -314,8 +289,6 @@ def all_max(values: Sequence[float], device: str = "cpu") -> List[float]:
 
 def gather(obj: Any) -> List[Any]:
     """Every rank's ``obj``, in rank order."""
-    import torch.distributed as dist
-
     out: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -328,17 +301,14 @@ def timed_rounds(
 ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:  # fmt: skip
     """Rounds of ``inner`` calls of every callable (rotating order) on every rank, until the targets resolve.
 
-    Each sample is the slowest rank's (:func:`all_max` after every round), so
-    every rank sees the same samples and stops after the same round:
-    :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between
-    ``lo`` and ``hi`` rounds. ``before(name)`` and ``after(name)`` run around
-    each sample, untimed (a lead-in step, dropping gradients); ``tick()`` after
-    each sample, and once for every sample of the rounds not taken.
+    Each sample is the slowest rank's (:func:`all_max` after every round), so every rank sees the same samples and stops
+    after the same round: :func:`fastcoll.bench.stats.enough_rounds` with ``checks``, between ``lo`` and ``hi`` rounds.
+    ``before(name)`` and ``after(name)`` run around each sample, untimed (a lead-in step, dropping gradients);
+    ``tick()`` after each sample, and once for every sample of the rounds not taken.
 
     Returns:
-        Wall-clock seconds per call, and the calling thread's CPU seconds per
-        call (``time.thread_time``: what other processes on the cores inflate
-        less), per callable.
+        Wall-clock seconds per call, and the calling thread's CPU seconds per call (``time.thread_time``: what other
+        processes on the cores inflate less), per callable.
     """
     cpu: Dict[str, List[float]] = {}
 
@@ -362,11 +332,10 @@ def optimizer_rounds(
 ) -> Tuple[Dict[str, List[float]], int]:  # fmt: skip
     """:func:`timed_rounds` of the training steps ``make(method) = (wrapper, optimizer, step)``, in steady state.
 
-    Each method first runs ``setup_steps`` steps, the last one timed (they
-    bring the bucket rebuilds and the optimizer state; without ``inner``, the
-    slowest sets the calls per sample). Each sample follows an untimed lead-in
-    step; after it the step's all-gathers are drained and the gradients
-    dropped, untimed, so the next sample starts with none pending.
+    Each method first runs ``setup_steps`` steps, the last one timed (they bring the bucket rebuilds and the optimizer
+    state; without ``inner``, the slowest sets the calls per sample). Each sample follows an untimed lead-in step; after
+    it the step's all-gathers are drained and the gradients dropped, untimed, so the next sample starts with none
+    pending.
 
     Returns:
         The wall-clock samples and the calls per sample.
@@ -393,9 +362,8 @@ def optimizer_rounds(
 class Rank:
     """One rank of a measurement (the first argument of the function :func:`run_ranks` runs).
 
-    As a context manager it sets the device and intra-op threads, joins the
-    process group over the FileStore, and tears it down after (collecting
-    garbage first, so that wrappers go while their process group is alive).
+    As a context manager it sets the device and intra-op threads, joins the process group over the FileStore, and tears
+    it down after (collecting garbage first, so that wrappers go while their process group is alive).
     """
 
     def __init__(self, rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]):
@@ -405,8 +373,6 @@ class Rank:
         self.malloc = keep_freed_memory() if cfg.get("keep_freed_memory") and self.device == "cpu" else None
 
     def __enter__(self) -> "Rank":
-        import torch.distributed as dist
-
         if self.device == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         torch.set_num_threads(self.cfg.get("threads", 1))
@@ -415,8 +381,6 @@ class Rank:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
         gc.collect()
         dist.destroy_process_group()
 
@@ -443,8 +407,6 @@ class Rank:
     def save(self, result: Dict[str, Any]) -> None:
         """Rank 0 writes its result (with the op implementation and allocator settings) for the parent."""
         if self.rank == 0:
-            from .. import ops
-
             with open(self._out, "w") as f:
                 json.dump({**result, "implementation": ops.implementation(), "malloc": self.malloc}, f)
 
@@ -474,18 +436,12 @@ def run_ranks(
 ) -> Dict[str, Any]:
     """Run ``fn(rank, *args)`` on ``ws`` processes, each a :class:`Rank` of ``cfg``; return rank 0's result.
 
-    ``fn`` is a module-level function; rank 0's return value is saved
-    (:meth:`Rank.save`). ``cfg["env"]`` is set in each process first;
-    ``cfg["freeze"]`` freezes the garbage collector's objects before ``fn``.
-    Progress reports go to ``prog`` (:class:`fastcoll.bench.report.Progress`).
-    Ranks still alive :data:`GRACE_S` after rank 0 wrote its result are killed:
-    their work is done, and a process stuck in its exit (a gloo destructor once
-    deadlocked there) must not hang the benchmark.
+    ``fn`` is a module-level function; rank 0's return value is saved (:meth:`Rank.save`). ``cfg["env"]`` is set in each
+    process first; ``cfg["freeze"]`` freezes the garbage collector's objects before ``fn``. Progress reports go to
+    ``prog`` (:class:`fastcoll.bench.report.Progress`). Ranks still alive :data:`GRACE_S` after rank 0 wrote its result
+    are killed: their work is done, and a process stuck in its exit (a gloo destructor once deadlocked there) must not
+    hang the benchmark.
     """
-    import multiprocessing as mp
-
-    import torch.multiprocessing as tmp
-
     if not _QUEUE:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))

@@ -1,16 +1,15 @@
 """Statistics of the benchmarks: medians, bootstrap intervals, A/A controls, target verdicts, when to stop sampling.
 
-Every target a benchmark reports is a dict made by :func:`target`: its value,
-its 90% interval where it has one, and a verdict, :data:`MET`, :data:`MISSED`
-or :data:`UNRESOLVED` (the interval straddles the threshold). Timing samples
-are taken in rounds (sample k of every method before sample k+1), so ratios
-resample whole rounds (``paired=True``) and a drift of a shared machine
-cancels in them. :func:`resolved` lets a benchmark stop taking rounds once
-every target's interval lies on one side of its threshold.
+Every target a benchmark reports is a dict made by :func:`target`: its value, its 90% interval where it has one, and a
+verdict, :data:`MET`, :data:`MISSED` or :data:`UNRESOLVED` (the interval straddles the threshold). Timing samples are
+taken in rounds (sample k of every method before sample k+1), so ratios resample whole rounds (``paired=True``) and a
+drift of a shared machine cancels in them. :func:`resolved` lets a benchmark stop taking rounds once every target's
+interval lies on one side of its threshold.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import statistics
@@ -99,12 +98,8 @@ def per_rank_ratios(a: Optional[Sequence[Optional[float]]], b: Optional[Sequence
 def paired_cost(with_feature: Sequence[float], without: Sequence[float]) -> Dict[str, float]:
     """Median and quartiles of the per-round differences ``with_feature[k] - without[k]`` (an A/A pair: the noise)."""
     st = summarize([a - b for a, b in zip(with_feature, without)])
-    return {
-        "median_s": st["median_s"],
-        "q1_s": st["q1_s"],
-        "q3_s": st["q3_s"],
-        "diff_of_medians_s": statistics.median(with_feature) - statistics.median(without),
-    }
+    diff = statistics.median(with_feature) - statistics.median(without)
+    return {"median_s": st["median_s"], "q1_s": st["q1_s"], "q3_s": st["q3_s"], "diff_of_medians_s": diff}
 
 
 def verdict(value: Optional[float], threshold: float, ci: Optional[Sequence[float]] = None, op: str = "le") -> str:
@@ -124,11 +119,9 @@ def target(
     """A reported target: ``value`` against ``threshold`` (``op`` "le": lower is better, "ge": higher).
 
     Returns:
-        ``op``, ``threshold``, ``value``, ``ci90`` (None for exact values),
-        ``interval`` (what the interval is over), ``verdict`` (:func:`verdict`),
-        ``pass`` (the point value alone against the threshold), ``resolved``
-        (the verdict is MET or MISSED) and, when given, ``what`` (the target in
-        words) and ``unit`` (``"bytes"``; none: a ratio or a count).
+        ``op``, ``threshold``, ``value``, ``ci90`` (None for exact values), ``interval`` (what the interval is over),
+        ``verdict`` (:func:`verdict`), ``pass`` (the point value alone against the threshold), ``resolved`` (the verdict
+        is MET or MISSED) and, when given, ``what`` (the target in words) and ``unit`` (``"bytes"``; none: a ratio).
     """
     v = verdict(value, threshold, ci, op)
     ok = None if value is None else (value <= threshold if op == "le" else value >= threshold)
@@ -195,7 +188,4 @@ def enough_rounds(
 
 def count_verdicts(targets: Iterable[Dict[str, Any]]) -> Dict[str, int]:
     """How many targets are met, missed and not resolved."""
-    counts = {MET: 0, MISSED: 0, UNRESOLVED: 0}
-    for t in targets:
-        counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
-    return counts
+    return {MET: 0, MISSED: 0, UNRESOLVED: 0, **collections.Counter(t["verdict"] for t in targets)}

@@ -1,10 +1,9 @@
 """Where the gradient synchronization goes, bucket by bucket, and what autotuned buckets gain (docs/benchmarks.md).
 
-Per model, a step (zero_grad + forward + backward) of each of :data:`METHODS`
-(torch DDP, fixed bucket caps, ``bucket_cap_mb="auto"`` after its tuning) in
-rounds on shared weights. Then, for the 25 MiB and the tuned layout, the
-exposed synchronization (``model.sync_timeline()``), a Gantt chart per model and
-a merged Chrome trace (``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
+Per model, a step (zero_grad + forward + backward) of each of :data:`METHODS` (torch DDP, fixed bucket caps,
+``bucket_cap_mb="auto"`` after its tuning) in rounds on shared weights. Then, for the 25 MiB and the tuned layout, the
+exposed synchronization (``model.sync_timeline()``), a Gantt chart per model and a merged Chrome trace
+(``timeline_<device>_<model>.trace.json``, for ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..reducer.autotune import autotune_steps
+from ..reducer.timeline import LANES
 from . import models, report, runner, stats
 
 CPU_WORLD_SIZE = 2
@@ -39,23 +40,19 @@ AUTO_VS_TORCH = 1.0  # auto's step <= 1.0x torch DDP's default
 TIMELINE_LAYOUTS = (f"{DEFAULT_CAP_MB} MiB", "auto")  # the layouts whose timelines are charted
 SMOKE_AUTOTUNE_STEPS = "12"
 
-# Gantt chart colours per lane (fastcoll.reducer.timeline.LANES), two shades alternating per bucket.
-LEGEND = (("forward", 0, "forward"), ("backward", 0, "backward compute"), ("exposed", 0, "exposed sync"),
-          ("ready", 1, "gradients ready (first-last)"), ("pack", 1, "pack"), ("comm", 1, "communication"),
-          ("write-back", 1, "write-back"))  # fmt: skip
+#: Gantt chart colours per lane kind (fastcoll.reducer.timeline.LANES): two shades alternating per bucket, the legend.
+LANE_COLOURS = {
+    "forward": ("#d9d9d9", "#d9d9d9", "forward"),
+    "backward": ("#8c8c8c", "#8c8c8c", "backward compute"),
+    "exposed": ("#e34a33", "#e34a33", "exposed sync"),
+    "ready": ("#a1d99b", "#41ab5d", "gradients ready (first-last)"),
+    "pack": ("#fdae6b", "#e6550d", "pack"),
+    "comm": ("#9ecae1", "#3182bd", "communication"),
+    "write-back": ("#bcbddc", "#756bb1", "write-back"),
+}
 #: The bucket lanes of the Gantt chart: colour kind, and the record's start and end fields.
 BUCKET_LANES = (("ready", "ready_first_us", "ready_last_us"), ("pack", "pack_start_us", "pack_end_us"),
                 ("comm", "issued_us", "completed_us"), ("write-back", "writeback_start_us", "writeback_end_us"))  # fmt: skip
-LANE_COLOURS = {
-    "forward": ("#d9d9d9", "#d9d9d9"),
-    "backward": ("#8c8c8c", "#8c8c8c"),
-    "exposed": ("#e34a33", "#e34a33"),
-    "ready": ("#a1d99b", "#41ab5d"),
-    "pack": ("#fdae6b", "#e6550d"),
-    "comm": ("#9ecae1", "#3182bd"),
-    "write-back": ("#bcbddc", "#756bb1"),
-}
-
 
 CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
     "smoke": {"reps": 2, "max_reps": 2, "budget_s": 0.0, "setup_steps": 3, "target_s": 0.0, "max_inner": 1},
@@ -94,19 +91,11 @@ def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
 def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
     """Samples per method: as many as ``budget_s`` of one model's sampling allows, within ``[reps, max_reps]``.
 
-    The steps vary by 10-30% sample to sample on a 2-core machine
-    (interquartile range over the median), so 10 samples leave a median
-    uncertain by about 5%, as much as the target to resolve; 30 or more
-    bring the 90% interval of a ratio to about +-3%.
+    Steps vary by 10-30% on a 2-core machine: 10 samples leave a median uncertain by about 5%, as much as the target to
+    resolve; 30 or more bring the 90% interval of a ratio to about +-3%.
     """
     fit = int(cfg["budget_s"] / (len(METHODS) * max(sample_s, 1e-6)))
     return max(cfg["reps"], min(cfg["max_reps"], fit))
-
-
-def _autotune_steps() -> int:
-    from ..reducer.autotune import autotune_steps
-
-    return autotune_steps()
 
 
 def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None]) -> dict[str, Any]:
@@ -117,7 +106,7 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     wrappers: dict[str, nn.Module] = {}
     steps: dict[str, Callable[[], None]] = {}
     setup_s: dict[str, float] = {}
-    tune_steps = _autotune_steps() + 5
+    tune_steps = autotune_steps() + 5
     for method in METHODS:
         wrapper = make_wrapper(method, models.build_model(spec, device, storage), device)
         step = models.backward_step(spec, wrapper, x)
@@ -187,16 +176,13 @@ def exposed_median_s(per_rank: Sequence[Sequence[dict[str, Any]]]) -> float | No
     return statistics.median(exposed.values()) / 1e6 if exposed else None
 
 
-def _auto_vs_best_fixed(samples: dict[str, list[float]]) -> float | None:
-    return stats.ratio(statistics.median(samples["auto"]), min(statistics.median(samples[m]) for m in FIXED_METHODS))
-
-
 def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     """Ratios, targets and exposed sync times of one model's row (added in place; returned)."""
     med = {m: st["median_s"] for m, st in row["methods"].items()}
     best = min(FIXED_METHODS, key=lambda m: med[m])
     samples, how = row.get("samples_s") or {}, "90% bootstrap (rounds)"
-    stat = {"auto vs best fixed": _auto_vs_best_fixed, "auto vs torch": stats.median_ratio("auto", "torch")}
+    best_fixed = lambda s: stats.ratio(statistics.median(s["auto"]), min(statistics.median(s[m]) for m in FIXED_METHODS))  # noqa: E731
+    stat = {"auto vs best fixed": best_fixed, "auto vs torch": stats.median_ratio("auto", "torch")}
     ci = {k: stats.bootstrap_ci(f, samples, paired=True) if samples else None for k, f in stat.items()}
     row["best_fixed"] = best
     row["ratios"] = {"auto/best fixed": stats.ratio(med["auto"], med[best]), "auto/torch": stats.ratio(med["auto"], med["torch"]),
@@ -213,8 +199,8 @@ def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]]
     """Write one Chrome trace of every layout and rank: ``traceEvents`` of each rank's trace, as process ``<layout>, rank r``.
 
     Args:
-        events_by_layout: Layout name -> per rank, the ``traceEvents`` of its
-            ``export_chrome_trace`` file. Process ids are offset by 100 per layout.
+        events_by_layout: Layout name -> per rank, the ``traceEvents`` of its ``export_chrome_trace`` file. Process ids
+            are offset by 100 per layout.
         out: The JSON file to write.
 
     Returns:
@@ -265,14 +251,11 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
     Args:
         path: Where to write the PNG.
         title: The figure's title.
-        panels: Panel title (e.g. ``"default 25 MiB: 3 buckets"``) -> per rank,
-            one record of :meth:`fastcoll.reducer.timeline.Timeline.iterations`
-            (None: that rank has none). Each rank gets the lanes of
-            :data:`fastcoll.reducer.timeline.LANES`; times in ms from the
-            backward start; the exposed sync time is the red bar after the backward.
+        panels: Panel title (e.g. ``"default 25 MiB: 3 buckets"``) -> per rank, one record of
+            :meth:`fastcoll.reducer.timeline.Timeline.iterations` (None: that rank has none). Each rank gets the lanes
+            of :data:`fastcoll.reducer.timeline.LANES`; times in ms from the backward start; the exposed sync time is
+            the red bar after the backward.
     """
-    from ..reducer.timeline import LANES
-
     plt = report.pyplot()
     if plt is None or not panels:
         return None
@@ -286,27 +269,20 @@ def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any
     xmin = min((s[3] for recs in panels.values() for it in recs if it for s in _spans(it)), default=0.0)
     xmax = max((s[4] for recs in panels.values() for it in recs if it for s in _spans(it)), default=1.0)
     for ax, (name, recs) in zip(axes[:, 0], panels.items()):
-        ticks, labels = [], []
-        for r, it in enumerate(recs):
-            base = r * (nl + 1)
-            for lane, lane_name in enumerate(LANES):
-                ticks.append(base + lane)
-                labels.append(f"rank {r} · {lane_name}")
-            if it is None:
-                continue
-            for lane, kind, k, a, b in _spans(it):
-                colour = LANE_COLOURS[kind][k % 2 if k >= 0 else 0]
-                ax.broken_barh([(a, max(b - a, (xmax - xmin) * 1e-4))], (base + lane - 0.4, 0.8), facecolors=colour)
+        for r, it in enumerate(recs):  # rank r's lanes are r * (nl + 1) + lane
+            for lane, kind, k, a, b in _spans(it) if it is not None else []:
+                colour, y = LANE_COLOURS[kind][k % 2 if k >= 0 else 0], r * (nl + 1) + lane
+                ax.broken_barh([(a, max(b - a, (xmax - xmin) * 1e-4))], (y - 0.4, 0.8), facecolors=colour)
                 if kind == "comm" and (b - a) > 0.04 * (xmax - xmin):
-                    ax.text((a + b) / 2, base + lane, str(k), ha="center", va="center", fontsize=6)
-        ax.set_yticks(ticks)
-        ax.set_yticklabels(labels, fontsize=7)
+                    ax.text((a + b) / 2, y, str(k), ha="center", va="center", fontsize=6)
+        lanes = [(r * (nl + 1) + lane, f"rank {r} · {name}") for r in range(len(recs)) for lane, name in enumerate(LANES)]
+        ax.set_yticks([y for y, _ in lanes], [label for _, label in lanes], fontsize=7)
         ax.set_ylim(len(recs) * (nl + 1) - 1, -1)
         ax.set_xlim(xmin - 0.01 * (xmax - xmin), xmax + 0.01 * (xmax - xmin))
         ax.set_title(name, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("ms from the start of backward")
-    legend = [Patch(color=LANE_COLOURS[k][shade], label=label) for k, shade, label in LEGEND]
+    legend = [Patch(color=dark, label=label) for _, dark, label in LANE_COLOURS.values()]
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
@@ -327,15 +303,13 @@ def model_gantt(path: Path, row: dict[str, Any], device: str) -> Path | None:
 # Entry points
 def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
-    device = args.device
-    cfg = _config(args, device)
-    ws = cfg["world_size"]
+    cfg = _config(args, args.device)
     specs = model_specs(cfg)
     rank_cfg = {**cfg, "keep_freed_memory": True, "freeze": True, "env": autotune_env(cfg)}
     with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
-        result = runner.run_ranks(_ranks, rank_cfg, (), ws, prog)
+        result = runner.run_ranks(_ranks, rank_cfg, (), cfg["world_size"], prog)
     rows = [summarize_row(r) for r in result["rows"]]
-    config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or _autotune_steps()),
+    config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or autotune_steps()),
               "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
               "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",

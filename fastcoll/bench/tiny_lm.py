@@ -1,25 +1,28 @@
 """A tiny causal language model on a fixed synthetic next-token task, trained on 2+ ranks in 16 bits or 32.
 
-The one definition of the quality check of float32 main gradients and master
-weights: ``tests/test_main_grads.py`` asserts on it and ``python -m
-fastcoll.bench zero`` reports it (:mod:`fastcoll.bench.zero_bf16`). Nothing
-is downloaded: the model is built here (seed 0) and the data is generated
-(:func:`tokens`). :func:`train` runs one recipe: ``"fp32"`` (float32 under
-torch DDP, the reference), ``"torch_bf16"`` (the model in bfloat16 under torch
-DDP, a plain AdamW) or ``"fastcoll"`` (the model in bfloat16 under
-``fastcoll.DDP(main_grad_dtype=torch.float32)`` with
+The one definition of the quality check of float32 main gradients and master weights: ``tests/test_main_grads.py``
+asserts on it and ``python -m fastcoll.bench zero`` reports it (:mod:`fastcoll.bench.zero_bf16`). Nothing is downloaded:
+the model is built here (seed 0) and the data is generated (:func:`tokens`). :func:`train` runs one recipe: ``"fp32"``
+(float32 under torch DDP, the reference), ``"torch_bf16"`` (the model in bfloat16 under torch DDP, a plain AdamW) or
+``"fastcoll"`` (the model in bfloat16 under ``fastcoll.DDP(main_grad_dtype=torch.float32)`` with
 ``fastcoll.ShardedOptimizer(AdamW, master_dtype=torch.float32, grads=...)``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional
+import gc
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastcoll
+
+from ..optim import checkpoint as ckpt
 
 VOCAB = 32
 SEQ = 16
@@ -72,17 +75,14 @@ def train(
 ) -> Dict[str, Any]:  # fmt: skip
     """Train :class:`TinyCausalLM` ``steps`` steps with ``recipe`` (one of :data:`RECIPES`) on this rank.
 
-    Call it on every rank of an initialized process group. Each step: AdamW at
-    ``lr`` after ``micro_batches`` micro-batches of gradient accumulation
-    (``no_sync`` on all but the last), each micro-batch's loss divided by their number.
-    ``ddp_kwargs``: more arguments of ``fastcoll.DDP`` (the fastcoll recipe), e.g. ``comm_dtype``.
+    Call it on every rank of an initialized process group. Each step: AdamW at ``lr`` after ``micro_batches``
+    micro-batches of gradient accumulation (``no_sync`` on all but the last), each micro-batch's loss divided by their
+    number. ``ddp_kwargs``: more arguments of ``fastcoll.DDP`` (the fastcoll recipe), e.g. ``comm_dtype``.
 
     Returns:
-        ``weights``: the final parameters (float32 vector); ``loss``: the last
-        step's loss (the mean over micro-batches, averaged over ranks);
-        ``losses``: every step's; with ``masters`` and the fastcoll recipe,
-        ``masters``: the float32 master weights (``opt.state_dict()``, in the
-        parameters' order).
+        ``weights``: the final parameters (float32 vector); ``loss``: the last step's loss (the mean over micro-batches,
+        averaged over ranks); ``losses``: every step's; with ``masters`` and the fastcoll recipe, ``masters``: the
+        float32 master weights (``opt.state_dict()``, in the parameters' order).
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
@@ -90,8 +90,6 @@ def train(
     if recipe != "fp32":
         model.to(BF16)
     if recipe == "fastcoll":
-        import fastcoll
-
         ddp: nn.Module = fastcoll.DDP(model, main_grad_dtype=torch.float32, **(ddp_kwargs or {}))
         opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
             torch.optim.AdamW(model.parameters(), lr=lr), ddp, grads=grads, master_dtype=torch.float32
@@ -116,8 +114,6 @@ def train(
     if recipe == "fastcoll":
         opt.finish_param_sync()  # type: ignore[attr-defined]
         if masters:
-            from ..optim import checkpoint as ckpt
-
             state = opt.state_dict()["state"]  # a collective: every rank
             out["masters"] = torch.cat([state[k][ckpt.MASTER].float().flatten() for k in sorted(state)])
     t = torch.tensor(losses, dtype=torch.float64)
@@ -127,11 +123,31 @@ def train(
     return out
 
 
+def train_runs(
+    rank: int, world: int, steps: int, runs: Dict[str, Any], tick: Callable[[], None], init: Optional[torch.Tensor] = None
+) -> Dict[str, Dict[str, Any]]:
+    """:func:`train` each of ``runs`` (name -> its keyword arguments, ``recipe`` among them) for ``steps`` steps.
+
+    Returns:
+        Per run, its :func:`quality_metrics` (``init``: see there), ``losses`` and ``seconds``; ``tick()`` after each
+        run.
+    """
+    out, seconds = {}, {}
+    for name, kwargs in runs.items():
+        t0 = time.perf_counter()
+        out[name] = train(rank, world, steps=steps, **kwargs)
+        seconds[name] = time.perf_counter() - t0
+        gc.collect()
+        tick()
+    metrics = quality_metrics(out, init)
+    return {n: {**metrics[n], "losses": out[n]["losses"], "seconds": seconds[n]} for n in out}
+
+
 def quality_metrics(runs: Dict[str, Dict[str, Any]], init: Optional[torch.Tensor] = None) -> Dict[str, Dict[str, Any]]:
     """Per run, the relative L2 distance of its final weights (and masters) from ``runs["fp32"]``'s, and its loss gap.
 
-    ``init``: the float32 initial weights; ``"fp32"``'s entry then has
-    ``moved``, the distance its training moved them (the scale of the others').
+    ``init``: the float32 initial weights; ``"fp32"``'s entry then has ``moved``, the distance its training moved them
+    (the scale of the others').
     """
     ref = runs["fp32"]
     out: Dict[str, Dict[str, Any]] = {}

@@ -1,8 +1,7 @@
 """bfloat16 training at float32 quality: fastcoll's main gradients + sharded float32 masters (docs/benchmarks.md).
 
-Part of ``python -m fastcoll.bench zero``: the recipes of :data:`METHOD_DESCRIPTIONS`
-on GPT-2's parameter shapes (default run: width 256), bytes per rank by kind,
-peak memory and step time; then a tiny causal LM trained each way
+Part of ``python -m fastcoll.bench zero``: the recipes of :data:`METHOD_DESCRIPTIONS` on GPT-2's parameter shapes
+(default run: width 256), bytes per rank by kind, peak memory and step time; then a tiny causal LM trained each way
 (:mod:`fastcoll.bench.tiny_lm`).
 """
 
@@ -20,6 +19,7 @@ from torch import nn
 
 import fastcoll
 
+from ..reducer.grad_guard import is_guard
 from . import models, report, runner, stats, tiny_lm
 from .models import GPT2_QUICK, GPT2_SMALL, GPT2_SMOKE, GPT2Shapes
 
@@ -171,20 +171,19 @@ def account(
             "total": params + dot_grad + buckets + state + master}  # fmt: skip
 
 
-def _real_grads(module: nn.Module) -> List[torch.Tensor]:
-    from ..reducer.grad_guard import is_guard
-
-    return [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
-
-
 #: Where the live heap is read: after zero_grad; at the model's last forward hook (inside autocast's region, its
 #: bfloat16 weight copies still cached); after the forward (the region ended); after backward; after step.
 PHASES = ("zero_grad", "forward end", "forward", "backward", "step")
 
 
-def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """This rank's bytes by kind, its peak resident growth and its live heap per phase for ``method``."""
-    device = cfg["device"]
+def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
+    """Every rank's bytes by kind, peak resident growth and live heap per phase for ``method``."""
+    device, rank, cfg, tiny = me.device, me.rank, me.cfg, [(4, 3), (5,), (3, 2)]
+    # a few iterations on tiny shapes first: the measured model pays no one-time costs
+    wrapper, opt = make_method(method, build_model(tiny, method, device=device), device)
+    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(tiny), rank, device), device), 3, opt)
+    del wrapper, opt
+    gc.collect()
     probe = runner.MemoryProbe(device)
     probe.start()
     live = runner.LiveBytes() if device == "cpu" else None
@@ -197,8 +196,8 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     def sample(phase: str) -> None:
         if live is not None:
             live.sample(phase)
-        if phase == "backward":
-            kept[:] = _real_grads(module)  # the gradients as backward leaves them (weakly: only counted)
+        if phase == "backward":  # the gradients as backward leaves them (weakly: only counted)
+            kept[:] = [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
 
     step = make_step(method, wrapper, opt, x, device, sample)
     module.register_forward_hook(lambda *_: sample("forward end"))
@@ -207,28 +206,13 @@ def measure_memory(shapes: GPT2Shapes, method: str, rank: int, cfg: Dict[str, An
     held = account(method, module, wrapper, opt, kept)
     kept.clear()
     has_live = live is not None and live.available
-    return {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
+    info = {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
             "live_peak_bytes": live.peak if has_live else None,
             "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
             "held": held, "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
             "iterations": cfg["setup_steps"] + 1}  # fmt: skip
-
-
-def _warm_up(method: str, device: str, rank: int) -> None:
-    """A few iterations of ``method`` on tiny shapes, so the measured model pays no one-time costs."""
-    shapes = [(4, 3), (5,), (3, 2)]
-    wrapper, opt = make_method(method, build_model(shapes, method, device=device), device)
-    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(shapes), rank, device), device), 3, opt)
-    del wrapper, opt
-    gc.collect()
-
-
-def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
-    _warm_up(method, me.device, me.rank)
-    info = measure_memory(shapes, method, me.rank, me.cfg)
-    gc.collect()  # the wrappers go while their process group is alive
     me.tick()
-    return {"ranks": runner.gather(info)}
+    return {"ranks": runner.gather(info)}  # the wrappers go in Rank's exit, while their process group is alive
 
 
 # Phase 2: step time (the timed methods side by side in one process pair)
@@ -252,21 +236,11 @@ def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict
 
 # Phase 3: quality (the tiny causal LM, every recipe in one process pair)
 def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
-    steps, runs, seconds = me.cfg["quality_steps"], {}, {}
-    for name in me.cfg["quality_runs"]:
-        t0 = time.perf_counter()
-        runs[name] = tiny_lm.train(me.rank, me.ws, "fastcoll" if name in FASTCOLL else name, steps,
-                                   grads=name if name in FASTCOLL else "sharded", lr=QUALITY_LR,
-                                   micro_batches=QUALITY_MICRO_BATCHES, masters=True)  # fmt: skip
-        seconds[name] = time.perf_counter() - t0
-        gc.collect()
-        me.tick()
-    if me.rank != 0:
-        return None
-    init = tiny_lm.flat_weights(tiny_lm.TinyCausalLM())
-    metrics = tiny_lm.quality_metrics(runs, init)
-    return {"steps": steps, "params": int(init.numel()),
-            "runs": {n: {**metrics[n], "losses": runs[n]["losses"], "seconds": seconds[n]} for n in runs}}  # fmt: skip
+    init, kw = tiny_lm.flat_weights(tiny_lm.TinyCausalLM()), {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES}
+    fc = {n: {"recipe": "fastcoll", "grads": n} for n in FASTCOLL}  # the others: recipe = name
+    runs = {n: {**fc.get(n, {"recipe": n}), "masters": True, **kw} for n in me.cfg["quality_runs"]}
+    runs = tiny_lm.train_runs(me.rank, me.ws, me.cfg["quality_steps"], runs, me.tick, init)
+    return {"steps": me.cfg["quality_steps"], "params": int(init.numel()), "runs": runs} if me.rank == 0 else None
 
 
 # Analysis
@@ -274,9 +248,10 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
     """Per-method summaries, the ratios to ``autocast`` and the targets (in place; returns ``row``)."""
     mem, groups = row["memory"], row["groups"]
     methods: Dict[str, Dict[str, Any]] = {}
+    row["methods"] = methods
     for m in METHODS:
         ranks = mem.get(m, {}).get("ranks") or []
-        entry = stats.method_entry(groups, ranks, m, ("held", "peak_bytes", "live_peak_bytes", "live_by_phase"))
+        entry = methods[m] = stats.method_entry(groups, ranks, m, ("held", "peak_bytes", "live_peak_bytes", "live_by_phase"))
         if ranks:
             numel = ranks[0]["numel"]
             bpp = entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
@@ -285,8 +260,6 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
                 known = [p for p in entry[key] if p is not None]
                 bpp[name] = max(known) / numel if known else None
         entry["readme_bytes_per_param"] = README_BYTES_PER_PARAM[m][0]
-        methods[m] = entry
-    row["methods"] = methods
 
     targets: Dict[str, Any] = {}
     base = methods["autocast"]
@@ -300,9 +273,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
         if t["value"] is not None:
             targets[f"step {m}/autocast"] = t
     ratios: Dict[str, Any] = {}
-    for m in METHODS:
-        if m == "autocast":
-            continue
+    for m in [m for m in METHODS if m != "autocast"]:
         t = stats.group_target(groups, m, "autocast")
         ratios[f"step {m}/autocast"] = {"value": t["value"], "ci90": t["ci90"]}
         me = methods[m]
@@ -314,12 +285,8 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
             ratios[f"held {m}/autocast"] = max(x["total"] / y["total"] for x, y in zip(me["held"], base["held"]))
     row["ratios"] = ratios
     if quality is not None:
-        runs = quality["runs"]
-        plain = runs["torch_bf16"]["weight_distance"]
-        for m in FASTCOLL:
-            r = runs.get(m)
-            if r is None:
-                continue
+        runs, plain = quality["runs"], quality["runs"]["torch_bf16"]["weight_distance"]
+        for r, m in [(runs[m], m) for m in FASTCOLL if m in runs]:
             share = r["weight_distance"] / plain if plain > 0 else None
             r["distance_vs_bf16"] = share
             targets[f"distance {m}/torch_bf16"] = stats.target(share, DISTANCE_VS_BF16, what=f"weight distance from float32, "
@@ -453,8 +420,7 @@ def run_section(args: Any = None) -> int:
 
 def run(args: Any = None) -> int:
     """This section alone (``python -m fastcoll.bench.zero_bf16``), with :func:`fastcoll.bench.zero.run`'s device checks."""
-    device = args.device
-    if device == "cuda" and torch.cuda.device_count() < 2:
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
         report.say("[yellow]fastcoll.bench zero bf16: sharding needs at least 2 ranks, and there is 1 GPU; skipping[/yellow]")
         return 0
     return run_section(args)

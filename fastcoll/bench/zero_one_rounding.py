@@ -2,16 +2,16 @@
 
 The last section of ``python -m fastcoll.bench zero`` (docs/benchmarks.md). Two parts, on gloo CPU ranks:
 
-* precision: every rank holds bfloat16 gradients that are exact in bf16 (a bf16 model's), of both signs over
-  25 binades; each is averaged over N = 2, 4 and 8 ranks three ways: ``comm_dtype=torch.bfloat16`` (a bf16
-  all-reduce: gloo rounds every partial sum), ``comm_accum_dtype=torch.float32`` (an all-to-all of the bf16
-  ranges, the float32 sum, one rounding, an all-gather), and the same under
-  ``ShardedOptimizer(grads="sharded")`` with float32 main gradients (the rank's range keeps the float32 sum,
-  read back through the float32 master weights of an SGD step from zero). The distance from the float64 mean
-  is counted in bf16 ulps of that mean, per element. Target: the one-rounding paths within 1 ulp at every N.
-* the tiny causal LM of the bf16 section at 4 ranks, bf16 weights with float32 main gradients and sharded
-  masters, with ``comm_dtype=torch.bfloat16`` with and without ``comm_accum_dtype=torch.float32``: the
-  final weights' distance from the float32 run's (reported, no target).
+* precision: every rank holds bfloat16 gradients that are exact in bf16 (a bf16 model's), of both signs over 25 binades;
+  each is averaged over N = 2, 4 and 8 ranks three ways: ``comm_dtype=torch.bfloat16`` (a bf16 all-reduce: gloo rounds
+  every partial sum), ``comm_accum_dtype=torch.float32`` (an all-to-all of the bf16 ranges, the float32 sum, one
+  rounding, an all-gather), and the same under ``ShardedOptimizer(grads="sharded")`` with float32 main gradients (the
+  rank's range keeps the float32 sum, read back through the float32 master weights of an SGD step from zero). The
+  distance from the float64 mean is counted in bf16 ulps of that mean, per element. Target: the one-rounding paths
+  within 1 ulp at every N.
+* the tiny causal LM of the bf16 section at 4 ranks, bf16 weights with float32 main gradients and sharded masters, with
+  ``comm_dtype=torch.bfloat16`` with and without ``comm_accum_dtype=torch.float32``: the final weights' distance from
+  the float32 run's (reported, no target).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 
 import fastcoll
 
+from ..optim import checkpoint as ckpt
 from . import report, runner, stats, tiny_lm
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
@@ -77,8 +78,6 @@ def _reduced(method: str, rank: int, numel: int) -> torch.Tensor:
     opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), ddp, grads="sharded", master_dtype=F32)
     ddp(x).backward()
     opt.step()  # the float32 master of w (zero) becomes exactly -(the rank's float32 range of the mean)
-    from ..optim import checkpoint as ckpt
-
     (state,) = opt.state_dict()["state"].values()  # a collective: the masters of every range
     return -state[ckpt.MASTER].to(F64)
 
@@ -103,19 +102,10 @@ def _precision(me: runner.Rank, numel: int) -> None:
 
 
 def _lm(me: runner.Rank, steps: int) -> None:
-    runs: Dict[str, Dict[str, Any]] = {}
-    seconds: Dict[str, float] = {}
-    for name in LM_RUNS:
-        t0 = time.perf_counter()
-        ddp_kwargs = {"comm_dtype": BF16, **({"comm_accum_dtype": F32} if name == "one_rounding" else {})}
-        runs[name] = tiny_lm.train(me.rank, me.ws, "fp32" if name == "fp32" else "fastcoll", steps,
-                                   ddp_kwargs=None if name == "fp32" else ddp_kwargs, masters=name != "fp32")  # fmt: skip
-        seconds[name] = time.perf_counter() - t0
-        me.tick()
-    metrics = tiny_lm.quality_metrics(runs)
-    for name, m in metrics.items():
-        m["seconds"] = seconds[name]
-    me.save({"steps": steps, "runs": metrics})
+    wire = {"recipe": "fastcoll", "masters": True, "ddp_kwargs": {"comm_dtype": BF16}}
+    accum = {**wire, "ddp_kwargs": {"comm_dtype": BF16, "comm_accum_dtype": F32}}
+    runs = {"fp32": {"recipe": "fp32"}, "bf16_wire": wire, "one_rounding": accum}  # LM_RUNS
+    me.save({"steps": steps, "runs": tiny_lm.train_runs(me.rank, me.ws, steps, runs, me.tick)})
 
 
 def measure(args: Any) -> Dict[str, Any]:
