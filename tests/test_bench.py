@@ -87,6 +87,12 @@ def test_summary_names_each_row_and_shows_bytes_in_mib(tmp_path):
     assert "| zero_pool (cpu) | GPT-2 small shapes, N=4 | peak pool | 0.8 | 0.79 .. 0.81 | le 0.75 | **missed** |" in md
     assert "| bytes pool | 6.91 | exact | le 6.05 | **missed** |" in md
     assert "| memory sharded | -2 MiB | -2 MiB .. -1 MiB | ge 0 MiB | **missed** |" in md
+    # bench zero's memory targets written before targets carried a unit are bytes too
+    old = {k: v for k, v in targets["memory sharded"].items() if k != "unit"}
+    path.write_text(json.dumps({"benchmark": "zero", "results": [{"label": "ResNet-50", "targets": {"memory full": old}}]}))
+    assert "| zero (cpu) | ResNet-50 | memory full | -2 MiB | -2 MiB .. -1 MiB | ge 0 MiB | **missed** |" in _renderer().render(
+        [path]
+    )
 
 
 def test_ddp_bucket_assignment():
