@@ -374,11 +374,8 @@ def warm_up(build: Callable[[], Built]) -> None:
     run_steps(step, 3, opt)
 
 
-def memory_phase(
-    me: "Rank", build: Callable[[Optional[LiveBytes]], Built], steps: int,
-    read: Callable[[MemoryProbe, Optional[LiveBytes], Built], Dict[str, Any]], warm: Optional[Callable[[], Built]] = None,
-    live: bool = False,
-) -> Dict[str, Any]:  # fmt: skip
+def memory_phase(me: "Rank", build: Callable[[Optional[LiveBytes]], Built], steps: int, read: Callable[..., Dict[str, Any]],
+                 warm: Optional[Callable[[], Built]] = None, live: bool = False) -> Dict[str, Any]:  # fmt: skip
     """One method's memory on this rank, in the order every memory phase keeps; every rank's fields, ``{"ranks": [...]}``.
 
     :func:`warm_up` on ``warm()`` if given, the probe started (and, with ``live``, on the CPU a :class:`LiveBytes`),
