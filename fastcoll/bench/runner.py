@@ -1,7 +1,8 @@
 """Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner (:func:`run_ranks`).
 
 Inside a rank process, :class:`Rank` has the configuration and reports progress; :func:`all_max` makes a sample the
-slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples.
+slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples; a training
+method (:class:`Built`) has its memory measured by :func:`memory_phase` and its step timed by :func:`optimizer_rounds`.
 """
 
 from __future__ import annotations
