@@ -70,7 +70,7 @@ def phases(rank: int, spec: models.ModelSpec, method: str) -> Tuple[List[Tuple[s
 
 def _worker(rank: int, store_path: str, out: Dict[str, Any], model: str, method: str) -> None:
     with runner.Rank(rank, WORLD_SIZE, store_path, "", None, {"threads": 1}) as me:
-        zero.warm_up(me, method)
+        runner.warm_up(lambda: zero.build(me, models.WARMUP, method))
         spec = next(s for s in zero.model_specs("full") if s.name == model)
         result = phases(rank, spec, method)
         if rank == 0:

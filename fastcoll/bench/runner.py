@@ -1,7 +1,8 @@
 """Running the benchmarks: timing, memory and traffic probes, and the multi-rank runner (:func:`run_ranks`).
 
 Inside a rank process, :class:`Rank` has the configuration and reports progress; :func:`all_max` makes a sample the
-slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples.
+slowest rank's, :func:`gather` collects every rank's result and :func:`timed_rounds` takes the samples; a training
+method (:class:`Built`) has its memory measured by :func:`memory_phase` and its step timed by :func:`optimizer_rounds`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import queue
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -326,11 +327,20 @@ def timed_rounds(
     return wall, cpu
 
 
+class Built(NamedTuple):
+    """A training method built on a model: what :func:`memory_phase` and :func:`optimizer_rounds` run."""
+
+    module: Any
+    wrapper: Any
+    opt: Any
+    step: Callable[[], None]
+
+
 def optimizer_rounds(
-    me: "Rank", methods: Sequence[str], make: Callable[[str], Tuple[Any, Any, Callable[[], None]]], lo: int, hi: int,
-    checks: Sequence[Any], inner: Optional[int] = None,
-) -> Tuple[Dict[str, List[float]], int]:  # fmt: skip
-    """:func:`timed_rounds` of the training steps ``make(method) = (wrapper, optimizer, step)``, in steady state.
+    me: "Rank", methods: Sequence[str], make: Callable[[str], Built], lo: int, hi: int, checks: Sequence[Any],
+    inner: Optional[int] = None,
+) -> Dict[str, Any]:  # fmt: skip
+    """:func:`timed_rounds` of the training steps of ``make(method)``, in steady state.
 
     Each method first runs ``setup_steps`` steps, the last one timed (they bring the bucket rebuilds and the optimizer
     state; without ``inner``, the slowest sets the calls per sample). Each sample follows an untimed lead-in step; after
@@ -338,11 +348,11 @@ def optimizer_rounds(
     pending.
 
     Returns:
-        The wall-clock samples and the calls per sample.
+        ``{"methods", "inner": calls per sample, "reps": rounds taken, "samples": wall-clock samples per method}``.
     """
     runs, setup = {}, {}
     for m in methods:
-        _, opt, step = runs[m] = make(m)
+        _, _, opt, step = runs[m] = make(m)
         run_steps(step, me.cfg["setup_steps"] - 1, opt)
         setup[m] = time_calls(lambda: (step(), settle(opt)), 1, me.device)
         opt.zero_grad(set_to_none=True)
@@ -350,13 +360,40 @@ def optimizer_rounds(
     inner = inner or me.inner(max(setup.values()))
 
     def after(m: str) -> None:
-        settle(runs[m][1])
-        runs[m][1].zero_grad(set_to_none=True)
+        settle(runs[m].opt)
+        runs[m].opt.zero_grad(set_to_none=True)
 
-    steps = {m: r[2] for m, r in runs.items()}
+    steps = {m: r.step for m, r in runs.items()}
     samples = timed_rounds(steps, inner, lo, hi, checks, me.device, me.tick, before=lambda m: steps[m](), after=after)[0]
     runs.clear()
-    return samples, inner
+    return {"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples}
+
+
+def warm_up(build: Callable[[], Built]) -> None:
+    """3 steps of a method on a tiny model (``build()``), so that the measured one pays no one-time costs."""
+    _, _, opt, step = build()
+    run_steps(step, 3, opt)
+
+
+def memory_phase(me: "Rank", build: Callable[[Optional[LiveBytes]], Built], steps: int, read: Callable[..., Dict[str, Any]],
+                 warm: Optional[Callable[[], Built]] = None, live: bool = False) -> Dict[str, Any]:  # fmt: skip
+    """One method's memory on this rank, in the order every memory phase keeps; every rank's fields, ``{"ranks": [...]}``.
+
+    :func:`warm_up` on ``warm()`` if given, the probe started (and, with ``live``, on the CPU a :class:`LiveBytes`),
+    the method built (``build(heap)``: its step samples the heap) and ``steps`` steps taken; then ``read(probe, heap,
+    built)`` returns this rank's fields, ``probe.peak()`` among them.
+    """
+    if warm is not None:
+        warm_up(warm)
+        gc.collect()
+    probe = MemoryProbe(me.device)
+    probe.start()
+    heap = LiveBytes() if live and me.device == "cpu" else None
+    built = build(heap)
+    run_steps(built.step, steps, built.opt)
+    info = {"rank": me.rank, **read(probe, heap, built)}
+    me.tick()
+    return {"ranks": gather(info)}  # the wrappers go in Rank's exit, while their process group is alive
 
 
 class Rank:

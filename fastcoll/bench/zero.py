@@ -12,7 +12,6 @@ section (:mod:`fastcoll.bench.zero_one_rounding`) and the ZeRO-2 pool section (:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import inspect
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -96,10 +95,15 @@ def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module,
     return wrapper, torch.optim.AdamW(wrapper.parameters(), **adamw)
 
 
-def make_step(spec: ModelSpec, wrapper: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-              sample: Callable[[], None] = lambda: None) -> Callable[[], None]:  # fmt: skip
-    """One iteration: zero_grad(set_to_none=True), forward, loss, backward, step (``sample()`` after each phase)."""
-    return models.train_step(wrapper, opt, x, lambda out: models.loss_of(spec, out), lambda _phase: sample())
+def build(me: runner.Rank, spec: ModelSpec, method: str, storage: Any = None, x: Optional[torch.Tensor] = None,
+          sample: Callable[[], None] = lambda: None) -> runner.Built:  # fmt: skip
+    """``method`` on ``spec``'s model (on ``storage``'s weights, with input ``x``, if given); its step: zero_grad
+    (set_to_none=True), forward, loss, backward, step, ``sample()`` after each phase."""
+    module = models.build_model(spec, me.device, storage, layered=True)
+    wrapper, opt = make_method(method, module, me.device)
+    x = models.make_input(spec, me.rank, me.device) if x is None else x
+    step = models.train_step(wrapper, opt, x, lambda out: models.loss_of(spec, out), lambda _phase: sample())
+    return runner.Built(module, wrapper, opt, step)
 
 
 def state_bytes(method: str, opt: torch.optim.Optimizer) -> int:
@@ -118,46 +122,27 @@ def param_digest(module: nn.Module) -> List[float]:
     return [total, squares]
 
 
-def warm_up(me: runner.Rank, method: str) -> None:
-    """A few iterations of ``method`` on a tiny model, so the measured one pays no one-time costs."""
-    wrapper, opt = make_method(method, models.build_model(models.WARMUP, me.device), me.device)
-    runner.run_steps(make_step(models.WARMUP, wrapper, opt, models.make_input(models.WARMUP, me.rank, me.device)), 3, opt)
-
-
 def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
     """Phase 1 for one method: peak and live growth, state bytes, bytes sent per iteration, parameter digest."""
-    warm_up(me, method)
-    gc.collect()
-    probe = runner.MemoryProbe(me.device)
-    probe.start()
-    live = runner.LiveBytes() if me.device == "cpu" else None
-    module = models.build_model(spec, me.device, layered=True)
-    wrapper, opt = make_method(method, module, me.device)
-    step = make_step(spec, wrapper, opt, models.make_input(spec, me.rank, me.device), live.sample if live else lambda: None)
-    runner.run_steps(step, me.cfg["setup_steps"], opt)
-    _, sent = runner.bytes_sent(lambda: (runner.run_steps(step, 1, opt), runner.synchronize(me.device)))
-    buckets = len(wrapper.bucket_info()) if method not in ("torch", "zero") else None
-    info = {"rank": me.rank, "peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
-            "state_bytes": state_bytes(method, opt), "sent_bytes": sent,
-            "digest": param_digest(module), "buckets": buckets}  # fmt: skip
-    me.tick()
-    return {"ranks": runner.gather(info)}  # the wrappers go in Rank's exit, while their process group is alive
+
+    def read(probe: runner.MemoryProbe, live: Optional[runner.LiveBytes], m: runner.Built) -> Dict[str, Any]:
+        _, sent = runner.bytes_sent(lambda: (runner.run_steps(m.step, 1, m.opt), runner.synchronize(me.device)))
+        buckets = len(m.wrapper.bucket_info()) if method not in ("torch", "zero") else None
+        return {"peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
+                "state_bytes": state_bytes(method, m.opt), "sent_bytes": sent, "digest": param_digest(m.module),
+                "buckets": buckets}  # fmt: skip
+
+    return runner.memory_phase(me, lambda live: build(me, spec, method, sample=live.sample if live else lambda: None),
+                               me.cfg["setup_steps"], read, lambda: build(me, models.WARMUP, method), live=True)  # fmt: skip
 
 
 def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[str, Any]:
     """Phase 2: ``methods`` side by side on shared weights, in steady state (each forward waits for the last step's gathers)."""
-    cfg, device, large = me.cfg, me.device, spec.name == "gpt2_small"
-    storage = models.build_storage(spec, device)
-    x = models.make_input(spec, me.rank, device)
-
-    def make(m: str) -> Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
-        wrapper, opt = make_method(m, models.build_model(spec, device, storage, layered=True), device)
-        return wrapper, opt, make_step(spec, wrapper, opt, x)
-
+    cfg, large = me.cfg, spec.name == "gpt2_small"
+    storage, x = models.build_storage(spec, me.device), models.make_input(spec, me.rank, me.device)
     lo, hi = (cfg["reps_large"], cfg["max_reps_large"]) if large else (cfg["reps"], cfg["max_reps"])
     checks = [(stats.median_ratio(a, b), thr, "le") for a, b, thr in step_goals(spec.name, methods)]
-    samples, inner = runner.optimizer_rounds(me, methods, make, lo, hi, checks)
-    return {"methods": list(methods), "inner": inner, "reps": len(samples[methods[0]]), "samples": samples}
+    return runner.optimizer_rounds(me, methods, lambda m: build(me, spec, m, storage, x), lo, hi, checks)
 
 
 # Analysis

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -105,10 +104,15 @@ def forward_context(method: str, device: str) -> Any:
     return torch.autocast(device, dtype=BF16) if method == "autocast" else contextlib.nullcontext()
 
 
-def make_step(method: str, wrapper: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, device: str,
-              sample: Callable[[str], None] = lambda phase: None) -> Callable[[], None]:  # fmt: skip
-    """One iteration (the forward in autocast for ``autocast``); ``sample(phase)`` after each phase (live-heap readings)."""
-    return models.train_step(wrapper, opt, x, note=sample, context=lambda: forward_context(method, device))
+def build(me: runner.Rank, dims: Sequence[Sequence[int]], method: str, storage: Any = None, x: Optional[torch.Tensor] = None,
+          sample: Callable[[str], None] = lambda phase: None) -> runner.Built:  # fmt: skip
+    """``method`` on the model of ``dims`` (on ``storage``'s weights, with input ``x``, if given); its step: one iteration
+    (the forward in autocast for ``autocast``), ``sample(phase)`` after each phase (live-heap readings)."""
+    module = build_model(dims, method, storage, me.device)
+    wrapper, opt = make_method(method, module, me.device)
+    x = models.shape_input(len(dims), me.rank, me.device) if x is None else x
+    step = models.train_step(wrapper, opt, x, note=sample, context=lambda: forward_context(method, me.device))
+    return runner.Built(module, wrapper, opt, step)
 
 
 # Phase 1: bytes per rank (a fresh process pair per method)
@@ -174,64 +178,55 @@ def account(
 #: Where the live heap is read: after zero_grad; at the model's last forward hook (inside autocast's region, its
 #: bfloat16 weight copies still cached); after the forward (the region ended); after backward; after step.
 PHASES = ("zero_grad", "forward end", "forward", "backward", "step")
+#: The warm-up's shapes: a few iterations on them first, so that the measured model pays no one-time costs.
+WARMUP = [(4, 3), (5,), (3, 2)]
 
 
 def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
     """Every rank's bytes by kind, peak resident growth and live heap per phase for ``method``."""
-    device, rank, cfg, tiny = me.device, me.rank, me.cfg, [(4, 3), (5,), (3, 2)]
-    # a few iterations on tiny shapes first: the measured model pays no one-time costs
-    wrapper, opt = make_method(method, build_model(tiny, method, device=device), device)
-    runner.run_steps(make_step(method, wrapper, opt, models.shape_input(len(tiny), rank, device), device), 3, opt)
-    del wrapper, opt
-    gc.collect()
-    probe = runner.MemoryProbe(device)
-    probe.start()
-    live = runner.LiveBytes() if device == "cpu" else None
-    dims = [s for _, s in shapes.shapes()]
-    module = build_model(dims, method, device=device)
-    x = models.shape_input(len(dims), rank, device)
-    wrapper, opt = make_method(method, module, device)
     kept: List[torch.Tensor] = []
 
-    def sample(phase: str) -> None:
-        if live is not None:
-            live.sample(phase)
-        if phase == "backward":  # the gradients as backward leaves them (weakly: only counted)
-            kept[:] = [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
+    def measured(live: Optional[runner.LiveBytes]) -> runner.Built:
+        def sample(phase: str) -> None:
+            if live is not None:
+                live.sample(phase)
+            if phase == "backward":  # the gradients as backward leaves them (weakly: only counted)
+                kept[:] = [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
 
-    step = make_step(method, wrapper, opt, x, device, sample)
-    module.register_forward_hook(lambda *_: sample("forward end"))
-    runner.run_steps(step, cfg["setup_steps"] + 1, opt)
-    runner.synchronize(device)
-    held = account(method, module, wrapper, opt, kept)
-    kept.clear()
-    has_live = live is not None and live.available
-    info = {"rank": rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(),
-            "live_peak_bytes": live.peak if has_live else None,
-            "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
-            "held": held, "buckets": len(wrapper.bucket_info()) if hasattr(wrapper, "bucket_info") else None,
-            "iterations": cfg["setup_steps"] + 1}  # fmt: skip
-    me.tick()
-    return {"ranks": runner.gather(info)}  # the wrappers go in Rank's exit, while their process group is alive
+        built = build(me, [s for _, s in shapes.shapes()], method, sample=sample)
+        module = built.module
+        module.register_forward_hook(lambda *_: sample("forward end"))
+        return built
+
+    def read(probe: runner.MemoryProbe, live: Optional[runner.LiveBytes], m: runner.Built) -> Dict[str, Any]:
+        runner.synchronize(me.device)
+        held = account(method, m.module, m.wrapper, m.opt, kept)
+        kept.clear()
+        has_live = live is not None and live.available
+        return {"numel": sum(p.numel() for p in m.module.parameters()), "peak_bytes": probe.peak(),
+                "live_peak_bytes": live.peak if has_live else None,
+                "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
+                "held": held, "buckets": len(m.wrapper.bucket_info()) if hasattr(m.wrapper, "bucket_info") else None,
+                "iterations": me.cfg["setup_steps"] + 1}  # fmt: skip
+
+    return runner.memory_phase(me, measured, me.cfg["setup_steps"] + 1, read, lambda: build(me, WARMUP, method), live=True)
 
 
 # Phase 2: step time (the timed methods side by side in one process pair)
 def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict[str, Any]:
     """The timed recipes side by side on shared weights (one copy per dtype), rounds until the step target resolves."""
-    cfg, device, dims = me.cfg, me.device, [s for _, s in shapes.shapes()]
+    dims = [s for _, s in shapes.shapes()]
     storage: Dict[torch.dtype, List[torch.Tensor]] = {}
-    x = models.shape_input(len(dims), me.rank, device)
+    x = models.shape_input(len(dims), me.rank, me.device)
 
-    def make(m: str) -> Tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    def make(m: str) -> runner.Built:
         dtype = param_dtype(m)
         if dtype not in storage:  # one copy of the weights per dtype
-            storage[dtype] = models.filled(dims, dtype, device)
-        wrapper, opt = make_method(m, build_model(dims, m, storage[dtype], device), device)
-        return wrapper, opt, make_step(m, wrapper, opt, x, device)
+            storage[dtype] = models.filled(dims, dtype, me.device)
+        return build(me, dims, m, storage[dtype], x)
 
     goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
-    samples, _ = runner.optimizer_rounds(me, methods, make, cfg["reps"], cfg["max_reps"], goal, inner=1)
-    return {"methods": list(methods), "inner": 1, "reps": len(samples[methods[0]]), "samples": samples}
+    return runner.optimizer_rounds(me, methods, make, me.cfg["reps"], me.cfg["max_reps"], goal, inner=1)
 
 
 # Phase 3: quality (the tiny causal LM, every recipe in one process pair)

@@ -11,9 +11,8 @@ accumulation choices of the pool).
 
 from __future__ import annotations
 
-import gc
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -53,45 +52,34 @@ def make_method(method: str, module: nn.Module, device: str, cap_mb: float = 25.
     return zero_bf16.make_method("sharded", module, device, {"stall_timeout": 0, "bucket_cap_mb": cap_mb}, **kw)
 
 
-def make_step(method: str, wrapper: Any, opt: Any, x: torch.Tensor) -> Callable[[], None]:
-    """zero_grad; the micro-batches' forward and backward (all but the last under no_sync); step."""
-    return models.train_step(wrapper, opt, x, micro=METHODS[method][2])
+def build(me: runner.Rank, dims: Sequence[Sequence[int]], method: str, x: Optional[torch.Tensor] = None) -> runner.Built:
+    """``method`` on the bfloat16 model of ``dims`` (with input ``x`` if given); its step: zero_grad; the micro-batches'
+    forward and backward (all but the last under no_sync); step."""
+    module = zero_bf16.build_model(dims, "sharded", device=me.device)
+    wrapper, opt = make_method(method, module, me.device, me.cfg["bucket_cap_mb"])
+    x = models.shape_input(len(dims), me.rank, me.device) if x is None else x
+    return runner.Built(module, wrapper, opt, models.train_step(wrapper, opt, x, micro=METHODS[method][2]))
 
 
 def _memory(me: runner.Rank, shapes: models.GPT2Shapes, method: str) -> Dict[str, Any]:
     """This rank's bytes by kind (the pool's slots counted as "pool") and its peak resident growth."""
-    probe = runner.MemoryProbe(me.device)
-    probe.start()
+
+    def read(probe: runner.MemoryProbe, _live: Any, m: runner.Built) -> Dict[str, Any]:
+        held = zero_bf16.account("sharded", m.module, m.wrapper, m.opt, [])
+        held["pool"] = m.opt.grad_pool.nbytes if m.opt.grad_pool is not None else 0
+        held["total"] += held["pool"]
+        return {"numel": sum(p.numel() for p in m.module.parameters()), "peak_bytes": probe.peak(), "held": held}
+
     dims = [s for _, s in shapes.shapes()]
-    module = zero_bf16.build_model(dims, "sharded", device=me.device)
-    wrapper, opt = make_method(method, module, me.device, me.cfg["bucket_cap_mb"])
-    step = make_step(method, wrapper, opt, models.shape_input(len(dims), me.rank, me.device))
-    for _ in range(me.cfg["setup_steps"] + 1):
-        step()
-    runner.settle(opt)
-    held = zero_bf16.account("sharded", module, wrapper, opt, [])
-    held["pool"] = opt.grad_pool.nbytes if opt.grad_pool is not None else 0
-    held["total"] += held["pool"]
-    info = {"rank": me.rank, "numel": sum(p.numel() for p in module.parameters()), "peak_bytes": probe.peak(), "held": held}
-    del wrapper, opt, step
-    gc.collect()
-    me.tick()
-    return {"ranks": runner.gather(info)}
+    return runner.memory_phase(me, lambda _live: build(me, dims, method), me.cfg["setup_steps"] + 1, read)
 
 
 def _timing(me: runner.Rank, shapes: models.GPT2Shapes) -> Dict[str, Any]:
     """Every method side by side in one process group, rounds until the step target resolves."""
     dims = [s for _, s in shapes.shapes()]
     x = models.shape_input(len(dims), me.rank, me.device)
-
-    def make(m: str) -> Tuple[Any, Any, Callable[[], None]]:
-        module = zero_bf16.build_model(dims, "sharded", device=me.device)
-        wrapper, opt = make_method(m, module, me.device, me.cfg["bucket_cap_mb"])
-        return wrapper, opt, make_step(m, wrapper, opt, x)
-
     goal = [(stats.median_ratio("pool", "persistent"), STEP_VS_PERSISTENT, "le")]
-    samples, _ = runner.optimizer_rounds(me, TIMED, make, me.cfg["reps"], me.cfg["max_reps"], goal, inner=1)
-    return {"samples": samples}
+    return runner.optimizer_rounds(me, TIMED, lambda m: build(me, dims, m, x), me.cfg["reps"], me.cfg["max_reps"], goal, inner=1)
 
 
 def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]], label: str) -> Dict[str, Any]:
