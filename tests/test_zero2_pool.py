@@ -446,8 +446,8 @@ def test_under_torch_compile_with_the_pool(aligned):
 # --------------------------------------------------------------------------- the bench section
 
 
-def test_bench_section_smoke(tmp_path):
-    """``python -m fastcoll.bench zero``'s pool section at the smoke level: it runs and writes its JSON beside --json."""
+def _run_pool_section(tmp_path) -> dict:
+    """``python -m fastcoll.bench zero --smoke``'s pool section, run alone; the JSON it writes beside --json."""
     import json
 
     from fastcoll.bench import __main__ as cli
@@ -455,7 +455,14 @@ def test_bench_section_smoke(tmp_path):
 
     args = cli._args_for(cli.build_parser().parse_args(["zero", "--smoke", "--json", str(tmp_path / "zero.json")]), "zero")
     assert zero_pool.run_section(args) == 0
-    data = json.loads((tmp_path / "zero_pool.json").read_text())
+    return json.loads((tmp_path / "zero_pool.json").read_text())
+
+
+def test_bench_section_smoke(tmp_path):
+    """``python -m fastcoll.bench zero``'s pool section at the smoke level: it runs and writes its JSON beside --json."""
+    from fastcoll.bench import zero_pool
+
+    data = _run_pool_section(tmp_path)
     (row,) = data["results"]
     assert data["benchmark"] == "zero_pool" and row["world_size"] == 2 and row["label"].endswith(", N=2")
     assert data["config"]["methods"]["pool 1x10MB"]["bucket_cap_mb"] == 10.0
@@ -466,16 +473,11 @@ def test_bench_section_smoke(tmp_path):
 def test_bench_section_one_rank_forced(tmp_path, monkeypatch):
     """The pool section at one rank with the collectives forced: the path ``bench zero --device cuda`` takes on one GPU,
     here on one gloo rank (held bytes 2 + 16/N at N = 1, the peak ratio reported without a target, the step target)."""
-    import json
-
-    from fastcoll.bench import __main__ as cli
     from fastcoll.bench import zero_pool
 
     monkeypatch.setenv("FASTCOLL_FORCE_COLLECTIVES", "1")
     monkeypatch.setitem(zero_pool.CONFIGS, "smoke", {**zero_pool.CONFIGS["smoke"], "worlds": (1,)})
-    args = cli._args_for(cli.build_parser().parse_args(["zero", "--smoke", "--json", str(tmp_path / "zero.json")]), "zero")
-    assert zero_pool.run_section(args) == 0
-    (row,) = json.loads((tmp_path / "zero_pool.json").read_text())["results"]
+    (row,) = _run_pool_section(tmp_path)["results"]
     assert row["world_size"] == 1 and row["label"].endswith(", N=1")
     assert set(row["targets"]) == {"bytes pool", "bytes pool 1x10MB", "step", "step pool 1x10MB"}
     assert row["targets"]["bytes pool"]["pass"] and row["peak pool/persistent"] > 0
