@@ -617,6 +617,35 @@ def test_wait_or_diagnose_future_timeout_peer_failure_and_other_errors():
         b.close()
 
 
+class _CompletesAsTheSliceEnds(dist.Work):
+    """A Work whose first bounded wait times out just as it completes (the peer arrives at the slice's end)."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if self.waits == 1:
+            raise RuntimeError("Operation timed out!")  # gloo's words for a bounded wait that ran out
+        return True
+
+    def is_completed(self):
+        return self.waits >= 1
+
+
+def test_a_work_completing_as_a_wait_slice_ends_is_no_stall():
+    """The slice's timeout races the Work's completion: the completed Work's own outcome decides, not a diagnosis."""
+    store = dist.HashStore()
+    (b,) = _boards(1, store)
+    try:
+        work = _CompletesAsTheSliceEnds()
+        assert stall.wait_or_diagnose(work, b.state, 30.0, b, "bucket 0", grace=0.2) is True
+        assert work.waits == 2 and b.state.waiting is None
+    finally:
+        b.close()
+
+
 class _FakeWork:
     def __init__(self, done=False, exc=None):
         self.done, self.exc = done, exc

@@ -144,11 +144,18 @@ def wait_or_diagnose(
             except StallError:
                 raise
             except Exception as exc:
-                peer = is_peer_failure(exc)
-                if not (peer or is_timeout(exc)):
+                fatal = is_peer_failure(exc)
+                if not (fatal or is_timeout(exc)):
                     raise
-                if peer or _completed(work):
-                    # A dead peer, or the backend's own timeout (the Work failed): shown as the cause.
+                if not fatal and _completed(work):
+                    # The Work completed as our slice ran out: its own outcome decides (a result, or the
+                    # backend's error, e.g. its own timeout), not the slice's timeout.
+                    try:
+                        return work.wait()
+                    except Exception as failed:  # noqa: BLE001 (any error of a completed Work is its failure)
+                        fatal, exc = True, failed
+                if fatal:
+                    # A dead peer, or a Work that failed: shown as the cause.
                     _abort.hold()
                     raise diagnose(board, timeout, cause=exc, waited=time.time() - since, grace=grace) from exc
                 # Our slice ran out (the Work is still pending).
