@@ -638,6 +638,17 @@ def p_data_swap(new: Callable[..., Run]) -> Obs:
     return _train(new(), after_step=swap)
 
 
+def p_profiled(new: Callable[..., Run]) -> Obs:
+    """The loop under torch.profiler with Python tracing and memory: at each step the tracer inspects the optimizer
+    that steps, looking up the state of each parameter of its param_groups (torch's own memory timeline analysis is
+    left out: it fails on torch DDP itself, "version mismatch")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = new()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True):
+        return _train(run, steps=2)
+
+
 # name -> (pattern, allows a loud refusal: True, "sharded" (with grads="sharded" only) or False; rounding: sums in
 # another order than torch's; runs in bf16 too: only where the pattern's route differs from the canonical one, which
 # is the bf16 reference (elsewhere the comparison could not fail; tests/test_main_grads.py covers those routes)
@@ -682,6 +693,7 @@ PATTERNS: Dict[str, tuple] = {
     "grad_by_hand": (p_grad_by_hand, "sharded", False, False),
     "data_write": (p_data_write, True, False, True),
     "data_swap": (p_data_swap, True, False, True),
+    "profiled_with_python_tracing": (p_profiled, False, False, False),
 }
 
 

@@ -493,7 +493,7 @@ class DDP(
             set_to_none: As ``nn.Module.zero_grad``.
         """
         super().zero_grad(set_to_none)
-        self.reducer.zero_kept_grads()
+        self.reducer.zero_kept_grads(set_to_none)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The float32 main gradient of a 16-bit parameter (``main_grad_dtype``): a view of its bucket.

@@ -387,6 +387,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ misc API
 
+    def _optimizer_step_code(self) -> None:
+        """Not torch's: its profiler, tracing Python, inspects the optimizer that runs torch's own of this method,
+        looking up ``state[p]`` for every ``p`` of ``param_groups``. Here that is the local optimizer over this
+        rank's pieces, whose step runs inside :meth:`step`; a lookup by a model parameter would be refused."""
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Only while the optimizer is being built: groups cannot be added to a sharded optimizer."""
         if getattr(self, "_built", False):

@@ -84,7 +84,7 @@ class GradHealth:
         #: With ``keep_total``: the last synchronized backward's total over every rank (float64), for the optimizer.
         self.total: Optional[torch.Tensor] = None
         #: The tensors whose versions the norm's snapshot records (the kept ranges when sharded; else the .grad).
-        self.watched: Optional[Sequence[torch.Tensor]] = None
+        self.watched: Optional[Callable[[], List[Optional[torch.Tensor]]]] = None
 
     @property
     def active(self) -> bool:
@@ -171,7 +171,7 @@ class GradHealth:
     def _versions(self, params: Sequence[torch.Tensor]) -> List[Tuple[int, int]]:
         # Once per backward over every parameter: each .grad read once (a None gradient gets id(None), -1);
         # with sharded gradients, the kept ranges instead (the .grad are not the reduced values).
-        grads = list(self.watched) if self.watched is not None else [p.grad for p in params]
+        grads = self.watched() if self.watched is not None else [p.grad for p in params]
         return [(id(g), -1 if g is None else g._version) for g in grads]
 
     def refresh_snapshot(self, params: Sequence[torch.Tensor]) -> None:

@@ -133,7 +133,7 @@ class KeptGradients:
         r = self.reducer
         if self.sharded:
             shards = r.shard_grads
-            return [g for g in shards.grads.values() if g.numel()] if shards.filled else []
+            return [g for g in shards.ranges() if g is not None and g.numel()] if shards.filled else []
         out = []
         layout = r.shards
         for bs, pcs in zip(layout.buckets, layout.pieces):
@@ -240,7 +240,7 @@ class KeptGradients:
                 self._forget(i)
                 forgot = True
         if forgot and not any(self.used[i] for i in self.guarded):
-            self.zero_kept()
+            self.zero_kept(release=True)
 
     def before_accumulating(self) -> None:
         """Before a backward accumulates: resets seen; the guards leave ``.grad`` (it accumulates into fresh gradients).
@@ -265,16 +265,19 @@ class KeptGradients:
                 r.params[i].grad = None
             else:
                 g.detach_().zero_()
-        self.zero_kept()
+        self.zero_kept(release=set_to_none)
 
-    def zero_kept(self) -> None:
-        """Forget the kept gradients (the ranges, the main gradients) and the use record."""
+    def zero_kept(self, release: bool = False) -> None:
+        """Forget the kept gradients (the ranges, the main gradients) and the use record; ``release``: free the
+        ranges that are not views of a bucket, as torch frees ``.grad`` (``set_to_none``)."""
         r = self.reducer
         gather = r.param_gather
         busy: Collection[int] = gather.borrowing() if gather is not None else ()
         self.placed = {}
         if r.shard_grads is not None:
             r.shard_grads.zero(busy)
+            if release:
+                r.shard_grads.release()
         r.zero_main_grads(busy)
         for b in r.main_buckets:  # a busy one is zeroed once its all-gather is written: accumulating then is right
             b.consumed = False

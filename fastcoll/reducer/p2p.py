@@ -35,15 +35,18 @@ _lock = threading.Lock()
 
 def _serve() -> None:
     while True:
-        works, finish, fut = _queue.get()
-        try:
-            for w in works:
-                w.wait()
-            finish()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            fut.set_exception(e)
-        else:
-            fut.set_result(None)
+        _run(*_queue.get())  # in a call of its own: the item's Works and buffers go when it returns
+
+
+def _run(works: List[dist.Work], finish: Callable[[], None], fut: torch.futures.Future) -> None:
+    try:
+        for w in works:
+            w.wait()
+        finish()
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        fut.set_exception(e)
+    else:
+        fut.set_result(None)
 
 
 def _submit(works: List[dist.Work], finish: Callable[[], None]) -> torch.futures.Future:

@@ -159,7 +159,8 @@ class AllReduce:
 
 
 class ShardGrads:
-    """This rank's range of every sharded bucket's reduced gradients, kept between backwards until zeroed.
+    """This rank's range of every sharded bucket's reduced gradients, kept between backwards until zeroed (and, by
+    ``zero_grad(set_to_none=True)``, freed where the range is not a view of its bucket).
 
     ``grads[pos]`` holds bucket ``pos``'s range (``shard`` elements, the
     gradients' dtype); a synchronized backward writes it, or adds to it when
@@ -168,8 +169,13 @@ class ShardGrads:
     local ``.grad`` once its bucket is packed.
     """
 
-    def __init__(self, grads: Dict[int, torch.Tensor], free_local: bool, in_place: Sequence[int] = ()):
-        self.grads = grads
+    def __init__(self, grads: Dict[int, Any], free_local: bool, in_place: Sequence[int] = ()):
+        #: Per bucket position, its range: a tensor, or None while released (an in-place range is never released).
+        self.grads: Dict[int, Optional[torch.Tensor]] = {
+            pos: g if isinstance(g, torch.Tensor) else None for pos, g in grads.items()
+        }
+        #: (numel, dtype, device) of the ranges of their own, allocated at the first reduction after a release.
+        self._specs = {pos: g for pos, g in grads.items() if not isinstance(g, torch.Tensor)}
         self.free_local = free_local
         #: Buckets whose range is this rank's range of the bucket itself (float32 main gradients, reduce-scattered
         #: in place): the rest of the bucket is zeroed after the reduction, and the range is set aside while
@@ -189,6 +195,26 @@ class ShardGrads:
         for pos in self.in_place:
             if pos not in busy:
                 self.grads[pos].zero_()
+
+    def release(self) -> None:
+        """``zero_grad(set_to_none=True)``: forget the kept gradients and free the ranges of their own (as torch frees
+        ``.grad``); the next synchronized backward allocates them again."""
+        self.filled = False
+        self._aside = {}
+        for pos in self._specs:
+            self.grads[pos] = None
+
+    def target(self, pos: int) -> torch.Tensor:
+        """Bucket ``pos``'s range, allocated if it was released (its values then undefined: the reduction writes it)."""
+        g = self.grads[pos]
+        if g is None:
+            numel, dtype, device = self._specs[pos]
+            g = self.grads[pos] = torch.empty(numel, dtype=dtype, device=device)
+        return g
+
+    def ranges(self) -> List[Optional[torch.Tensor]]:
+        """Every bucket's range in bucket order (None: released)."""
+        return list(self.grads.values())
 
     def set_aside(self) -> None:
         """Before backwards accumulate into in-place buckets whose range still holds reduced gradients: move them out."""
@@ -259,7 +285,7 @@ class ReduceScatter:
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         _packed(self.timeline, b, how, done)
-        target = self.shards.grads[b.pos]
+        target = self.shards.target(b.pos)
         in_place = b.pos in self.shards.in_place
         add = self.shards.filled and not in_place  # (an in-place range was set aside, and is added back at the end)
         if in_place and b.comm_padded is b.flat_padded:
@@ -436,7 +462,7 @@ class AccumReduceScatter(ReduceScatter):
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         pack, scale = _wire_and_scale(how)
         _packed(self.timeline, b, pack, done)
-        target = self.shards.grads[b.pos]
+        target = self.shards.target(b.pos)
         in_place = b.pos in self.shards.in_place
         add = self.shards.filled and not in_place
         direct = not add and target.dtype in (torch.float32, b.comm.dtype) and target.is_contiguous()
@@ -582,7 +608,7 @@ class Pooled:
     def _start_chunked(self, b: GradBucket, how: PackArgs) -> InFlight:
         inner, comm, world = self.inner, self.inner.comm, self.inner.comm.world_size
         shards = inner.shards
-        target = shards.grads[b.pos]
+        target = shards.target(b.pos)
         shard = target.numel()
         wire = b.wire_dtype
         per = self.pool.chunk_elements(b)  # elements of each rank's range per chunk

@@ -117,10 +117,10 @@ class ReducerSharding:
                     in_place.append(bs.pos)
                 else:  # (float32 for main gradients: pooled buckets keep only their ranges)
                     dtype = b.main_dtype if isinstance(b, MainGradBucket) else b.dtype
-                    grads[bs.pos] = torch.zeros(bs.shard, dtype=dtype, device=self.usage.device)
+                    grads[bs.pos] = (bs.shard, dtype, self.usage.device)  # allocated at its first reduction
             self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite, in_place=in_place)
             self._index_reductions()  # the dense buckets are reduce-scattered from now on
-            self.health.watched = [self.shard_grads.grads[bs.pos] for bs in self.shards.buckets]
+            self.health.watched = self.shard_grads.ranges
         self.kept = KeptGradients(self, advice)
         return self.shards
 
@@ -196,10 +196,11 @@ class ReducerSharding:
             if b.pos not in busy:
                 b.zero()
 
-    def zero_kept_grads(self) -> None:
+    def zero_kept_grads(self, set_to_none: bool = True) -> None:
         """Reset the gradients kept outside ``.grad`` (main gradients, reduced ranges), as ``zero_grad`` does ``.grad``."""
         if self.kept is not None:
-            self.kept.zero_kept()  # buckets whose memory holds a pending all-gather are zeroed once it is written
+            # (buckets whose memory holds a pending all-gather are zeroed once it is written)
+            self.kept.zero_kept(release=set_to_none)
         else:
             self.zero_main_grads()
             self.unsynchronized = False
