@@ -134,6 +134,17 @@ def test_analyze_targets():
     assert "step sharded/torch" not in zero.analyze(_fake_row("mlp96", ratios))["targets"]  # ResNet-50 and GPT-2 only
 
 
+def test_memory_target_allows_one_percent_of_the_state_saved():
+    """The peak must fall by the state saved, less 1% of it (a few scalars of bookkeeping): 399 saved, slack 3.99."""
+    row = _fake_row("mlp96", {m: 1.0 for m in zero.METHODS})
+    for m, short in (("full", 3), ("sharded", 5)):  # peaks 3 and 5 bytes above torch's - the state saved
+        for r, rank in enumerate(row["memory"][m]["ranks"]):
+            rank["peak_bytes"] = 5000 + r - 399 + short
+    t = zero.analyze(row)["targets"]
+    assert t["memory full"]["value"] == -3 and t["memory full"]["threshold"] == pytest.approx(-3.99)
+    assert t["memory full"]["verdict"] == stats.MET and t["memory sharded"]["verdict"] == stats.MISSED
+
+
 # --------------------------------------------------------------------------- the bfloat16 section
 
 

@@ -216,10 +216,16 @@ def bytes_sent(fn: Callable[[], Any]) -> Tuple[Any, Optional[int]]:
 
 
 class MemoryProbe:
-    """Peak memory growth of a block: resident high-water mark on CPU (reset first), allocator peak on CUDA."""
+    """Peak memory growth of a block: resident high-water mark on CPU (reset first), allocator peak on CUDA.
 
-    def __init__(self, device: str):
+    With ``tensors``, on CPU also the peak of the bytes torch's tensors hold (:meth:`tensor_peak`): what
+    ``max_memory_allocated`` is on CUDA, free of what the C allocator keeps resident.
+    """
+
+    def __init__(self, device: str, tensors: bool = False):
         self.device, self.base, self.ok = device, 0, True
+        self._profile: Optional[torch.profiler.profile] = None
+        self._tensors = tensors and device == "cpu"
 
     def start(self) -> None:
         gc.collect()
@@ -228,6 +234,11 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return
+        if self._tensors:
+            _count_every_thread()
+            self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            with _kineto_quiet():
+                self._profile.__enter__()
         if _LIBC is not None:
             _LIBC.malloc_trim(0)  # free heap goes back to the OS, so reusing it shows in the RSS again
         try:
@@ -243,6 +254,58 @@ class MemoryProbe:
             return torch.cuda.max_memory_allocated() - self.base
         hwm = _proc_field("/proc/self/status", "VmHWM")
         return None if not self.ok or hwm is None else max(0, hwm * 1024 - self.base)
+
+    def tensor_peak(self) -> Optional[int]:
+        """The most bytes torch's tensors held at once since :meth:`start`, above what they held then (stops the
+        recording). CPU: the running total of c10's CPU allocator as torch.profiler records it; CUDA: :meth:`peak`."""
+        if self.device == "cuda":
+            return self.peak()
+        prof, self._profile = self._profile, None
+        if prof is None:
+            return None
+        with _kineto_quiet():
+            prof.__exit__(None, None, None)
+        return _tensor_peak(prof)
+
+
+@contextlib.contextmanager
+def _kineto_quiet() -> Iterator[None]:
+    """Standard error closed while the profiler starts or stops: its library prints two lines each time, at any
+    log level, into every benchmark's progress."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _count_every_thread() -> None:
+    """Make c10's CPU allocator keep its running total of tensor bytes in every thread, not only a profiled one (its
+    ``caffe2_report_cpu_memory_usage`` flag): a block freed by another thread (a gloo worker dropping the last
+    reference to a message) then leaves the total the profiler records."""
+    with contextlib.suppress(OSError, ValueError):
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
+def _tensor_peak(prof: Any) -> int:
+    """The most bytes CPU tensors held at once during ``prof`` (profile_memory), above what they held at its first record."""
+    from torch._C._profiler import _EventType
+
+    def walk(nodes: Any) -> Iterator[Any]:
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+
+    totals = [(f.total_allocated, f.alloc_size) for n in walk(prof.profiler.kineto_results.experimental_event_tree())
+              if n.tag == _EventType.Allocation for f in [n.extra_fields] if f.device.type == "cpu"]  # fmt: skip
+    if not totals:
+        return 0
+    first_total, first_size = totals[0]
+    return max(t for t, _ in totals) - (first_total - first_size)
 
 
 class LiveBytes:
@@ -376,17 +439,19 @@ def warm_up(build: Callable[[], Built]) -> None:
 
 
 def memory_phase(me: "Rank", build: Callable[[Optional[LiveBytes]], Built], steps: int, read: Callable[..., Dict[str, Any]],
-                 warm: Optional[Callable[[], Built]] = None, live: bool = False) -> Dict[str, Any]:  # fmt: skip
+                 warm: Optional[Callable[[], Built]] = None, live: bool = False,
+                 tensors: bool = False) -> Dict[str, Any]:  # fmt: skip
     """One method's memory on this rank, in the order every memory phase keeps; every rank's fields, ``{"ranks": [...]}``.
 
-    :func:`warm_up` on ``warm()`` if given, the probe started (and, with ``live``, on the CPU a :class:`LiveBytes`),
+    :func:`warm_up` on ``warm()`` if given, the probe started (``tensors``: recording tensor bytes too; and, with
+    ``live``, on the CPU a :class:`LiveBytes`),
     the method built (``build(heap)``: its step samples the heap) and ``steps`` steps taken; then ``read(probe, heap,
     built)`` returns this rank's fields, ``probe.peak()`` among them.
     """
     if warm is not None:
         warm_up(warm)
         gc.collect()
-    probe = MemoryProbe(me.device)
+    probe = MemoryProbe(me.device, tensors)
     probe.start()
     heap = LiveBytes() if live and me.device == "cpu" else None
     built = build(heap)

@@ -39,7 +39,7 @@ METHOD_DESCRIPTIONS = {
     "sharded": 'fastcoll.DDP(module) + fastcoll.ShardedOptimizer(AdamW(...), model, grads="sharded")',
     "overlap": "the same with overlap_param_gather=True (all-gathers hidden behind the next forward)",
 }
-STATE_TOLERANCE = 0.01  # state per rank <= (1 + this) x DDP's / N
+STATE_TOLERANCE = 0.01  # state per rank <= (1 + this) x DDP's / N; peak saving >= (1 - this) x the state saved
 STEP_VS_ZERO = 0.8  # full, sharded (and overlap): step <= this x ZeroRedundancyOptimizer's
 STEP_VS_TORCH = 1.0  # sharded (and overlap): step <= this x torch DDP + AdamW's ...
 STEP_VS_TORCH_MODELS = ("resnet50", "gpt2_small")  # ... on these models
@@ -123,17 +123,17 @@ def param_digest(module: nn.Module) -> List[float]:
 
 
 def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
-    """Phase 1 for one method: peak and live growth, state bytes, bytes sent per iteration, parameter digest."""
+    """Phase 1 for one method: peak tensor and resident growth, state bytes, bytes sent per iteration, parameter digest."""
 
-    def read(probe: runner.MemoryProbe, live: Optional[runner.LiveBytes], m: runner.Built) -> Dict[str, Any]:
+    def read(probe: runner.MemoryProbe, _heap: Any, m: runner.Built) -> Dict[str, Any]:
         _, sent = runner.bytes_sent(lambda: (runner.run_steps(m.step, 1, m.opt), runner.synchronize(me.device)))
         buckets = len(m.wrapper.bucket_info()) if method not in ("torch", "zero") else None
-        return {"peak_bytes": probe.peak(), "live_peak_bytes": live.peak if live and live.available else None,
-                "state_bytes": state_bytes(method, m.opt), "sent_bytes": sent, "digest": param_digest(m.module),
-                "buckets": buckets}  # fmt: skip
+        resident = probe.peak() if me.device == "cpu" else None
+        return {"peak_bytes": probe.tensor_peak(), "resident_peak_bytes": resident, "state_bytes": state_bytes(method, m.opt),
+                "sent_bytes": sent, "digest": param_digest(m.module), "buckets": buckets}  # fmt: skip
 
-    return runner.memory_phase(me, lambda live: build(me, spec, method, sample=live.sample if live else lambda: None),
-                               me.cfg["setup_steps"], read, lambda: build(me, models.WARMUP, method), live=True)  # fmt: skip
+    return runner.memory_phase(me, lambda _heap: build(me, spec, method), me.cfg["setup_steps"], read,
+                               lambda: build(me, models.WARMUP, method), tensors=True)  # fmt: skip
 
 
 def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[str, Any]:
@@ -150,12 +150,12 @@ step_ratio = stats.group_target
 
 
 def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
-    """Add per-method summaries, checks, live margins, ratios and the targets to a model's row (in place)."""
+    """Add per-method summaries, checks, resident margins, ratios and the targets to a model's row (in place)."""
     groups, mem, ws = row["groups"], row["memory"], row["world_size"]
     methods: Dict[str, Dict[str, Any]] = {}
     for m in METHODS:
         ranks = mem.get(m, {}).get("ranks") or []
-        methods[m] = stats.method_entry(groups, ranks, m, ("state_bytes", "peak_bytes", "live_peak_bytes", "sent_bytes"))
+        methods[m] = stats.method_entry(groups, ranks, m, ("state_bytes", "peak_bytes", "resident_peak_bytes", "sent_bytes"))
     row["methods"] = methods
     ref = (mem.get("torch", {}).get("ranks") or [{}])[0].get("digest")
     row["checks"] = {}
@@ -176,16 +176,17 @@ def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
         st, pk = methods[m].get("state_bytes"), methods[m].get("peak_bytes")
         if t_state and st and t_peak and pk and None not in t_peak and None not in pk:
             margins = [(tp - p) - (ts - s) for tp, p, ts, s in zip(t_peak, pk, t_state, st)]
+            slack = -STATE_TOLERANCE * min(ts - s for ts, s in zip(t_state, st))  # bookkeeping scalars, not the state
             targets[f"memory {m}"] = stats.target(
-                min(margins), 0.0, (min(margins), max(margins)), "ge", "range over ranks", unit="bytes"
+                min(margins), slack, (min(margins), max(margins)), "ge", "range over ranks", unit="bytes"
             )
     row["targets"] = targets
-    t_live = methods["torch"].get("live_peak_bytes")
-    row["live_margins"] = {}
-    for m in MEMORY_METHODS[1:]:  # the same margin from live heap bytes: allocator retention vs live data (no target)
-        lv, st = methods[m].get("live_peak_bytes"), methods[m].get("state_bytes")
-        if t_live and lv and t_state and st and None not in t_live and None not in lv:
-            row["live_margins"][m] = min((a - b) - (c - d) for a, b, c, d in zip(t_live, lv, t_state, st))
+    t_res = methods["torch"].get("resident_peak_bytes")
+    row["resident_margins"] = {}
+    for m in MEMORY_METHODS[1:]:  # the same margin in resident memory: what the C allocator keeps counts (no target)
+        rs, st = methods[m].get("resident_peak_bytes"), methods[m].get("state_bytes")
+        if t_res and rs and t_state and st and None not in t_res and None not in rs:
+            row["resident_margins"][m] = min((a - b) - (c - d) for a, b, c, d in zip(t_res, rs, t_state, st))
     row["ratios"] = {f"{m}/torch": step_ratio(groups, m, "torch")["value"] for m in METHODS[1:]}
     row["ratios"]["sharded/overlap"] = step_ratio(groups, "sharded", "overlap")["value"]  # what not overlapping costs
     return row
@@ -224,12 +225,14 @@ def print_results(payload: Dict[str, Any]) -> None:
     for r in rows:
         for i, (name, t) in enumerate(r["targets"].items()):
             fmt = {"memory": report.mib, "state": lambda v: f"{v:.4f}"}.get(name.split()[0], report.fmt_ratio)
-            thr = f"{'≥' if t['op'] == 'ge' else '≤'} {t['threshold']}"
+            bound = report.mib(t["threshold"]) if name.startswith("memory") else t["threshold"]
+            thr = f"{'≥' if t['op'] == 'ge' else '≤'} {bound}"
             body.append([r["label"] if i == 0 else "", target_label(name), report.target_cell(t, fmt), thr, t["interval"]])
     columns = ["model", "target", "value (interval) verdict", "target", "interval"]
     report.table(f"fastcoll zero: targets ({cfg['device']})", columns,
                  body, "step: ratio of median steps; state: exact bytes, worst rank; memory: (torch DDP + AdamW's peak - "
-                 "this peak) - state saved, MiB, range over ranks. Reported, never asserted.")  # fmt: skip
+                 "this peak) - state saved, MiB, range over ranks, at least -1% of the state saved (peak: tensor bytes). "
+                 "Reported, never asserted.")  # fmt: skip
     body = []
     for r in rows:
         m, t = r["methods"], r["methods"]["torch"]
@@ -239,14 +242,16 @@ def print_results(payload: Dict[str, Any]) -> None:
             ok = "-" if check is None else "equal" if check["max_rel_diff"] == 0 else "close" if check["ok"] else "[red]DIFFER"
             body.append([r["label"] if k == "torch" else "", METHOD_LABELS[k], report.per_rank_mib(st), report.per_rank_mib(pk),
                          report.mib(saved), report.verdict_cell(r["targets"].get(f"memory {k}")) if k in SHARDED else "",
-                         report.per_rank_mib(m[k].get("live_peak_bytes")), report.mib(r["live_margins"].get(k)),
+                         report.per_rank_mib(m[k].get("resident_peak_bytes")), report.mib(r["resident_margins"].get(k)),
                          report.per_rank_mib(m[k].get("sent_bytes")), ok])  # fmt: skip
     report.table(f"fastcoll zero: optimizer state, peak memory and traffic per rank ({cfg['device']})",
-                 ["model", "method", "state MiB", "peak MiB", "saved", "memory target", "live MiB", "live margin", "sent MiB",
-                  "params"],
-                 body, "per rank (rank 0 / rank 1); peak: resident high-water growth, each method in a fresh process pair; "
-                 "live: most heap bytes alive between the phases of an iteration (glibc mallinfo2); sent: bytes written to "
-                 "sockets in one iteration; params: after the same iterations, against torch DDP + AdamW's.")  # fmt: skip
+                 ["model", "method", "state MiB", "peak MiB", "saved", "memory target", "resident MiB", "resident margin",
+                  "sent MiB", "params"],
+                 body, "per rank (rank 0 / rank 1), each method in a fresh process pair; peak: most bytes held by tensors "
+                 "at once, above what they held before the build (CPU: torch.profiler's record of every allocation; CUDA: "
+                 "max_memory_allocated); resident: growth of the resident high-water mark (CPU), with what the C allocator "
+                 "keeps; sent: bytes written to sockets in one iteration; params: after the same iterations, against torch "
+                 "DDP + AdamW's.")  # fmt: skip
 
 
 def run(args: Any) -> int:
@@ -283,7 +288,8 @@ def run(args: Any) -> int:
               "targets": {"state": f"optimizer state per rank <= (1 + {STATE_TOLERANCE}) x torch DDP + AdamW's / N",
                           "step vs zero": f"step <= {STEP_VS_ZERO}x ZeroRedundancyOptimizer's (full, sharded, overlap)",
                           "step vs torch": f"sharded step <= {STEP_VS_TORCH}x torch DDP + AdamW's ({STEP_VS_TORCH_MODELS})",
-                          "memory": "peak per rank below torch DDP + AdamW's by the state saved (full, sharded)"}}  # fmt: skip
+                          "memory": "peak tensor bytes per rank below torch DDP + AdamW's by the state saved, within "
+                                    f"{STATE_TOLERANCE:.0%} of it"}}  # fmt: skip
     payload = {"benchmark": "zero", "config": config, "implementation": implementation, "results": results}
     print_results(payload)
     named = [(f"{r['label']}: {target_label(k)}", t) for r in results for k, t in r["targets"].items()]

@@ -285,6 +285,9 @@ class ReduceScatter:
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         _packed(self.timeline, b, how, done)
+        if self.shards.free_local:  # (before the range is allocated: the peak holds one or the other)
+            for p in b.params:
+                p.grad = None
         target = self.shards.target(b.pos)
         in_place = b.pos in self.shards.in_place
         add = self.shards.filled and not in_place  # (an in-place range was set aside, and is added back at the end)
@@ -292,9 +295,6 @@ class ReduceScatter:
             out = target  # reduce-scattered in place: the range is a view of the bucket
         else:
             out = target if target.dtype == b.comm.dtype and not add else torch.empty_like(target, dtype=b.comm.dtype)
-        if self.shards.free_local:
-            for p in b.params:
-                p.grad = None
         self.timeline.issued(b.pos)
         handle = self.comm.reduce_scatter(out, b.comm_padded, f"bucket {b.pos}") if b.numel else DONE
         self.timeline.watch(handle, b.pos)
@@ -462,14 +462,14 @@ class AccumReduceScatter(ReduceScatter):
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         pack, scale = _wire_and_scale(how)
         _packed(self.timeline, b, pack, done)
+        if self.shards.free_local:
+            for p in b.params:
+                p.grad = None
         target = self.shards.target(b.pos)
         in_place = b.pos in self.shards.in_place
         add = self.shards.filled and not in_place
         direct = not add and target.dtype in (torch.float32, b.comm.dtype) and target.is_contiguous()
         out = target if direct else torch.empty(target.shape, dtype=torch.float32, device=b.device)
-        if self.shards.free_local:
-            for p in b.params:
-                p.grad = None
         self.timeline.issued(b.pos)
         recv, handle = _exchange(self.comm, b, b.comm_padded) if b.numel else (None, DONE)
         self.timeline.watch(handle, b.pos)
