@@ -117,7 +117,10 @@ class ReducerSharding:
                     in_place.append(bs.pos)
                 else:  # (float32 for main gradients: pooled buckets keep only their ranges)
                     dtype = b.main_dtype if isinstance(b, MainGradBucket) else b.dtype
-                    grads[bs.pos] = (bs.shard, dtype, self.usage.device)  # allocated at its first reduction
+                    if b.pooled:  # kept: freeing them beside the pool's buffers doubled a CPU step (accumulate="full")
+                        grads[bs.pos] = torch.zeros(bs.shard, dtype=dtype, device=self.usage.device)
+                    else:
+                        grads[bs.pos] = (bs.shard, dtype, self.usage.device)  # allocated at its first reduction
             self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite, in_place=in_place)
             self._index_reductions()  # the dense buckets are reduce-scattered from now on
             self.health.watched = self.shard_grads.ranges
