@@ -160,7 +160,7 @@ class AllReduce:
 
 class ShardGrads:
     """This rank's range of every sharded bucket's reduced gradients, kept between backwards until zeroed (and, by
-    ``zero_grad(set_to_none=True)``, freed where the range is not a view of its bucket).
+    ``zero_grad(set_to_none=True)``, freed where the range has memory of its own outside a gradient pool).
 
     ``grads[pos]`` holds bucket ``pos``'s range (``shard`` elements, the
     gradients' dtype); a synchronized backward writes it, or adds to it when
