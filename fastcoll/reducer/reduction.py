@@ -169,13 +169,17 @@ class ShardGrads:
     local ``.grad`` once its bucket is packed.
     """
 
-    def __init__(self, grads: Dict[int, Any], free_local: bool, in_place: Sequence[int] = ()):
-        #: Per bucket position, its range: a tensor, or None while released (an in-place range is never released).
-        self.grads: Dict[int, Optional[torch.Tensor]] = {
-            pos: g if isinstance(g, torch.Tensor) else None for pos, g in grads.items()
-        }
-        #: (numel, dtype, device) of the ranges of their own, allocated at the first reduction after a release.
-        self._specs = {pos: g for pos, g in grads.items() if not isinstance(g, torch.Tensor)}
+    def __init__(
+        self,
+        grads: Dict[int, Optional[torch.Tensor]],
+        own: Dict[int, Tuple[int, torch.dtype, torch.device]],
+        free_local: bool,
+        in_place: Sequence[int] = (),
+    ):
+        #: Per bucket position (in bucket order), its range: a tensor, or None while released.
+        self.grads = grads
+        #: (numel, dtype, device) of the ranges that ``zero_grad`` frees, allocated at the first reduction after it.
+        self._own = own
         self.free_local = free_local
         #: Buckets whose range is this rank's range of the bucket itself (float32 main gradients, reduce-scattered
         #: in place): the rest of the bucket is zeroed after the reduction, and the range is set aside while
@@ -201,14 +205,14 @@ class ShardGrads:
         ``.grad``); the next synchronized backward allocates them again."""
         self.filled = False
         self._aside = {}
-        for pos in self._specs:
+        for pos in self._own:
             self.grads[pos] = None
 
     def target(self, pos: int) -> torch.Tensor:
         """Bucket ``pos``'s range, allocated if it was released (its values then undefined: the reduction writes it)."""
         g = self.grads[pos]
         if g is None:
-            numel, dtype, device = self._specs[pos]
+            numel, dtype, device = self._own[pos]
             g = self.grads[pos] = torch.empty(numel, dtype=dtype, device=device)
         return g
 
@@ -283,11 +287,16 @@ class ReduceScatter:
         self.timeline = timeline
         self.shards = shards
 
-    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
-        _packed(self.timeline, b, how, done)
-        if self.shards.free_local:  # (before the range is allocated: the peak holds one or the other)
+    def _release_local(self, b: GradBucket) -> None:
+        """The packed bucket's local ``.grad`` go (with ``free_local``), before its range is allocated: a peak holds
+        one or the other."""
+        if self.shards.free_local:
             for p in b.params:
                 p.grad = None
+
+    def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
+        _packed(self.timeline, b, how, done)
+        self._release_local(b)
         target = self.shards.target(b.pos)
         in_place = b.pos in self.shards.in_place
         add = self.shards.filled and not in_place  # (an in-place range was set aside, and is added back at the end)
@@ -462,9 +471,7 @@ class AccumReduceScatter(ReduceScatter):
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         pack, scale = _wire_and_scale(how)
         _packed(self.timeline, b, pack, done)
-        if self.shards.free_local:
-            for p in b.params:
-                p.grad = None
+        self._release_local(b)
         target = self.shards.target(b.pos)
         in_place = b.pos in self.shards.in_place
         add = self.shards.filled and not in_place
@@ -635,9 +642,7 @@ class Pooled:
             self._live.append(c)
         inner.timeline.pack_end(b.pos)
         inner.timeline.issued(b.pos)
-        if shards.free_local:
-            for p in b.params:
-                p.grad = None
+        inner._release_local(b)  # (after the chunks' packs, which read them)
         return f
 
     def start_zeros(self, b: GradBucket, zeros: ZeroBuffers, how: PackArgs) -> InFlight:

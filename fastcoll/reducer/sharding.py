@@ -109,7 +109,7 @@ class ReducerSharding:
             [(b.pos, b.param_indices, [p.numel() for p in b.params], b.padded) for b in buckets], self.world_size, self.rank
         )
         if sharded_grads:
-            grads, in_place = {}, []
+            grads, own, in_place = {}, {}, []
             for bs in self.shards.buckets:
                 b = buckets[bs.pos]
                 if isinstance(b, MainGradBucket) and not b.pooled:  # the float32 bucket's own range (Megatron's layout)
@@ -120,8 +120,8 @@ class ReducerSharding:
                     if b.pooled:  # kept: freeing them beside the pool's buffers doubled a CPU step (accumulate="full")
                         grads[bs.pos] = torch.zeros(bs.shard, dtype=dtype, device=self.usage.device)
                     else:
-                        grads[bs.pos] = (bs.shard, dtype, self.usage.device)  # allocated at its first reduction
-            self.shard_grads = ShardGrads(grads, free_local=not self.health.check_nonfinite, in_place=in_place)
+                        grads[bs.pos], own[bs.pos] = None, (bs.shard, dtype, self.usage.device)  # at its first reduction
+            self.shard_grads = ShardGrads(grads, own, free_local=not self.health.check_nonfinite, in_place=in_place)
             self._index_reductions()  # the dense buckets are reduce-scattered from now on
             self.health.watched = self.shard_grads.ranges
         self.kept = KeptGradients(self, advice)
