@@ -468,6 +468,8 @@ def test_bench_section_smoke(tmp_path):
     assert data["config"]["methods"]["pool 1x10MB"]["bucket_cap_mb"] == 10.0
     assert set(row["methods"]) == set(zero_pool.MEMORY) and set(row["step_s"]) == set(zero_pool.TIMED)
     assert row["methods"]["pool"]["held"]["pool"] > 0 and row["methods"]["persistent"]["held"]["pool"] == 0
+    for m in zero_pool.MEMORY:  # tensor bytes: at least what the method holds after its steps, on every rank
+        assert all(b >= row["methods"][m]["held"]["total"] for b in row["methods"][m]["tensor_peak_bytes"]), m
 
 
 def test_bench_section_one_rank_forced(tmp_path, monkeypatch):
@@ -481,4 +483,5 @@ def test_bench_section_one_rank_forced(tmp_path, monkeypatch):
     assert row["world_size"] == 1 and row["label"].endswith(", N=1")
     assert set(row["targets"]) == {"bytes pool", "bytes pool 1x10MB", "step", "step pool 1x10MB"}
     assert row["targets"]["bytes pool"]["pass"] and row["peak pool/persistent"] > 0
+    assert row["tensor peak pool/persistent"] > 1  # at N = 1 the range is the whole bucket, and the pool comes on top
     assert row["methods"]["pool"]["held"]["pool"] > 0

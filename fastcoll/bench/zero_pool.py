@@ -3,8 +3,8 @@
 Part of ``python -m fastcoll.bench zero`` (docs/sharded-optimizer.md). GPT-2's
 parameter shapes (the synthetic model of :mod:`fastcoll.bench.zero_bf16`) in
 bfloat16 with float32 main gradients, float32 masters and AdamW, at 2 and 4
-gloo ranks (on CUDA: one NCCL rank per GPU): bytes held per rank per parameter by kind and the peak resident
-growth (a fresh process group per method), then the step time of both side by
+gloo ranks (on CUDA: one NCCL rank per GPU): bytes held per rank per parameter by kind, the peak resident
+growth and (CPU) the peak of torch's tensor bytes (a fresh process group per method), then the step time of both side by
 side, without accumulation and with 4 micro-batches under ``no_sync`` (both
 accumulation choices of the pool).
 """
@@ -62,16 +62,18 @@ def build(me: runner.Rank, dims: Sequence[Sequence[int]], method: str, x: Option
 
 
 def _memory(me: runner.Rank, shapes: models.GPT2Shapes, method: str) -> Dict[str, Any]:
-    """This rank's bytes by kind (the pool's slots counted as "pool") and its peak resident growth."""
+    """This rank's bytes by kind (the pool's slots counted as "pool"), its peak resident growth (CUDA: the allocator's
+    peak) and the peak of its tensor bytes (CPU: what the C allocator keeps resident left out; CUDA: the same peak)."""
 
     def read(probe: runner.MemoryProbe, _live: Any, m: runner.Built) -> Dict[str, Any]:
         held = zero_bf16.account("sharded", m.module, m.wrapper, m.opt, [])
         held["pool"] = m.opt.grad_pool.nbytes if m.opt.grad_pool is not None else 0
         held["total"] += held["pool"]
-        return {"numel": sum(p.numel() for p in m.module.parameters()), "peak_bytes": probe.peak(), "held": held}
+        return {"numel": sum(p.numel() for p in m.module.parameters()), "peak_bytes": probe.peak(),
+                "tensor_peak_bytes": probe.tensor_peak(), "held": held}  # fmt: skip
 
     dims = [s for _, s in shapes.shapes()]
-    return runner.memory_phase(me, lambda _live: build(me, dims, method), me.cfg["setup_steps"] + 1, read)
+    return runner.memory_phase(me, lambda _live: build(me, dims, method), me.cfg["setup_steps"] + 1, read, tensors=True)
 
 
 def _timing(me: runner.Rank, shapes: models.GPT2Shapes) -> Dict[str, Any]:
@@ -82,29 +84,33 @@ def _timing(me: runner.Rank, shapes: models.GPT2Shapes) -> Dict[str, Any]:
     return runner.optimizer_rounds(me, TIMED, lambda m: build(me, dims, m, x), me.cfg["reps"], me.cfg["max_reps"], goal, inner=1)
 
 
-def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]], label: str) -> Dict[str, Any]:
-    """Bytes per parameter, the peak and step ratios and the targets of one world size (its row named ``label``, N)."""
+def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]], label: str, cpu: bool = True) -> Dict[str, Any]:
+    """Bytes per parameter, the peak and step ratios and the targets of one world size (its row named ``label``, N);
+    on the CPU (``cpu``) the peak of tensor bytes has a target of its own beside the resident growth's."""
     out: Dict[str, Any] = {"world_size": world, "label": f"{label}, N={world}", "methods": {}, "targets": {}}
     for m in MEMORY:
         ranks = memory[m]["ranks"]
         numel = ranks[0]["numel"]
         worst = max(ranks, key=lambda r: r["held"]["total"])["held"]
         out["methods"][m] = {"bytes_per_param": {k: v / numel for k, v in worst.items()}, "held": worst,
-                             "peak_bytes": [r["peak_bytes"] for r in ranks], "numel": numel}  # fmt: skip
+                             "peak_bytes": [r["peak_bytes"] for r in ranks], "numel": numel,
+                             "tensor_peak_bytes": [r.get("tensor_peak_bytes") for r in ranks]}  # fmt: skip
     for m in MEMORY[1:]:
         pool = out["methods"][m]
         budget = (2 + 16 / world) * (1 + PAD_SHARE) + pool["bytes_per_param"]["pool"]  # (+ the ranges' padding)
         out["targets"][f"bytes {m}"] = stats.target(
             pool["bytes_per_param"]["total"], budget, what=f"{m}: bytes per parameter held, N={world} (<= 2 + 16/N + the pool)"
         )
-        per_rank = stats.per_rank_ratios(pool["peak_bytes"], out["methods"]["persistent"]["peak_bytes"])
-        if per_rank and world == 4:
-            what, span = f"peak resident growth per rank, {m} / persistent, N={world}", (min(per_rank), max(per_rank))
-            if METHODS[m][4]:
-                what += f" (the pool at bucket_cap_mb={METHODS[m][4]:g}, persistent at the level's)"
-            out["targets"][f"peak {m}"] = stats.target(span[1], PEAK_VS_PERSISTENT, span, "le", "range over ranks", what)
-        elif per_rank:
-            out[f"peak {m}/persistent"] = max(per_rank)
+        for key, kind in (("peak_bytes", "resident growth"), ("tensor_peak_bytes", "tensor bytes")):
+            per_rank = stats.per_rank_ratios(pool[key], out["methods"]["persistent"][key])
+            name = "peak" if key == "peak_bytes" else "tensor peak"
+            if per_rank and world == 4 and (key == "peak_bytes" or cpu):  # on CUDA both are the allocator's peak
+                what, span = f"peak {kind} per rank, {m} / persistent, N={world}", (min(per_rank), max(per_rank))
+                if METHODS[m][4]:
+                    what += f" (the pool at bucket_cap_mb={METHODS[m][4]:g}, persistent at the level's)"
+                out["targets"][f"{name} {m}"] = stats.target(span[1], PEAK_VS_PERSISTENT, span, "le", "range over ranks", what)
+            elif per_rank:
+                out[f"{name} {m}/persistent"] = max(per_rank)
     out["targets"]["step"] = stats.ratio_target(
         samples, "pool", "persistent", STEP_VS_PERSISTENT, what=f"step, pool / persistent, N={world}"
     )
@@ -137,7 +143,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
                 memory[m] = runner.run_ranks(_memory, c, (shapes, m), ws, bar)
             bar.describe(f"zero pool: {timed_shapes.label}, N={ws}, timing")
             timed = runner.run_ranks(_timing, {**c, "keep_freed_memory": True, "freeze": True}, (timed_shapes,), ws, bar)
-            rows.append(analyze(ws, memory, timed["samples"], shapes.label))
+            rows.append(analyze(ws, memory, timed["samples"], shapes.label, cfg["device"] == "cpu"))
     settings = {**{k: v for k, v in cfg.items() if "shapes" not in k}, "model": shapes.label, "numel": shapes.numel(),
                 "timed_model": timed_shapes.label, "timed_numel": timed_shapes.numel(),
                 "methods": {m: dict(zip(("grad_buffers", "accumulate", "micro_batches", "pool_buffers", "bucket_cap_mb"), v))
@@ -156,13 +162,15 @@ def print_results(payload: Dict[str, Any]) -> None:
             body.append([row["world_size"], m, mib(e["held"]["params"]), mib(e["held"]["buckets"]), mib(e["held"]["pool"]),
                          mib(e["held"]["state"] + e["held"]["masters"]), f"{b['total']:.2f}",
                          f"{2 + 16 / row['world_size']:.1f} / {6 + 12 / row['world_size']:.1f}",
-                         report.per_rank_mib(e["peak_bytes"])])  # fmt: skip
+                         report.per_rank_mib(e["peak_bytes"]), report.per_rank_mib(e.get("tensor_peak_bytes"))])  # fmt: skip
     report.table(f"fastcoll zero pool: bytes per rank, {cfg['model']} ({cfg['numel'] / 1e6:.1f} M parameters, bf16 + fp32 "
                  "main grads + fp32 masters + AdamW)",
                  ["N", "grad buffers", "params", "buckets + ranges", "pool", "state + masters", "B/P held",
-                  "2+16/N / Megatron 6+12/N", "peak growth per rank"], body,
+                  "2+16/N / Megatron 6+12/N", "peak growth per rank", "tensor peak per rank"], body,
                  f"bucket_cap_mb={cfg['bucket_cap_mb']} (pool 1x10MB: pool_buffers=1, bucket_cap_mb=10); MiB, worst rank; "
-                 "buckets + ranges: full-size bucket buffers, the kept ranges, all-gather stages")  # fmt: skip
+                 "buckets + ranges: full-size bucket buffers, the kept ranges, all-gather stages; peak growth: resident "
+                 "high-water mark (CUDA: max_memory_allocated); tensor peak: the most bytes torch's tensors held at once "
+                 "(CPU: c10's running total as torch.profiler records it)")  # fmt: skip
     body = [[row["world_size"], *(report.fmt_time(row["step_s"][m]) for m in TIMED),
              report.target_cell(row["targets"]["step"]), report.target_cell(row["targets"]["step pool 1x10MB"]),
              *(f"{report.fmt_ratio(r['value'])} ({report.fmt_ratio((r['ci90'] or [None])[0])}..."

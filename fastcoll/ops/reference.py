@@ -39,7 +39,7 @@ The gradient-health ops (``flatten_scale_ex``, ``unflatten_scale_ex``,
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,6 +86,21 @@ def _check_flat(op: str, flat: torch.Tensor, name: str) -> None:
         )
 
 
+def _check_member(op: str, t: Any, what: str, other: torch.Tensor, other_name: str) -> None:
+    """One listed tensor: a strided, dense tensor of a supported dtype on ``other``'s device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {what} is a {type(t).__name__}, not a tensor")
+    _check_strided(op, t, what)
+    if t.device != other.device:
+        raise RuntimeError(f"{op}: {what} is on {t.device} but {other_name} is on {other.device}; move them to one device")
+    _check_dtype(op, t, what)
+    if not is_dense(t):
+        raise ValueError(
+            f"{op}: {what} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not dense and "
+            "non-overlapping; make it .contiguous() first"
+        )
+
+
 def _validate(
     op: str,
     tensors: Sequence[torch.Tensor],
@@ -110,18 +125,7 @@ def _validate(
     offsets: list[int] = []
     total = 0
     for i, t in enumerate(tensors):
-        what = f"{list_name}[{i}]"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {what} is a {type(t).__name__}, not a tensor")
-        _check_strided(op, t, what)
-        if t.device != flat.device:
-            raise RuntimeError(f"{op}: {what} is on {t.device} but {flat_name} is on {flat.device}; move them to one device")
-        _check_dtype(op, t, what)
-        if not is_dense(t):
-            raise ValueError(
-                f"{op}: {what} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not dense and "
-                "non-overlapping; make it .contiguous() first"
-            )
+        _check_member(op, t, f"{list_name}[{i}]", flat, flat_name)
         offsets.append(total)
         total += t.numel()
     if total > flat.numel() if prefix else total != flat.numel():
@@ -296,18 +300,7 @@ def _check_list_only(op: str, tensors: Sequence[torch.Tensor], out: torch.Tensor
     if len(tensors) == 0:
         raise ValueError(f"{op}: tensors is empty; pass at least one tensor")
     for i, t in enumerate(tensors):
-        what = f"tensors[{i}]"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {what} is a {type(t).__name__}, not a tensor")
-        _check_strided(op, t, what)
-        if t.device != out.device:
-            raise RuntimeError(f"{op}: {what} is on {t.device} but out is on {out.device}; move them to one device")
-        _check_dtype(op, t, what)
-        if not is_dense(t):
-            raise ValueError(
-                f"{op}: {what} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not dense and "
-                "non-overlapping; make it .contiguous() first"
-            )
+        _check_member(op, t, f"tensors[{i}]", out, "out")
 
 
 def flatten_scale_ex(
