@@ -76,12 +76,18 @@ class Net(nn.Module):
         self.low = BF16 if bf16 else torch.float32
         for m in (self.emb, self.mid, self.frozen, self.side):
             m.to(self.low)
+        #: ``use_reentrant`` of torch.utils.checkpoint around ``mid`` (None: no activation checkpointing)
+        self.reentrant: Optional[bool] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.low)
         s = self.side(x) + self.frozen(x)
         h = torch.tanh(self.emb(x))
-        return self.out(torch.tanh(self.mid(h) + s).float())
+        if self.reentrant is None:
+            m = self.mid(h)
+        else:  # the module's own call is recomputed in the backward: its hooks run again there
+            m = torch.utils.checkpoint.checkpoint(self.mid, h, use_reentrant=self.reentrant)
+        return self.out(torch.tanh(m + s).float())
 
 
 def batch(step: int, rank: int, world: int) -> torch.Tensor:

@@ -23,6 +23,9 @@ same tolerances, same bf16 reference: the fastcoll model on its canonical route)
   over ``model.parameters()``, timm's ``ModelEmaV3`` (when timm imports).
 * Gradient accumulation with ``no_sync``: with ``opt.zero_grad()`` and with
   ``model.zero_grad(set_to_none=False)``.
+* Activation checkpointing (``torch.utils.checkpoint`` around a layer, reentrant
+  or not, as transformers' ``gradient_checkpointing_enable`` sets it up): the
+  layer's forward and its hooks run again inside the backward.
 """
 
 from __future__ import annotations
@@ -202,6 +205,26 @@ def _accumulation(zero: str, set_to_none: bool) -> Callable[[Callable[..., Run]]
     return pattern
 
 
+def _checkpointed(reentrant: bool) -> Callable[[Callable[..., Run]], Obs]:
+    """Activation checkpointing around a layer (transformers' ``gradient_checkpointing_enable``: the layer's call
+    recomputed in the backward, its forward hooks run again there), with and without no_sync micro-batches."""
+
+    def pattern(new: Callable[..., Run]) -> Obs:
+        run = new()
+        if not run.canonical:
+            run.model.reentrant = reentrant
+        for step in range(STEPS):
+            run.zero("opt")
+            if step % 2:
+                accumulate(run, step)
+            else:
+                run.backward(step)
+            run.opt.step()
+        return finish(run, {})
+
+    return pattern
+
+
 # --------------------------------------------------------------------------- Lightning's Trainer
 
 
@@ -290,6 +313,8 @@ LOOPS: Dict[str, tuple] = {
     "ema_timm_model_ema_v3": (ema_timm_v3, False, False, False),
     "accumulate_no_sync_opt_zero_grad": (_accumulation("opt", True), False, False, False),
     "accumulate_no_sync_module_zero_grad_keep": (_accumulation("module", False), False, False, True),
+    "activation_checkpointing": (_checkpointed(False), False, False, True),
+    "activation_checkpointing_reentrant": (_checkpointed(True), False, False, True),
     # gradient_clip_val: torch's clip over p.grad, allowed to refuse with grads="sharded"
     "lightning_trainer_clip_and_scheduler": (lightning_trainer, "sharded", True, False),
     "lightning_trainer_accumulate_grad_batches": (lightning_trainer_accumulating, "sharded", True, False),
