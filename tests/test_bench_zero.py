@@ -218,7 +218,8 @@ def _fake_bf16_row(step: dict, peak: dict, rounds: int = 20) -> dict:
     def rank(m: str, r: int) -> dict:
         h = {"params": 2, "grads": 0, "buckets": 4, "state": 4, "masters": 2}
         h = {k: v * 100 for k, v in h.items()} | {"total": held[m] * 100}
-        return {"numel": 100, "held": h, "peak_bytes": peak[m] + r, "live_peak_bytes": held[m] * 100, "live_by_phase": None}
+        return {"numel": 100, "held": h, "peak_bytes": peak[m] + r, "tensor_peak_bytes": held[m] * 100 + 50,
+                "live_peak_bytes": held[m] * 100, "live_by_phase": None}  # fmt: skip
 
     mem = {m: {"ranks": [rank(m, r) for r in (0, 1)]} for m in zero_bf16.METHODS}
     return {"model": "fake", "world_size": 2, "memory": mem, "groups": [{"samples": samples, "inner": 1, "reps": rounds}]}
@@ -241,6 +242,9 @@ def test_bf16_analysis_and_targets():
         and t["memory sharded/autocast"]["verdict"] == stats.MET
     )
     assert t["memory full/autocast"]["verdict"] == stats.MISSED  # 0.64
+    assert t["tensor memory sharded/autocast"]["value"] == pytest.approx(1250 / 2050)  # 0.61: its own verdict
+    assert t["tensor memory sharded/autocast"]["verdict"] == stats.MISSED
+    assert "tensor memory sharded/autocast" not in zero_bf16.analyze(row, quality, "cuda")["targets"]  # one peak on CUDA
     assert (
         t["step sharded/autocast"]["value"] == pytest.approx(1.02, rel=0.02)
         and t["step sharded/autocast"]["verdict"] == stats.MET

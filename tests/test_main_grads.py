@@ -308,6 +308,53 @@ def test_refusals_and_guards():
     run_ranks(refusal_worker, 2, timeout=120)
 
 
+# --------------------------------------------------------------------------- 16-bit gradients released as they come
+
+
+def eager_worker(rank: int, world: int) -> dict:
+    """Each mode trained with the 16-bit gradients added into the main gradients as soon as each is final
+    (FASTCOLL_EARLY_PACK_MIN_NUMEL=1: every parameter) and, for comparison, all at their bucket's pack."""
+    out = {}
+    for grads in ("full", "sharded"):
+        for micro in (1, 2):
+            runs = {}
+            for eager in (True, False):
+                os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1" if eager else str(1 << 40)
+                model = Mixed(aligned=True)
+                ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)  # a and b share one bucket
+                opt = fastcoll.ShardedOptimizer(_opt("adamw", _groups(model)), ddp, grads=grads, master_dtype=torch.float32)
+                seen = []  # when a's gradient (the last of the bucket) is computed: is b's, final earlier, still alive?
+                model.a.weight.register_hook(lambda _g: seen.append(model.b.weight.grad is not None))
+                for step in range(3):
+                    opt.zero_grad()
+                    rows = _x(step)[rank * GLOBAL // world : (rank + 1) * GLOBAL // world]
+                    for k in range(micro):
+                        with ddp.no_sync() if k < micro - 1 else _nullcontext():
+                            ddp(rows[k::micro]).pow(2).mean().backward()
+                    opt.step()
+                opt.finish_param_sync()
+                sd = opt.state_dict()["state"]
+                runs[eager] = {"seen": seen, "params": [p.detach().clone() for p in model.parameters()],
+                               "masters": [sd[k][ckpt.MASTER] for k in sorted(sd) if ckpt.MASTER in sd[k]]}  # fmt: skip
+                ddp.close()
+            out[(grads, micro)] = runs
+    os.environ.pop("FASTCOLL_EARLY_PACK_MIN_NUMEL")
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_16bit_gradients_are_released_as_they_come_and_training_is_unchanged(world):
+    """A 16-bit gradient goes into its float32 main gradient when it is final, not when its bucket completes (its
+    memory does not wait for the rest of the bucket), bitwise as the bucket's fused accumulation, with no_sync too."""
+    for (grads, micro), runs in run_ranks(eager_worker, world, timeout=280)[0].items():
+        what = f"grads={grads}, {micro} micro-batch(es)"
+        synced = runs[True]["seen"][micro - 1 :: micro]  # the synchronizing backwards (no_sync ones accumulate at their end)
+        assert synced and not any(synced), f"{what}: b's 16-bit gradient still alive when a's arrived: {runs[True]['seen']}"
+        assert all(runs[False]["seen"]), f"{what}: without early accumulation b's gradient should wait for the bucket"
+        for key in ("params", "masters"):
+            assert runs[True][key] and all(torch.equal(x, y) for x, y in zip(runs[True][key], runs[False][key])), (what, key)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

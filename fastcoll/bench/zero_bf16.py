@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -183,15 +184,15 @@ WARMUP = [(4, 3), (5,), (3, 2)]
 
 
 def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
-    """Every rank's bytes by kind, peak resident growth and live heap per phase for ``method``."""
-    kept: List[torch.Tensor] = []
+    """Every rank's bytes by kind, peak resident growth, peak tensor bytes and live heap per phase for ``method``."""
+    kept: List[weakref.ref] = []  # weak: a reference would keep one step's gradients alive into the next backward
 
     def measured(live: Optional[runner.LiveBytes]) -> runner.Built:
         def sample(phase: str) -> None:
             if live is not None:
                 live.sample(phase)
-            if phase == "backward":  # the gradients as backward leaves them (weakly: only counted)
-                kept[:] = [p.grad for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
+            if phase == "backward":  # the gradients as backward leaves them (counted at the end, if still alive)
+                kept[:] = [weakref.ref(p.grad) for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
 
         built = build(me, [s for _, s in shapes.shapes()], method, sample=sample)
         module = built.module
@@ -200,16 +201,18 @@ def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
 
     def read(probe: runner.MemoryProbe, live: Optional[runner.LiveBytes], m: runner.Built) -> Dict[str, Any]:
         runner.synchronize(me.device)
-        held = account(method, m.module, m.wrapper, m.opt, kept)
+        held = account(method, m.module, m.wrapper, m.opt, [g for ref in kept if (g := ref()) is not None])
         kept.clear()
         has_live = live is not None and live.available
         return {"numel": sum(p.numel() for p in m.module.parameters()), "peak_bytes": probe.peak(),
+                "tensor_peak_bytes": probe.tensor_peak(),
                 "live_peak_bytes": live.peak if has_live else None,
                 "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
                 "held": held, "buckets": len(m.wrapper.bucket_info()) if hasattr(m.wrapper, "bucket_info") else None,
                 "iterations": me.cfg["setup_steps"] + 1}  # fmt: skip
 
-    return runner.memory_phase(me, measured, me.cfg["setup_steps"] + 1, read, lambda: build(me, WARMUP, method), live=True)
+    return runner.memory_phase(me, measured, me.cfg["setup_steps"] + 1, read, lambda: build(me, WARMUP, method), live=True,
+                               tensors=True)  # fmt: skip
 
 
 # Phase 2: step time (the timed methods side by side in one process pair)
@@ -239,31 +242,37 @@ def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
 
 
 # Analysis
-def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per-method summaries, the ratios to ``autocast`` and the targets (in place; returns ``row``)."""
+def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]], device: str = "cpu") -> Dict[str, Any]:
+    """Per-method summaries, the ratios to ``autocast`` and the targets (in place; returns ``row``); on the CPU the peak of
+    tensor bytes has a memory target of its own beside the resident growth's (on CUDA the two are one peak)."""
     mem, groups = row["memory"], row["groups"]
     methods: Dict[str, Dict[str, Any]] = {}
     row["methods"] = methods
     for m in METHODS:
         ranks = mem.get(m, {}).get("ranks") or []
-        entry = methods[m] = stats.method_entry(groups, ranks, m, ("held", "peak_bytes", "live_peak_bytes", "live_by_phase"))
+        keys = ("held", "peak_bytes", "tensor_peak_bytes", "live_peak_bytes", "live_by_phase")
+        entry = methods[m] = stats.method_entry(groups, ranks, m, keys)
         if ranks:
             numel = ranks[0]["numel"]
             bpp = entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
             bpp["held"] = max(r["held"]["total"] for r in ranks) / numel
-            for key, name in (("peak_bytes", "peak"), ("live_peak_bytes", "live")):
+            for key, name in (("peak_bytes", "peak"), ("tensor_peak_bytes", "tensor peak"), ("live_peak_bytes", "live")):
                 known = [p for p in entry[key] if p is not None]
                 bpp[name] = max(known) / numel if known else None
         entry["readme_bytes_per_param"] = README_BYTES_PER_PARAM[m][0]
 
     targets: Dict[str, Any] = {}
     base = methods["autocast"]
+    peaks = [("peak_bytes", "memory", "resident growth")]
+    if device == "cpu":
+        peaks.append(("tensor_peak_bytes", "tensor memory", "tensor bytes"))
     for m in FASTCOLL:
-        per_rank = stats.per_rank_ratios(methods[m].get("peak_bytes"), base.get("peak_bytes"))
-        if per_rank:
-            what = f"peak resident growth per rank, {METHOD_LABELS[m]} / autocast's"
-            span = (min(per_rank), max(per_rank))
-            targets[f"memory {m}/autocast"] = stats.target(span[1], MEMORY_VS_AUTOCAST, span, "le", "range over ranks", what)
+        for key, name, kind in peaks:
+            per_rank = stats.per_rank_ratios(methods[m].get(key), base.get(key))
+            if per_rank:
+                what = f"peak {kind} per rank, {METHOD_LABELS[m]} / autocast's"
+                span = (min(per_rank), max(per_rank))
+                targets[f"{name} {m}/autocast"] = stats.target(span[1], MEMORY_VS_AUTOCAST, span, "le", "range over ranks", what)
         t = stats.group_target(groups, m, "autocast", STEP_VS_AUTOCAST, f"step, {METHOD_LABELS[m]} / autocast's")
         if t["value"] is not None:
             targets[f"step {m}/autocast"] = t
@@ -272,7 +281,7 @@ def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]]) -> Dict[str,
         t = stats.group_target(groups, m, "autocast")
         ratios[f"step {m}/autocast"] = {"value": t["value"], "ci90": t["ci90"]}
         me = methods[m]
-        for what in ("peak_bytes", "live_peak_bytes"):
+        for what in ("peak_bytes", "tensor_peak_bytes", "live_peak_bytes"):
             per_rank = stats.per_rank_ratios(me.get(what), base.get(what))
             if per_rank:
                 ratios[f"{what} {m}/autocast"] = max(per_rank)
@@ -313,10 +322,11 @@ def measure(args: Any = None) -> Dict[str, Any]:
         quality = runner.run_ranks(_quality, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}, (), 2, bar)
     row = {"model": shapes.name, "label": shapes.label, "shapes": dataclasses.asdict(shapes), "numel": shapes.numel(),
            "world_size": ws, "memory": memory, "groups": [timed]}  # fmt: skip
-    analyze(row, quality)
+    analyze(row, quality, device)
     cpu_memory = ("held: bytes of the distinct storages of the parameters, .grad after backward, buckets, optimizer state "
                   "and masters; peak: growth of VmHWM over VmRSS before the model is built (fresh process pair per method, "
-                  "after a warm-up on tiny shapes and malloc_trim); live: glibc mallinfo2 after each phase")  # fmt: skip
+                  "after a warm-up on tiny shapes and malloc_trim); tensor peak: the most bytes torch's tensors held at once "
+                  "(c10's running total as torch.profiler records it); live: glibc mallinfo2 after each phase")  # fmt: skip
     settings = {
         **cfg, "methods": METHOD_DESCRIPTIONS, "timed": list(TIMED), "adamw": models.adamw_kwargs(device, (torch.float32, BF16)),
         "model": "MatmulShapeModel: one module per parameter of GPT-2's shapes, forward = sum_i "
@@ -330,7 +340,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
         "quality_model": "tiny_lm.TinyCausalLM (2 pre-norm layers, d=32, 4 heads, vocabulary 32, 16 tokens), "
         f"{tiny_lm.BATCH} sequences per micro-batch and rank, {QUALITY_MICRO_BATCHES} micro-batches per step, "
         f"AdamW lr {QUALITY_LR}, 2 gloo ranks",
-        "targets": {"memory": f"sharded's peak per rank <= {MEMORY_VS_AUTOCAST}x autocast's",
+        "targets": {"memory": f"sharded's peak per rank <= {MEMORY_VS_AUTOCAST}x autocast's (resident; CPU: also tensor bytes)",
                     "step": f"sharded's step <= {STEP_VS_AUTOCAST}x autocast's",
                     "distance": f"(c)'s weight distance from (a) <= {DISTANCE_VS_BF16} x (b)'s",
                     "loss": f"(c)'s final loss within {LOSS_GAP:.0%} of (a)'s"},
@@ -366,14 +376,17 @@ def print_results(payload: Dict[str, Any]) -> None:
         body.append([METHOD_LABELS[k], mib(h.get("params")), mib(h.get("grads")), mib(h.get("buckets")), state,
                      mib(h.get("total")),
                      f"{bpp.get('held') or 0:.2f} ({e['readme_bytes_per_param']:.0f})", report.per_rank_mib(e.get("peak_bytes")),
-                     report.per_rank_mib(e.get("live_peak_bytes")), report.fmt_ratio(peak)])  # fmt: skip
+                     report.per_rank_mib(e.get("tensor_peak_bytes")), report.per_rank_mib(e.get("live_peak_bytes")),
+                     report.fmt_ratio(peak), report.fmt_ratio(row["ratios"].get(f"tensor_peak_bytes {k}/autocast"))])  # fmt: skip
     report.table(f"fastcoll zero bf16: bytes per rank, {row['label']} ({row['numel'] / 1e6:.1f} M parameters, {device})",
                  ["method", "params", ".grad", "buckets", "state (masters)", "held", "held B/P (README)", "peak (r0 / r1)",
-                  "live (r0 / r1)", "peak/autocast"], body,
+                  "tensor peak (r0 / r1)", "live (r0 / r1)", "peak/autocast", "tensor peak/autocast"], body,
                  "MiB per rank; held: the distinct storages a rank holds (worst rank), .grad right after backward, buckets "
                  "(fastcoll: float32 main-gradient buckets), optimizer state (+ float32 masters); B/P: bytes per "
                  "parameter, README's at N = 2 in brackets; peak: resident high-water growth, a fresh process pair per "
-                 "method; live: most heap bytes alive after a phase (glibc mallinfo2).")  # fmt: skip
+                 "method; tensor peak: the most bytes torch's tensors held at once (CPU: c10's running total as "
+                 "torch.profiler records it; CUDA: max_memory_allocated); live: most heap bytes alive after a phase (glibc "
+                 "mallinfo2).")  # fmt: skip
     by_phase = [[METHOD_LABELS[k], *(mib(max(p[ph] for p in ps)) for ph in PHASES)]
                 for k in METHODS if (ps := [p for p in (m[k].get("live_by_phase") or []) if p])]  # fmt: skip
     if by_phase:

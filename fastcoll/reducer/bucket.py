@@ -574,7 +574,18 @@ class MainGradBucket(GradBucket):
         return [i for i, has in zip(self.param_indices, present) if has]
 
     def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
-        return False  # accumulated with the rest of the bucket (the scale applies to the whole sum)
+        """Add parameter ``k``'s final 16-bit gradient into ``slot`` (its float32 slice of ``flat``) and release it.
+
+        The scale by 1/divisor applies to the whole sum at :meth:`pack`; what waits for the bucket is only the
+        gradients not added yet. Returns True when there was a gradient to add.
+        """
+        p = self.params[k]
+        if p.grad is None:
+            return False
+        with torch.no_grad():
+            ops.flatten_accumulate([p.grad], slot, nonfinite=how.nonfinite)
+        p.grad = None
+        return True
 
     def pack(self, how: "PackArgs", done: Optional[Sequence[int]] = None) -> None:
         """Accumulate this backward's gradients, then scale the sum by 1/divisor into the wire buffer (in place in float32)."""

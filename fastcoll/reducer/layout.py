@@ -82,41 +82,52 @@ def move_grads_into_views(buckets: Sequence[GradBucket]) -> None:
 
 
 def early_pack_slots(
-    buckets: Sequence[GradBucket], n: int, enabled: bool = True
+    buckets: Sequence[GradBucket], n: int, enabled: bool = True, main: bool = True
 ) -> Tuple[List[Optional[torch.Tensor]], List[int]]:
-    """Where each large CPU gradient is packed as soon as it is final, and each parameter's slot in its bucket.
+    """Where each large gradient is packed as soon as it is final, and each parameter's slot in its bucket.
 
     On CPU a gradient just written by backward is still in cache; packing it
     right away (one fused call for that tensor) costs less than re-reading it
     from memory when its bucket completes. Small gradients wait for the
     bucket's single fused pack; CUDA buckets always pack in one launch.
+    A large 16-bit gradient of a main-gradient bucket, on any device, is added
+    into its float32 slot as soon as it is final and released
+    (:meth:`MainGradBucket.pack_one`): otherwise every 16-bit gradient of a
+    bucket stays alive until the last one arrives, up to a bucket cap of memory.
 
     ``enabled`` False (one-rounding reductions, whose pack does not scale):
-    every gradient waits for its bucket's pack.
+    every gradient of a bucket without main gradients waits for its bucket's
+    pack; ``main`` False (pooled buckets, whose buffer exists only from their
+    pack on): every main gradient does.
 
     Returns:
-        Per parameter index: its slice of the bucket's wire buffer, or None
-        when it waits for the bucket pack; and its position in its bucket.
+        Per parameter index: its slice of the bucket's wire buffer (of its
+        float32 buffer for a main-gradient bucket), or None when it waits for
+        the bucket pack; and its position in its bucket.
     """
     slots: List[Optional[torch.Tensor]] = [None] * n
     slot_pos = [0] * n
-    early = packs_early(buckets, n, enabled)
+    early = packs_early(buckets, n, enabled, main)
     for b in buckets:
+        into = b.flat if isinstance(b, MainGradBucket) else b.comm
         for k, i in enumerate(b.param_indices):
             slot_pos[i] = k
             if early[i] and not b.lazy:  # (a lazy bucket gets its slots once it has buffers)
-                slots[i] = b.comm[b.offsets[k] : b.offsets[k] + b.params[k].numel()]
+                slots[i] = into[b.offsets[k] : b.offsets[k] + b.params[k].numel()]
     return slots, slot_pos
 
 
-def packs_early(buckets: Sequence[GradBucket], n: int, enabled: bool = True) -> List[bool]:
+def packs_early(buckets: Sequence[GradBucket], n: int, enabled: bool = True, main: bool = True) -> List[bool]:
     """Per parameter index: its gradient is packed as soon as it is final (see :func:`early_pack_slots`)."""
-    min_numel = early_pack_min_numel() if enabled else None
+    min_numel = early_pack_min_numel()
     out = [False] * n
     for b in buckets:
-        eligible = b.device.type == "cpu" and not b.sparse and not isinstance(b, MainGradBucket)
+        if isinstance(b, MainGradBucket):
+            eligible = main
+        else:
+            eligible = enabled and b.device.type == "cpu" and not b.sparse
         for k, i in enumerate(b.param_indices):
-            out[i] = eligible and min_numel is not None and b.params[k].numel() >= min_numel
+            out[i] = eligible and b.params[k].numel() >= min_numel
     return out
 
 
@@ -209,6 +220,7 @@ class BucketSet:
         #: Some buckets were installed ``lazy`` and have no buffers yet (:meth:`materialize`).
         self.deferred = False
         self._early_packs = True
+        self._main_early = True
 
     def initial_layout(self) -> List[List[int]]:
         """Buckets in reverse registration order (before any gradient-ready order was seen)."""
@@ -243,11 +255,12 @@ class BucketSet:
             for i in b.param_indices:
                 self.bucket_of[i] = b.pos
         self._early_packs = early_packs and not pooled
+        self._main_early = not pooled
         self.deferred = any(b.lazy for b in self.buckets)
         self._index_slots()
 
     def _index_slots(self) -> None:
-        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params), self._early_packs)
+        self.eager_slots, self.slot_pos = early_pack_slots(self.buckets, len(self.params), self._early_packs, self._main_early)
 
     def materialize(self) -> bool:
         """Allocate the buffers of the buckets installed ``lazy`` and index their early-pack slots; True if any."""
@@ -285,7 +298,7 @@ class BucketSet:
 
     def info(self) -> List[Dict[str, Any]]:
         """Each bucket's index, parameter names, dtype, device, numel, bytes, wire dtype and early-packed names."""
-        early = packs_early(self.buckets, len(self.params), self._early_packs)
+        early = packs_early(self.buckets, len(self.params), self._early_packs, self._main_early)
         return [
             {
                 "index": b.pos,
