@@ -28,7 +28,7 @@ from typing import Dict, List, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 # The commit whose benchmarks/RESULTS.md the chart was drawn from.
-RESULTS_REV = "20d1375"
+RESULTS_REV = "bee8c9d"
 DEFAULT_OUT = ROOT / "docs" / "img" / "headline.png"
 
 H200 = "NVIDIA H200, 1 GPU, torch 2.11.0+cu130 (2026-11-27)"
