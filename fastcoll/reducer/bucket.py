@@ -318,6 +318,10 @@ class GradBucket:
             return v
         return g
 
+    def accumulate_one(self, k: int, slot: torch.Tensor, nonfinite: Optional[torch.Tensor] = None) -> bool:
+        """Only main-gradient buckets accumulate between synchronized backwards: nothing here."""
+        return False
+
     def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
         """Pack parameter ``k``'s final gradient into ``slot``, its part of the wire buffer (see :class:`PackArgs`).
 
@@ -573,19 +577,23 @@ class MainGradBucket(GradBucket):
                 p.grad = None
         return [i for i, has in zip(self.param_indices, present) if has]
 
-    def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
+    def accumulate_one(self, k: int, slot: torch.Tensor, nonfinite: Optional[torch.Tensor] = None) -> bool:
         """Add parameter ``k``'s final 16-bit gradient into ``slot`` (its float32 slice of ``flat``) and release it.
 
-        The scale by 1/divisor applies to the whole sum at :meth:`pack`; what waits for the bucket is only the
-        gradients not added yet. Returns True when there was a gradient to add.
+        :meth:`accumulate` then adds only the gradients not added yet. Returns True when there was one to add.
         """
         p = self.params[k]
         if p.grad is None:
             return False
         with torch.no_grad():
-            ops.flatten_accumulate([p.grad], slot, nonfinite=how.nonfinite)
+            ops.flatten_accumulate([p.grad], slot, nonfinite=nonfinite)
         p.grad = None
         return True
+
+    def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
+        """:meth:`accumulate_one` in a synchronized backward (the scale by 1/divisor applies to the whole sum at
+        :meth:`pack`)."""
+        return self.accumulate_one(k, slot, how.nonfinite)
 
     def pack(self, how: "PackArgs", done: Optional[Sequence[int]] = None) -> None:
         """Accumulate this backward's gradients, then scale the sum by 1/divisor into the wire buffer (in place in float32)."""

@@ -223,6 +223,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self.skip_unused_buckets = bool(skip_unused_buckets)
         self.main_grad_dtype: Optional[torch.dtype] = main_grad_dtype
         self._idle_queued = False  # a no_sync backward's accumulation into the main gradients is queued
+        self._idle_arrived: List[int] = []  # parameters that no_sync backward added into their main gradients already
         #: A backward under ``no_sync`` left local gradients that no synchronized backward has reduced yet.
         self.unsynchronized = False
         self._init_unsharded()
@@ -300,22 +301,28 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
     # --------------------------------------------------------------- backward
 
     def _on_idle_grad(self, idx: int) -> None:
-        """Hook body between synchronized backwards (``no_sync``): count the use; queue the main gradients' accumulation."""
+        """Hook body between synchronized backwards (``no_sync``): count the use; a large 16-bit gradient goes into
+        its float32 main gradient now, the others at the end of the backward (:meth:`_accumulate_idle`)."""
         self.unsynchronized = True
         if self.usage.tracking_use:
             self.usage.local_used[idx] = 1
-        if self.main_buckets and not self._idle_queued:
+        if not self.main_buckets:
+            return
+        if not self._idle_queued:
             self._idle_queued = True
+            self.ensure_buffers()
+            self.before_accumulating()  # (the parameters' all-gathers may still use the buckets)
+            if self.shard_grads is not None:
+                self.shard_grads.set_aside()
             torch.autograd.Variable._execution_engine.queue_callback(self._accumulate_idle)
+        slot = self._eager_slots[idx]
+        if slot is not None and self._set.buckets[self._bucket_of[idx]].accumulate_one(self._slot_pos[idx], slot):
+            self._idle_arrived.append(idx)
 
     def _accumulate_idle(self) -> None:
-        """End of a ``no_sync`` backward: its 16-bit gradients go into the float32 main gradients."""
+        """End of a ``no_sync`` backward: its 16-bit gradients not added yet go into the float32 main gradients."""
         self._idle_queued = False
-        self.ensure_buffers()
-        self.before_accumulating()  # (the parameters' all-gathers may still use the buckets)
-        if self.shard_grads is not None:
-            self.shard_grads.set_aside()
-        arrived: List[int] = []
+        arrived, self._idle_arrived = self._idle_arrived, []
         for b in self.main_buckets:
             if self.pool is not None:
                 self.pool.hold(b)  # kept until the synchronizing backward's reduce-scatter
