@@ -8,6 +8,8 @@ feature must behave as it does unsharded.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from multiproc import run_ranks
@@ -337,6 +339,28 @@ def combined_bf16_worker(rank: int, world: int) -> None:
         else:
             for n, p in ref.items():
                 assert torch.allclose(got[n].float(), p.float(), rtol=2e-2, atol=1e-2 * float(p.abs().max())), (what, n)
+
+
+def combined_bf16_eager_worker(rank: int, world: int) -> None:
+    # The same, with every 16-bit gradient added into its main gradient as soon as it is final (its own hook, in the
+    # no_sync micro-batches too) against the run where each waits for its bucket: the same sums in the same order.
+    os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = str(1 << 40)
+    ref = _combined_run("fastcoll", "full", rank, world, None, bf16=True)
+    os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1"
+    for grads in ("full", "sharded"):
+        got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2, bf16=True)
+        what = f"bf16 main grads added as they come x no_sync x find_unused x checkpoint, grads={grads}"
+        if grads == "full":
+            _compare(ref, got, what)
+        else:
+            for n, p in ref.items():
+                assert torch.allclose(got[n].float(), p.float(), rtol=2e-2, atol=1e-2 * float(p.abs().max())), (what, n)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_combined_features_bf16_main_grads_added_as_they_come(world):
+    """The bf16 combination with every 16-bit gradient added into its float32 main gradient by its own hook."""
+    run_ranks(combined_bf16_eager_worker, world, timeout=280)
 
 
 @pytest.mark.parametrize("world", [2, 3])
