@@ -95,6 +95,22 @@ def per_rank_ratios(a: Optional[Sequence[Optional[float]]], b: Optional[Sequence
     return [x / y for x, y in zip(a, b)]  # type: ignore[operator]
 
 
+#: The two peaks a memory phase reads per rank (runner.MemoryProbe), and what each is: the resident set's growth
+#: (CUDA: the allocator's peak), and the bytes tensors held at once.
+PEAKS = (("peak_bytes", "resident growth"), ("tensor_peak_bytes", "tensor bytes"))
+
+
+def worst_rank_target(a: Optional[Sequence[Optional[float]]], b: Optional[Sequence[Optional[float]]], threshold: float,
+                      what: str) -> Optional[Dict[str, Any]]:  # fmt: skip
+    """The target ``a[r] / b[r] <= threshold`` on the worst rank, the range over ranks as its interval; None when a
+    value is missing (:func:`per_rank_ratios`)."""
+    per_rank = per_rank_ratios(a, b)
+    if not per_rank:
+        return None
+    span = (min(per_rank), max(per_rank))
+    return target(span[1], threshold, span, "le", "range over ranks", what)
+
+
 def paired_cost(with_feature: Sequence[float], without: Sequence[float]) -> Dict[str, float]:
     """Median and quartiles of the per-round differences ``with_feature[k] - without[k]`` (an A/A pair: the noise)."""
     st = summarize([a - b for a, b in zip(with_feature, without)])

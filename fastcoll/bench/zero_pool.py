@@ -101,16 +101,16 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]],
         out["targets"][f"bytes {m}"] = stats.target(
             pool["bytes_per_param"]["total"], budget, what=f"{m}: bytes per parameter held, N={world} (<= 2 + 16/N + the pool)"
         )
-        for key, kind in (("peak_bytes", "resident growth"), ("tensor_peak_bytes", "tensor bytes")):
-            per_rank = stats.per_rank_ratios(pool[key], out["methods"]["persistent"][key])
+        for key, kind in stats.PEAKS:
+            what = f"peak {kind} per rank, {m} / persistent, N={world}"
+            if METHODS[m][4]:
+                what += f" (the pool at bucket_cap_mb={METHODS[m][4]:g}, persistent at the level's)"
+            t = stats.worst_rank_target(pool[key], out["methods"]["persistent"][key], PEAK_VS_PERSISTENT, what)
             name = "peak" if key == "peak_bytes" else "tensor peak"
-            if per_rank and world == 4 and (key == "peak_bytes" or cpu):  # on CUDA both are the allocator's peak
-                what, span = f"peak {kind} per rank, {m} / persistent, N={world}", (min(per_rank), max(per_rank))
-                if METHODS[m][4]:
-                    what += f" (the pool at bucket_cap_mb={METHODS[m][4]:g}, persistent at the level's)"
-                out["targets"][f"{name} {m}"] = stats.target(span[1], PEAK_VS_PERSISTENT, span, "le", "range over ranks", what)
-            elif per_rank:
-                out[f"{name} {m}/persistent"] = max(per_rank)
+            if t and world == 4 and (key == "peak_bytes" or cpu):  # on CUDA both are the allocator's peak
+                out["targets"][f"{name} {m}"] = t
+            elif t:
+                out[f"{name} {m}/persistent"] = t["value"]
     out["targets"]["step"] = stats.ratio_target(
         samples, "pool", "persistent", STEP_VS_PERSISTENT, what=f"step, pool / persistent, N={world}"
     )
