@@ -331,14 +331,19 @@ def combined_bf16_worker(rank: int, world: int) -> None:
     # after backward): against the same training without the checkpoint round trip, grads="full" (exact); the
     # reduce-scatter of grads="sharded" sums in another order: within bfloat16 rounding.
     ref = _combined_run("fastcoll", "full", rank, world, None, bf16=True)
+    _check_bf16_round_trips(ref, rank, world, "bf16 main grads x no_sync x find_unused x checkpoint")
+
+
+def _check_bf16_round_trips(ref: dict, rank: int, world: int, what: str) -> None:
+    # Both grads modes with the checkpoint round trip against ``ref``: grads="full" bitwise, grads="sharded" (whose
+    # reduce-scatter sums in another order) within bfloat16 rounding.
     for grads in ("full", "sharded"):
         got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2, bf16=True)
-        what = f"bf16 main grads x no_sync x find_unused x checkpoint, grads={grads}"
         if grads == "full":
-            _compare(ref, got, what)
+            _compare(ref, got, f"{what}, grads={grads}")
         else:
             for n, p in ref.items():
-                assert torch.allclose(got[n].float(), p.float(), rtol=2e-2, atol=1e-2 * float(p.abs().max())), (what, n)
+                assert torch.allclose(got[n].float(), p.float(), rtol=2e-2, atol=1e-2 * float(p.abs().max())), (what, grads, n)
 
 
 def combined_bf16_eager_worker(rank: int, world: int) -> None:
@@ -347,14 +352,7 @@ def combined_bf16_eager_worker(rank: int, world: int) -> None:
     os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = str(1 << 40)
     ref = _combined_run("fastcoll", "full", rank, world, None, bf16=True)
     os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1"
-    for grads in ("full", "sharded"):
-        got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2, bf16=True)
-        what = f"bf16 main grads added as they come x no_sync x find_unused x checkpoint, grads={grads}"
-        if grads == "full":
-            _compare(ref, got, what)
-        else:
-            for n, p in ref.items():
-                assert torch.allclose(got[n].float(), p.float(), rtol=2e-2, atol=1e-2 * float(p.abs().max())), (what, n)
+    _check_bf16_round_trips(ref, rank, world, "bf16 main grads added as they come x no_sync x find_unused x checkpoint")
 
 
 @pytest.mark.parametrize("world", [2, 3])
