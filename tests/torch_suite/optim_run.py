@@ -10,9 +10,10 @@ All adaptation lives in ``optim_adapter.py``.
 Configurations: ``plain`` (torch's classes, one process), then ``ws{1,2}-{full,sharded}``:
 every ``optim_db`` class wrapped (``optim_adapter``), world size 1 or 2 on
 gloo, ``ShardedOptimizer(grads=...)``, float32 masters for 16-bit parameters.
-A wrapped configuration runs the tests that pass plain (all, when ``plain``
-is not run). Each test has a timeout; a hung test is killed with its ranks
-and the run goes on with the next. Results: a JSON file and a Markdown report
+A wrapped configuration runs the tests that pass plain (with ``--merge``,
+plain's results in the existing JSON when ``plain`` is not run; else all).
+Each test has a timeout; a hung test is killed with its ranks and the run
+goes on with the next. Results: a JSON file and a Markdown report
 (per configuration the pass counts, and every failure classified with its cause).
 
 Usage::
@@ -224,8 +225,8 @@ def report(data: Dict[str, Any]) -> str:
         "",
         *NOTES,
         "",
-        f"Run time: {data.get('total_seconds', 0.0) / 60:.0f} min for everything below (per configuration in the "
-        "tables), on 2 CPU cores shared with other jobs (load average about 30).",
+        f"Run time: the seconds column of each table, on 2 CPU cores shared with other jobs; every run of the command "
+        f"above together took {data.get('total_seconds', 0.0) / 60:.0f} min.",
         "",
     ]
     for suite, per_config in data["suites"].items():
@@ -308,6 +309,12 @@ def main() -> int:
         "suites": {s: {} for s in suites},
         "seconds": {s: {} for s in suites},
     }
+    # With --merge, a wrapped configuration whose plain run is not repeated here runs the tests that passed plain in
+    # the existing results.
+    known_plain = {}
+    if args.merge and os.path.exists(args.json):
+        with open(args.json) as f:
+            known_plain = {s: r["plain"] for s, r in json.load(f).get("suites", {}).items() if "plain" in r}
     t0 = time.monotonic()
     with open(args.log, "w") as log:
         for suite in suites:
@@ -316,7 +323,7 @@ def main() -> int:
                 tests = [t for t in tests if re.search(args.only, t)]
             for config in configs:
                 run = tests
-                plain = data["suites"][suite].get("plain")
+                plain = data["suites"][suite].get("plain", known_plain.get(suite))
                 if config != "plain" and plain is not None:
                     run = [t for t in tests if plain[t]["outcome"] == "passed"]
                 print(f"[torch-optim-suite] {suite} {config}: {len(run)} tests", flush=True)
@@ -325,7 +332,7 @@ def main() -> int:
                 data["seconds"][suite][config] = time.monotonic() - c0
     data["total_seconds"] = time.monotonic() - t0
     if args.merge and os.path.exists(args.json):
-        data = _merged(args.json, data)
+        data = _merged(args.json, data, complete=not args.only)
     _trim(data)
     with open(args.json, "w") as f:
         json.dump(data, f, indent=1)
@@ -346,14 +353,22 @@ def _trim(data: Dict[str, Any]) -> None:
                 r["detail"] = r["detail"][-keep:] if keep else ""
 
 
-def _merged(path: str, new: Dict[str, Any]) -> Dict[str, Any]:
-    """The results in ``path`` with ``new``'s tests (and times) replacing theirs."""
+def _merged(path: str, new: Dict[str, Any], complete: bool) -> Dict[str, Any]:
+    """The results in ``path`` with ``new``'s tests (and times) replacing theirs.
+
+    ``complete``: each configuration of ``new`` ran every test it runs (no ``--only``), so its results replace the
+    configuration's old ones whole (an old entry of a test it no longer runs would otherwise stay).
+    """
     with open(path) as f:
         old = json.load(f)
     for suite, per_config in new["suites"].items():
         for config, res in per_config.items():
-            before = old["suites"].setdefault(suite, {}).setdefault(config, {})
+            configs = old["suites"].setdefault(suite, {})
+            before = configs.setdefault(config, {})
             spent = old["seconds"].setdefault(suite, {})
+            if complete:
+                configs[config], spent[config] = dict(res), new["seconds"][suite][config]
+                continue
             # A rerun of every test replaces the time; a rerun of some adds to it.
             spent[config] = new["seconds"][suite][config] + (0.0 if set(res) >= set(before) else spent.get(config, 0.0))
             before.update(res)
