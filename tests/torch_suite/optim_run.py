@@ -364,11 +364,11 @@ def _merged(path: str, new: Dict[str, Any], complete: bool) -> Dict[str, Any]:
     for suite, per_config in new["suites"].items():
         for config, res in per_config.items():
             configs = old["suites"].setdefault(suite, {})
-            before = configs.setdefault(config, {})
             spent = old["seconds"].setdefault(suite, {})
             if complete:
                 configs[config], spent[config] = dict(res), new["seconds"][suite][config]
                 continue
+            before = configs.setdefault(config, {})
             # A rerun of every test replaces the time; a rerun of some adds to it.
             spent[config] = new["seconds"][suite][config] + (0.0 if set(res) >= set(before) else spent.get(config, 0.0))
             before.update(res)
