@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Sequence, Tuple, Union
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -119,6 +119,7 @@ def assign_buckets(
     order: Sequence[int],
     first_cap_bytes: int,
     cap_bytes: Caps,
+    alone_above: Optional[int] = None,
 ) -> List[List[int]]:
     """Group parameter indices into buckets.
 
@@ -133,6 +134,10 @@ def assign_buckets(
             group in reduction order, the last repeating for the buckets
             beyond the list. Sparse parameters' buckets (always one parameter)
             do not count.
+        alone_above: Bytes above which a parameter gets a bucket of its own
+            (the open bucket closes before it, the next starts after it), so
+            that no gradient waits for its gradient nor it for another;
+            None: no such rule.
 
     Returns:
         Buckets in reduction order, each a list of parameter indices in
@@ -167,9 +172,16 @@ def assign_buckets(
             done.append([idx])
             continue
         members, size, cap = open_buckets.get(spec.key, ([], 0, caps[0]))
+        nbytes = spec.numel * spec.element_size
+        alone = alone_above is not None and nbytes > alone_above
+        if alone and members:
+            done.append(members)  # the open bucket closes before it
+            k = closed.get(spec.key, 0) + 1
+            closed[spec.key] = k
+            members, size, cap = [], 0, caps[min(k, last)]
         members.append(idx)
-        size += spec.numel * spec.element_size
-        if size >= cap:
+        size += nbytes
+        if size >= cap or alone:
             done.append(members)
             k = closed.get(spec.key, 0) + 1
             closed[spec.key] = k

@@ -50,6 +50,20 @@ def test_bucket_closes_once_it_reaches_its_cap():
     assert assign_buckets(specs, order, 90, 90) == [[3, 2, 1], [0]]
 
 
+def test_a_parameter_above_alone_above_gets_a_bucket_of_its_own():
+    # 40-byte params and one of 400 bytes (index 1); cap 200: without the rule the large one closes the bucket it joins
+    specs = [f32(10), f32(100), f32(10), f32(10), f32(10)]
+    order = [4, 3, 2, 1, 0]
+    assert assign_buckets(specs, order, 200, 200) == [[4, 3, 2, 1], [0]]
+    # with it, the open bucket closes before it (its gradients wait for no larger one), and it fills one alone
+    assert assign_buckets(specs, order, 200, 200, alone_above=200) == [[4, 3, 2], [1], [0]]
+    # first in order, or below a larger cap of the list: still alone; the list counts its bucket as any other
+    assert assign_buckets(specs, [1, 4, 3, 2, 0], 200, 200, alone_above=200) == [[1], [4, 3, 2, 0]]
+    assert assign_buckets(specs, order, 1, [80, 1000, 80], alone_above=300) == [[4, 3], [2], [1], [0]]
+    # at or below the threshold: the usual rule
+    assert assign_buckets(specs, order, 200, 200, alone_above=400) == [[4, 3, 2, 1], [0]]
+
+
 def test_sparse_parameters_get_their_own_bucket_and_do_not_count():
     specs = [f32(10), ParamSpec(10, 4, ("cpu", torch.float32), sparse=True), f32(10), f32(10)]
     order = [3, 2, 1, 0]

@@ -220,6 +220,47 @@ def construction_worker(rank: int, world: int, impl: str) -> dict:
     return {"numel": numel, "buckets": len(ddp.reducer.buckets), "built": built, "stepped": stepped, "slot": slot}
 
 
+def layout_worker(rank: int, world: int, impl: str) -> dict:
+    """bf16 parameters with float32 main gradients, one far larger than the cap (an embedding's part): the buckets
+    and the pool's slot."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1500, 16), nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)).to(BF16)
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, bucket_cap_mb=0.008, first_bucket_mb=0.008)
+    kw = {"grad_buffers": "pool"} if impl == "pool" else {}
+    opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=1e-2), ddp, grads="sharded",
+                                    master_dtype=torch.float32, **kw)  # fmt: skip
+    for step in range(2):
+        opt.zero_grad()
+        idx = torch.randint(0, 1500, (6, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(idx).float().pow(2).mean().backward()
+        opt.step()
+    opt.finish_param_sync()
+    pool = opt.grad_pool
+    return {"buckets": [b["names"] for b in ddp.bucket_info()], "numel": [b["numel"] for b in ddp.bucket_info()],
+            "slot": pool.slot_bytes if pool else None, "chunked": [pool.chunked(b) for b in ddp.reducer.buckets] if pool
+            else None, "params": [q.detach().double().clone() for q in model.parameters()]}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pooled_buckets_count_their_buffers_bytes_and_a_large_parameter_is_alone(world):
+    """Under the pool ``bucket_cap_mb`` counts the bytes of the buffers a slot holds: with float32 main gradients of
+    a bf16 model, 4 per parameter, so a bucket holds half the parameters of a persistent one and a slot about the
+    cap; a parameter larger than the cap (the embedding) has a bucket of its own, reduced in chunks, so that no
+    other gradient waits for its pack. The results equal persistent buffers' (bitwise at 2 ranks)."""
+    pool, persistent = (run_ranks(layout_worker, world, impl, timeout=120)[0] for impl in ("pool", "persistent"))
+    cap = int(0.008 * 2**20)
+    assert ["0.weight"] in pool["buckets"] and ["0.weight"] not in persistent["buckets"]
+    emb = pool["buckets"].index(["0.weight"])
+    assert pool["chunked"][emb] and sum(pool["chunked"]) == 1
+    others = [n for k, n in enumerate(pool["numel"]) if k != emb]
+    largest = 32 * 32  # the largest parameter but the embedding
+    assert all(4 * n < cap + 4 * largest for n in others)  # closed once their float32 bytes reach the cap
+    assert len(pool["buckets"]) > len(persistent["buckets"])
+    assert pool["slot"] < cap + 4 * largest + 4096  # about the cap (whole ranks' slices, alignment)
+    for a, b in zip(pool["params"], persistent["params"]):
+        assert torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-2, atol=1e-4), (a - b).abs().max()
+
+
 def test_the_pool_never_allocates_the_full_float32_buckets():
     """With the pool, the float32 main-gradient buckets are never allocated: DDP's construction defers its buckets'
     buffers to their first need, and the optimizer built before the first forward installs pooled ones. Seen through

@@ -75,9 +75,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``grads="sharded"``; ZeRO-2): a bucket's full-size buffers (the flat
             gradient buffer, with main gradients the float32 one) exist only
             from its pack to the end of its reduce-scatter, lent by a pool of
-            ``pool_buffers`` buffers of the largest bucket's size
-            (:attr:`grad_pool`); each rank keeps only its range of every
-            bucket's reduced gradients until the step.
+            ``pool_buffers`` buffers of about ``bucket_cap_mb`` each
+            (:attr:`grad_pool`; the buckets are re-cut so that the cap counts
+            their buffers' bytes, a parameter larger than it alone, reduced
+            in chunks); each rank keeps only its range of every bucket's
+            reduced gradients until the step.
         pool_buffers: With ``grad_buffers="pool"``: how many buffers the pool
             holds (default 2: one bucket packs while the previous one's
             reduce-scatter is in flight; k lets k - 1 be in flight).

@@ -8,11 +8,14 @@ needed only from the bucket's pack to the end of its reduce-scatter, and the
 parameters' all-gather of a bucket without a parameter buffer needs a
 bucket-long stage only from its pack to its write-back. This pool lends both.
 
-It holds at most :attr:`GradBufferPool.bound` slots of :attr:`GradBufferPool.slot_bytes`
+Pooled buckets are cut by :func:`pooled_layout`: the cap counts the bytes of
+their buffers (float32 main gradients: 4 per parameter), and a parameter
+larger than the cap (GPT-2's embedding) has a bucket of its own. The pool
+holds at most :attr:`GradBufferPool.bound` slots of :attr:`GradBufferPool.slot_bytes`
 each, allocated on first use and kept: the largest bucket's need, or, when a
-bucket is larger than the bucket cap (one parameter larger than the cap, as
-GPT-2's embedding), the need of a bucket of the cap's size; such a bucket is
-reduced in slot-sized chunks (:class:`~fastcoll.reducer.reduction.Pooled`). Whoever
+bucket is larger than the cap (that one parameter), the need of a chunk of
+the cap's size; such a bucket is reduced in slot-sized chunks
+(:class:`~fastcoll.reducer.reduction.Pooled`). Whoever
 draws a slot while all are lent first retires its own oldest user (waits for
 that bucket's reduce-scatter or all-gather and finishes it), so the number of
 live slots never exceeds the bound: a bound of ``k`` lets ``k - 1`` reductions
@@ -27,13 +30,15 @@ those are allocated outside the pool (:meth:`GradBufferPool.hold`), counted in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..bucketing import Caps, ParamSpec, assign_buckets
 from .bucket import GradBucket, MainGradBucket
 
-__all__ = ["ACCUMULATE", "GradBufferPool"]
+__all__ = ["ACCUMULATE", "GradBufferPool", "pooled_layout"]
 
 #: How gradients accumulate over micro-batches with pooled buffers: every backward is reduce-scattered into the
 #: ranges (``no_sync`` does not skip it), or ``no_sync`` backwards accumulate into full-size buffers kept until the
@@ -42,8 +47,24 @@ ACCUMULATE = ("reduce_scatter", "full")
 
 
 def _oversize(b: GradBucket, cap_bytes: int) -> bool:
-    """Bucket ``b`` holds a parameter larger than the bucket cap (its size is that parameter's, not the cap's)."""
-    return any(p.numel() * p.element_size() > cap_bytes for p in b.params)
+    """Bucket ``b`` holds a parameter whose buffers exceed the bucket cap (its size is that parameter's, not the cap's)."""
+    return any(p.numel() * b.elem_bytes > cap_bytes for p in b.params)
+
+
+def pooled_layout(buckets: Sequence[GradBucket], specs: Sequence[ParamSpec], first_cap_bytes: int, caps: Caps) -> List[List[int]]:
+    """The buckets of a pooled reducer: the caps count the bytes of the buffers a slot holds, not the parameters'.
+
+    With float32 main gradients of a 16-bit model a bucket's buffer takes 4 bytes per parameter (6 with a separate
+    16-bit wire buffer), so ``bucket_cap_mb`` of them is half the parameters of a persistent bucket, and the slots
+    are about ``bucket_cap_mb`` each. A parameter larger than the cap gets a bucket of its own (reduced in
+    chunks): no smaller gradient then waits for its gradient to be packed. ``buckets``: the current layout
+    (its order and each parameter's bytes per element in a pooled buffer).
+    """
+    elem = {i: b.elem_bytes for b in buckets for i in b.param_indices}
+    order = [i for b in buckets for i in b.param_indices]
+    pooled = [replace(s, element_size=elem.get(i, s.element_size)) for i, s in enumerate(specs)]
+    alone = max(caps) if isinstance(caps, (list, tuple)) else int(caps)
+    return assign_buckets(pooled, order, first_cap_bytes, caps, alone_above=alone)
 
 
 class GradBufferPool:
@@ -84,8 +105,8 @@ class GradBufferPool:
         self.peak_held = 0
 
     def _cap_need(self, b: GradBucket, cap_bytes: int) -> int:
-        """Bytes of a chunk of bucket ``b`` holding about ``cap_bytes`` of its parameters (whole ranks' slices)."""
-        per = max(1, -(-cap_bytes // (b.dtype.itemsize * self.world_size)))
+        """Bytes of a chunk of bucket ``b`` taking about ``cap_bytes`` of buffers (whole ranks' slices)."""
+        per = max(1, -(-cap_bytes // (b.elem_bytes * self.world_size)))
         return per * self.world_size * b.elem_bytes + 64
 
     def chunked(self, b: GradBucket) -> bool:

@@ -17,7 +17,7 @@ import torch
 from .bucket import MainGradBucket
 from .kept_grads import KeptGradients
 from .param_gather import ParamGather
-from .pool import GradBufferPool
+from .pool import GradBufferPool, pooled_layout
 from .reduction import ShardGrads
 from .shards import ShardLayout, aligned_first
 
@@ -103,7 +103,10 @@ class ReducerSharding:
         self.health.keep_total = bool(sharded_grads or self.main_buckets)
         # The buckets again, padded to be divided, each with its odd-sized parameters last (the others aligned).
         nbytes = [p.numel() * p.element_size() for p in self.params]
-        self._install_layout([aligned_first(b, nbytes) for b in self.layout()])
+        layout = self.layout()
+        if self._pool_bound:  # the caps count the pooled buffers' bytes; a parameter above the cap alone (.pool)
+            layout = pooled_layout(self._set.buckets, self._set.specs, self._set.first_bucket_bytes, self._set.bucket_cap_bytes)
+        self._install_layout([aligned_first(b, nbytes) for b in layout])
         buckets = self._set.buckets
         self.shards = ShardLayout(
             [(b.pos, b.param_indices, [p.numel() for p in b.params], b.padded) for b in buckets], self.world_size, self.rank
