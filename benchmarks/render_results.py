@@ -7,13 +7,16 @@ dist, timeline, health, zero, zero_bf16, zero_one_rounding, zero_pool). Per benc
 tables it printed (JSON version 2 records them) and its notes; first, every
 target of every file in one summary table; last, benchmarks/gpu_sessions.md (what a
 GPU session measured outside the JSON, written by hand). Files of the first layout (no
-``version``) give their targets only. History lives in git, not in the file.
+``version``) give their targets only. A (benchmark, device) with no file here (a GPU
+session's JSON stays on the checkout that ran it) keeps its summary rows and section from
+the previous RESULTS.md. History lives in git, not in the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
@@ -91,22 +94,43 @@ def verdict(t: Dict[str, Any]) -> str:
     return "PASS" if t.get("pass") else "MISS" if t.get("pass") is False else "-"
 
 
-def summary(files: Sequence[Dict[str, Any]]) -> str:
+SUMMARY_COLUMNS = ["benchmark", "row", "target", "value", "90% interval", "target", "verdict"]
+
+
+def key_of(d: Dict[str, Any]) -> Tuple[str, str]:
+    """A result file's (benchmark, device)."""
+    return d["benchmark"], d.get("config", {}).get("device", "cpu")
+
+
+def summary_rows(d: Dict[str, Any]) -> List[str]:
+    """The summary table's rows of one file's targets (Markdown lines)."""
     body = []
-    for d in files:
-        for where, key, t in targets(d):
-            ci = t.get("ci90")
-            unit = t.get("unit")
-            interval = f"{_number(ci[0], unit)} .. {_number(ci[1], unit)}" if ci else t.get("interval", "exact")
-            bench = f"{d['benchmark']} ({d.get('config', {}).get('device', 'cpu')})"
-            body.append([bench, where, key, _number(t.get("value"), unit), interval,
-                         f"{t.get('op', '')} {_number(t.get('threshold'), unit)}", verdict(t)])  # fmt: skip
-    return table(["benchmark", "row", "target", "value", "90% interval", "target", "verdict"], body)
+    for where, key, t in targets(d):
+        ci = t.get("ci90")
+        unit = t.get("unit")
+        interval = f"{_number(ci[0], unit)} .. {_number(ci[1], unit)}" if ci else t.get("interval", "exact")
+        bench = "{} ({})".format(*key_of(d))
+        body.append([bench, where, key, _number(t.get("value"), unit), interval,
+                     f"{t.get('op', '')} {_number(t.get('threshold'), unit)}", verdict(t)])  # fmt: skip
+    return table(SUMMARY_COLUMNS, body).splitlines()[2:]
+
+
+def kept(previous: str, present: Sequence[Tuple[str, str]]) -> Dict[Tuple[str, str], Tuple[List[str], str]]:
+    """From the previous RESULTS.md, the summary rows and the section of every (benchmark, device) that no file here
+    has (a GPU session's, whose JSON stayed on that machine's checkout): kept as they were, until a new file of it."""
+    out: Dict[Tuple[str, str], Tuple[List[str], str]] = {}
+    titles = {f"## {title} ({device})": (name, device) for name, title in TITLES.items() for device in ("cpu", "cuda")}
+    blocks = re.split(r"(?m)^(?=## )", previous)
+    for block in blocks:
+        key = titles.get(block.split("\n", 1)[0].strip())
+        if key is not None and key not in present:
+            rows = [line for line in previous.splitlines() if line.startswith("| {} ({}) |".format(*key))]
+            out[key] = (rows, block.rstrip() + "\n")
+    return out
 
 
 def section(d: Dict[str, Any]) -> str:
-    name = d["benchmark"]
-    device = d.get("config", {}).get("device", "cpu")
+    name, device = key_of(d)
     out = [f"## {TITLES.get(name, name)} ({device})", "", f"Measured {machine(d)}.", ""]
     if not d.get("tables"):
         out += ["(This file predates the recorded tables: its targets are in the summary above.)", ""]
@@ -120,10 +144,13 @@ def section(d: Dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def render(paths: Sequence[Path]) -> str:
+def render(paths: Sequence[Path], previous: str = "") -> str:
+    """RESULTS.md from the result files at ``paths``, keeping ``previous``'s parts of what none of them measured."""
     files = [json.loads(p.read_text()) for p in paths]
-    files.sort(key=lambda d: (ORDER.index(d["benchmark"]) if d.get("benchmark") in ORDER else len(ORDER),
-                              d.get("config", {}).get("device", "cpu")))  # fmt: skip
+    parts = {key_of(d): (summary_rows(d), section(d)) for d in files}
+    for key, part in kept(previous, list(parts)).items():
+        parts[key] = part
+    order = sorted(parts, key=lambda k: (ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), k[1]))
     head = [
         "# Benchmark results",
         "",
@@ -134,11 +161,11 @@ def render(paths: Sequence[Path]) -> str:
         "",
         "## Every target",
         "",
-        summary(files),
+        "\n".join(table(SUMMARY_COLUMNS, []).splitlines() + [row for k in order for row in parts[k][0]]),
         "",
     ]
     sessions = [SESSIONS.read_text().strip(), ""] if SESSIONS.exists() else []
-    return "\n".join(head + [section(d) for d in files] + sessions).rstrip() + "\n"
+    return "\n".join(head + [parts[k][1] for k in order] + sessions).rstrip() + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not paths:
         print("render_results: no JSON results (run `make bench` first)", file=sys.stderr)
         return 1
-    text = render(paths)
+    previous = args.out.read_text() if str(args.out) != "-" and args.out.exists() else ""
+    text = render(paths, previous)
     if str(args.out) == "-":
         sys.stdout.write(text)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,30 @@ def test_summary_names_each_row_and_shows_bytes_in_mib(tmp_path):
     assert "| zero (cpu) | ResNet-50 | memory full | -2 MiB | -2 MiB .. -1 MiB | ge 0 MiB | **missed** |" in _renderer().render(
         [path]
     )
+
+
+def test_render_keeps_what_no_file_here_measured(tmp_path):
+    """A (benchmark, device) without a JSON here (a GPU session's stays on the checkout that ran it) keeps its summary
+    rows and section from the previous RESULTS.md; a new file of it replaces them."""
+    render = _renderer().render
+
+    def write(device: str, value: float) -> Path:
+        t = stats.target(value, 1.25, (value, value), "le", "90% bootstrap (rounds)")
+        path = tmp_path / f"ops_{device}.json"
+        table = {"title": f"T {device} {value}", "columns": ["a"], "rows": [["1"]]}
+        path.write_text(json.dumps({"version": report.JSON_VERSION, "benchmark": "ops", "config": {"device": device},
+                                    "machine": {}, "results": [{"layout": "b3", "targets": {"fused/floor": t}}],
+                                    "tables": [table]}))  # fmt: skip
+        return path
+
+    both = render([write("cpu", 0.7), write("cuda", 0.5)])
+    assert "| ops (cuda) | b3 | fused/floor | 0.5 |" in both and "**T cuda 0.5**" in both
+    cpu_only = render([write("cpu", 0.8)], both)
+    assert "| ops (cpu) | b3 | fused/floor | 0.8 |" in cpu_only and "| ops (cpu) | b3 | fused/floor | 0.7 |" not in cpu_only
+    assert "| ops (cuda) | b3 | fused/floor | 0.5 |" in cpu_only and "**T cuda 0.5**" in cpu_only  # kept
+    assert cpu_only.index("## ops: the fused flatten/unflatten round trip (cpu)") < cpu_only.index("(cuda)\n\nMeasured")
+    assert "0.5 |" not in render([write("cpu", 0.8)])  # nothing previous: nothing kept
+    assert "**T cuda 0.4**" in render([write("cuda", 0.4)], both) and "**T cuda 0.5**" not in render([write("cuda", 0.4)], both)
 
 
 def test_ddp_bucket_assignment():
