@@ -8,6 +8,8 @@
   clipping, the non-finite check, comm_accum_dtype=float32 with comm_dtype=bf16.
 * The bound: the pool never lends more than ``pool_buffers`` buffers (its counter), and after backward and step no
   bucket holds a full-size buffer (the control: persistent buckets do).
+* The combination of tests/test_sharded_compose.py (no_sync x find_unused_parameters x comm_dtype x a checkpoint
+  round trip, 2 and 3 ranks) on the pool, each accumulation choice against the run with its arithmetic.
 * Checkpoints saved with the pool load without it and at another world size.
 * Refusals.
 """
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -431,26 +434,31 @@ def test_refusals():
 # --------------------------------------------------------------------------- other suites, under the pool
 
 
-def under_pool(rank: int, world: int, module: str, fn: str, *args) -> dict:
-    """Run ``module.fn(rank, world, *args)`` (a worker of another test file) with every ShardedOptimizer that it
-    builds with grads="sharded" given grad_buffers="pool"; returns its result and how many were pooled."""
-    import importlib
+def _pooled(built: Optional[list] = None, **pool_kw):
+    """A stand-in for the ``fastcoll`` module whose ShardedOptimizer gives grads="sharded" ``pool_kw`` (none: as is)
+    unless the caller chose its own; ``built`` collects whether each one built has a pool."""
     import types
-
-    mod = importlib.import_module(module)
-    built = []
 
     class PooledSharded(fastcoll.ShardedOptimizer):
         def __init__(self, optimizer, model, *, grads="full", **kw):
-            if grads == "sharded":
-                kw.setdefault("grad_buffers", "pool")
-            super().__init__(optimizer, model, grads=grads, **kw)
-            built.append(self.grad_pool is not None)
+            super().__init__(optimizer, model, grads=grads, **({**pool_kw, **kw} if grads == "sharded" else kw))
+            if built is not None:
+                built.append(self.grad_pool is not None)
 
     shim = types.ModuleType("fastcoll")
     shim.__dict__.update(fastcoll.__dict__)
     shim.ShardedOptimizer = PooledSharded
-    mod.fastcoll = shim
+    return shim
+
+
+def under_pool(rank: int, world: int, module: str, fn: str, *args) -> dict:
+    """Run ``module.fn(rank, world, *args)`` (a worker of another test file) with every ShardedOptimizer that it
+    builds with grads="sharded" given grad_buffers="pool"; returns its result and how many were pooled."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    built: list = []
+    mod.fastcoll = _pooled(built, grad_buffers="pool")
     return {"result": getattr(mod, fn)(rank, world, *args), "pooled": sum(built)}
 
 
@@ -466,6 +474,57 @@ def test_contract_table_holds_under_the_pool(world):
     assert out["pooled"] >= len(cases), out["pooled"]  # every case ran on the pool
     problems = {c: p for c, r in res.items() for p in [contract.verdict(r)] if p is not None}
     assert len(res) == len(cases) and not problems, problems
+
+
+def combined_pool_worker(rank: int, world: int) -> None:
+    """tests/test_sharded_compose.py's combination (no_sync accumulation x find_unused_parameters with a branch some
+    ranks take in no_sync micro-batches only x comm_dtype x a checkpoint round trip) on the pool, each accumulation
+    choice against the run that does its arithmetic: float32 against torch DDP + AdamW; a bf16 wire against
+    persistent buffers, accumulating under no_sync for "full" and synchronizing every micro-batch for
+    "reduce_scatter" (one bf16 rounding per micro-batch), bitwise at 2 ranks; at 3 the pool's re-cut buckets move
+    where gloo cuts its chunks: within bfloat16 rounding."""
+    import contextlib
+
+    import test_sharded_compose as compose
+
+    def run(accumulate, comm_dtype, resume_at=2, every_micro_batch=False, **kw):
+        compose.fastcoll = _pooled(**({"grad_buffers": "pool", "accumulate": accumulate} if accumulate else {}))
+        sync = contextlib.nullcontext if every_micro_batch else None
+        saved = fastcoll.DDP.no_sync
+        try:
+            if sync is not None:
+                fastcoll.DDP.no_sync = lambda self: sync()
+            return compose._combined_run("fastcoll", "sharded", rank, world, comm_dtype, resume_at=resume_at, **kw)
+        finally:
+            fastcoll.DDP.no_sync = saved
+            compose.fastcoll = fastcoll
+
+    ref = compose._combined_run("torch", None, rank, world, None)
+    for accumulate in ("reduce_scatter", "full"):
+        compose._compare(ref, run(accumulate, None), f"pool {accumulate} x no_sync x find_unused x checkpoint vs torch", False)
+    bf16 = torch.bfloat16
+    refs = {"full": run(None, bf16, None, aligned=True), "reduce_scatter": run(None, bf16, None, True, aligned=True)}
+    for accumulate, want in refs.items():
+        got = run(accumulate, bf16, aligned=True)
+        what = f"pool {accumulate} x no_sync x find_unused x comm_dtype x checkpoint"
+        if world == 2:
+            compose._compare(want, got, what)
+        else:
+            for n, p in want.items():
+                assert torch.allclose(got[n], p, rtol=2e-3, atol=4e-3 * float(p.abs().max())), (what, n)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_combined_features_under_the_pool(world):
+    run_ranks(combined_pool_worker, world, timeout=400)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_combined_features_bf16_main_grads_under_the_pool(world):
+    """The bf16 combination (main gradients and masters, both grads modes, checkpoint round trip) with grads="sharded"
+    on the pool, against grads="full"."""
+    out = run_ranks(under_pool, world, "test_sharded_compose", "combined_bf16_worker", timeout=400)
+    assert all(o["pooled"] >= 1 for o in out)
 
 
 @pytest.mark.parametrize("where", [("emb.weight", 0), ("out.bias", -1)])
