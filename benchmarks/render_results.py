@@ -43,10 +43,14 @@ def cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def line(cells: Sequence[Any]) -> str:
+    """One row of a GitHub Markdown table."""
+    return "| " + " | ".join(map(cell, cells)) + " |"
+
+
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub Markdown table."""
-    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(map(cell, r)) + " |" for r in rows])
+    return "\n".join([line(columns), "|" + "|".join("---" for _ in columns) + "|"] + [line(r) for r in rows])
 
 
 def machine(d: Dict[str, Any]) -> str:
@@ -112,7 +116,7 @@ def summary_rows(d: Dict[str, Any]) -> List[str]:
         bench = "{} ({})".format(*key_of(d))
         body.append([bench, where, key, _number(t.get("value"), unit), interval,
                      f"{t.get('op', '')} {_number(t.get('threshold'), unit)}", verdict(t)])  # fmt: skip
-    return table(SUMMARY_COLUMNS, body).splitlines()[2:]
+    return [line(r) for r in body]
 
 
 def kept(previous: str, present: Sequence[Tuple[str, str]]) -> Dict[Tuple[str, str], Tuple[List[str], str]]:

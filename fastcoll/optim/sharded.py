@@ -86,7 +86,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         accumulate: With ``grad_buffers="pool"``: what a backward under
             ``model.no_sync()`` does. ``"reduce_scatter"`` (default, DeepSpeed's
             ZeRO-2): it is reduce-scattered as any other, added into the
-            ranges (a collective per micro-batch, no full-size buffer kept).
+            ranges (a collective per micro-batch, no full-size buffer kept;
+            with a 16-bit ``comm_dtype`` each micro-batch's sum is rounded on
+            the wire).
             ``"full"``: it accumulates locally (float32 main gradients into a
             full-size buffer per bucket, kept until the synchronizing
             backward's reduce-scatter), as with persistent buffers.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from .bucket import GradBucket, MainGradBucket
-from .pool import GradBufferPool
+from .pool import GradBufferPool, largest_cap
 from .reduction import AccumAllReduce, AccumReduceScatter, AllReduce, InFlight, Pooled, ReduceScatter, SparseSum
 
 __all__ = ["ReducerLayout"]
@@ -40,8 +40,7 @@ class ReducerLayout:
             layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum, pooled=pooled, lazy=lazy
         )
         if pooled:  # (one-rounding reductions are not chunked: their slots hold the largest bucket)
-            caps = self.bucket_cap_bytes
-            cap = None if accum else max(caps) if isinstance(caps, list) else caps
+            cap = None if accum else largest_cap(self.bucket_cap_bytes)
             self.pool = GradBufferPool(self._set.buckets, self._pool_bound, self.usage.device, self.world_size, cap)
         self.main_buckets = [b for b in self._set.buckets if isinstance(b, MainGradBucket)]
         self.health.resize(len(self._set.buckets))

@@ -38,7 +38,7 @@ import torch
 from ..bucketing import Caps, ParamSpec, assign_buckets
 from .bucket import GradBucket, MainGradBucket
 
-__all__ = ["ACCUMULATE", "GradBufferPool", "pooled_layout"]
+__all__ = ["ACCUMULATE", "GradBufferPool", "largest_cap", "pooled_layout"]
 
 #: How gradients accumulate over micro-batches with pooled buffers: every backward is reduce-scattered into the
 #: ranges (``no_sync`` does not skip it), or ``no_sync`` backwards accumulate into full-size buffers kept until the
@@ -62,9 +62,13 @@ def pooled_layout(buckets: Sequence[GradBucket], specs: Sequence[ParamSpec], fir
     """
     elem = {i: b.elem_bytes for b in buckets for i in b.param_indices}
     order = [i for b in buckets for i in b.param_indices]
-    pooled = [replace(s, element_size=elem.get(i, s.element_size)) for i, s in enumerate(specs)]
-    alone = max(caps) if isinstance(caps, (list, tuple)) else int(caps)
-    return assign_buckets(pooled, order, first_cap_bytes, caps, alone_above=alone)
+    pooled = [replace(s, element_size=elem[i]) for i, s in enumerate(specs)]
+    return assign_buckets(pooled, order, first_cap_bytes, caps, alone_above=largest_cap(caps))
+
+
+def largest_cap(caps: Caps) -> int:
+    """The bucket cap above which a parameter is alone in its bucket and reduced in chunks (a list's largest)."""
+    return max(caps) if isinstance(caps, (list, tuple)) else int(caps)
 
 
 class GradBufferPool:
