@@ -58,7 +58,7 @@ class common:  # noqa: N801 (the benchmark framework's pieces this script uses, 
     machine_info = staticmethod(report.machine_info)
     repo_root = staticmethod(report.repo_root)
     render_table = staticmethod(report.table)
-    keep_freed_memory = staticmethod(runner.keep_freed_memory)
+    set_malloc = staticmethod(runner.set_malloc)
     measure_interleaved = staticmethod(runner.measure_interleaved)
     num_threads = staticmethod(runner.num_threads)
     thread_counts = staticmethod(runner.thread_counts)
@@ -223,7 +223,7 @@ DDP_LAYERS, DDP_WIDTH, DDP_BATCH = 8, 1024, 32
 def _ddp_rank(rank: int, world: int, store_path: str, steps: int, out_path: str) -> None:
     """One gloo rank: fastcoll.DDP steps of 8 layers of 1024x1024, alternating stream and cached stores step by step."""
     torch.manual_seed(0)
-    common.keep_freed_memory()  # no page faults from the gradients freed each step (as the parent does)
+    common.set_malloc("keep")  # no page faults from the gradients freed each step (as the parent does)
     with common.rank_process_group(rank, world, store_path, threads=1):
         model = torch.nn.Sequential(*[torch.nn.Linear(DDP_WIDTH, DDP_WIDTH, bias=False) for _ in range(DDP_LAYERS)])
         ddp = fastcoll.DDP(model)
@@ -306,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"store_choice: the compiled extension is not loaded ({loader.FALLBACK_REASON})")
     choice = stores.current()
     assert choice is not None
-    common.keep_freed_memory()
+    common.set_malloc("keep")
     llc, llc_how = stores.usable_llc()
     machine = {"lscpu": lscpu(), "usable_llc_bytes": llc, "usable_llc": llc_how, **common.machine_info("cpu")}
     print(f"machine: {machine['lscpu'] or platform.processor()}")

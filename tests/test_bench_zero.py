@@ -307,3 +307,66 @@ def test_zero_one_rounding_smoke_run(tmp_path, capsys):
     assert q["steps"] == 3 and set(q["runs"]) == set(zero_one_rounding.LM_RUNS) and data["config"]["lm_world_size"] == 4
     assert q["runs"]["fp32"]["weight_distance"] == 0
     assert all(0 < q["runs"][n]["weight_distance"] < 0.1 for n in ("bf16_wire", "one_rounding"))
+
+
+# --------------------------------------------------------------------------- the pool section
+
+
+def _pool_memory(peaks: dict, total: int = 1000) -> dict:
+    """A pool section's memory phases: every method's per-rank resident peaks, tensor peaks 10% under them."""
+    held = {"params": 200, "buckets": 300, "pool": 100, "state": 300, "masters": 100, "total": total}
+    return {m: {"ranks": [{"numel": 100, "peak_bytes": p, "tensor_peak_bytes": int(p * 0.9), "held": held} for p in ps]}
+            for m, ps in peaks.items()}  # fmt: skip
+
+
+def test_pool_analysis_reports_the_returned_memory_control_beside_the_resident_target():
+    """At N = 4 the resident target is judged on glibc's defaults; the run with freed memory returned is a control
+    (its own ratio, never a target), and a run without the control has none."""
+    peaks = {"persistent": [1000, 1300, 1200, 1250], "pool": [800, 1000, 930, 980], "pool 1x10MB": [700, 900, 800, 850],
+             "persistent" + zero_pool.RETURNED_TAG: [1170, 1172, 1171, 1174],
+             "pool" + zero_pool.RETURNED_TAG: [870, 872, 871, 869]}  # fmt: skip
+    samples = {m: [1.0, 1.0, 1.0] for m in zero_pool.TIMED}
+    row = zero_pool.analyze(4, _pool_memory(peaks), samples, "GPT-2 small shapes")
+    assert row["targets"]["peak pool"]["value"] == pytest.approx(800 / 1000)  # the worst rank's ratio
+    assert row["targets"]["peak pool"]["verdict"] == stats.MISSED
+    control = row["control"]
+    assert control["value"] == pytest.approx(872 / 1172) and "control" in control["what"]
+    assert control["verdict"] == stats.MET and not any("control" in t["what"] for t in row["targets"].values())
+    assert set(row["methods"]) == set(peaks)
+    plain = {m: p for m, p in peaks.items() if zero_pool.RETURNED_TAG not in m}
+    assert "control" not in zero_pool.analyze(4, _pool_memory(plain), samples, "GPT-2 small shapes")
+
+
+def _rss_after_a_freed_tensor(malloc: str, queue) -> None:
+    """In a fresh process: glibc set to ``malloc``; 20 MiB tensors allocated and freed in turn (the threshold raised by
+    the first free, as a step's gradients raise it); the resident growth left after the last free, in MiB."""
+    from fastcoll.bench import runner
+
+    def rss() -> int:
+        return runner._proc_field("/proc/self/status", "VmRSS") * 1024
+
+    set_to = runner.set_malloc(malloc)
+    base = rss()
+    for _ in range(3):
+        t = torch.ones(20 * 2**20 // 4)
+        keep = torch.ones(2**16)  # a live block above it: the heap cannot shrink under it
+        del t
+    queue.put((set_to, (rss() - base) / 2**20, keep.numel()))
+
+
+@pytest.mark.timeout(120)
+def test_set_malloc_return_gives_freed_pages_back_where_keep_retains_them():
+    """runner.MALLOC: "return" (the pool section's control) leaves no freed tensor resident; "keep" (the timed phases)
+    keeps it for the next step's allocation."""
+    import multiprocessing as mp
+
+    ctx, kept = mp.get_context("spawn"), {}
+    for malloc in ("return", "keep"):
+        q = ctx.Queue()
+        p = ctx.Process(target=_rss_after_a_freed_tensor, args=(malloc, q))
+        p.start()
+        set_to, grown, _ = q.get(timeout=100)
+        p.join(timeout=20)
+        assert set_to and set_to.startswith("glibc mallopt: "), set_to
+        kept[malloc] = grown
+    assert kept["return"] < 5 and kept["keep"] > 15, kept

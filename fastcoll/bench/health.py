@@ -333,7 +333,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
     libraries = {"parent (ops rows)": extension_file()}
     units = len(cfg["world_sizes"]) * sum(len(METHODS) * (_reps_for(s, cfg)[1] + 1) for s in specs)
     with report.progress("health", units) as prog:
-        outs = {ws: runner.run_ranks(_ranks, {**cfg, "keep_freed_memory": True}, (specs,), ws, prog) for ws in cfg["world_sizes"]}
+        outs = {ws: runner.run_ranks(_ranks, {**cfg, "malloc": "keep"}, (specs,), ws, prog) for ws in cfg["world_sizes"]}
     libraries.update({f"{ws} rank{'s' if ws > 1 else ''}": out["library"] for ws, out in outs.items()})
     last = list(outs.values())[-1]  # the health ops and malloc settings as the last ranks had them
     targets = {

@@ -183,17 +183,24 @@ except OSError:  # pragma: no cover (not glibc)
     _LIBC = None
 
 
-def keep_freed_memory() -> Optional[str]:
-    """Make glibc keep freed heap memory (as a caching allocator would); returns what was set, None if not glibc.
+#: glibc allocator settings a rank can start with (``cfg["malloc"]``): mallopt's (parameter, value) pairs and their line.
+#: "keep": freed heap memory stays with the process, as a caching allocator's would. Every step drops its gradients and
+#: the next backward allocates them again; with glibc's defaults that memory goes back to the kernel and is
+#: page-faulted in every step (on the 2-core box, over 40% of a run's CPU time and its largest source of noise, the
+#: same for every method). "return": a fixed 128 KiB mmap threshold, so a freed tensor's pages go back to the kernel
+#: at once (a control for resident memory: what glibc's heap keeps of freed tensors is left out).
+MALLOC = {
+    "keep": (((-1, 2**31 - 1), (-3, 32 * report.MiB), (-4, 0)), "M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB, M_MMAP_MAX 0"),
+    "return": (((-3, 128 * 1024),), "M_MMAP_THRESHOLD 128 KiB (fixed)"),
+}
 
-    Every step drops its gradients and the next backward allocates them again; with glibc's defaults that memory goes
-    back to the kernel and is page-faulted in every step (on the 2-core box, over 40% of a run's CPU time and its
-    largest source of noise, the same for every method).
-    """
+
+def set_malloc(name: str) -> Optional[str]:
+    """Apply :data:`MALLOC` ``[name]`` to glibc in this process; returns what was set, None if not glibc."""
     if not hasattr(_LIBC, "mallopt"):  # pragma: no cover
         return None
-    ok = _LIBC.mallopt(-1, 2**31 - 1) == 1 and _LIBC.mallopt(-3, 32 * report.MiB) == 1 and _LIBC.mallopt(-4, 0) == 1
-    return "glibc mallopt: M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD 32 MiB, M_MMAP_MAX 0" if ok else None
+    pairs, text = MALLOC[name]
+    return f"glibc mallopt: {text}" if all(_LIBC.mallopt(k, v) == 1 for k, v in pairs) else None
 
 
 def _proc_field(path: str, field: str) -> Optional[int]:
@@ -472,7 +479,7 @@ class Rank:
         self.rank, self.ws, self.cfg = rank, ws, cfg
         self.device: str = cfg.get("device", "cpu")
         self._store, self._out, self._q = store_path, out_path, progress_q
-        self.malloc = keep_freed_memory() if cfg.get("keep_freed_memory") and self.device == "cpu" else None
+        self.malloc = set_malloc(cfg["malloc"]) if cfg.get("malloc") and self.device == "cpu" else None
 
     def __enter__(self) -> "Rank":
         if self.device == "cuda":

@@ -305,7 +305,7 @@ def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
     cfg = _config(args, args.device)
     specs = model_specs(cfg)
-    rank_cfg = {**cfg, "keep_freed_memory": True, "freeze": True, "env": autotune_env(cfg)}
+    rank_cfg = {**cfg, "malloc": "keep", "freeze": True, "env": autotune_env(cfg)}
     with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
         result = runner.run_ranks(_ranks, rank_cfg, (), cfg["world_size"], prog)
     rows = [summarize_row(r) for r in result["rows"]]

@@ -277,7 +277,7 @@ def run(args: Any) -> int:
             timed = []
             for g in groups:
                 prog.describe(f"zero: {spec.label}, timing {', '.join(METHOD_LABELS[m] for m in g)}")
-                timed.append(runner.run_ranks(_timing, {**cfg, "keep_freed_memory": True, "freeze": True}, (spec, g), ws, prog))
+                timed.append(runner.run_ranks(_timing, {**cfg, "malloc": "keep", "freeze": True}, (spec, g), ws, prog))
                 implementation = timed[-1].pop("implementation")
             row = {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "world_size": ws, "numel": numel,
                    "param_bytes": 4 * numel, "memory": memory, "groups": timed}  # fmt: skip

@@ -312,7 +312,7 @@ def measure(args: Any = None) -> Dict[str, Any]:
             bar.describe(f"zero bf16: {shapes.label}, memory of {METHOD_LABELS[m]}")
             memory[m] = runner.run_ranks(_memory, cfg, (shapes, m), ws, bar)
         bar.describe(f"zero bf16: {shapes.label}, timing {', '.join(METHOD_LABELS[m] for m in TIMED)}")
-        timed = runner.run_ranks(_timing, {**cfg, "keep_freed_memory": True, "freeze": True}, (shapes, TIMED), ws, bar)
+        timed = runner.run_ranks(_timing, {**cfg, "malloc": "keep", "freeze": True}, (shapes, TIMED), ws, bar)
         implementation, malloc = timed.pop("implementation"), timed.pop("malloc")
         bar.describe(f"zero bf16: quality, the tiny causal LM ({len(cfg['quality_runs'])} runs)")
         quality = runner.run_ranks(_quality, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}, (), 2, bar)

@@ -30,6 +30,9 @@ METHODS: Dict[str, Tuple[str, Any, int, Any, Any]] = {
     "pool full x4": ("pool", "full", 4, 2, None),
 }
 MEMORY = ("persistent", "pool", "pool 1x10MB")
+#: The control of the resident target (CPU, N=4): these methods' memory again with glibc returning the pages of freed
+#: tensors at once (``runner.MALLOC["return"]``), which leaves out what glibc's heap keeps of them.
+RETURNED, RETURNED_TAG = ("persistent", "pool"), ", freed memory returned"
 TIMED = ("persistent", "pool", "pool 1x10MB", "persistent x4", "pool rs x4", "pool full x4")
 STEP_VS_PERSISTENT = 1.05  # pool's step <= this x persistent's (no accumulation)
 PEAK_VS_PERSISTENT = 0.75  # pool's peak resident growth per rank <= this x persistent's, at 4 ranks
@@ -88,7 +91,7 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]],
     """Bytes per parameter, the peak and step ratios and the targets of one world size (its row named ``label``, N);
     on the CPU (``cpu``) the peak of tensor bytes has a target of its own beside the resident growth's."""
     out: Dict[str, Any] = {"world_size": world, "label": f"{label}, N={world}", "methods": {}, "targets": {}}
-    for m in MEMORY:
+    for m in memory:
         ranks = memory[m]["ranks"]
         numel = ranks[0]["numel"]
         worst = max(ranks, key=lambda r: r["held"]["total"])["held"]
@@ -111,6 +114,10 @@ def analyze(world: int, memory: Dict[str, Any], samples: Dict[str, List[float]],
                 out["targets"][f"{name} {m}"] = t
             elif t:
                 out[f"{name} {m}/persistent"] = t["value"]
+    if "pool" + RETURNED_TAG in memory:  # the control (not a target): the ratio without glibc's kept heap
+        pool, persistent = (out["methods"][m + RETURNED_TAG]["peak_bytes"] for m in ("pool", "persistent"))
+        what = f"peak resident growth per rank, pool / persistent, N={world}, freed memory returned (control)"
+        out["control"] = stats.worst_rank_target(pool, persistent, PEAK_VS_PERSISTENT, what)
     out["targets"]["step"] = stats.ratio_target(
         samples, "pool", "persistent", STEP_VS_PERSISTENT, what=f"step, pool / persistent, N={world}"
     )
@@ -132,17 +139,20 @@ def measure(args: Any = None) -> Dict[str, Any]:
     if cfg["device"] == "cuda":
         cfg["worlds"] = (torch.cuda.device_count(),)
     shapes, timed_shapes = cfg["shapes"], cfg["timed_shapes"]
-    units = sum(len(MEMORY) + len(TIMED) * (cfg["max_reps"] + 1) for _ in cfg["worlds"])
+    units = sum(len(MEMORY) + len(RETURNED) * (ws == 4) + len(TIMED) * (cfg["max_reps"] + 1) for ws in cfg["worlds"])
     rows, started = [], time.perf_counter()
     with report.progress("zero pool", units) as bar:
         for ws in cfg["worlds"]:
             c = {**cfg, "world_size": ws, "threads": runner.threads_per_rank(args, ws), "shapes": None, "timed_shapes": None}
+            runs = [(m, m, c) for m in MEMORY]
+            if ws == 4 and cfg["device"] == "cpu":
+                runs += [(m + RETURNED_TAG, m, {**c, "malloc": "return"}) for m in RETURNED]
             memory = {}
-            for m in MEMORY:
-                bar.describe(f"zero pool: {shapes.label}, N={ws}, memory of {m}")
-                memory[m] = runner.run_ranks(_memory, c, (shapes, m), ws, bar)
+            for key, m, rank_cfg in runs:
+                bar.describe(f"zero pool: {shapes.label}, N={ws}, memory of {key}")
+                memory[key] = runner.run_ranks(_memory, rank_cfg, (shapes, m), ws, bar)
             bar.describe(f"zero pool: {timed_shapes.label}, N={ws}, timing")
-            timed = runner.run_ranks(_timing, {**c, "keep_freed_memory": True, "freeze": True}, (timed_shapes,), ws, bar)
+            timed = runner.run_ranks(_timing, {**c, "malloc": "keep", "freeze": True}, (timed_shapes,), ws, bar)
             rows.append(analyze(ws, memory, timed["samples"], shapes.label, cfg["device"] == "cpu"))
     settings = {**{k: v for k, v in cfg.items() if "shapes" not in k}, "model": shapes.label, "numel": shapes.numel(),
                 "timed_model": timed_shapes.label, "timed_numel": timed_shapes.numel(),
@@ -156,8 +166,7 @@ def print_results(payload: Dict[str, Any]) -> None:
     cfg, mib = payload["config"], report.mib
     body = []
     for row in payload["results"]:
-        for m in MEMORY:
-            e = row["methods"][m]
+        for m, e in row["methods"].items():
             b = e["bytes_per_param"]
             body.append([row["world_size"], m, mib(e["held"]["params"]), mib(e["held"]["buckets"]), mib(e["held"]["pool"]),
                          mib(e["held"]["state"] + e["held"]["masters"]), f"{b['total']:.2f}",
@@ -170,7 +179,9 @@ def print_results(payload: Dict[str, Any]) -> None:
                  f"bucket_cap_mb={cfg['bucket_cap_mb']} (pool 1x10MB: pool_buffers=1, bucket_cap_mb=10); MiB, worst rank; "
                  "buckets + ranges: full-size bucket buffers, the kept ranges, all-gather stages; peak growth: resident "
                  "high-water mark (CUDA: max_memory_allocated); tensor peak: the most bytes torch's tensors held at once "
-                 "(CPU: c10's running total as torch.profiler records it)")  # fmt: skip
+                 "(CPU: c10's running total as torch.profiler records it); freed memory returned: glibc's mmap threshold "
+                 "fixed at 128 KiB, so a freed tensor's pages go back to the kernel at once (by default its heap keeps "
+                 "some: the difference between the two peaks)")  # fmt: skip
     body = [[row["world_size"], *(report.fmt_time(row["step_s"][m]) for m in TIMED),
              report.target_cell(row["targets"]["step"]), report.target_cell(row["targets"]["step pool 1x10MB"]),
              *(f"{report.fmt_ratio(r['value'])} ({report.fmt_ratio((r['ci90'] or [None])[0])}..."
@@ -181,6 +192,8 @@ def print_results(payload: Dict[str, Any]) -> None:
                  "median step of the slowest rank, steady state; ratios: median ratio (90% paired bootstrap interval); "
                  "x4: 4 micro-batches, the first 3 under no_sync")  # fmt: skip
     report.targets_table("fastcoll zero pool: targets", [t for row in payload["results"] for t in row["targets"].values()])
+    for t in (row["control"] for row in payload["results"] if row.get("control")):
+        report.say(f"{t['what']}: {t['value']:.3f} (range over ranks {t['ci90'][0]:.3f}..{t['ci90'][1]:.3f})")
 
 
 def run_section(args: Any = None) -> int:
