@@ -343,7 +343,8 @@ def _rss_after_a_freed_tensor(malloc: str, queue) -> None:
     from fastcoll.bench import runner
 
     def rss() -> int:
-        return runner._proc_field("/proc/self/status", "VmRSS") * 1024
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
     set_to = runner.set_malloc(malloc)
     base = rss()
