@@ -154,3 +154,48 @@ def timeline_worker(rank, world_size, tmpdir):
 
 def test_sync_timeline_and_chrome_trace(tmp_path):
     run_ranks(timeline_worker, 2, str(tmp_path))
+
+
+def nothing_yet_worker(rank, world_size, tmpdir):
+    """The inspection APIs raise, on every rank, where they would have answered with nothing: before a synchronized
+    iteration, after no_sync() ones only, without "auto" or before its tuning starts, a trace without recording."""
+    import os
+
+    x, y = M.global_batch("mlp", world_size, 0)
+    x, y = M.chunk_of(x, rank), M.chunk_of(y, rank)
+    path = os.path.join(tmpdir, f"trace-{rank}.json")
+    fast = fastcoll.DDP(M.build("mlp", 0))
+    for what, call in (("sync_timeline", fast.sync_timeline), ("export_chrome_trace", lambda: fast.export_chrome_trace(path))):
+        with pytest.raises(RuntimeError, match=rf"{what}\(\): no synchronized iteration has completed"):
+            call()
+    with pytest.raises(RuntimeError, match="built without bucket_cap_mb='auto'"):
+        fast.tuning_report()
+    with fast.no_sync():
+        M.loss_of("mlp", fast, x, y, rank, 0).backward()
+    with pytest.raises(RuntimeError, match="no synchronized iteration"):
+        fast.sync_timeline()
+    M.loss_of("mlp", fast, x, y, rank, 0).backward()
+    assert len(fast.sync_timeline()) == 1 and fast.export_chrome_trace(path).exists()
+    fast.close()
+    os.remove(path)
+
+    off = fastcoll.DDP(M.build("mlp", 0), record_timeline=False)
+    M.loss_of("mlp", off, x, y, rank, 0).backward()
+    assert len(off.sync_timeline()) == 1  # the iteration-level times
+    with pytest.raises(RuntimeError, match="record_timeline=False"):
+        off.export_chrome_trace(path)
+    assert not os.path.exists(path)  # refused before writing
+    off.close()
+
+    auto = fastcoll.DDP(M.build("mlp", 0), bucket_cap_mb="auto")
+    for step in range(2):  # the tuning starts at the forward after the first iteration's ready-order rebuild
+        with pytest.raises(RuntimeError, match="the tuning has not started yet"):
+            auto.tuning_report()
+        auto.zero_grad()
+        M.loss_of("mlp", auto, x, y, rank, step).backward()
+    assert [r["label"] for r in auto.tuning_report()][:1] == ["default (25 MiB)"]  # started: the default is candidate 0
+    auto.close()
+
+
+def test_inspection_raises_where_there_is_nothing_to_show(tmp_path):
+    run_ranks(nothing_yet_worker, 2, str(tmp_path))

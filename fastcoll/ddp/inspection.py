@@ -30,9 +30,13 @@ class SyncInspection:
         the last gradient written back: the synchronization the backward did
         not hide) and ``step_us``; and per bucket: gradient-ready times of its
         first and last parameter, pack start/end, collective issued/completed,
-        write-back start/end. Empty with ``record_timeline=False`` (then only
-        the iteration-level times are kept, for ``bucket_cap_mb="auto"``).
+        write-back start/end; with ``record_timeline=False`` the iteration-level
+        times only (each bucket's event times None).
+
+        Raises:
+            RuntimeError: No synchronized iteration has completed on this rank yet.
         """
+        self._recorded("sync_timeline()")
         return self.reducer.timeline.iterations()
 
     def export_chrome_trace(self, path: Union[str, Path]) -> Path:
@@ -41,7 +45,17 @@ class SyncInspection:
         Events are named after their bucket (``bucket 3 pack``, ``bucket 3
         all-reduce``, ``bucket 3 write-back``), one track per kind, with this
         rank as the process; traces of several ranks can be loaded together.
+
+        Raises:
+            RuntimeError: No synchronized iteration has completed on this rank yet, or the wrapper was built with
+                ``record_timeline=False`` (no bucket events to show); nothing is written.
         """
+        self._recorded("export_chrome_trace()")
+        if not self.reducer.timeline.enabled:
+            raise RuntimeError(
+                "fastcoll.DDP.export_chrome_trace(): this wrapper was built with record_timeline=False, so no bucket "
+                "events were recorded; build it with record_timeline=True (the default) to export a trace"
+            )
         rank = dist.get_rank(self.process_group)
         return self.reducer.timeline.export_chrome_trace(path, rank=rank)
 
@@ -70,5 +84,31 @@ class SyncInspection:
 
     def tuning_report(self) -> List[Dict[str, Any]]:
         """With ``bucket_cap_mb="auto"``: every candidate layout with its measured median step and
-        exposed synchronization times, and which one was chosen (empty before tuning starts or without "auto")."""
-        return self.reducer.tuning_report()
+        exposed synchronization times, and which one was chosen (while the tuning runs: the candidates so far,
+        none chosen).
+
+        Raises:
+            RuntimeError: The wrapper was not built with ``bucket_cap_mb="auto"``, or its tuning has not started yet
+                (it starts at the first synchronized forward after the ready-order rebuild).
+        """
+        report = self.reducer.tuning_report()
+        if report is None:
+            raise RuntimeError(
+                "fastcoll.DDP.tuning_report(): there is no tuning to report: this wrapper was built without "
+                "bucket_cap_mb='auto'; pass it to tune the bucket layout while training"
+            )
+        if not report:
+            raise RuntimeError(
+                "fastcoll.DDP.tuning_report(): the tuning has not started yet: it starts at the first synchronized "
+                "forward after the buckets are rebuilt in gradient-ready order (the second synchronized iteration's); "
+                "call it after training has run for a while"
+            )
+        return report
+
+    def _recorded(self, what: str) -> None:
+        """Raise unless this rank has completed a synchronized iteration (the timeline has something to show)."""
+        if not self.reducer.timeline.committed:
+            raise RuntimeError(
+                f"fastcoll.DDP.{what}: no synchronized iteration has completed on this rank yet (iterations under "
+                "no_sync() are not recorded); call it after a forward and backward outside no_sync()"
+            )

@@ -202,9 +202,10 @@ class ReducerSettings:
         """Buckets of the iteration under way (or just completed) that issued a reduction (not skipped as unused)."""
         return sum(1 for f in self._inflight if f is not None and not isinstance(f, Skipped))
 
-    def tuning_report(self) -> List[Dict[str, Any]]:
-        """``bucket_cap_mb="auto"``: each candidate layout with its measured medians and which was chosen."""
-        return [] if self._tuning is None else self._tuning.report()
+    def tuning_report(self) -> Optional[List[Dict[str, Any]]]:
+        """``bucket_cap_mb="auto"``: each candidate layout with its measured medians and which was chosen (empty
+        before the tuning starts); None without autotuning."""
+        return None if self._tuning is None else self._tuning.report()
 
     # ----------------------------------------------------------------- errors
 
