@@ -128,7 +128,7 @@ def kept(previous: str, present: Sequence[Tuple[str, str]]) -> Dict[Tuple[str, s
     for block in blocks:
         key = titles.get(block.split("\n", 1)[0].strip())
         if key is not None and key not in present:
-            rows = [line for line in previous.splitlines() if line.startswith("| {} ({}) |".format(*key))]
+            rows = [row for row in previous.splitlines() if row.startswith("| {} ({}) |".format(*key))]
             out[key] = (rows, block.rstrip() + "\n")
     return out
 

@@ -166,6 +166,13 @@ def assign_buckets(
     open_buckets: Dict[Hashable, Tuple[List[int], int, int]] = {}  # key -> (indices, bytes, cap)
     closed: dict[Hashable, int] = {}  # key -> buckets closed so far (selects the next cap)
     done: List[List[int]] = []
+
+    def close(key: Hashable, members: List[int]) -> int:
+        """Bucket ``members`` of ``key`` is complete; returns the cap of that key's next bucket."""
+        done.append(members)
+        closed[key] = closed.get(key, 0) + 1
+        return caps[min(closed[key], last)]
+
     for idx in order:
         spec = specs[idx]
         if spec.sparse:
@@ -174,18 +181,12 @@ def assign_buckets(
         members, size, cap = open_buckets.get(spec.key, ([], 0, caps[0]))
         nbytes = spec.numel * spec.element_size
         alone = alone_above is not None and nbytes > alone_above
-        if alone and members:
-            done.append(members)  # the open bucket closes before it
-            k = closed.get(spec.key, 0) + 1
-            closed[spec.key] = k
-            members, size, cap = [], 0, caps[min(k, last)]
+        if alone and members:  # the open bucket closes before it
+            members, size, cap = [], 0, close(spec.key, members)
         members.append(idx)
         size += nbytes
         if size >= cap or alone:
-            done.append(members)
-            k = closed.get(spec.key, 0) + 1
-            closed[spec.key] = k
-            open_buckets[spec.key] = ([], 0, caps[min(k, last)])
+            open_buckets[spec.key] = ([], 0, close(spec.key, members))
         else:
             open_buckets[spec.key] = (members, size, cap)
     done.extend(members for members, _, _ in open_buckets.values() if members)

@@ -103,9 +103,10 @@ class ReducerSharding:
         self.health.keep_total = bool(sharded_grads or self.main_buckets)
         # The buckets again, padded to be divided, each with its odd-sized parameters last (the others aligned).
         nbytes = [p.numel() * p.element_size() for p in self.params]
-        layout = self.layout()
-        if self._pool_bound:  # the caps count the pooled buffers' bytes; a parameter above the cap alone (.pool)
-            layout = pooled_layout(self._set.buckets, self._set.specs, self._set.first_bucket_bytes, self._set.bucket_cap_bytes)
+        s = self._set  # pooled: the caps count the pooled buffers' bytes, a parameter above the cap alone (.pool)
+        layout = (
+            pooled_layout(s.buckets, s.specs, s.first_bucket_bytes, s.bucket_cap_bytes) if self._pool_bound else self.layout()
+        )
         self._install_layout([aligned_first(b, nbytes) for b in layout])
         buckets = self._set.buckets
         self.shards = ShardLayout(
