@@ -347,6 +347,7 @@ def _rss_after_a_freed_tensor(malloc: str, queue) -> None:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
     set_to = runner.set_malloc(malloc)
+    torch.ones(2**16).add_(1)  # torch's first-op initialisation, not counted
     base = rss()
     for _ in range(3):
         t = torch.ones(20 * 2**20 // 4)
@@ -370,4 +371,6 @@ def test_set_malloc_return_gives_freed_pages_back_where_keep_retains_them():
         p.join(timeout=20)
         assert set_to and set_to.startswith("glibc mallopt: "), set_to
         kept[malloc] = grown
-    assert kept["return"] < 5 and kept["keep"] > 15, kept
+    # less than half of one freed tensor against more than one whole: the process's own growth (a few MiB on a
+    # loaded box) cannot move a result across the line
+    assert kept["return"] < 10 and kept["keep"] > 20, kept
