@@ -16,8 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..bucketing import AUTO, MIB, bucket_caps_from_mb
-from ..distributed.backends import pick_comm_device
-from ..ops.dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_dtype, is_dense
+from ..distributed._agree import agree
+from ..distributed.backends import backend_name, bound_device, pick_comm_device
+from ..ops.dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_accum_dtype, check_comm_dtype, dtype_name, is_dense
+from ..stall import resolve_stall_timeout
+from .compat import check_torch_features
 
 
 def check_device_ids(
@@ -328,3 +331,41 @@ def check_main_grad_dtype(main_grad_dtype: Any, gradient_as_bucket_view: bool) -
             "fastcoll.DDP: gradient_as_bucket_view cannot be combined with main_grad_dtype: the 16-bit gradients are "
             "added into float32 buckets, which a 16-bit .grad cannot view (the buckets already spare the copies)"
         )
+
+
+def check_and_agree(
+    ddp: Any, caps: Tuple[Any, Any], first_bucket_mb: Any, device_ids: Any, output_device: Any, torch_only: tuple
+) -> Tuple[Any, Any, int, str, Optional[List[int]], Optional[int]]:
+    """Every rank's checks of the module and the arguments, then one agreement across ranks (a collective).
+
+    ``ddp``: the wrapper being built (its settings and ``process_group`` are set); ``caps``:
+    ``(bucket_cap_mb, bucket_cap_mb_list)`` as given. One small all-gather (``fastcoll.distributed``'s
+    agreement protocol) shares a local failure, so that every rank raises it and none hangs, and
+    compares the parameter signatures: differing modules make every rank raise a RuntimeError naming
+    the first differing parameter.
+
+    Returns:
+        :func:`check_arguments`'s tuple.
+    """
+    named = ddp._named_parameters()
+    error: Optional[BaseException] = None
+    try:
+        refuse_torch_only(*torch_only)
+        check_torch_features([p for _, p in named])
+        check_main_grad_dtype(ddp.main_grad_dtype, ddp.gradient_as_bucket_view)
+        check_comm_accum_dtype(ddp.comm_accum_dtype, ddp.comm_dtype)
+        cfg = check_arguments(named, caps[0], first_bucket_mb, ddp.comm_dtype, device_ids, output_device, caps[1])
+        resolve_stall_timeout(ddp.stall_timeout, ddp.process_group)  # a bad value raises here, on every rank
+    except (ValueError, RuntimeError, TypeError) as exc:
+        error = exc
+    try:
+        sig = [(n, tuple(p.shape), dtype_name(p.dtype), tuple(p.stride()), bool(p.requires_grad)) for n, p in named]
+    except Exception:  # uninitialized parameters have no shape
+        sig = []
+    group = ddp.process_group
+    cuda_now = torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = sync_device(backend_name(group), device_ids, [p.device for _, p in named], bound_device(group), cuda_now)
+    agree("fastcoll.DDP", group=group, error=error, desc=sig, explain=mismatch_message, mismatch=RuntimeError, device=device)
+    if error is not None:
+        raise error
+    return cfg

@@ -18,28 +18,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ..bucketing import AUTO
-from ..distributed._agree import agree
-from ..distributed.backends import backend_name, bound_device
-from ..ops.dtypes import check_comm_accum_dtype, dtype_name
 from ..reducer import Reducer
-from ..stall import resolve_stall_timeout
 from . import compile_support
 from .arguments import (
     buffer_sync_flags,
-    check_arguments,
-    check_main_grad_dtype,
+    check_and_agree,
     check_verify_replicas_every,
     group_from_mesh,
-    mismatch_message,
     reducer_parameter_names,
-    refuse_torch_only,
     resolve_process_group,
-    sync_device,
     warn_deprecated,
 )
 from .broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
 from .comm_hooks import CommHookRegistration
-from .compat import TorchMembers, check_torch_features
+from .compat import TorchMembers
 from .health import GradHealthMethods
 from .inspection import SyncInspection
 from .join import JoinState, JoinSupport
@@ -239,8 +231,12 @@ class DDP(
         self.main_grad_dtype = main_grad_dtype
         self._verified_at = 0
         torch_only = (delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision)
-        caps = (bucket_cap_mb, bucket_cap_mb_list)
-        self._check_and_agree(caps, first_bucket_mb, device_ids, output_device, torch_only)  # a collective
+        cfg = check_and_agree(
+            self, (bucket_cap_mb, bucket_cap_mb_list), first_bucket_mb, device_ids, output_device, torch_only
+        )  # a collective
+        self.bucket_caps, self._reducer_caps, self.first_bucket_bytes, self.device_type, self.device_ids, self.output_device = cfg
+        #: torch DDP's attribute (dynamo's graph splitting reads it): the largest bucket cap in bytes.
+        self.bucket_bytes_cap = cfg[1] if isinstance(cfg[1], int) else max(cfg[1])
 
         self._build()
         if init_sync:
@@ -304,62 +300,6 @@ class DDP(
         return states
 
     # ------------------------------------------------------------ construction
-
-    def _check_and_agree(
-        self, caps: Tuple[Any, Any], first_bucket_mb: Any, device_ids: Any, output_device: Any, torch_only: tuple
-    ) -> None:
-        """Check the module and the arguments on every rank, then set the parsed bucket and device settings.
-
-        ``caps``: ``(bucket_cap_mb, bucket_cap_mb_list)`` as given.
-
-        A local failure is shared with the other ranks by the signature
-        exchange (:meth:`_verify_across_ranks`), so that every rank raises and none hangs.
-        """
-        named = self._named_parameters()
-        error: Optional[BaseException] = None
-        try:
-            refuse_torch_only(*torch_only)
-            check_torch_features([p for _, p in named])
-            check_main_grad_dtype(self.main_grad_dtype, self.gradient_as_bucket_view)
-            check_comm_accum_dtype(self.comm_accum_dtype, self.comm_dtype)
-            cfg = check_arguments(named, caps[0], first_bucket_mb, self.comm_dtype, device_ids, output_device, caps[1])
-            resolve_stall_timeout(self.stall_timeout, self.process_group)  # a bad value raises here, on every rank
-        except (ValueError, RuntimeError, TypeError) as exc:
-            error, cfg = exc, None
-        self._verify_across_ranks(named, error, device_ids)
-        if error is not None:
-            raise error
-        self.bucket_caps, caps, self.first_bucket_bytes, self.device_type, self.device_ids, self.output_device = cfg
-        self._reducer_caps = caps
-        #: torch DDP's attribute (dynamo's graph splitting reads it): the largest bucket cap in bytes.
-        self.bucket_bytes_cap = caps if isinstance(caps, int) else max(caps)
-
-    def _verify_across_ranks(
-        self, named: List[Tuple[str, torch.Tensor]], error: Optional[BaseException], device_ids: Any
-    ) -> None:
-        """Agree across ranks on the local checks and the parameter signatures; raise on every rank otherwise.
-
-        One small all-gather (fastcoll.dist's agreement protocol). A rank whose
-        checks failed makes every rank raise its error; differing modules make
-        every rank raise a RuntimeError naming the first differing parameter.
-        """
-        try:
-            sig = [(n, tuple(p.shape), dtype_name(p.dtype), tuple(p.stride()), bool(p.requires_grad)) for n, p in named]
-        except Exception:  # uninitialized parameters have no shape
-            sig = []
-        device = sync_device(
-            backend_name(self.process_group), device_ids, [p.device for _, p in named], bound_device(self.process_group),
-            torch.cuda.current_device() if torch.cuda.is_available() else None,
-        )  # fmt: skip
-        agree(
-            "fastcoll.DDP",
-            group=self.process_group,
-            error=error,
-            desc=sig,
-            explain=mismatch_message,
-            mismatch=RuntimeError,
-            device=device,
-        )
 
     def _set_static_graph(self) -> None:
         """Enable static-graph mode (torch DDP's private switch, used by some frameworks)."""
@@ -461,8 +401,6 @@ class DDP(
         """Broadcast the module's buffers from group rank ``group_src``."""
         with torch.no_grad():
             self._buffer_broadcast(self.process_group, group_src, self.stall_timeout)
-
-    # -------------------------------------------------------------------- join
 
     # ------------------------------------------------------------------ public
 

@@ -353,3 +353,59 @@ def load_sharded(opt: Any, directory: str) -> None:
 def full_from_directory(directory: str) -> Dict[str, Any]:
     """The standard state dict from a directory written by :func:`save_sharded` (for a plain torch optimizer)."""
     return full_from_sharded(_read_directory(directory))
+
+
+class CheckpointMethods:
+    """:class:`~fastcoll.optim.ShardedOptimizer`'s checkpoint methods: torch's ``state_dict`` protocol (its hooks
+    included) in the standard format, and the per-rank shards."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer class's standard state dict, as if it had never been sharded (a collective).
+
+        Per-parameter state keyed by parameter index (the wrapped optimizer's
+        numbering), full tensors, identical on every rank: loadable by the
+        plain torch optimizer in a single process, or by :meth:`load_state_dict`
+        at any world size.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = full_state_dict(self)
+        # Entries that are not a piece's (hooks and user code may keep their own keys in opt.state, as in torch's).
+        state["state"].update({k: v for k, v in self._local.state.items() if not isinstance(k, torch.Tensor)})
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a standard (unsharded) state dict of the inner optimizer's class; each rank keeps its pieces."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        load_full_state_dict(self, _numbered(state_dict))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """This rank's pieces of the state and the layout needed to reshard them (see :mod:`fastcoll.optim.checkpoint`)."""
+        return sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dicts: Sequence[Dict[str, Any]]) -> None:
+        """Load the :meth:`sharded_state_dict` of every rank of a run at any world size (this rank takes its pieces)."""
+        load_sharded_state_dicts(self, state_dicts)
+
+
+def _numbered(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """``state_dict`` with its parameters numbered 0, 1, ... in group order, as torch's ``load_state_dict`` reads them.
+
+    torch matches saved parameters to the optimizer's by position, whatever their keys (DCP's
+    ``set_optimizer_state_dict`` passes fully qualified names).
+    """
+    keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+    number = {k: n for n, k in enumerate(keys)}
+    if list(number) == list(range(len(keys))):
+        return state_dict
+    groups, start = [], 0
+    for g in state_dict["param_groups"]:
+        groups.append(dict(g, params=list(range(start, start + len(g["params"])))))
+        start += len(g["params"])
+    state = {number[k]: v for k, v in state_dict["state"].items() if k in number}
+    return {**state_dict, "state": state, "param_groups": groups}

@@ -21,13 +21,14 @@ Two ways to get the gradients:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from ..reducer.pool import ACCUMULATE
 from ..reducer.shards import Piece
+from .checkpoint import CheckpointMethods
 from .clip import clip_grad_norm
 from .elementwise import check_optimizer_class
 from .gradients import PieceGradients
@@ -49,7 +50,7 @@ def _advice(grads: str) -> str:
     )
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(CheckpointMethods, torch.optim.Optimizer):
     """Shard the state of ``optimizer`` over the ranks of ``model`` (a :class:`fastcoll.DDP`).
 
     Args:
@@ -417,48 +418,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.wrapped!r}, grads={self.grads!r}, ranks={self._layout.world_size})"
 
-    # Checkpoints: fastcoll.optim.checkpoint
-    def state_dict(self) -> Dict[str, Any]:
-        """The inner optimizer class's standard state dict, as if it had never been sharded (a collective).
-
-        Per-parameter state keyed by parameter index (the wrapped optimizer's
-        numbering), full tensors, identical on every rank: loadable by the
-        plain torch optimizer in a single process, or by :meth:`load_state_dict`
-        at any world size.
-        """
-        from .checkpoint import full_state_dict
-
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state = full_state_dict(self)
-        # Entries that are not a piece's (hooks and user code may keep their own keys in opt.state, as in torch's).
-        state["state"].update({k: v for k, v in self._local.state.items() if not isinstance(k, torch.Tensor)})
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            state = post_hook(self, state) or state
-        return state
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a standard (unsharded) state dict of the inner optimizer's class; each rank keeps its pieces."""
-        from .checkpoint import load_full_state_dict
-
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = pre_hook(self, state_dict) or state_dict
-        load_full_state_dict(self, _numbered(state_dict))
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def sharded_state_dict(self) -> Dict[str, Any]:
-        """This rank's pieces of the state and the layout needed to reshard them (see :mod:`fastcoll.optim.checkpoint`)."""
-        from .checkpoint import sharded_state_dict
-
-        return sharded_state_dict(self)
-
-    def load_sharded_state_dict(self, state_dicts: Sequence[Dict[str, Any]]) -> None:
-        """Load the :meth:`sharded_state_dict` of every rank of a run at any world size (this rank takes its pieces)."""
-        from .checkpoint import load_sharded_state_dicts
-
-        load_sharded_state_dicts(self, state_dicts)
-
 
 class ShardedState(dict):
     """``opt.state``: this rank's pieces' state, keyed by the pieces; a model parameter as key is refused.
@@ -570,24 +529,6 @@ def _copy_changed(source: Dict[str, Any], target: Dict[str, Any]) -> None:
     for k, v in source.items():
         if k != "params" and (k not in target or target[k] is not v):
             target[k] = v
-
-
-def _numbered(state_dict: Dict[str, Any]) -> Dict[str, Any]:
-    """``state_dict`` with its parameters numbered 0, 1, ... in group order, as torch's ``load_state_dict`` reads them.
-
-    torch matches saved parameters to the optimizer's by position, whatever their keys (DCP's
-    ``set_optimizer_state_dict`` passes fully qualified names).
-    """
-    keys = [k for g in state_dict["param_groups"] for k in g["params"]]
-    number = {k: n for n, k in enumerate(keys)}
-    if list(number) == list(range(len(keys))):
-        return state_dict
-    groups, start = [], 0
-    for g in state_dict["param_groups"]:
-        groups.append(dict(g, params=list(range(start, start + len(g["params"])))))
-        start += len(g["params"])
-    state = {number[k]: v for k, v in state_dict["state"].items() if k in number}
-    return {**state_dict, "state": state, "param_groups": groups}
 
 
 def _check_pool(

@@ -6,6 +6,8 @@
   API comm hooks see, pack and write-back through the fused ops;
 * :mod:`.layout`: building buckets for a layout, learning the layout from the
   gradient-ready order;
+* :mod:`.local_accumulation`: the hooks between synchronized backwards
+  (``no_sync``), main gradients included;
 * :mod:`.usage`: which parameters take part (unused-parameter search, the
   used-parameter all-reduce, static graphs), and the end of an iteration;
 * :mod:`.reduction`: the ways a bucket is reduced (all-reduce, comm hook,

@@ -63,6 +63,7 @@ from .bucket_layout import ReducerLayout
 from .comm import Communicator
 from .health import Divisor, GradHealth
 from .layout import BucketSet
+from .local_accumulation import LocalAccumulation
 from .reduction import CommHook, Skipped, ZeroBuffers
 from .runtime_log import RuntimeLog
 from .settings import ReducerSettings
@@ -129,7 +130,7 @@ def _register_hooks(reducer: "Reducer") -> List[Any]:
     return [p.register_post_accumulate_grad_hook(_make_hook(ref, i, lock)) for i, p in enumerate(reducer.params)]
 
 
-class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
+class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation):
     """Bucketed, overlapped gradient averaging for a list of parameters.
 
     Args:
@@ -222,10 +223,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.skip_unused_buckets = bool(skip_unused_buckets)
         self.main_grad_dtype: Optional[torch.dtype] = main_grad_dtype
-        self._idle_queued = False  # a no_sync backward's accumulation into the main gradients is queued
-        self._idle_arrived: List[int] = []  # parameters that no_sync backward added into their main gradients already
-        #: A backward under ``no_sync`` left local gradients that no synchronized backward has reduced yet.
-        self.unsynchronized = False
+        self._init_local_accumulation()
         self._init_unsharded()
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
         #: None, or torch.float32: the dense buckets' 16-bit values are summed in float32 (:meth:`_index_reductions`).
@@ -299,36 +297,6 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding):
         self.runtime_log.forward_end(self.timeline, self.usage.graph_static)
 
     # --------------------------------------------------------------- backward
-
-    def _on_idle_grad(self, idx: int) -> None:
-        """Hook body between synchronized backwards (``no_sync``): count the use; a large 16-bit gradient goes into
-        its float32 main gradient now, the others at the end of the backward (:meth:`_accumulate_idle`)."""
-        self.unsynchronized = True
-        if self.usage.tracking_use:
-            self.usage.local_used[idx] = 1
-        if not self.main_buckets:
-            return
-        if not self._idle_queued:
-            self._idle_queued = True
-            self.ensure_buffers()
-            self.before_accumulating()  # (the parameters' all-gathers may still use the buckets)
-            if self.shard_grads is not None:
-                self.shard_grads.set_aside()
-            torch.autograd.Variable._execution_engine.queue_callback(self._accumulate_idle)
-        slot = self._eager_slots[idx]
-        if slot is not None and self._set.buckets[self._bucket_of[idx]].accumulate_one(self._slot_pos[idx], slot):
-            self._idle_arrived.append(idx)
-
-    def _accumulate_idle(self) -> None:
-        """End of a ``no_sync`` backward: its 16-bit gradients not added yet go into the float32 main gradients."""
-        self._idle_queued = False
-        arrived, self._idle_arrived = self._idle_arrived, []
-        for b in self.main_buckets:
-            if self.pool is not None:
-                self.pool.hold(b)  # kept until the synchronizing backward's reduce-scatter
-            arrived += b.accumulate()
-        if self.kept is not None:
-            self.kept.after_local_backward(arrived)
 
     def _on_grad(self, idx: int) -> None:
         """Hook body: parameter ``idx``'s gradient has been accumulated."""
