@@ -181,6 +181,8 @@ class Run:
             self.model.zero_grad(set_to_none=set_to_none)
         elif how == "wrapper":
             nn.Module.zero_grad(self.ddp, set_to_none=set_to_none)
+        elif how == "ddp":  # fastcoll.DDP's own zero_grad (the kept gradients too); torch DDP's is nn.Module's
+            self.ddp.zero_grad(set_to_none=set_to_none)
         elif how == "inner":
             self.inner.zero_grad(set_to_none=set_to_none)
         else:
@@ -319,6 +321,54 @@ def _zero_after_forward(how: str, set_to_none: bool) -> Callable[[Callable[..., 
         return {"losses": torch.stack(run.losses), **run.params()}
 
     return pattern
+
+
+def _step_without_backward(how: str, set_to_none: bool) -> Callable[[Callable[..., Run]], Obs]:
+    """A skipped batch: the reset, then a step with no backward before it. torch steps the zeroed gradients
+    (``set_to_none=False``: AdamW's state and weight decay move) or nothing (``set_to_none=True``: no gradient).
+
+    The bf16 reference reaches the same gradients its own way: a backward of a loss times zero, or no step.
+    """
+
+    def pattern(new: Callable[..., Run]) -> Obs:
+        run = new()
+        for step in range(STEPS):
+            run.zero("opt")
+            run.backward(step)
+            run.opt.step()
+            if step != 1:
+                continue
+            if not run.canonical:
+                run.zero(how, set_to_none)
+                run.opt.step()
+            elif not set_to_none:
+                run.zero("opt")
+                (run.ddp(batch(step, run.rank, run.world)).sum() * 0).backward()
+                run.opt.step()
+        run.settle()
+        return {"losses": torch.stack(run.losses), **run.params()}
+
+    return pattern
+
+
+def p_step_twice(new: Callable[..., Run]) -> Obs:
+    """step() twice on the same gradients (no backward between): torch steps them again."""
+    run = new()
+
+    def again(r: Run, step: int) -> None:
+        if step == 1:
+            r.opt.step()
+
+    return _train(run, after_step=again)
+
+
+def p_plateau(new: Callable[..., Run]) -> Obs:
+    """ReduceLROnPlateau on the wrapper, stepped with a metric that never improves (the lr halves every step)."""
+    run = new()
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(run.opt, factor=0.5, patience=0)
+    obs = _train(run, after_step=lambda r, step: sched.step(1.0))
+    obs["lrs"] = torch.tensor([g["lr"] for g in run.opt.param_groups], dtype=torch.float64)
+    return obs
 
 
 def _local_grads(run: Run) -> List[torch.Tensor]:
@@ -673,6 +723,12 @@ PATTERNS: Dict[str, tuple] = {
     "zero_grad_module_keep_after_forward": (_zero_after_forward("module", False), False, False, True),
     # with the pool's accumulate="reduce_scatter" each micro-batch is reduced: norms of its guards are refused
     "grad_between_micro_batches": (p_grad_between_micro_batches, "sharded", True, True),
+    "step_without_backward_after_zero_grad": (_step_without_backward("opt", True), False, False, True),
+    "step_without_backward_after_zero_grad_keep": (_step_without_backward("opt", False), False, False, True),
+    "step_without_backward_after_module_zero_grad_keep": (_step_without_backward("module", False), False, False, True),
+    "step_without_backward_after_ddp_zero_grad_keep": (_step_without_backward("ddp", False), False, False, True),
+    "step_twice_on_the_same_gradients": (p_step_twice, False, False, False),
+    "sched_plateau_on_wrapper": (p_plateau, False, False, False),
     "zero_grad_inner": (_zero_pattern("inner", True), False, False, True),
     "zero_grad_inner_keep": (_zero_pattern("inner", False), False, False, False),
     "zero_grad_opt_keep": (_zero_pattern("opt", False), False, False, False),

@@ -159,9 +159,13 @@ def _run(rank: int, world: int, opt_name: str, opts: dict, grads) -> dict:
             losses.append(opt.step(closure).detach())
             continue
         opt.zero_grad(set_to_none=not opts.get("keep_grads"))
-        if opts.get("keep_grads") and step > 0:  # zeroed in place, not dropped (grads="sharded" holds none)
+        if opts.get("keep_grads") and step > 0:  # zeroed in place, not dropped, as torch's .grad
             kept = [p.grad for p in model.parameters() if p.requires_grad]
-            assert all(g is None if grads == "sharded" else g is not None and not g.any() for g in kept), (grads, kept)
+            assert all(g is not None for g in kept), (grads, kept)
+            if grads == "sharded":  # guards over the ranks' zeroed ranges: their global norm (a collective)
+                assert float(opt.clip_grad_norm_(float("inf"))) == 0.0
+            else:
+                assert not any(g.any() for g in kept), (grads, kept)
         if opts.get("accumulate"):
             with ddp.no_sync():
                 loss = ddp(x[: len(x) // 2 or 1]).pow(2).mean() * 0.5

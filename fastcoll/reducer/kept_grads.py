@@ -255,8 +255,17 @@ class KeptGradients:
         self.placed = {}
 
     def zero(self, set_to_none: bool) -> None:
-        """``zero_grad`` of the guarded parameters: their ``.grad`` and everything kept for them."""
+        """``zero_grad`` of the guarded parameters, as torch's of ``.grad``.
+
+        ``set_to_none``: their ``.grad`` and everything kept for them are gone (a step skips them). Else the
+        gradients that exist stay, as zeros (a step steps them, as torch's steps a zeroed ``.grad``); the
+        ones that do not exist stay absent.
+        """
         r = self.reducer
+        self.reconcile(at_step=False)  # a .grad set to None by hand has no gradient to keep as zeros
+        keep = [] if set_to_none else [i for i in self.guarded if self.used[i]]
+        if keep and r.param_gather is not None:
+            r.param_gather.finish()  # the gradient memory some all-gathers borrow is zeros once they are written
         for i in self.guarded:
             g = r.params[i].grad
             if g is None:
@@ -266,6 +275,17 @@ class KeptGradients:
             else:
                 g.detach_().zero_()
         self.zero_kept(release=set_to_none)
+        if keep:
+            self._zeros_kept(keep)
+
+    def _zeros_kept(self, params: List[int]) -> None:
+        """``params`` have a gradient of zeros: kept values zeroed (zeroed already: main gradients), guards in ``.grad``."""
+        r = self.reducer
+        if r.shard_grads is not None:
+            r.shard_grads.zero_filled()
+        for i in params:
+            self.used[i] = True
+            self.placed[i] = r.params[i].grad = ShardedGradient(r.params[i], self.book, i)
 
     def zero_kept(self, release: bool = False) -> None:
         """Forget the kept gradients (the ranges, the main gradients) and the use record; ``release``: free the

@@ -200,6 +200,13 @@ class ShardGrads:
             if pos not in busy:
                 self.grads[pos].zero_()
 
+    def zero_filled(self) -> None:
+        """``zero_grad(set_to_none=False)``: every range holds zeros that the next synchronized backward adds to."""
+        self._aside = {}
+        for pos in self.grads:
+            self.target(pos).zero_()
+        self.filled = True
+
     def release(self) -> None:
         """``zero_grad(set_to_none=True)``: forget the kept gradients and free the ranges of their own (as torch frees
         ``.grad``); the next synchronized backward allocates them again."""

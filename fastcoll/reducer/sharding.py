@@ -207,7 +207,7 @@ class ReducerSharding:
         """Reset the gradients kept outside ``.grad`` (main gradients, reduced ranges), as ``zero_grad`` does ``.grad``."""
         if self.kept is not None:
             # (buckets whose memory holds a pending all-gather are zeroed once it is written)
-            self.kept.zero_kept(release=set_to_none)
+            self.kept.zero(set_to_none)
         else:
             self.zero_main_grads()
             self.unsynchronized = False
