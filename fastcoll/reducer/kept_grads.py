@@ -262,8 +262,10 @@ class KeptGradients:
         ones that do not exist stay absent.
         """
         r = self.reducer
-        self.reconcile(at_step=False)  # a .grad set to None by hand has no gradient to keep as zeros
-        keep = [] if set_to_none else [i for i in self.guarded if self.used[i]]
+        keep: List[int] = []
+        if not set_to_none:
+            self.reconcile(at_step=False)  # a .grad set to None by hand has no gradient to keep as zeros
+            keep = [i for i in self.guarded if self.used[i]]
         if keep and r.param_gather is not None:
             r.param_gather.finish()  # the gradient memory some all-gathers borrow is zeros once they are written
         for i in self.guarded:
