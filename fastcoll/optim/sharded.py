@@ -348,7 +348,12 @@ class ShardedOptimizer(CheckpointMethods, torch.optim.Optimizer):
     # ------------------------------------------------------------ gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients: the model's ``.grad`` (as ``Optimizer.zero_grad``), the reduced ranges, the main gradients."""
+        """Reset the gradients: the model's ``.grad`` (as ``Optimizer.zero_grad``), the reduced ranges, the main gradients.
+
+        Args:
+            set_to_none: As torch's: the gradients are gone (a ``step()`` before the next backward steps
+                nothing); with False, every gradient that exists stays, as zeros (a ``step()`` steps them).
+        """
         kept = self.reducer.kept
         for i, p in enumerate(self.reducer.params):
             g = p.grad
