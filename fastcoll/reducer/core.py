@@ -443,7 +443,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation
             )
         shards = self.shard_grads
         if shards is not None:
-            shards.filled = True
+            shards.written()
             if not shards.free_local:  # kept for the non-finite blame above; the reduced values are in the ranges
                 for p in self.params:
                     p.grad = None

@@ -120,7 +120,7 @@ class KeptGradients:
             return None
         if self.sharded:
             shards = r.shard_grads
-            return shards.grads[pos][pc.at : pc.at + pc.numel] if shards.filled else None
+            return shards.grads[pos][pc.at : pc.at + pc.numel] if shards.readable() else None
         if pos in self.main:
             b = r.buckets[pos]
             off = b.offsets[r._set.slot_pos[pc.param]]
@@ -133,7 +133,7 @@ class KeptGradients:
         r = self.reducer
         if self.sharded:
             shards = r.shard_grads
-            return [g for g in shards.ranges() if g is not None and g.numel()] if shards.filled else []
+            return [g for g in shards.ranges() if g is not None and g.numel()] if shards.readable() else []
         out = []
         layout = r.shards
         for bs, pcs in zip(layout.buckets, layout.pieces):
@@ -281,10 +281,11 @@ class KeptGradients:
             self._zeros_kept(keep)
 
     def _zeros_kept(self, params: List[int]) -> None:
-        """``params`` have a gradient of zeros: kept values zeroed (zeroed already: main gradients), guards in ``.grad``."""
+        """``params`` have a gradient of zeros (the main gradients are zeroed already, the ranges on first read);
+        guards in ``.grad``."""
         r = self.reducer
         if r.shard_grads is not None:
-            r.shard_grads.zero_filled()
+            r.shard_grads.zero_lazily()
         for i in params:
             self.used[i] = True
             self.placed[i] = r.params[i].grad = ShardedGradient(r.params[i], self.book, i)

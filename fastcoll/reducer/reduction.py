@@ -188,29 +188,42 @@ class ShardGrads:
         self._aside: Dict[int, torch.Tensor] = {}
         #: The ranges hold gradients a later synchronized backward must add to.
         self.filled = False
+        #: The ranges are zeros not written yet (``zero_grad(set_to_none=False)``): a read writes them
+        #: (:meth:`readable`), a synchronized backward writes its gradients as into empty ranges.
+        self.zeros = False
 
     def zero(self, busy: Collection[int] = ()) -> None:
         """Forget the kept gradients (the next synchronized backward writes them afresh).
 
         ``busy``: in-place buckets whose memory is in use now (it is zeroed when released).
         """
-        self.filled = False
+        self.filled = self.zeros = False
         self._aside = {}
         for pos in self.in_place:
             if pos not in busy:
                 self.grads[pos].zero_()
 
-    def zero_filled(self) -> None:
-        """``zero_grad(set_to_none=False)``: every range holds zeros that the next synchronized backward adds to."""
+    def zero_lazily(self) -> None:
+        """``zero_grad(set_to_none=False)``: every range holds zeros, written only if read before a backward."""
         self._aside = {}
-        for pos in self.grads:
-            self.target(pos).zero_()
-        self.filled = True
+        self.filled, self.zeros = False, True
+
+    def readable(self) -> bool:
+        """The ranges hold gradients to read: reduced ones, or zeros (written now if they were pending)."""
+        if self.zeros:
+            for pos in self.grads:
+                self.target(pos).zero_()
+            self.filled, self.zeros = True, False
+        return self.filled
+
+    def written(self) -> None:
+        """A synchronized backward wrote (or added) its reduced gradients into every range."""
+        self.filled, self.zeros = True, False
 
     def release(self) -> None:
         """``zero_grad(set_to_none=True)``: forget the kept gradients and free the ranges of their own (as torch frees
         ``.grad``); the next synchronized backward allocates them again."""
-        self.filled = False
+        self.filled = self.zeros = False
         self._aside = {}
         for pos in self._own:
             self.grads[pos] = None
@@ -228,7 +241,11 @@ class ShardGrads:
         return list(self.grads.values())
 
     def set_aside(self) -> None:
-        """Before backwards accumulate into in-place buckets whose range still holds reduced gradients: move them out."""
+        """Before backwards accumulate into in-place buckets whose range still holds reduced gradients: move them out.
+
+        Pending zeros need no keeping: the synchronized backward writes the ranges as empty ones.
+        """
+        self.zeros = False
         if self.filled and not self._aside:
             for pos in self.in_place:
                 g = self.grads[pos]
