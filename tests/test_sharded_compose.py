@@ -265,11 +265,16 @@ def test_padding_rule():
     assert padded_numel(10, 3, 2) % 3 == 0
 
 
-def _combined_run(impl: str, grads, rank: int, world: int, comm_dtype, resume_at=None, aligned=False, bf16=False) -> dict:
+def _combined_run(
+    impl: str, grads, rank: int, world: int, comm_dtype, resume_at=None, aligned=False, bf16=False, keep_zeros=False
+) -> dict:
     """4 steps of 2 micro-batches (the first under no_sync, using ``side`` on some ranks only), find_unused on.
 
     With ``resume_at``, the model and the optimizer are rebuilt from their
     state dicts after that many steps (a checkpoint round trip), then train on.
+    With ``keep_zeros``, ``zero_grad(set_to_none=False)``, and after step 1 a
+    skipped batch: the reset, then a step with no backward (torch steps the
+    zeroed gradients).
     """
 
     low = torch.bfloat16 if bf16 else torch.float32  # bf16: float32 main gradients and masters
@@ -296,21 +301,26 @@ def _combined_run(impl: str, grads, rank: int, world: int, comm_dtype, resume_at
             if isinstance(ddp, fastcoll.DDP):
                 ddp.close()
             model, ddp, opt = build(state)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not keep_zeros)
         with ddp.no_sync():
             ddp(_batch(10 + step, rank, world).to(low), use_side=(step + rank) % 3 == 0).pow(2).mean().backward()
         ddp(_batch(step, rank, world).to(low), use_side=False).pow(2).mean().backward()
         opt.step()
+        if keep_zeros and step == 1:
+            opt.zero_grad(set_to_none=False)
+            opt.step()
     return _final_params(model, ddp, opt)
 
 
 def combined_worker(rank: int, world: int) -> None:
     # Against torch DDP + AdamW (float32 wire): 3 ranks sum in another order, so within rounding (2 as well: the
     # same comparison at both sizes).
-    ref = _combined_run("torch", None, rank, world, None)
-    for grads in ("full", "sharded"):
-        got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2)
-        _compare(ref, got, f"no_sync x find_unused x checkpoint, grads={grads}, vs torch DDP", bitwise=False)
+    for keep_zeros in (False, True):
+        ref = _combined_run("torch", None, rank, world, None, keep_zeros=keep_zeros)
+        for grads in ("full", "sharded"):
+            got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2, keep_zeros=keep_zeros)
+            what = f"no_sync x find_unused x checkpoint, grads={grads}, keep_zeros={keep_zeros}, vs torch DDP"
+            _compare(ref, got, what, bitwise=False)
     # With a bfloat16 wire (torch DDP has no equal): against fastcoll.DDP + the plain AdamW; the parameters in
     # flat buffers this time (the staging path above). grads="full" reduces the same buffers: bitwise. The
     # padded buckets of grads="sharded" change where gloo's ring cuts its chunks, so some elements of these
