@@ -211,8 +211,7 @@ class ShardGrads:
     def readable(self) -> bool:
         """The ranges hold gradients to read: reduced ones, or zeros (written now if they were pending)."""
         if self.zeros:
-            for pos in self.grads:
-                self.target(pos).zero_()
+            torch._foreach_zero_([self.target(pos) for pos in self.grads])
             self.filled, self.zeros = True, False
         return self.filled
 
