@@ -143,9 +143,10 @@ class Mixed(nn.Module):
 
     ``aligned``: sizes that are multiples of 128 bytes, so that the parameters move into flat buffers
     under a ShardedOptimizer (``fastcoll.optim.param_buffer``); odd sizes keep the staging path.
+    ``low``: the 16-bit dtype.
     """
 
-    def __init__(self, aligned: bool = False):
+    def __init__(self, aligned: bool = False, low: torch.dtype = BF16):
         super().__init__()
         torch.manual_seed(0)
         h1, h2, out = (64, 64, 32) if aligned else (13, 11, 3)
@@ -154,12 +155,13 @@ class Mixed(nn.Module):
         self.frozen = nn.Linear(7, h2)
         self.frozen.requires_grad_(False)
         self.head = nn.Linear(h2, out)
+        self.low = low
         for m in (self.a, self.b, self.frozen):
-            m.to(BF16)
+            m.to(low)
 
     def forward(self, x):
-        h = torch.tanh(self.a(x.to(BF16)))
-        h = torch.tanh(self.b(h) + self.frozen(x.to(BF16)))
+        h = torch.tanh(self.a(x.to(self.low)))
+        h = torch.tanh(self.b(h) + self.frozen(x.to(self.low)))
         return self.head(h.float())
 
 
@@ -180,30 +182,50 @@ def _groups(model: nn.Module):
     ]
 
 
+def _model(opts: dict) -> nn.Module:
+    return Mixed(bool(opts.get("aligned")), torch.float16 if opts.get("fp16") else BF16)
+
+
+def _scaler(opts: dict):
+    """``scaler``: a GradScaler whose first scale overflows float16 gradients (steps skipped, then backed off)."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-4, growth_interval=2) if opts.get("scaler") else None
+
+
 def _reference(world: int, opt_name: str, opts: dict, steps: int) -> dict:
-    """The same mathematics in one process: float32 masters, gradients = sum over ranks of 16-bit ones times 1/N."""
-    model = Mixed(bool(opts.get("aligned")))
+    """The same mathematics in one process: float32 masters, gradients = sum over ranks of 16-bit ones times 1/N
+    (``scaler``: of the scaled loss's, unscaled, non-finite steps skipped, by torch's GradScaler on the masters)."""
+    model = _model(opts)
     masters = {n: p.detach().float().clone().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     opt = _opt(opt_name, _groups_of(masters))
+    scaler, scales = _scaler(opts), []
     wire = BF16 if opts.get("bf16") else torch.float32  # the sum is taken in the wire dtype, as gloo does
     for step in range(steps):
         grads = {n: torch.zeros_like(m, dtype=wire) for n, m in masters.items()}
         for r in range(world):
             model.zero_grad()
             chunk = _x(step)[r * GLOBAL // world : (r + 1) * GLOBAL // world]
-            model(chunk).pow(2).mean().backward()
+            loss = model(chunk).pow(2).mean()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             for n, p in model.named_parameters():
                 if p.grad is not None:
                     grads[n] += (p.grad.float() * (1.0 / world)).to(wire)
         for n, m in masters.items():
             m.grad = grads[n].float() if m.requires_grad else None
+        if scaler is not None:
+            scaler.unscale_(opt)
         if opts.get("clip"):
             torch.nn.utils.clip_grad_norm_([m for m in masters.values() if m.requires_grad], 0.05)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(masters[n].to(p.dtype))
-    return {"masters": {n: m.detach().clone() for n, m in masters.items()}, "params": dict(model.named_parameters())}
+    return {"masters": {n: m.detach().clone() for n, m in masters.items()}, "params": dict(model.named_parameters()),
+            "scales": scales}  # fmt: skip
 
 
 def _groups_of(masters: dict):
@@ -214,17 +236,28 @@ def _groups_of(masters: dict):
 
 
 def _ours(rank: int, world: int, opt_name: str, opts: dict, grads: str, steps: int):
-    model = Mixed(bool(opts.get("aligned")))
+    model = _model(opts)
     ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, comm_dtype=BF16 if opts.get("bf16") else None,
                        bucket_cap_mb=0.0004, first_bucket_mb=0.0002)  # fmt: skip
     opt = fastcoll.ShardedOptimizer(_opt(opt_name, _groups(model)), ddp, grads=grads, master_dtype=torch.float32)
+    scaler, opt.scales = _scaler(opts), []
     for step in range(steps):
         opt.zero_grad()
         chunk = _x(step)[rank * GLOBAL // world : (rank + 1) * GLOBAL // world]
-        ddp(chunk).pow(2).mean().backward()
+        loss = ddp(chunk).pow(2).mean()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        # A guard stands for the float32 main gradient, and says so (GradScaler refuses float16 gradients).
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if opts.get("clip"):
             opt.clip_grad_norm_(0.05)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+            opt.scales.append(scaler.get_scale())
     opt.finish_param_sync()
     return model, opt, ddp
 
@@ -236,6 +269,8 @@ ROWS = [
     ("adamw", {"bf16": True}),
     ("adamw", {"aligned": True}),
     ("sgd", {"aligned": True, "bf16": True}),
+    ("adamw", {"fp16": True, "scaler": True}),  # float16: GradScaler unscales the float32 main gradients
+    ("adamw", {"fp16": True, "scaler": True, "clip": True, "aligned": True}),
 ]
 
 
@@ -245,6 +280,9 @@ def training_worker(rank: int, world: int) -> None:
         for grads in ("full", "sharded"):
             model, opt, ddp = _ours(rank, world, opt_name, opts, grads, 5)
             what = f"{opt_name} {opts} grads={grads} rank {rank}/{world}"
+            assert opt.scales == ref["scales"], f"{what}: loss scales {opt.scales}, not {ref['scales']}"
+            if opts.get("scaler"):  # the first steps overflowed and were skipped, the later ones stepped
+                assert ref["scales"][0] < 2.0**24 and ref["scales"][-1] >= ref["scales"][1], (what, ref["scales"])
             masters = opt.state_dict()["state"]  # every rank gets the whole state, masters included
             order = [
                 n for g in _groups(model) for n in [k for k, p in model.named_parameters() if any(p is q for q in g["params"])]
@@ -252,12 +290,12 @@ def training_worker(rank: int, world: int) -> None:
             tol = 2e-3 if opts.get("bf16") or world == 3 else 1e-6
             for k, n in enumerate(order):
                 want = ref["masters"][n]
-                if model.get_parameter(n).dtype == BF16 and model.get_parameter(n).requires_grad:
+                if model.get_parameter(n).dtype == model.low and model.get_parameter(n).requires_grad:
                     got = masters[k][ckpt.MASTER]
                     atol = tol * (1e-2 if tol == 1e-6 else float(want.abs().max()))
                     assert torch.allclose(got, want, rtol=tol, atol=atol), f"{what}: master {n} by {(got - want).abs().max()}"
                 p = model.get_parameter(n).detach()
-                exact = p.dtype == BF16 and tol == 1e-6 and not opts.get("clip")
+                exact = p.dtype == model.low and tol == 1e-6 and not opts.get("clip")
                 close = (
                     torch.equal(p, ref["params"][n].detach())
                     if exact

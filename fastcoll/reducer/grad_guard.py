@@ -8,7 +8,7 @@ it lives in a float32 bucket that a 16-bit ``.grad`` cannot hold
 would make ``torch.nn.utils.clip_grad_norm_`` return 0 and clip nothing, and
 ``GradScaler.unscale_`` unscale nothing: silently wrong. So each such
 parameter's ``.grad`` is a :class:`ShardedGradient`: a tensor with the
-gradient's shape, dtype and device, no data of its own, that applies to the
+gradient's shape and device, no data of its own, that applies to the
 gradient values this rank holds the operations torch's optimizer-side code
 performs on gradients, and refuses every other one with an error that names
 the way to do what was asked:
@@ -22,11 +22,17 @@ the way to do what was asked:
   norm of those float32 values; with reduce-scattered buckets a norm would
   need the other ranks' ranges, so it raises with the advice given by whoever
   divided the buckets.
+
+Its ``dtype`` is that of the values it stands for: float32 over float32 main
+gradients (a 16-bit parameter's gradient is stepped in float32), so that
+``GradScaler.unscale_``, which refuses float16 gradients, unscales a float16
+model's float32 main gradients. Autograd's own checks see the parameter's
+dtype (a ``.grad`` must have it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -51,6 +57,7 @@ class GradientBook:
         names: Parameter names, for messages.
         where: What holds the gradients, for messages.
         advice: What to do instead, for messages.
+        dtypes: Per parameter index, the dtype of its held values where it is not the parameter's (main gradients).
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class GradientBook:
         names: Sequence[str],
         where: str,
         advice: str,
+        dtypes: Optional[Dict[int, torch.dtype]] = None,
     ):
         self.held = held
         self.complete = complete
@@ -68,13 +76,15 @@ class GradientBook:
         self.names = list(names)
         self.where = where
         self.advice = advice
+        self.dtypes = dict(dtypes or {})
 
     def refuse(self, index: int, op: str) -> RuntimeError:
         return RuntimeError(MESSAGE.format(name=f"'{self.names[index]}'", where=self.where, op=op, advice=self.advice))
 
 
 class ShardedGradient(torch.Tensor):
-    """A data-less stand-in for parameter ``index``'s gradient (shape, dtype, device and strides of ``like``)."""
+    """A data-less stand-in for parameter ``index``'s gradient (shape, device and strides of ``like``; its ``dtype``:
+    that of the held values, see the module docstring)."""
 
     book: GradientBook
     index: int
@@ -82,7 +92,7 @@ class ShardedGradient(torch.Tensor):
     @staticmethod
     def __new__(cls, like: torch.Tensor, book: GradientBook, index: int) -> "ShardedGradient":
         t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device, requires_grad=False
+            cls, like.shape, strides=like.stride(), dtype=_own_dtype(like), device=like.device, requires_grad=False
         )
         t.book = book
         t.index = index
@@ -90,6 +100,10 @@ class ShardedGradient(torch.Tensor):
 
     def __init__(self, like: torch.Tensor, book: GradientBook, index: int):
         pass
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.book.dtypes.get(self.index) or _own_dtype(self)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}: {self.book.where})"
@@ -113,6 +127,11 @@ class ShardedGradient(torch.Tensor):
         if guard is None:  # not reached: dispatch found a guard among the arguments
             raise RuntimeError(f"fastcoll: unexpected dispatch of {name}")
         raise guard.book.refuse(guard.index, name.split(".")[0])
+
+
+def _own_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a tensor has for autograd (a guard's ``dtype`` attribute may say its held values')."""
+    return torch.Tensor.dtype.__get__(t)  # type: ignore[attr-defined]
 
 
 def is_guard(t: Any) -> bool:

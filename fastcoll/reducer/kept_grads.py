@@ -103,7 +103,8 @@ class KeptGradients:
         where = "the ranks each hold a range of it" if self.sharded else "it is a float32 main gradient, in its bucket"
         # The guards in .grad hold the book: its callbacks hold this object weakly (no cycle through the guards).
         held, reset = weak_method(self.held_of, _ORPHANED), weak_method(self.reset_param, _ORPHANED)
-        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice)
+        main_dtypes = {i: b.main_dtype for b in reducer.buckets if b.pos in self.main for i in b.param_indices}
+        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice, main_dtypes)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
         # Before a guarded parameter's gradient is accumulated (the guard must not be accumulated into).
