@@ -188,7 +188,9 @@ def _model(opts: dict) -> nn.Module:
 
 def _scaler(opts: dict):
     """``scaler``: a GradScaler whose first scale overflows float16 gradients (steps skipped, then backed off)."""
-    return torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-4, growth_interval=2) if opts.get("scaler") else None
+    if not opts.get("scaler"):
+        return None
+    return torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-4, growth_interval=2)
 
 
 def _reference(world: int, opt_name: str, opts: dict, steps: int) -> dict:
