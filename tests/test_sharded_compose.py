@@ -266,7 +266,8 @@ def test_padding_rule():
 
 
 def _combined_run(
-    impl: str, grads, rank: int, world: int, comm_dtype, resume_at=None, aligned=False, bf16=False, keep_zeros=False
+    impl: str, grads, rank: int, world: int, comm_dtype, resume_at=None, aligned=False, bf16=False, keep_zeros=False,
+    fp16_scaler=False,
 ) -> dict:
     """4 steps of 2 micro-batches (the first under no_sync, using ``side`` on some ranks only), find_unused on.
 
@@ -275,9 +276,14 @@ def _combined_run(
     With ``keep_zeros``, ``zero_grad(set_to_none=False)``, and after step 1 a
     skipped batch: the reset, then a step with no backward (torch steps the
     zeroed gradients).
+    With ``fp16_scaler``, float16 parameters (float32 main gradients and masters) under torch's GradScaler, whose
+    first scale overflows (skipped steps), its state in the checkpoint; the scales are returned as ``"scales"``.
     """
 
-    low = torch.bfloat16 if bf16 else torch.float32  # bf16: float32 main gradients and masters
+    low = torch.float16 if fp16_scaler else torch.bfloat16 if bf16 else torch.float32
+    sixteen = bf16 or fp16_scaler  # float32 main gradients and masters
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-4) if fp16_scaler else None
+    scales = []
 
     def build(state=None):
         model = Branchy(aligned=aligned).to(low)
@@ -285,10 +291,10 @@ def _combined_run(
             ddp = TorchDDP(model, find_unused_parameters=True)
         else:
             ddp = fastcoll.DDP(model, bucket_cap_mb=0.0004, first_bucket_mb=0.0002, find_unused_parameters=True,
-                               comm_dtype=comm_dtype, main_grad_dtype=torch.float32 if bf16 else None)  # fmt: skip
+                               comm_dtype=comm_dtype, main_grad_dtype=torch.float32 if sixteen else None)  # fmt: skip
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         if grads is not None:
-            opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads, master_dtype=torch.float32 if bf16 else None)
+            opt = fastcoll.ShardedOptimizer(opt, ddp, grads=grads, master_dtype=torch.float32 if sixteen else None)
         if state is not None:
             model.load_state_dict(state[0])
             opt.load_state_dict(state[1])
@@ -301,15 +307,26 @@ def _combined_run(
             if isinstance(ddp, fastcoll.DDP):
                 ddp.close()
             model, ddp, opt = build(state)
+            if scaler is not None:
+                saved, scaler = scaler.state_dict(), torch.amp.GradScaler("cpu")
+                scaler.load_state_dict(saved)
+        scale = (lambda loss: loss) if scaler is None else scaler.scale
         opt.zero_grad(set_to_none=not keep_zeros)
         with ddp.no_sync():
-            ddp(_batch(10 + step, rank, world).to(low), use_side=(step + rank) % 3 == 0).pow(2).mean().backward()
-        ddp(_batch(step, rank, world).to(low), use_side=False).pow(2).mean().backward()
-        opt.step()
+            scale(ddp(_batch(10 + step, rank, world).to(low), use_side=(step + rank) % 3 == 0).float().pow(2).mean()).backward()
+        scale(ddp(_batch(step, rank, world).to(low), use_side=False).float().pow(2).mean()).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.unscale_(opt)
+            opt.clip_grad_norm_(1.0)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
         if keep_zeros and step == 1:
             opt.zero_grad(set_to_none=False)
             opt.step()
-    return _final_params(model, ddp, opt)
+    return {**_final_params(model, ddp, opt), **({"scales": torch.tensor(scales)} if scaler is not None else {})}
 
 
 def combined_worker(rank: int, world: int) -> None:
@@ -344,11 +361,11 @@ def combined_bf16_worker(rank: int, world: int) -> None:
     _check_bf16_round_trips(ref, rank, world, "bf16 main grads x no_sync x find_unused x checkpoint")
 
 
-def _check_bf16_round_trips(ref: dict, rank: int, world: int, what: str) -> None:
+def _check_bf16_round_trips(ref: dict, rank: int, world: int, what: str, **kw) -> None:
     # Both grads modes with the checkpoint round trip against ``ref``: grads="full" bitwise, grads="sharded" (whose
-    # reduce-scatter sums in another order) within bfloat16 rounding.
+    # reduce-scatter sums in another order) within 16-bit rounding. ``kw``: _combined_run's (bf16=True by default).
     for grads in ("full", "sharded"):
-        got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2, bf16=True)
+        got = _combined_run("fastcoll", grads, rank, world, None, resume_at=2, **(kw or {"bf16": True}))
         if grads == "full":
             _compare(ref, got, f"{what}, grads={grads}")
         else:
@@ -369,6 +386,21 @@ def combined_bf16_eager_worker(rank: int, world: int) -> None:
 def test_combined_features_bf16_main_grads_added_as_they_come(world):
     """The bf16 combination with every 16-bit gradient added into its float32 main gradient by its own hook."""
     run_ranks(combined_bf16_eager_worker, world, timeout=280)
+
+
+def combined_fp16_scaler_worker(rank: int, world: int) -> None:
+    # float16 parameters, float32 main gradients and masters, torch's GradScaler (unscale_, opt.clip_grad_norm_,
+    # step, update; the scaler's state in the checkpoint): against the same training without the round trip.
+    # Its absolute reference (torch's GradScaler over float32 masters) is tests/test_main_grads.py's.
+    ref = _combined_run("fastcoll", "full", rank, world, None, fp16_scaler=True)
+    assert ref["scales"][0] < 2.0**24 and ref["scales"][-1] >= ref["scales"][1], ref["scales"]  # skipped, then stepped
+    _check_bf16_round_trips(ref, rank, world, "fp16 GradScaler x no_sync x find_unused x checkpoint", fp16_scaler=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_combined_features_fp16_grad_scaler(world):
+    """The combination with float16 parameters, float32 main gradients and masters, and torch's GradScaler."""
+    run_ranks(combined_fp16_scaler_worker, world, timeout=280)
 
 
 @pytest.mark.parametrize("world", [2, 3])
