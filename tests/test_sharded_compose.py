@@ -266,7 +266,15 @@ def test_padding_rule():
 
 
 def _combined_run(
-    impl: str, grads, rank: int, world: int, comm_dtype, resume_at=None, aligned=False, bf16=False, keep_zeros=False,
+    impl: str,
+    grads,
+    rank: int,
+    world: int,
+    comm_dtype,
+    resume_at=None,
+    aligned=False,
+    bf16=False,
+    keep_zeros=False,
     fp16_scaler=False,
 ) -> dict:
     """4 steps of 2 micro-batches (the first under no_sync, using ``side`` on some ranks only), find_unused on.
