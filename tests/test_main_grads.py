@@ -242,7 +242,7 @@ def _ours(rank: int, world: int, opt_name: str, opts: dict, grads: str, steps: i
     ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, comm_dtype=BF16 if opts.get("bf16") else None,
                        bucket_cap_mb=0.0004, first_bucket_mb=0.0002)  # fmt: skip
     opt = fastcoll.ShardedOptimizer(_opt(opt_name, _groups(model)), ddp, grads=grads, master_dtype=torch.float32)
-    scaler, opt.scales = _scaler(opts), []
+    scaler, scales = _scaler(opts), []
     for step in range(steps):
         opt.zero_grad()
         chunk = _x(step)[rank * GLOBAL // world : (rank + 1) * GLOBAL // world]
@@ -259,9 +259,9 @@ def _ours(rank: int, world: int, opt_name: str, opts: dict, grads: str, steps: i
         else:
             scaler.step(opt)
             scaler.update()
-            opt.scales.append(scaler.get_scale())
+            scales.append(scaler.get_scale())
     opt.finish_param_sync()
-    return model, opt, ddp
+    return model, opt, ddp, scales
 
 
 ROWS = [
@@ -280,9 +280,9 @@ def training_worker(rank: int, world: int) -> None:
     for opt_name, opts in ROWS:
         ref = _reference(world, opt_name, opts, 5)
         for grads in ("full", "sharded"):
-            model, opt, ddp = _ours(rank, world, opt_name, opts, grads, 5)
+            model, opt, ddp, scales = _ours(rank, world, opt_name, opts, grads, 5)
             what = f"{opt_name} {opts} grads={grads} rank {rank}/{world}"
-            assert opt.scales == ref["scales"], f"{what}: loss scales {opt.scales}, not {ref['scales']}"
+            assert scales == ref["scales"], f"{what}: loss scales {scales}, not {ref['scales']}"
             if opts.get("scaler"):  # the first steps overflowed and were skipped, the later ones stepped
                 assert ref["scales"][0] < 2.0**24 and ref["scales"][-1] >= ref["scales"][1], (what, ref["scales"])
             masters = opt.state_dict()["state"]  # every rank gets the whole state, masters included

@@ -319,10 +319,13 @@ def _combined_run(
                 saved, scaler = scaler.state_dict(), torch.amp.GradScaler("cpu")
                 scaler.load_state_dict(saved)
         scale = (lambda loss: loss) if scaler is None else scaler.scale
+        loss_dtype = torch.float32 if fp16_scaler else low  # float16 outputs: the loss in float32, as amp does
         opt.zero_grad(set_to_none=not keep_zeros)
         with ddp.no_sync():
-            scale(ddp(_batch(10 + step, rank, world).to(low), use_side=(step + rank) % 3 == 0).float().pow(2).mean()).backward()
-        scale(ddp(_batch(step, rank, world).to(low), use_side=False).float().pow(2).mean()).backward()
+            scale(
+                ddp(_batch(10 + step, rank, world).to(low), use_side=(step + rank) % 3 == 0).to(loss_dtype).pow(2).mean()
+            ).backward()
+        scale(ddp(_batch(step, rank, world).to(low), use_side=False).to(loss_dtype).pow(2).mean()).backward()
         if scaler is None:
             opt.step()
         else:
