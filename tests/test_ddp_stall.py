@@ -270,3 +270,74 @@ def test_peer_killed_during_a_sharded_reduce_scatter_is_named():
     assert out[1].kind == "dead", out[1]
     line, _ = _check(out, (0,), 1)
     assert "rank 1" in line, line
+
+
+def _state_dict_on_one_rank(rank, world_size, grads):
+    """``if rank == 0: torch.save(opt.state_dict(), ...)``: the gather of a ShardedOptimizer's state on one rank only."""
+    import fastcoll
+
+    model = fastcoll.DDP(Net(), stall_timeout=TIMEOUT, bucket_cap_mb=0.0005)
+    opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, grads=grads)
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 16) + rank).square().mean().backward()
+            opt.step()
+            if rank == 0 and step == 1:
+                opt.state_dict()
+    except fastcoll.StallError as e:
+        return {"stall": e.first_line}
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return None
+
+
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+def test_optimizer_state_dict_on_one_rank_is_named(grads):
+    out = run_stall_ranks(_state_dict_on_one_rank, 2, grads, need={0, 1})
+    assert out[1].kind == "ok" and out[1].value and "stall" in out[1].value, out[1]
+    line = out[1].value["stall"]
+    # The other rank's report names the collective rank 0 went into alone, not only "rank 0 is behind".
+    assert re.search(
+        r"collective #\d+ is all_gather of optimizer state_dict\(\): which state each rank holds \(sizes\) \(2 x int64\) "
+        r"on rank 0 but (all_reduce|reduce_scatter) of bucket \d+ \(\d+ x float32\) on rank 1",
+        line,
+    ), line
+    # Rank 0, in the gather (a protected wait), is told the same within the stall timeout, not at the group's.
+    assert out[0].kind == "ok" and out[0].value == {"stall": line}, out[0]
+
+
+def _asleep_with(rank, world_size, where):
+    """Rank 1 stuck at step 2 while the others wait on a future that is a bare ``torch._C.Future``: the gloo
+    all-gather of a ShardedOptimizer's parameters (``where="step"``), or a comm hook's ``fut.then(...)``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import fastcoll
+
+    model = fastcoll.DDP(Net(), stall_timeout=TIMEOUT, bucket_cap_mb=0.0005)
+    if where == "step":
+        opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    else:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t0 = time.monotonic()
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(8, 16) + rank).square().mean()
+            if rank == 1 and step == 2 and where == "backward":
+                time.sleep(120)
+            loss.backward()
+            if rank == 1 and step == 2 and where == "step":
+                time.sleep(120)
+            opt.step()
+    except fastcoll.StallError as e:
+        return {"line": e.first_line, "culprits": e.culprits, "report": str(e), "elapsed": time.monotonic() - t0}
+    return None
+
+
+@pytest.mark.parametrize("where", ["step", "backward"], ids=["sharded-param-all-gather", "comm-hook-then"])
+def test_rank_asleep_is_named_while_the_others_wait_on_a_chained_future(where):
+    out = run_stall_ranks(_asleep_with, 3, where, need={0, 2})
+    line, _ = _check(out, (0, 2), 1)
+    assert "rank 1" in line and "behind" in line, line

@@ -31,7 +31,6 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..reducer.shards import flat_view
 
@@ -106,7 +105,6 @@ def _full_state_dict(opt: Any) -> Dict[str, Any]:
     opt.finish_param_sync()
     opt._push_hyperparameters()
     r = opt.reducer
-    group = r.comm.group
     index_of_param = {i: k for k, i in enumerate(opt._order_index) if i is not None}
     # Small metadata first: which parameters have state, each elementwise key's dtype, the per-parameter values.
     mine: Dict[int, Dict[str, Any]] = {}
@@ -122,10 +120,7 @@ def _full_state_dict(opt: Any) -> Dict[str, Any]:
                 has.setdefault(k, []).append(pc.param)
             else:
                 entry[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-    gathered = [(mine, keys, has)]
-    if r.comm.active:
-        gathered = [None] * r.world_size
-        dist.all_gather_object(gathered, (mine, keys, has), group=group)
+    gathered = r.comm.all_gather_object((mine, keys, has), "optimizer state_dict(): which state each rank holds")
     scalars: Dict[int, Dict[str, Any]] = {}
     all_keys: Dict[str, torch.dtype] = {}
     with_key: Dict[str, set] = {}

@@ -21,11 +21,13 @@ all-reduce, the layout broadcast) goes through :class:`Communicator`, which
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..distributed._agree import bytes_to_tensor, tensor_to_bytes
 from ..stall import SyncState, guard_for, state_for
 from . import p2p
 
@@ -87,6 +89,8 @@ class Communicator:
     ):
         self.group = group
         self.world_size = world_size
+        #: Where :meth:`all_gather_object` stages its bytes (the group's backend must reach it).
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         #: False when collectives are skipped (a world of one, not forced).
         self.active = world_size > 1 or force
         self.seq = 0
@@ -224,6 +228,25 @@ class Communicator:
         """Raise the watchdog's :class:`fastcoll.stall.StallError` if it fired (cheap; no-op when unprotected or blocking)."""
         if self.guard is not None:
             self.guard.check()
+
+    def all_gather_object(self, obj: Any, what: str) -> List[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking).
+
+        Two all-gathers of bytes (the sizes, then the padded pickles), waited for as :meth:`wait` waits: under
+        stall protection a rank that never joins is diagnosed, not waited for until the group's timeout. At world
+        size 1 (not forced) ``[obj]`` and nothing is issued.
+        """
+        if not self.active:
+            return [obj]
+        payload = pickle.dumps(obj)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        own = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.wait(self.all_gather(sizes, own, f"{what} (sizes)"), what)
+        counts = sizes.tolist()
+        n = max(counts)
+        out = torch.empty(self.world_size * n, dtype=torch.uint8, device=self.device)
+        self.wait(self.all_gather(out, bytes_to_tensor(payload, self.device, n), what), what)
+        return [pickle.loads(tensor_to_bytes(out[r * n :], counts[r])) for r in range(self.world_size)]
 
     def note_hook(self, what: str, t: torch.Tensor) -> int:
         """Record a comm hook call (the hook issues its own collectives); returns its sequence number in the group."""

@@ -62,6 +62,11 @@ __all__ = [
 WAIT_SLICE_S = 1.0
 
 
+#: The base class of every future: ``torch.futures.collect_all`` and ``Future.then`` return this class itself, which
+#: is no ``torch.futures.Future`` (a subclass) and would otherwise be waited for without a bound.
+_FUTURE = torch._C.Future
+
+
 class _TimedOut(Exception):
     pass
 
@@ -79,7 +84,7 @@ def _peer_aborted(board: Optional[StateBoard]) -> Optional[PeerAborted]:
 
 def _timed_wait(work: Any, timeout: float) -> Any:
     """``work.wait()`` bounded by ``timeout`` seconds; raises _TimedOut (or the backend's timeout error)."""
-    if isinstance(work, torch.futures.Future):
+    if isinstance(work, _FUTURE):
         if not work.done():
             ev = threading.Event()
             work.add_done_callback(lambda _f: ev.set())
@@ -93,7 +98,7 @@ def _timed_wait(work: Any, timeout: float) -> Any:
 
 def _completed(work: Any) -> bool:
     try:
-        if isinstance(work, torch.futures.Future):
+        if isinstance(work, _FUTURE):
             return work.done()
         return bool(work.is_completed())
     except Exception:  # noqa: BLE001
@@ -283,7 +288,7 @@ class Watchdog:
 
 def _work_exception(work: Any) -> Optional[BaseException]:
     try:
-        if isinstance(work, torch.futures.Future):
+        if isinstance(work, _FUTURE):
             if work.done():
                 try:
                     work.value()
