@@ -341,3 +341,24 @@ def test_rank_asleep_is_named_while_the_others_wait_on_a_chained_future(where):
     out = run_stall_ranks(_asleep_with, 3, where, need={0, 2})
     line, _ = _check(out, (0, 2), 1)
     assert "rank 1" in line and "behind" in line, line
+
+
+def _barrier_on_one_rank(rank, world_size):
+    import fastcoll.dist as fd
+
+    def misbehave(r, step, stage, model):
+        if r == 1 and step == 2 and stage == "forward":
+            fd.synchronize()  # a barrier on rank 1 only (e.g. after an evaluation that only it ran)
+
+    return _train(rank, misbehave)
+
+
+def test_barrier_on_one_rank_is_named_on_every_rank():
+    out = run_stall_ranks(_barrier_on_one_rank, 2, need={0, 1}, env={"FASTCOLL_STALL_TIMEOUT": str(TIMEOUT)})
+    res, line = survivors_agree(out, (0, 1))
+    assert re.search(
+        r"collective #\d+ is all_reduce of bucket 0 \(\d+ x float32\) on rank 0 but barrier of fastcoll.dist.synchronize "
+        r"\(0 x float32\) on rank 1",
+        line,
+    ), line
+    assert max(x["elapsed"] for x in res) < TIMEOUT + 30

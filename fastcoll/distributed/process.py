@@ -134,20 +134,26 @@ def synchronize(group: Group = None) -> None:
 
     A no-op when not distributed or when the group has a single process. On a
     CUDA backend the barrier runs on the group's communication device (see
-    :func:`fastcoll.distributed.backends.comm_device`).
+    :func:`fastcoll.distributed.backends.comm_device`). It is numbered and
+    waited for under stall protection, as every fastcoll.dist collective: a
+    rank that never reaches it, or that issues another collective instead, is
+    named in a :class:`fastcoll.StallError` on every rank.
 
     Args:
         group: Process group to synchronize; the default group when None.
     """
     if not collectives_needed(group):
         return
+    from ..stall import run_collective
     from .backends import comm_device  # backends imports this module
 
     device = comm_device(group)
-    if device.type == "cuda":
-        dist.barrier(group=group, device_ids=[device.index])
-    else:
-        dist.barrier(group=group)
+    ids = [device.index] if device.type == "cuda" else None
+
+    def start() -> Any:
+        return dist.barrier(group=group, async_op=True, device_ids=ids)
+
+    run_collective(start, "barrier", "fastcoll.dist.synchronize", torch.empty(0, device=device), group)
 
 
 def rank_zero_only(func: F) -> F:
