@@ -185,7 +185,8 @@ cuda-build-check:
 	tar -cf - --exclude='*.so' --exclude=_C.build.json --exclude=__pycache__ fastcoll | tar -xf - -C build/cuda-check/lib  # the Python package, beside the CUDA build of _C
 	cd build/cuda-check/lib && $(CUDA_VENV)/bin/python -c "import fastcoll, json; i = fastcoll.build_info(); print(json.dumps(i, indent=1)); assert i['cuda_kernels'], i"
 
-# tests/test_integrations_timm.py, which skips under `make test`: timm imports torchvision, and PyPI's torchvision
+# tests/test_integrations_timm.py and the timm rows of the contract and loop tests (ModelEmaV3), which skip under
+# `make test`: timm imports torchvision, and PyPI's torchvision
 # for torch 2.13.0 is a CUDA build that does not load with the CPU torch. Here it runs in the CUDA build check's
 # environment (torch 2.14.1+cu130; its CPU ops need no GPU) with torchvision 0.29.1 and timm 1.0.31, installed
 # --no-deps so pip cannot replace torch, and the tree's fastcoll on its pure-PyTorch path. Not part of `make test`.
@@ -199,7 +200,8 @@ test-timm:
 	  { $(CUDA_VENV)/bin/python -m pip install -q $(TORCH_CUDA) pytest pytest-timeout pillow pyyaml safetensors && \
 	    $(CUDA_VENV)/bin/python -m pip install -q --no-deps $(TIMM_PKGS); } || \
 	  echo "fastcoll: torchvision/timm did not install in $(CUDA_VENV); the timm tests will skip"
-	FASTCOLL_NO_EXT=1 OMP_NUM_THREADS=1 $(CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations_timm.py $(PYTEST_ARGS)
+	FASTCOLL_NO_EXT=1 OMP_NUM_THREADS=1 $(CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider -k timm \
+	  tests/test_integrations_timm.py tests/test_sharded_contract.py tests/test_sharded_loops.py $(PYTEST_ARGS)
 
 # Installing as users do (issue 21): plain `pip install .` of a clean copy of the tree (isolated:
 # compiles nothing) in a fresh venv sharing .venv's CPU torch, the compile at first import with an
