@@ -59,13 +59,14 @@ def _verb(ranks: Sequence[int], one: str, many: str) -> str:
 
 
 def _sig_text(entry: Sequence[Any]) -> str:
-    """``all_reduce of bucket 0 (1000 x float32)`` for a ring entry ``[seq, kind, what, numel, dtype, ...]``."""
-    return f"{entry[1]} of {entry[2]} ({entry[3]} x {entry[4]})"
+    """``all_reduce of bucket 0 (1000 x float32)`` for a ring entry ``[seq, kind, what, numel, dtype, ...]`` (no size
+    for a collective without data: a barrier)."""
+    return f"{entry[1]} of {entry[2]}" + (f" ({entry[3]} x {entry[4]})" if entry[3] else "")
 
 
 def _entry_text(entry: Sequence[Any]) -> str:
     """``all_reduce of bucket 0, 340 x float32`` (for text that already sits in parentheses)."""
-    return f"{entry[1]} of {entry[2]}, {entry[3]} x {entry[4]}"
+    return f"{entry[1]} of {entry[2]}" + (f", {entry[3]} x {entry[4]}" if entry[3] else "")
 
 
 def aborted_text(rank: int, info: Dict[str, Any]) -> str:
@@ -73,7 +74,7 @@ def aborted_text(rank: int, info: Dict[str, Any]) -> str:
     seq = info.get("seq")
     where = f" in collective #{seq}" if seq is not None else ""
     if info.get("kind"):
-        where += f" ({info['kind']} of {info.get('what')}, {info.get('numel')} x {info.get('dtype')})"
+        where += f" ({_entry_text([None, info['kind'], info.get('what'), info.get('numel'), info.get('dtype')])})"
     text = f"rank {rank} was aborted by {info.get('by') or 'the backend'}{where}"
     if info.get("received") is not None and info.get("expected") is not None:
         text += f": it received {info['received']} bytes where it expected at most {info['expected']}"
@@ -440,7 +441,10 @@ def _rank_lines(r: int, rec: Optional[Dict[str, Any]], answered: bool, now: floa
         lines = [f"  rank {r}: {NO_ANSWER}; last state {_fmt_s(lag)} ago ({who}): {head}"]
     ring = rec.get("ring") or []
     if ring:
-        items = [f"#{e[0]} {e[1]} of {e[2]} ({e[3]} x {e[4]}, {_fmt_s(float(e[5]) + lag)} ago)" for e in reversed(ring)]
+        items = [
+            f"#{e[0]} {e[1]} of {e[2]} ({f'{e[3]} x {e[4]}, ' if e[3] else ''}{_fmt_s(float(e[5]) + lag)} ago)"
+            for e in reversed(ring)
+        ]
         lines.append("      last collectives: " + "; ".join(items))
     names = rec.get("missing") or []
     if names:
