@@ -50,6 +50,11 @@ class Net(nn.Module):
         return self.head(h)
 
 
+def _stall_data(e, t0):
+    """A StallError as data a rank returns: its first line, culprits, whole report, seconds since ``t0``."""
+    return {"line": e.first_line, "culprits": e.culprits, "report": str(e), "elapsed": time.monotonic() - t0}
+
+
 def _train(rank, misbehave, steps=4, **kwargs):
     """Train; ``misbehave(rank, step, stage, model)`` may sleep, kill, or return "skip_fc2". Returns the StallError as data."""
     import fastcoll
@@ -65,7 +70,7 @@ def _train(rank, misbehave, steps=4, **kwargs):
             misbehave(rank, step, "backward", model)
             out.square().mean().backward()
     except fastcoll.StallError as e:
-        return {"line": e.first_line, "culprits": e.culprits, "report": str(e), "elapsed": time.monotonic() - t0}
+        return _stall_data(e, t0)
     return None
 
 
@@ -261,7 +266,7 @@ def _sharded_peer_killed(rank, world_size):
             out.square().mean().backward()
             opt.step()
     except fastcoll.StallError as e:
-        return {"line": e.first_line, "culprits": e.culprits, "report": str(e), "elapsed": time.monotonic() - t0}
+        return _stall_data(e, t0)
     return None
 
 
@@ -332,7 +337,7 @@ def _asleep_with(rank, world_size, where):
                 time.sleep(120)
             opt.step()
     except fastcoll.StallError as e:
-        return {"line": e.first_line, "culprits": e.culprits, "report": str(e), "elapsed": time.monotonic() - t0}
+        return _stall_data(e, t0)
     return None
 
 

@@ -58,15 +58,20 @@ def _verb(ranks: Sequence[int], one: str, many: str) -> str:
     return one if len(ranks) == 1 else many
 
 
+def _size(entry: Sequence[Any]) -> str:
+    """``1000 x float32`` for a ring entry ``[seq, kind, what, numel, dtype, ...]`` (callers leave it out when numel is 0)."""
+    return f"{entry[3]} x {entry[4]}"
+
+
 def _sig_text(entry: Sequence[Any]) -> str:
     """``all_reduce of bucket 0 (1000 x float32)`` for a ring entry ``[seq, kind, what, numel, dtype, ...]`` (no size
     for a collective without data: a barrier)."""
-    return f"{entry[1]} of {entry[2]}" + (f" ({entry[3]} x {entry[4]})" if entry[3] else "")
+    return f"{entry[1]} of {entry[2]}" + (f" ({_size(entry)})" if entry[3] else "")
 
 
 def _entry_text(entry: Sequence[Any]) -> str:
     """``all_reduce of bucket 0, 340 x float32`` (for text that already sits in parentheses)."""
-    return f"{entry[1]} of {entry[2]}" + (f", {entry[3]} x {entry[4]}" if entry[3] else "")
+    return f"{entry[1]} of {entry[2]}" + (f", {_size(entry)}" if entry[3] else "")
 
 
 def aborted_text(rank: int, info: Dict[str, Any]) -> str:
@@ -442,8 +447,7 @@ def _rank_lines(r: int, rec: Optional[Dict[str, Any]], answered: bool, now: floa
     ring = rec.get("ring") or []
     if ring:
         items = [
-            f"#{e[0]} {e[1]} of {e[2]} ({f'{e[3]} x {e[4]}, ' if e[3] else ''}{_fmt_s(float(e[5]) + lag)} ago)"
-            for e in reversed(ring)
+            f"#{e[0]} {e[1]} of {e[2]} ({f'{_size(e)}, ' if e[3] else ''}{_fmt_s(float(e[5]) + lag)} ago)" for e in reversed(ring)
         ]
         lines.append("      last collectives: " + "; ".join(items))
     names = rec.get("missing") or []
