@@ -367,3 +367,12 @@ def test_barrier_on_one_rank_is_named_on_every_rank():
         line,
     ), line
     assert max(x["elapsed"] for x in res) < TIMEOUT + 30
+
+
+def test_barrier_on_one_rank_reports_within_the_ddps_stall_timeout():
+    # No FASTCOLL_STALL_TIMEOUT: the barrier's own default would be half the group's 120 s timeout; the DDP's explicit
+    # stall_timeout is the group's, so the rank in the barrier reports as soon as the rank in the DDP's reduction.
+    out = run_stall_ranks(_barrier_on_one_rank, 2, need={0, 1}, pg_timeout=120.0)
+    res, line = survivors_agree(out, (0, 1))
+    assert "barrier of fastcoll.dist.synchronize on rank 1" in line, line
+    assert max(x["elapsed"] for x in res) < TIMEOUT + 30, [x["elapsed"] for x in res]

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ..bucketing import AUTO
 from ..reducer import Reducer
+from ..stall import set_group_stall_timeout
 from . import compile_support
 from .arguments import (
     buffer_sync_flags,
@@ -149,11 +150,13 @@ class DDP(
             buffer broadcasts, join's collectives) before every live rank
             gathers every rank's state through the process group's store and
             raises :class:`fastcoll.StallError` with one report naming the
-            culprit (see "When a job hangs" in the README). None:
-            ``FASTCOLL_STALL_TIMEOUT`` if set, else half the process group's
-            timeout capped at 300 s; 0 disables. A dead peer is reported
-            within seconds. Only waiting inside synchronization counts, never
-            the rank's own compute.
+            culprit (docs/hangs.md). None: the one an earlier DDP on the
+            process group was given, else ``FASTCOLL_STALL_TIMEOUT`` if set,
+            else half the process group's timeout capped at 300 s; 0
+            disables. A value given here also becomes the group's, for the
+            ``fastcoll.dist`` helpers. A dead peer is reported within
+            seconds. Only waiting inside synchronization counts, never the
+            rank's own compute.
         verify_replicas_every: Run :meth:`verify_replicas` (checksums of all
             parameters and buffers, one all-gather) at the start of every N-th
             synchronized iteration; 0 (default): never. Not under ``join()``.
@@ -237,6 +240,8 @@ class DDP(
         self.bucket_caps, self._reducer_caps, self.first_bucket_bytes, self.device_type, self.device_ids, self.output_device = cfg
         #: torch DDP's attribute (dynamo's graph splitting reads it): the largest bucket cap in bytes.
         self.bucket_bytes_cap = cfg[1] if isinstance(cfg[1], int) else max(cfg[1])
+        if stall_timeout is not None:  # the group's helpers (fastcoll.dist) then report as soon as this DDP's waits
+            set_group_stall_timeout(self.process_group, stall_timeout)
 
         self._build()
         if init_sync:

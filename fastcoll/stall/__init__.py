@@ -54,6 +54,7 @@ from .wait import (
     guard_for,
     protected_wait,
     run_collective,
+    set_group_stall_timeout,
     state_for,
     wait_or_diagnose,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "render_report",
     "resolve_stall_timeout",
     "run_collective",
+    "set_group_stall_timeout",
     "state_for",
     "wait_or_diagnose",
 ]

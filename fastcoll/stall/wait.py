@@ -307,6 +307,8 @@ _lock = threading.RLock()
 _states: "weakref.WeakKeyDictionary[Any, SyncState]" = weakref.WeakKeyDictionary()
 _boards: "weakref.WeakKeyDictionary[Any, StateBoard]" = weakref.WeakKeyDictionary()
 _guards: "weakref.WeakKeyDictionary[Any, Dict[Tuple[float, str], StallGuard]]" = weakref.WeakKeyDictionary()
+#: A group's own stall timeout: the one given explicitly to the last fastcoll.DDP built on it (set_group_stall_timeout).
+_group_timeouts: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
 _local_state: Optional[SyncState] = None
 
 
@@ -464,10 +466,39 @@ class StallGuard:
             wd.check()
 
 
+def set_group_stall_timeout(group: Any, stall_timeout: Optional[float]) -> None:
+    """Make ``stall_timeout`` the one fastcoll's waits on ``group`` use when given none (the fastcoll.dist helpers).
+
+    fastcoll.DDP calls this with an explicit ``stall_timeout``, so that a
+    rank in a helper's collective (a barrier, a metrics all-reduce) reports
+    as soon as its peers in the DDP's. Every rank builds the same DDPs in the
+    same order, so every rank resolves the same timeout. None: the default
+    rule again.
+
+    Args:
+        group: The process group (None: the default group); nothing happens when not distributed.
+        stall_timeout: Seconds (0 disables), or None.
+
+    Raises:
+        ValueError: for a negative or non-numeric value.
+    """
+    pg = _group(group)
+    if pg is None:
+        return
+    with _lock:
+        if stall_timeout is None:
+            _group_timeouts.pop(pg, None)
+        else:
+            _group_timeouts[pg] = resolve_stall_timeout(stall_timeout, pg)
+
+
 def guard_for(
     group: Any = None, stall_timeout: Optional[float] = None, *, mode: str = "auto", device: Any = None
 ) -> Optional[StallGuard]:
-    """The guard for ``group`` and ``stall_timeout`` (None: the default rule), or None when disabled (0) or not distributed.
+    """The guard for ``group`` and ``stall_timeout``, or None when disabled (0) or not distributed.
+
+    ``stall_timeout`` None: the group's own (:func:`set_group_stall_timeout`),
+    else the default rule.
 
     Guards are cached per (group, resolved timeout, mode, device type): the
     dist helpers' calls share one. ``device``: the tensors' device (picks the
@@ -476,6 +507,8 @@ def guard_for(
     pg = _group(group)
     if pg is None:
         return None
+    if stall_timeout is None:
+        stall_timeout = _group_timeouts.get(pg)
     timeout = resolve_stall_timeout(stall_timeout, pg)
     if timeout <= 0:
         return None
@@ -539,6 +572,7 @@ def _after_fork_in_child() -> None:
     _states.clear()
     _boards.clear()
     _guards.clear()
+    _group_timeouts.clear()
     _local_state = None
 
 
