@@ -59,7 +59,8 @@ def _train(rank, misbehave, steps=4, **kwargs):
     """Train; ``misbehave(rank, step, stage, model)`` may sleep, kill, or return "skip_fc2". Returns the StallError as data."""
     import fastcoll
 
-    model = fastcoll.DDP(Net(), stall_timeout=TIMEOUT, bucket_cap_mb=0.0005, **kwargs)
+    kwargs.setdefault("stall_timeout", TIMEOUT)
+    model = fastcoll.DDP(Net(), bucket_cap_mb=0.0005, **kwargs)
     t0 = time.monotonic()
     try:
         for step in range(steps):
@@ -367,6 +368,26 @@ def test_barrier_on_one_rank_is_named_on_every_rank():
         line,
     ), line
     assert max(x["elapsed"] for x in res) < TIMEOUT + 30
+
+
+def _barrier_on_one_rank_timeouts_differ(rank, world_size):
+    import fastcoll.dist as fd
+
+    os.environ["FASTCOLL_STALL_TIMEOUT"] = str(TIMEOUT) if rank == 0 else "60"  # e.g. set by each node's launch script
+
+    def misbehave(r, step, stage, model):
+        if r == 1 and step == 2 and stage == "forward":
+            fd.synchronize()
+
+    return _train(rank, misbehave, stall_timeout=None)
+
+
+def test_rank_with_a_longer_stall_timeout_reports_once_a_peer_has_diagnosed():
+    # Rank 1 would wait 60 s; rank 0 diagnoses after 5 s and settles the verdict, which ends rank 1's wait.
+    out = run_stall_ranks(_barrier_on_one_rank_timeouts_differ, 2, need={0, 1})
+    res, line = survivors_agree(out, (0, 1))
+    assert "barrier of fastcoll.dist.synchronize on rank 1" in line, line
+    assert max(x["elapsed"] for x in res) < TIMEOUT + 30, [x["elapsed"] for x in res]
 
 
 def test_barrier_on_one_rank_reports_within_the_ddps_stall_timeout():

@@ -697,6 +697,21 @@ def test_watchdog_polling_logic():
     assert wd2.poll_once() is not None and "NCCL error" in str(calls[0]["cause"])
 
 
+def test_watchdog_diagnoses_before_its_timeout_once_a_peer_settled_the_verdict():
+    class _Board:
+        seen_verdict = None
+        peer_abort = None
+
+    board, calls = _Board(), []
+    wd = stall.Watchdog(SyncState(), board, 100.0, diagnose_fn=lambda **kw: calls.append(kw) or stall.StallError("r", "l", []),
+                        start=False)  # fmt: skip
+    wd.track(_FakeWork(), 1, "bucket 0")
+    t0 = wd._outstanding[0][3]
+    assert wd.poll_once(now=t0 + 1) is None and not calls
+    board.seen_verdict = {"line": "fastcoll stall: rank 1 is behind"}  # a peer with a 5 s timeout diagnosed
+    assert isinstance(wd.poll_once(now=t0 + 2), stall.StallError) and len(calls) == 1
+
+
 def test_watchdog_thread_arms_the_error():
     st = SyncState()
     wd = stall.Watchdog(st, None, 0.3, poll=0.05, diagnose_fn=lambda **kw: stall.StallError("r", "l", []))

@@ -31,9 +31,10 @@ does it also look for ``abort``: a peer being aborted sets
 the first request on, the thread also looks for the verdict at each poll
 until it is settled, then keeps a copy of it and of every rank's record and
 sets ``read/<rank>`` (unless its own rank is diagnosing, which sets it
-once it has read): a rank whose own diagnosis comes later (its wait times
-out later, or it is stuck outside fastcoll) reports that verdict even when
-the store has gone with its host meanwhile.
+once it has read): a rank waiting in fastcoll then diagnoses at once,
+whatever its own timeout, and a rank whose diagnosis comes later (it was
+stuck outside fastcoll) reports that verdict even when the store has gone
+with its host meanwhile.
 """
 
 from __future__ import annotations

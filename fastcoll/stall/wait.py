@@ -82,6 +82,11 @@ def _peer_aborted(board: Optional[StateBoard]) -> Optional[PeerAborted]:
     return PeerAborted(aborted_text(int(info.get("rank", info.get("group_rank", -1))), info))
 
 
+def _verdict_settled(board: Optional[StateBoard]) -> bool:
+    """Whether a rank's diagnosis has settled the group's verdict (the board's thread keeps it once read)."""
+    return board is not None and board.seen_verdict is not None
+
+
 def _timed_wait(work: Any, timeout: float) -> Any:
     """``work.wait()`` bounded by ``timeout`` seconds; raises _TimedOut (or the backend's timeout error)."""
     if isinstance(work, _FUTURE):
@@ -131,8 +136,10 @@ def wait_or_diagnose(
         What ``work.wait()`` returns.
 
     Raises:
-        StallError: after ``timeout`` seconds, or at once when the backend
-            reports a dead peer (the cause chained).
+        StallError: after ``timeout`` seconds, at once when the backend
+            reports a dead peer (the cause chained), or within a poll when a
+            peer's diagnosis has settled the group's verdict (a peer with a
+            shorter timeout).
         Exception: any other error of the collective, unchanged.
     """
     since = time.time()
@@ -170,6 +177,8 @@ def wait_or_diagnose(
             cause = _peer_aborted(board)
             if cause is not None:
                 raise diagnose(board, timeout, cause=cause, waited=time.time() - since, grace=grace)
+            if _verdict_settled(board):
+                break  # a peer with a shorter timeout has diagnosed the stall: report it now, not at our deadline
         raise diagnose(board, timeout, cause=None, waited=time.time() - since, grace=grace)
     finally:
         state.waiting = prev
@@ -273,7 +282,7 @@ class Watchdog:
         w = self.state.waiting
         if w is None or w[0] != seq:
             self.state.waiting = (seq, what, t)
-        if cause is None and now - t <= self.timeout:
+        if cause is None and now - t <= self.timeout and not _verdict_settled(self.board):
             return None
         _abort.hold()
         err = self._diagnose(cause=cause, waited=now - t)
