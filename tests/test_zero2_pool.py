@@ -476,6 +476,46 @@ def test_contract_table_holds_under_the_pool(world):
     assert len(res) == len(cases) and not problems, problems
 
 
+def loops_under_pool(rank: int, world: int, cases: list, accumulate: str) -> dict:
+    """tests/test_sharded_loops.py's worker with every grads="sharded" ShardedOptimizer on the pool (built by the
+    contract's Run, or by the loop itself: Lightning's configure_optimizers).
+
+    With ``accumulate="reduce_scatter"`` each micro-batch is reduced and the averages summed, where torch DDP averages
+    the sum: every loop is judged within rounding, float32 to 1e-4 relative (AdamW's step divides by the root of the
+    squared gradients, so a gradient that cancels to nearly zero turns a 1-ulp difference into a larger one; a
+    micro-batch lost or counted twice differs by 1e-2).
+    """
+    import test_sharded_contract as contract
+    import test_sharded_loops as loops
+
+    table = loops.LOOPS
+    if accumulate == "reduce_scatter":
+        table = {name: (pattern, refusal, True, bf16) for name, (pattern, refusal, _, bf16) in table.items()}
+        contract.FP32_ROUNDING_RTOL = 1e-4
+    built: list = []
+    contract.fastcoll = loops.fastcoll = _pooled(built, grad_buffers="pool", accumulate=accumulate)
+    return {"result": contract.contract_worker(rank, world, cases, table=table), "pooled": sum(built)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("accumulate", ["full", "reduce_scatter"])
+def test_library_loops_hold_under_the_pool(accumulate, world):
+    """The training loops libraries write (transformers' Trainer, accelerate, Lightning, EMA, no_sync accumulation,
+    activation checkpointing) behave under the pool as tests/test_sharded_loops.py requires of grads="sharded",
+    bitwise at 2 ranks with accumulate="full", within rounding with "reduce_scatter" (it sums the micro-batches'
+    averages)."""
+    import test_sharded_contract as contract
+    import test_sharded_loops as loops
+
+    cases = [c for c in loops.CASES if c[1] == "sharded"]
+    out = run_ranks(loops_under_pool, world, cases, accumulate, timeout=580, pg_timeout=60)[0]
+    res = out["result"]
+    skipped = {c for c, r in res.items() if {s for s, _ in r} == {"skipped"}}  # a library that does not import here
+    assert out["pooled"] >= len(cases) - len(skipped), out["pooled"]
+    problems = {c: p for c, r in res.items() for p in [contract.verdict(r)] if p is not None}
+    assert len(res) == len(cases) and not problems, problems
+
+
 def combined_pool_worker(rank: int, world: int) -> None:
     """tests/test_sharded_compose.py's combination (no_sync accumulation x find_unused_parameters with a branch some
     ranks take in no_sync micro-batches only x comm_dtype x a checkpoint round trip) on the pool, each accumulation
