@@ -349,6 +349,57 @@ def test_rank_asleep_is_named_while_the_others_wait_on_a_chained_future(where):
     assert "rank 1" in line and "behind" in line, line
 
 
+def _asleep_in_sparse_exchange(rank, world_size):
+    """Rank 1 stuck before its backward at step 2 while the others wait for the all-gathers that sum an
+    ``nn.Embedding(sparse=True)``'s gradient (the model has no dense parameter: nothing else to wait on)."""
+    import fastcoll
+
+    model = fastcoll.DDP(nn.Embedding(20, 6, sparse=True), stall_timeout=TIMEOUT)
+    t0 = time.monotonic()
+    try:
+        for step in range(4):
+            model.zero_grad()
+            loss = model(torch.randint(0, 20, (8,), generator=torch.Generator().manual_seed(10 * step + rank))).sum()
+            if rank == 1 and step == 2:
+                time.sleep(120)
+            loss.backward()
+    except fastcoll.StallError as e:
+        return _stall_data(e, t0)
+    return None
+
+
+def test_rank_asleep_is_named_while_the_others_wait_in_a_sparse_exchange():
+    out = run_stall_ranks(_asleep_in_sparse_exchange, 3, need={0, 2})
+    line, _ = _check(out, (0, 2), 1)
+    assert "rank 1" in line and "behind" in line, line
+
+
+def _asleep_in_dist_sparse_mean(rank, world_size):
+    """fastcoll.dist.allreduce_grads over a sparse gradient, rank 1 asleep once past the check of the gradients: the
+    exchange's all-gathers are numbered and waited for under the stall protection (FASTCOLL_STALL_TIMEOUT)."""
+    import fastcoll
+    import fastcoll.dist as fd
+    from fastcoll.distributed import tensors
+
+    emb = nn.Embedding(20, 6, sparse=True)
+    emb(torch.tensor([1, 2, rank])).sum().backward()
+    if rank == 1:
+        tensors.all_reduce_sparse = lambda *a: time.sleep(120)
+    t0 = time.monotonic()
+    try:
+        fd.allreduce_grads(emb.parameters())
+    except fastcoll.StallError as e:
+        return _stall_data(e, t0)
+    return None
+
+
+def test_rank_asleep_is_named_while_the_others_wait_in_a_dist_sparse_mean():
+    out = run_stall_ranks(_asleep_in_dist_sparse_mean, 2, need={0}, env={"FASTCOLL_STALL_TIMEOUT": str(TIMEOUT)})
+    res, line = survivors_agree(out, (0,))
+    assert "rank 1" in line and res[0]["elapsed"] < TIMEOUT + 30, (line, res[0]["elapsed"])
+    assert "fastcoll.dist sparse gradient (row counts)" in res[0]["report"], res[0]["report"]
+
+
 def _barrier_on_one_rank(rank, world_size):
     import fastcoll.dist as fd
 

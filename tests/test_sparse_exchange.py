@@ -37,45 +37,39 @@ def _local(rank: int, round_: int, shape, sparse_dim: int, dtype, zero_ranks):
 def _exchange_worker(rank: int, world_size: int):
     import torch.distributed as dist
 
-    from fastcoll.distributed.sparse import SparseExchange
+    from fastcoll.distributed.sparse import SparseExchange, all_gather_flat
 
     calls = []
-    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    orig = getattr(dist, name)
 
-    def counting(out, inp, *a, **k):
+    def counting(out, inp, what):
         calls.append(inp.numel())
-        return orig(out, inp, *a, **k)
+        return all_gather_flat(out, inp, dist.group.WORLD)
 
-    setattr(dist, name, counting)
-    try:
-        for shape, sparse_dim, dtype in CASES:
-            # zero rows: on no rank, on rank 0 only, on every rank
-            for round_, zero_ranks in enumerate([(), (0,), tuple(range(world_size))]):
-                mine = _local(rank, round_, shape, sparse_dim, dtype, zero_ranks)
-                everyone = [_local(r, round_, shape, sparse_dim, dtype, zero_ranks) for r in range(world_size)]
-                expected = sum(t.to(torch.float64).to_dense() for t in everyone)
-                calls.clear()
-                x = SparseExchange(mine, dist.group.WORLD, world_size)
-                x.start_gather()
-                got = x.result()
-                all_empty = len(zero_ranks) == world_size
-                assert len(calls) == (1 if all_empty else 2), (shape, zero_ranks, calls)
-                assert all(c > 0 for c in calls), f"a collective moved zero elements: {calls}"
-                assert got.is_sparse and got.is_coalesced() and got.dtype == dtype and got.shape == mine.shape
-                tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(
-                    got.to(torch.float64).to_dense(),
-                    expected,
-                    **tol,
-                    msg=lambda m: f"{shape} {dtype} zero rows on {zero_ranks}: {m}",
-                )
-                # identical on every rank, bit for bit
-                gathered = [None] * world_size
-                dist.all_gather_object(gathered, (got._indices().tolist(), got._values().float().tolist()))
-                assert all(g == gathered[0] for g in gathered), f"{shape}: ranks disagree"
-    finally:
-        setattr(dist, name, orig)
+    for shape, sparse_dim, dtype in CASES:
+        # zero rows: on no rank, on rank 0 only, on every rank
+        for round_, zero_ranks in enumerate([(), (0,), tuple(range(world_size))]):
+            mine = _local(rank, round_, shape, sparse_dim, dtype, zero_ranks)
+            everyone = [_local(r, round_, shape, sparse_dim, dtype, zero_ranks) for r in range(world_size)]
+            expected = sum(t.to(torch.float64).to_dense() for t in everyone)
+            calls.clear()
+            x = SparseExchange(mine, world_size, counting, lambda work, what: work.wait(), "test")
+            x.start_gather()
+            got = x.result()
+            all_empty = len(zero_ranks) == world_size
+            assert len(calls) == (1 if all_empty else 2), (shape, zero_ranks, calls)
+            assert all(c > 0 for c in calls), f"a collective moved zero elements: {calls}"
+            assert got.is_sparse and got.is_coalesced() and got.dtype == dtype and got.shape == mine.shape
+            tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                got.to(torch.float64).to_dense(),
+                expected,
+                **tol,
+                msg=lambda m: f"{shape} {dtype} zero rows on {zero_ranks}: {m}",
+            )
+            # identical on every rank, bit for bit
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (got._indices().tolist(), got._values().float().tolist()))
+            assert all(g == gathered[0] for g in gathered), f"{shape}: ranks disagree"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

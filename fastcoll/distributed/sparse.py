@@ -6,13 +6,13 @@ Used by fastcoll.DDP for the gradients of ``nn.Embedding(sparse=True)`` and by
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     """Async all-gather of equal-sized ``inp`` into ``out``.
 
     ``all_gather_single``, named ``all_gather_into_tensor`` before torch 2.13.
@@ -38,17 +38,27 @@ class SparseExchange:
 
     Args:
         grad: The local, coalesced sparse COO tensor (for DDP: already scaled).
-        process_group: The group to reduce over (None: the default group).
-        world_size: Its number of ranks (> 1).
+        world_size: The number of ranks (> 1).
+        all_gather: ``all_gather(out, inp, what)`` starts an all-gather of every rank's ``inp`` into ``out`` and
+            returns its Work: the caller numbers and watches it (a stall guard).
+        wait: ``wait(work, what)`` waits for such a Work (bounded by the caller's stall timeout).
+        what: What is exchanged, for stall reports (the same on every rank).
     """
 
-    def __init__(self, grad: torch.Tensor, process_group: Any, world_size: int):
+    def __init__(
+        self,
+        grad: torch.Tensor,
+        world_size: int,
+        all_gather: Callable[[torch.Tensor, torch.Tensor, str], Any],
+        wait: Callable[[Any, str], Any],
+        what: str,
+    ):
         self.grad = grad
-        self.process_group = process_group
         self.world_size = world_size
+        self._all_gather, self._wait, self.what = all_gather, wait, what
         self.nnz = torch.tensor([grad._nnz()], dtype=torch.int64, device=grad.device)  # kept until the gather is done
         self.counts = torch.empty(world_size, dtype=torch.int64, device=grad.device)
-        self.work: Any = _all_gather_flat(self.counts, self.nnz, process_group)
+        self.work: Any = all_gather(self.counts, self.nnz, f"{what} (row counts)")
         self.rows: List[int] = []
         self.max_rows = 0
         self.layout: Tuple[int, int, int] = (0, 0, 0)  # (index bytes, value bytes, bytes per rank), see _layout
@@ -75,7 +85,7 @@ class SparseExchange:
 
     def start_gather(self) -> None:
         """Wait for the row counts, then start the all-gather of rows (none when no rank has any)."""
-        self.work.wait()
+        self._wait(self.work, f"{self.what} (row counts)")
         self.rows = self.counts.tolist()
         self.max_rows = max(self.rows)
         self.work = None
@@ -89,14 +99,14 @@ class SparseExchange:
         values[: g._nnz()] = g._values()
         self.gathered = torch.empty(self.world_size * local.numel(), dtype=torch.uint8, device=g.device)
         self.local = local  # kept until the gather is done
-        self.work = _all_gather_flat(self.gathered, local, self.process_group)
+        self.work = self._all_gather(self.gathered, local, f"{self.what} (rows)")
 
     def result(self) -> torch.Tensor:
         """Wait for the rows and return the summed, coalesced sparse gradient (after :meth:`start_gather`)."""
         g = self.grad
         if self.work is None:  # no rank had rows
             return g
-        self.work.wait()
+        self._wait(self.work, f"{self.what} (rows)")
         self.work = None
         nbytes = self.layout[2]
         indices, values = [], []
@@ -117,8 +127,16 @@ def empty_sparse_grad(p: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)
 
 
-def all_reduce_sparse(t: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
-    """The sum of the sparse COO tensor ``t`` over ``group``, coalesced (a new tensor; ``t`` is unchanged)."""
-    x = SparseExchange(t.coalesce(), group, world_size)
+def all_reduce_sparse(t: torch.Tensor, group: Any, world_size: int, what: str) -> torch.Tensor:
+    """The sum of the sparse COO tensor ``t`` over ``group``, coalesced (a new tensor; ``t`` is unchanged).
+
+    Its all-gathers are numbered and waited for under the group's stall protection (``what`` names them).
+    """
+    from .backends import finish_collective, start_collective
+
+    def all_gather(out: torch.Tensor, inp: torch.Tensor, label: str) -> Any:
+        return start_collective(lambda: all_gather_flat(out, inp, group), "all_gather", label, inp, group)
+
+    x = SparseExchange(t.coalesce(), world_size, all_gather, lambda w, label: finish_collective(w, group, label, t.device), what)
     x.start_gather()
     return x.result()

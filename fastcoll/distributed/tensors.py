@@ -249,7 +249,7 @@ def all_reduce_dict(
 def _mean_one(t: torch.Tensor, ws: int, group: Group, device: torch.device) -> Any | None:
     """Start averaging one tensor in place; the work handle when the reduce is still running."""
     if t.layout == torch.sparse_coo:  # summed from all-gathers (see fastcoll.distributed.sparse), then written back
-        t.copy_(all_reduce_sparse(t, group, ws) / ws)
+        t.copy_(all_reduce_sparse(t, group, ws, "fastcoll.dist sparse gradient") / ws)
         return None
     if t.is_contiguous():
         t.div_(ws)

@@ -252,10 +252,6 @@ class Communicator:
         """Record a comm hook call (the hook issues its own collectives); returns its sequence number in the group."""
         return self._record("comm_hook", what, t)
 
-    def note_gather(self, what: str, t: torch.Tensor) -> int:
-        """Record a sparse exchange (all-gathers by :class:`~fastcoll.distributed.sparse.SparseExchange`); returns its seq."""
-        return self._record("all_gather", what, t)
-
 
 def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
     try:

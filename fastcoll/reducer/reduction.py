@@ -763,8 +763,7 @@ class SparseSum:
     def _exchange(self, b: GradBucket, grad: torch.Tensor) -> Any:
         if not self.comm.active:
             return grad
-        self.comm.note_gather(f"bucket {b.pos} (sparse)", grad)
-        return SparseExchange(grad, self.comm.group, self.comm.world_size)
+        return SparseExchange(grad, self.comm.world_size, self.comm.all_gather, self.comm.wait, f"bucket {b.pos} (sparse)")
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
         p, name = b.params[0], b.names[0]

@@ -89,7 +89,7 @@ class SyncState:
         ``what`` must be the same on every rank for the same collective (no
         rank-dependent text): it enters the history hash that stall reports
         compare across ranks. The element count of an ``all_gather`` is not
-        hashed (a sparse exchange records each rank's own row count).
+        hashed (a gather may carry each rank's own count).
         """
         seq = self.seq + 1
         key = (kind, what, dtype, numel)
