@@ -150,13 +150,11 @@ class DDP(
             buffer broadcasts, join's collectives) before every live rank
             gathers every rank's state through the process group's store and
             raises :class:`fastcoll.StallError` with one report naming the
-            culprit (docs/hangs.md). None: the one an earlier DDP on the
-            process group was given, else ``FASTCOLL_STALL_TIMEOUT`` if set,
-            else half the process group's timeout capped at 300 s; 0
-            disables. A value given here also becomes the group's, for the
-            ``fastcoll.dist`` helpers. A dead peer is reported within
-            seconds. Only waiting inside synchronization counts, never the
-            rank's own compute.
+            culprit (docs/hangs.md); it becomes the process group's (the
+            ``fastcoll.dist`` helpers use it). None: the group's, else
+            ``FASTCOLL_STALL_TIMEOUT``, else half the group's timeout up to
+            300 s; 0 disables. Only waiting inside synchronization counts,
+            never the rank's own compute.
         verify_replicas_every: Run :meth:`verify_replicas` (checksums of all
             parameters and buffers, one all-gather) at the start of every N-th
             synchronized iteration; 0 (default): never. Not under ``join()``.
