@@ -55,6 +55,18 @@ def _stall_data(e, t0):
     return {"line": e.first_line, "culprits": e.culprits, "report": str(e), "elapsed": time.monotonic() - t0}
 
 
+def _catch_stall(run):
+    """Call ``run()``; the StallError it raises, as :func:`_stall_data` (None when it returns)."""
+    import fastcoll
+
+    t0 = time.monotonic()
+    try:
+        run()
+    except fastcoll.StallError as e:
+        return _stall_data(e, t0)
+    return None
+
+
 def _train(rank, misbehave, steps=4, **kwargs):
     """Train; ``misbehave(rank, step, stage, model)`` may sleep, kill, or return "skip_fc2". Returns the StallError as data."""
     import fastcoll
@@ -257,8 +269,8 @@ def _sharded_peer_killed(rank, world_size):
 
     model = fastcoll.DDP(Net(), stall_timeout=TIMEOUT, bucket_cap_mb=0.0005)
     opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, grads="sharded")
-    t0 = time.monotonic()
-    try:
+
+    def run():
         for step in range(4):
             opt.zero_grad()
             out = model(torch.randn(8, 16) + rank)
@@ -266,9 +278,8 @@ def _sharded_peer_killed(rank, world_size):
                 os.kill(os.getpid(), signal.SIGKILL)
             out.square().mean().backward()
             opt.step()
-    except fastcoll.StallError as e:
-        return _stall_data(e, t0)
-    return None
+
+    return _catch_stall(run)
 
 
 def test_peer_killed_during_a_sharded_reduce_scatter_is_named():
@@ -355,17 +366,16 @@ def _asleep_in_sparse_exchange(rank, world_size):
     import fastcoll
 
     model = fastcoll.DDP(nn.Embedding(20, 6, sparse=True), stall_timeout=TIMEOUT)
-    t0 = time.monotonic()
-    try:
+
+    def run():
         for step in range(4):
             model.zero_grad()
             loss = model(torch.randint(0, 20, (8,), generator=torch.Generator().manual_seed(10 * step + rank))).sum()
             if rank == 1 and step == 2:
                 time.sleep(120)
             loss.backward()
-    except fastcoll.StallError as e:
-        return _stall_data(e, t0)
-    return None
+
+    return _catch_stall(run)
 
 
 def test_rank_asleep_is_named_while_the_others_wait_in_a_sparse_exchange():
@@ -377,7 +387,6 @@ def test_rank_asleep_is_named_while_the_others_wait_in_a_sparse_exchange():
 def _asleep_in_dist_sparse_mean(rank, world_size):
     """fastcoll.dist.allreduce_grads over a sparse gradient, rank 1 asleep once past the check of the gradients: the
     exchange's all-gathers are numbered and waited for under the stall protection (FASTCOLL_STALL_TIMEOUT)."""
-    import fastcoll
     import fastcoll.dist as fd
     from fastcoll.distributed import tensors
 
@@ -385,12 +394,7 @@ def _asleep_in_dist_sparse_mean(rank, world_size):
     emb(torch.tensor([1, 2, rank])).sum().backward()
     if rank == 1:
         tensors.all_reduce_sparse = lambda *a: time.sleep(120)
-    t0 = time.monotonic()
-    try:
-        fd.allreduce_grads(emb.parameters())
-    except fastcoll.StallError as e:
-        return _stall_data(e, t0)
-    return None
+    return _catch_stall(lambda: fd.allreduce_grads(emb.parameters()))
 
 
 def test_rank_asleep_is_named_while_the_others_wait_in_a_dist_sparse_mean():
