@@ -73,8 +73,8 @@ def _train(rank, misbehave, steps=4, **kwargs):
 
     kwargs.setdefault("stall_timeout", TIMEOUT)
     model = fastcoll.DDP(Net(), bucket_cap_mb=0.0005, **kwargs)
-    t0 = time.monotonic()
-    try:
+
+    def run():
         for step in range(steps):
             x = torch.randn(8, 16) + rank
             model.zero_grad()
@@ -82,9 +82,8 @@ def _train(rank, misbehave, steps=4, **kwargs):
             out = model(x, skip_fc2=skip)
             misbehave(rank, step, "backward", model)
             out.square().mean().backward()
-    except fastcoll.StallError as e:
-        return _stall_data(e, t0)
-    return None
+
+    return _catch_stall(run)
 
 
 def _check(out, live, culprit, trace_dir=None):
@@ -337,8 +336,8 @@ def _asleep_with(rank, world_size, where):
     else:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    t0 = time.monotonic()
-    try:
+
+    def run():
         for step in range(4):
             opt.zero_grad()
             loss = model(torch.randn(8, 16) + rank).square().mean()
@@ -348,9 +347,8 @@ def _asleep_with(rank, world_size, where):
             if rank == 1 and step == 2 and where == "step":
                 time.sleep(120)
             opt.step()
-    except fastcoll.StallError as e:
-        return _stall_data(e, t0)
-    return None
+
+    return _catch_stall(run)
 
 
 @pytest.mark.parametrize("where", ["step", "backward"], ids=["sharded-param-all-gather", "comm-hook-then"])
