@@ -162,10 +162,13 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str, schedule_o
     from fastcoll.integrations.accelerate import FastCollAccelerator, FastCollKwargs
 
     torchrun_env(rank, world_size)
-    options = FastCollKwargs(sharded_optimizer=True, grads=grads)
+    pool = grads.endswith("-pool")  # ZeRO-2: gradient buffers from a pool, each micro-batch reduce-scattered
+    grads = grads.removesuffix("-pool")
+    options = FastCollKwargs(sharded_optimizer=True, grads=grads, grad_buffers="pool" if pool else "persistent")
     _, tmodel, topt, _, tseen = _run("torch", rank)
     acc, model, opt, sched, seen = _run("fastcoll", rank, fastcoll_kwargs=options, schedule_on=schedule_on)
     assert isinstance(opt.optimizer, fastcoll.ShardedOptimizer), type(opt.optimizer)
+    assert (opt.optimizer.grad_pool is not None) == pool
     torch.testing.assert_close(seen, tseen, rtol=1e-5, atol=0)
     compare_states(_weights(acc, model), _weights(acc, tmodel), f"grads={grads}: weights after {STEPS} steps", exact=False)
     # The learning rate the schedule set is the one the optimizer steps with.
@@ -186,7 +189,9 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str, schedule_o
     torch.optim.AdamW(tiny_gpt2().parameters(), lr=1e-2).load_state_dict(saved)
 
 
-@pytest.mark.parametrize("grads,schedule_on", [("full", "torch"), ("sharded", "torch"), ("sharded", "prepared")])
+@pytest.mark.parametrize(
+    "grads,schedule_on", [("full", "torch"), ("sharded", "torch"), ("sharded", "prepared"), ("sharded-pool", "torch")]
+)
 def test_accelerate_sharded_optimizer_matches_torch_ddp(tmp_path, grads, schedule_on):
     """ShardedOptimizer through prepare() vs torch DDP + plain AdamW; save_state/load_state resume.
 
@@ -213,10 +218,19 @@ def _errors_worker(rank: int, world_size: int) -> None:
         FastCollKwargs(main_grad_dtype=torch.float32)
     with pytest.raises(ValueError, match="no argument bucket_cap"):
         FastCollKwargs(ddp_kwargs={"bucket_cap": 1})
+    with pytest.raises(ValueError, match="grad_buffers='pool' needs sharded_optimizer"):
+        FastCollKwargs(grad_buffers="pool")
+    with pytest.raises(ValueError, match="pool_buffers needs sharded_optimizer"):
+        FastCollKwargs(pool_buffers=1)
     acc = FastCollAccelerator(cpu=True, fastcoll=FastCollKwargs(sharded_optimizer=True))
     opt = torch.optim.AdamW(tiny_gpt2().parameters())
     with pytest.raises(ValueError, match="pass the model to prepare\\(\\) before the optimizer"):
         acc.prepare(opt)
+    # The pool's arguments are the ShardedOptimizer's: refused by it at prepare(), on every rank.
+    acc = FastCollAccelerator(cpu=True, fastcoll=FastCollKwargs(sharded_optimizer=True, grad_buffers="pool"))
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="grad_buffers='pool' needs grads='sharded'"):
+        acc.prepare(model, torch.optim.AdamW(model.parameters()))
 
 
 def test_accelerate_refuses_what_would_bypass_fastcoll():

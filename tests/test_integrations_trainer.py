@@ -134,10 +134,13 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str) -> None:
     from fastcoll.integrations.accelerate import FastCollKwargs
 
     torchrun_env(rank, world_size)
-    options = FastCollKwargs(sharded_optimizer=True, grads=grads)
+    pool = grads.endswith("-pool")  # ZeRO-2: gradient buffers from a pool
+    grads = grads.removesuffix("-pool")
+    options = FastCollKwargs(sharded_optimizer=True, grads=grads, grad_buffers="pool" if pool else "persistent")
     torch_run = _check_resume("torch", tmp)
     fast_run = _check_resume("fastcoll", tmp, fastcoll=options)
     assert isinstance(fast_run.optimizer.optimizer, fastcoll.ShardedOptimizer), type(fast_run.optimizer.optimizer)
+    assert (fast_run.optimizer.optimizer.grad_pool is not None) == pool
     compare_states(
         _weights(fast_run.model), _weights(torch_run.model), f"grads={grads}: weights after {STEPS} steps", exact=False
     )
@@ -151,7 +154,7 @@ def _sharded_worker(rank: int, world_size: int, tmp: str, grads: str) -> None:
             torch.testing.assert_close(got["state"][i][k], v, rtol=2e-5, atol=1e-7, msg=lambda m: f"state {i} {k}: {m}")
 
 
-@pytest.mark.parametrize("grads", ["full", "sharded"])
+@pytest.mark.parametrize("grads", ["full", "sharded", "sharded-pool"])
 def test_trainer_sharded_optimizer_matches_torch_ddp(tmp_path, grads):
     """FastCollTrainer with the sharded optimizer vs the plain Trainer; its checkpoint is the plain optimizer's."""
     run_ranks(_sharded_worker, WORLD, str(tmp_path), grads, timeout=270, pg_timeout=60)

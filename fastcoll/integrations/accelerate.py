@@ -88,13 +88,15 @@ class FastCollKwargs:
         grads: ``"full"`` or ``"sharded"``, :class:`fastcoll.ShardedOptimizer`'s ``grads``.
         master_dtype: ``None`` or ``torch.float32``, :class:`fastcoll.ShardedOptimizer`'s ``master_dtype``.
         overlap_param_gather: :class:`fastcoll.ShardedOptimizer`'s ``overlap_param_gather``.
+        grad_buffers, pool_buffers, accumulate: :class:`fastcoll.ShardedOptimizer`'s (``grad_buffers="pool"``
+            with ``grads="sharded"``: gradient buffers from a pool, ZeRO-2); checked when ``prepare()`` builds it.
         ddp_kwargs: Any other :class:`fastcoll.DDP` keyword argument (``first_bucket_mb``,
             ``compute_grad_norm``, ...). They and the fields above take precedence over
             ``DistributedDataParallelKwargs`` where both name one.
 
     Raises:
         ValueError: an unknown ``grads``, an unknown fastcoll.DDP argument in ``ddp_kwargs``,
-            or ``main_grad_dtype``/``master_dtype`` without ``sharded_optimizer``.
+            or ``main_grad_dtype``/``master_dtype``/the pool's arguments without ``sharded_optimizer``.
     """
 
     comm_dtype: Optional[torch.dtype] = None
@@ -104,6 +106,9 @@ class FastCollKwargs:
     grads: str = "full"
     master_dtype: Optional[torch.dtype] = None
     overlap_param_gather: bool = False
+    grad_buffers: str = "persistent"
+    pool_buffers: Optional[int] = None
+    accumulate: Optional[str] = None
     ddp_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,12 +121,14 @@ class FastCollKwargs:
                 f"it takes {', '.join(sorted(_DDP_PARAMS))}"
             )
         if not self.sharded_optimizer:
-            for name in ("main_grad_dtype", "master_dtype"):
+            for name in ("main_grad_dtype", "master_dtype", "pool_buffers", "accumulate"):
                 if getattr(self, name) is not None:
                     raise ValueError(
-                        f"FastCollKwargs: {name} needs sharded_optimizer=True (the float32 main gradients and master "
-                        "weights are the sharded optimizer's; a plain optimizer reads p.grad)"
+                        f"FastCollKwargs: {name} needs sharded_optimizer=True (the float32 main gradients, master "
+                        "weights and gradient pool are the sharded optimizer's; a plain optimizer reads p.grad)"
                     )
+            if self.grad_buffers != "persistent":
+                raise ValueError(f"FastCollKwargs: grad_buffers={self.grad_buffers!r} needs sharded_optimizer=True")
 
     def wrapper_kwargs(self) -> Dict[str, Any]:
         """The fastcoll.DDP keyword arguments these options set (only those not left at their default)."""
@@ -130,7 +137,8 @@ class FastCollKwargs:
 
     def optimizer_kwargs(self) -> Dict[str, Any]:
         """The :class:`fastcoll.ShardedOptimizer` keyword arguments."""
-        return {"grads": self.grads, "master_dtype": self.master_dtype, "overlap_param_gather": self.overlap_param_gather}
+        names = ("grads", "master_dtype", "overlap_param_gather", "grad_buffers", "pool_buffers", "accumulate")
+        return {name: getattr(self, name) for name in names}
 
 
 class FastCollAccelerator(Accelerator):
