@@ -88,8 +88,10 @@ class FastCollKwargs:
         grads: ``"full"`` or ``"sharded"``, :class:`fastcoll.ShardedOptimizer`'s ``grads``.
         master_dtype: ``None`` or ``torch.float32``, :class:`fastcoll.ShardedOptimizer`'s ``master_dtype``.
         overlap_param_gather: :class:`fastcoll.ShardedOptimizer`'s ``overlap_param_gather``.
-        grad_buffers, pool_buffers, accumulate: :class:`fastcoll.ShardedOptimizer`'s (``grad_buffers="pool"``
-            with ``grads="sharded"``: gradient buffers from a pool, ZeRO-2); checked when ``prepare()`` builds it.
+        grad_buffers: :class:`fastcoll.ShardedOptimizer`'s ``grad_buffers`` (``"pool"`` with
+            ``grads="sharded"``: gradient buffers from a pool, ZeRO-2); checked when ``prepare()`` builds it.
+        pool_buffers: :class:`fastcoll.ShardedOptimizer`'s ``pool_buffers``.
+        accumulate: :class:`fastcoll.ShardedOptimizer`'s ``accumulate``.
         ddp_kwargs: Any other :class:`fastcoll.DDP` keyword argument (``first_bucket_mb``,
             ``compute_grad_norm``, ...). They and the fields above take precedence over
             ``DistributedDataParallelKwargs`` where both name one.
