@@ -824,9 +824,10 @@ def _sparse_worker(rank, ws):
     fast.close()
 
 
-def test_sparse_gradients():
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_gradients(world):
     """nn.Embedding / EmbeddingBag(sparse=True): own buckets, find_unused_parameters, no_sync, join, comm hook refusal."""
-    run_ranks(_sparse_worker, 2, timeout=90)
+    run_ranks(_sparse_worker, world, timeout=90)
 
 
 @pytest.mark.parametrize(
