@@ -602,6 +602,54 @@ def bad_args_worker(rank, world_size):
     _expect(RuntimeError, "process group has not been initialized", lambda: fastcoll.DDP(mk()))
 
 
+class Permuted(nn.Module):
+    """Four 256x256 layers used in another order than registered: the first backward's ready order rebuilds the buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        for i in (2, 0, 3, 1):
+            x = torch.tanh(self.layers[i](x))
+        return x.pow(2).mean()
+
+
+def rebuild_peak_worker(rank, world_size, view):
+    """Per iteration and wrapper, the most tensor bytes held at once above what was held when it started
+    (fastcoll.bench's MemoryProbe: torch.profiler's record of c10's CPU allocator)."""
+    from fastcoll.bench.runner import MemoryProbe
+
+    torch.manual_seed(0)
+    model = Permuted()
+    kw = dict(bucket_cap_mb=0.3, gradient_as_bucket_view=view)
+    wrappers = {"fastcoll": fastcoll.DDP(copy.deepcopy(model), **kw), "torch": TorchDDP(copy.deepcopy(model), **kw)}
+    x = torch.randn(8, 256) + rank
+    peaks = {k: [] for k in wrappers}
+    for _ in range(4):
+        for name, w in wrappers.items():
+            probe = MemoryProbe("cpu", tensors=True)
+            probe.start()
+            w.module.zero_grad(set_to_none=True)
+            w(x).backward()
+            peaks[name].append(probe.tensor_peak())
+    layout = [b["names"] for b in wrappers["fastcoll"].bucket_info()]
+    wrappers["fastcoll"].close()
+    return peaks, layout
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copies", "bucket-view"])
+def test_bucket_rebuild_frees_the_old_buffers_before_allocating_the_new(view):
+    """The iteration whose forward rebuilds the buckets from the ready order (the second) holds no more tensor bytes
+    than a later one: the old bucket buffers go before the new ones are allocated. With gradients as bucket views a
+    second set of buffers alive at once would add a whole gradient's bytes (torch DDP holds both sets then)."""
+    peaks, layout = run_ranks(rebuild_peak_worker, 2, view, timeout=120)[0]
+    assert layout[0][0].startswith("layers.1.") and len(layout) > 1, f"the buckets were not rebuilt: {layout}"
+    fc, tc, slack = peaks["fastcoll"], peaks["torch"], 16 * 1024
+    assert fc[1] <= fc[3] + slack, f"the rebuild iteration held {fc[1]} bytes above its start, a later one {fc[3]}"
+    assert fc[1] <= tc[1] + slack, f"the rebuild iteration held {fc[1]} bytes above its start, torch DDP's {tc[1]}"
+
+
 def test_bad_arguments():
     run_ranks(bad_args_worker, 2, timeout=60)
 

@@ -36,6 +36,7 @@ class ReducerLayout:
         # One-rounding reductions divide every bucket among the ranks, as a sharded optimizer does (.shards).
         pad_world = self._shard_world or (self.world_size if accum else 0)
         pooled = self._pool_bound > 0
+        self._eager_slots, self.main_buckets, self.pool = [], [], None  # nothing of ours keeps the old buffers alive
         self._set.install(
             layout, self.comm_dtype, pad_world, self.main_grad_dtype, early_packs=not accum, pooled=pooled, lazy=lazy
         )

@@ -245,7 +245,7 @@ class BucketSet:
         (never into pooled buckets, whose buffer exists only from their pack on); ``pooled``, ``lazy``: see
         :func:`build_buckets` (lazy buckets get their early-pack slots when :meth:`materialize` allocates them).
         """
-        self.buckets = []  # release the old buffers before allocating the new ones
+        self.buckets, self.eager_slots = [], []  # release the old buffers (the slots view them) before allocating the new
         self.buckets = build_buckets(
             layout, self.params, self.names, self.sparse, comm_dtype, self.as_view, shard_world, main_dtype, pooled,
             lazy,
