@@ -29,7 +29,8 @@ __all__ = ["EARLY_PACK_MIN_NUMEL", "cpu_stream_min_bytes", "early_pack_min_numel
 #: are final, while still in cache (measured: ~25% less pack time on ResNet-50
 #: shapes); smaller ones wait for their bucket's single fused pack. 16-bit
 #: gradients this large (any device) go into their float32 main gradients as
-#: soon as they are final, which frees them before their bucket completes.
+#: soon as they are final, which frees them before their bucket completes, and
+#: so do those of gradient_as_bucket_view buckets (any device) into their views.
 EARLY_PACK_MIN_NUMEL = 1 << 16
 
 

@@ -400,6 +400,32 @@ def test_gradient_as_bucket_view(pg):
     fast.close()
 
 
+def test_gradient_as_bucket_view_holds_no_more_than_torch_ddp(pg):
+    """gradient_as_bucket_view with zero_grad(set_to_none=True): backward writes each gradient into a tensor of its
+    own; a large one is copied into its bucket view and released as soon as it is final, as torch DDP does, instead
+    of staying alive until its whole bucket is packed. A steady-state iteration holds no more bytes than torch's."""
+    from fastcoll.bench.runner import MemoryProbe
+
+    model = _build(lambda: nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))))
+    fast, ref, seen = _pair(model, {"gradient_as_bucket_view": True})
+    early = [n for b in fast.bucket_info() for n in b["packed_early"]]
+    assert early == [f"{i}.weight" for i in (3, 2, 1, 0)], early
+    x = torch.randn(8, 256, device=DEVICE)
+    peaks: Dict[str, List[int]] = {"fastcoll": [], "torch": []}
+    for _ in range(4):
+        for name, mod in (("fastcoll", fast), ("torch", ref)):
+            probe = MemoryProbe(DEVICE, tensors=True)
+            probe.start()
+            mod.module.zero_grad(set_to_none=True)
+            _loss(mod(x)).backward()
+            peaks[name].append(probe.tensor_peak())
+    _assert_grads(fast, ref, "after 4 iterations")
+    assert _bucket_reductions(seen), "no collective ran"
+    for step in (2, 3):  # after both wrappers rebuilt their buckets
+        assert peaks["fastcoll"][step] <= peaks["torch"][step] + 64 * 1024, (step, peaks)
+    fast.close()
+
+
 def test_find_unused_parameters(pg):
     fast, ref, seen = _pair(_build(Branchy), {"find_unused_parameters": True})
     _train(fast, ref, "branchy", 4, forward=lambda mod, x, step: mod(x, use=step % 2 == 1))

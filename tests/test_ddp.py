@@ -153,6 +153,22 @@ def test_parity_with_early_packing_of_every_gradient():
     run_ranks(_early_pack_worker, 2, PARITY_CONFIGS, timeout=150, env={"FASTCOLL_EARLY_PACK_MIN_NUMEL": "1"})
 
 
+def test_off_the_cpu_only_bucket_views_and_main_gradients_pack_large_gradients_early():
+    """Which gradients are packed as soon as they are final, for buckets off the CPU (meta tensors stand in for a
+    GPU's): large ones of gradient_as_bucket_view buckets (copied into their views and released, as torch DDP does,
+    rather than kept alive until their bucket completes) and of main-gradient buckets; none of other buckets, whose
+    gradients are the user's .grad anyway and pack in one launch; never a small one."""
+    from fastcoll.reducer.layout import build_buckets, packs_early
+
+    big, small = (torch.nn.Parameter(torch.empty(s, device="meta")) for s in ((300, 300), (10,)))
+    for view in (False, True):
+        buckets = build_buckets([[0, 1]], [big, small], ["big", "small"], [False, False], None, view)
+        assert packs_early(buckets, 2) == [view, False], f"gradient_as_bucket_view={view}"
+    half = [p.to(torch.bfloat16) for p in (big, small)]
+    buckets = build_buckets([[0, 1]], half, ["big", "small"], [False, False], None, False, main_dtype=torch.float32)
+    assert packs_early(buckets, 2) == [True, False]
+
+
 # --------------------------------------------------------------------------- features
 
 

@@ -89,11 +89,14 @@ def early_pack_slots(
     On CPU a gradient just written by backward is still in cache; packing it
     right away (one fused call for that tensor) costs less than re-reading it
     from memory when its bucket completes. Small gradients wait for the
-    bucket's single fused pack; CUDA buckets always pack in one launch.
-    A large 16-bit gradient of a main-gradient bucket, on any device, is added
-    into its float32 slot as soon as it is final and released
-    (:meth:`MainGradBucket.pack_one`): otherwise every 16-bit gradient of a
-    bucket stays alive until the last one arrives, up to a bucket cap of memory.
+    bucket's single fused pack; other devices' buckets pack in one launch,
+    except in two cases where waiting would keep each fresh gradient of a
+    bucket alive until the last one arrives (up to a bucket cap of memory), so
+    a large one is packed as soon as it is final and released, on any device:
+    a 16-bit gradient of a main-gradient bucket, added into its float32 slot
+    (:meth:`MainGradBucket.pack_one`), and, with gradients as bucket views, one
+    that backward wrote into a tensor of its own (``zero_grad(set_to_none=True)``),
+    copied into its view as torch DDP copies it.
 
     ``enabled`` False (one-rounding reductions, whose pack does not scale):
     every gradient of a bucket without main gradients waits for its bucket's
@@ -125,7 +128,7 @@ def packs_early(buckets: Sequence[GradBucket], n: int, enabled: bool = True, mai
         if isinstance(b, MainGradBucket):
             eligible = main
         else:
-            eligible = enabled and b.device.type == "cpu" and not b.sparse
+            eligible = enabled and (b.device.type == "cpu" or b.as_view) and not b.sparse
         for k, i in enumerate(b.param_indices):
             out[i] = eligible and b.params[k].numel() >= min_numel
     return out
