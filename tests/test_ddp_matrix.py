@@ -7,7 +7,8 @@ torch gets a comm hook with the same arithmetic), ``join()`` with uneven inputs 
 checkpoint round trip half-way (model and optimizer state saved, loaded into
 fresh wrappers) trains the same model under both wrappers with the plain
 torch optimizer. The parameters must be bitwise equal after every step, on
-every rank. Single-feature tests missed a silent ``no_sync`` x
+every rank. ``gradient_as_bucket_view`` runs in every combination of the
+others on the float32 wire (``test_bucket_views``). Single-feature tests missed a silent ``no_sync`` x
 ``find_unused_parameters`` divergence that this matrix catches.
 
 With ``find_unused_parameters`` the model has what makes it matter: an
@@ -110,12 +111,16 @@ def _accum_hook(wire: torch.dtype):
 def _wrap(cls, seed: int, combo: dict):
     model = Net(seed)
     comm_dtype, accum = WIRES[combo["wire"]]
+    view = combo.get("view", False)
     if cls is TorchDDP:
-        ddp = TorchDDP(model, find_unused_parameters=combo["find_unused"])
+        ddp = TorchDDP(model, find_unused_parameters=combo["find_unused"], gradient_as_bucket_view=view)
         if comm_dtype is not None:
             ddp.register_comm_hook(None, _bf16_hook if accum is None else _accum_hook(comm_dtype))
     else:
-        ddp = fastcoll.DDP(model, find_unused_parameters=combo["find_unused"], comm_dtype=comm_dtype, comm_accum_dtype=accum)
+        ddp = fastcoll.DDP(
+            model, find_unused_parameters=combo["find_unused"], comm_dtype=comm_dtype, comm_accum_dtype=accum,
+            gradient_as_bucket_view=view,
+        )  # fmt: skip
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
     return ddp, opt
 
@@ -175,6 +180,13 @@ COMBOS = [
     for a, b, c, d, e in itertools.product((False, True), (False, True), tuple(WIRES), (False, True), (False, True))
 ]
 
+#: The same with gradients as bucket views (float32 wire): the gradients move into new buckets when the layout is
+#: rebuilt, and a checkpoint is loaded into wrappers whose buckets hold them.
+VIEW_COMBOS = [
+    dict(no_sync=a, find_unused=b, wire="fp32", join=d, checkpoint=e, view=True)
+    for a, b, d, e in itertools.product((False, True), (False, True), (False, True), (False, True))
+]
+
 
 def matrix_worker(rank: int, world_size: int, combos: list, tolerance: dict) -> list:
     """Train every combination under both wrappers; returns the largest difference seen per combination.
@@ -218,3 +230,10 @@ def test_three_ranks(part):
     its wire; bitwise on the one-rounding wires (rank order on both sides)."""
     combos = COMBOS[part::4]
     run_ranks(matrix_worker, 3, combos, {"fp32": 1e-6, "bf16": 2e-3}, timeout=380)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucket_views(world):
+    """gradient_as_bucket_view in every combination of the rest (float32 wire): bitwise at 2 ranks, within gloo's
+    summation order at 3."""
+    run_ranks(matrix_worker, world, VIEW_COMBOS, {} if world == 2 else {"fp32": 1e-6}, timeout=380)
