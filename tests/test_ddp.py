@@ -666,6 +666,38 @@ def test_bucket_rebuild_frees_the_old_buffers_before_allocating_the_new(view):
     assert fc[1] <= tc[1] + slack, f"the rebuild iteration held {fc[1]} bytes above its start, torch DDP's {tc[1]}"
 
 
+def rewrap_worker(rank, world_size):
+    """fastcoll.DDP around a fastcoll.DDP and around a torch DDP: a warning on every rank naming what is wrapped,
+    and the same training as one wrapper (the gradients are averaged twice, identical values)."""
+    import warnings
+
+    def train(wrap):
+        torch.manual_seed(0)
+        model = M.build("mlp", 0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = wrap(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = M.global_batch("mlp", world_size, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(M.chunk_of(x, rank)), M.chunk_of(y, rank)).backward()
+            opt.step()
+        return [str(w.message) for w in caught if "already" in str(w.message)], [p.detach().clone() for p in model.parameters()]
+
+    none, once = train(fastcoll.DDP)
+    assert none == [], none
+    for inner in (fastcoll.DDP, TorchDDP):
+        messages, twice = train(lambda m, inner=inner: fastcoll.DDP(inner(m)))
+        assert len(messages) == 1 and f"already a {inner.__module__}.{inner.__qualname__}" in messages[0], messages
+        for a, b in zip(once, twice):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_wrapping_a_ddp_again_warns_on_every_rank():
+    run_ranks(rewrap_worker, 2, timeout=120)
+
+
 def test_bad_arguments():
     run_ranks(bad_args_worker, 2, timeout=60)
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP  # bound now: a test harness may rebind the name
 
 from ..bucketing import AUTO, MIB, bucket_caps_from_mb
 from ..distributed._agree import agree
@@ -300,8 +301,20 @@ def _torch_has_forward_sync_buffers() -> bool:
 BROADCAST_BUFFERS_DEPRECATED = _torch_has_forward_sync_buffers()
 
 
-def warn_deprecated(broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool], check_reduction: bool) -> None:
-    """The FutureWarnings torch DDP gives for its deprecated arguments (pointing at the caller's line)."""
+def warn_at_construction(
+    module: nn.Module, broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool], check_reduction: bool
+) -> None:
+    """The construction's warnings (pointing at the caller's line): a module that is a DDP already (torch's or
+    fastcoll's: every gradient would be averaged twice, the results the same, the communication doubled), and the
+    FutureWarnings torch DDP gives for its deprecated arguments."""
+    if isinstance(module, _TorchDDP):
+        warnings.warn(
+            f"fastcoll.DDP: the module is already a {type(module).__module__}.{type(module).__qualname__}; wrapping "
+            "it again averages every gradient twice (the same result, twice the communication): wrap the model "
+            "itself (its .module)",
+            UserWarning,
+            stacklevel=3,
+        )
     if broadcast_buffers is not None and BROADCAST_BUFFERS_DEPRECATED:
         if forward_sync_buffers is not None:
             msg = "both broadcast_buffers (deprecated) and forward_sync_buffers were given; broadcast_buffers is ignored"

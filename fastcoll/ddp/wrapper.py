@@ -28,7 +28,7 @@ from .arguments import (
     group_from_mesh,
     reducer_parameter_names,
     resolve_process_group,
-    warn_deprecated,
+    warn_at_construction,
 )
 from .broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
 from .comm_hooks import CommHookRegistration
@@ -207,7 +207,7 @@ class DDP(
         self.process_group = resolve_process_group(group_from_mesh(process_group, device_mesh))
         if device_mesh is not None:
             self.device_mesh = device_mesh
-        warn_deprecated(broadcast_buffers, forward_sync_buffers, check_reduction)
+        warn_at_construction(module, broadcast_buffers, forward_sync_buffers, check_reduction)
         self.module = module
         self.dim = dim
         self.forward_sync_buffers, init_sync_buffers = buffer_sync_flags(broadcast_buffers, forward_sync_buffers)
