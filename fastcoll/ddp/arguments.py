@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP  # bound now:
 from ..bucketing import AUTO, MIB, bucket_caps_from_mb
 from ..distributed._agree import agree
 from ..distributed.backends import backend_name, bound_device, pick_comm_device
-from ..ops.dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_accum_dtype, check_comm_dtype, dtype_name, is_dense
+from ..ops.dtypes import SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_accum_dtype, check_comm_dtype, dtype_name
 from ..stall import resolve_stall_timeout
 from .compat import check_torch_features
 
@@ -212,11 +212,8 @@ def check_arguments(
             raise TypeError(
                 f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be one of {SUPPORTED_NAMES}"
             )
-        if p.layout != torch.strided or not is_dense(p):
-            raise ValueError(
-                f"fastcoll.DDP: parameter '{n}' (shape {tuple(p.shape)}, strides {tuple(p.stride())}) is "
-                "not a dense tensor; parameters must be dense and non-overlapping"
-            )
+        if p.layout != torch.strided:  # any strides are fine (a non-dense one's gradient is contiguous)
+            raise ValueError(f"fastcoll.DDP: parameter '{n}' has layout {p.layout}; parameters must be strided tensors")
     return caps, cap_bytes, first_bytes, device_type, ids, out
 
 

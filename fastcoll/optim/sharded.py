@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from ..ops.dtypes import is_dense
 from ..reducer.pool import ACCUMULATE
 from ..reducer.shards import Piece
 from .checkpoint import CheckpointMethods
@@ -98,7 +99,7 @@ class ShardedOptimizer(CheckpointMethods, torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a torch optimizer or ``model`` not a fastcoll.DDP.
         ValueError: a class that does not update elementwise, an optimizer
             that already stepped, a parameter that is not synchronized by
-            ``model``, ``grads`` not one of "full"/"sharded", ``master_dtype`` not float32, ``grad_buffers="pool"``
+            ``model`` or not dense (a strided slice), ``grads`` not one of "full"/"sharded", ``master_dtype`` not float32, ``grad_buffers="pool"``
             with ``grads="full"`` or ``gradient_as_bucket_view=True``, ``pool_buffers``/``accumulate`` without it.
         RuntimeError: ``model`` has a comm hook, ``bucket_cap_mb="auto"`` or sparse gradients, or another
             ShardedOptimizer divides it already.
@@ -605,6 +606,14 @@ def _stepped(reducer: Any, groups: List[List[torch.Tensor]], index_of: Dict[int,
                     "synchronized by the model (not one of its parameters, or excluded with "
                     "_set_params_and_buffers_to_ignore_for_model); only synchronized parameters can be sharded"
                 )
+    for i, p in enumerate(reducer.params):
+        if stepped[i] and not is_dense(p):
+            raise ValueError(
+                f"fastcoll.ShardedOptimizer: parameter '{reducer.names[i]}' (shape {tuple(p.shape)}, strides "
+                f"{tuple(p.stride())}) is not dense (a strided slice of a larger tensor?): each rank updates a range "
+                "of every parameter's memory, so its elements must fill one block. Make it dense before wrapping the "
+                "model: p.data = p.data.contiguous()"
+            )
     if sharded:
         missing = [reducer.names[i] for i, s in enumerate(stepped) if not s]
         if missing:

@@ -19,6 +19,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
+from ..ops.dtypes import is_dense
 
 __all__ = ["GradBucket", "PackArgs", "for_each_run", "pack_range"]
 
@@ -72,7 +73,7 @@ class GradBucket:
         device, dtype: Of every parameter (and of ``flat``, unless it is the wire buffer).
         numel: Total elements; ``offsets[i]`` is parameter i's first element in ``flat``.
         flat: The 1-D contiguous bucket buffer.
-        views: Views of ``flat`` shaped and strided like each parameter.
+        views: Views of ``flat`` shaped like each parameter, strided like its gradient (:func:`gradient_layouts`).
         view_ptrs: ``data_ptr()`` of each view (is a gradient its bucket view?).
         comm: The wire buffer the collective carries: ``flat`` itself, or (with
             a narrower wire dtype and gradients as bucket views) a separate buffer.
@@ -93,7 +94,7 @@ class GradBucket:
     __slots__ = (
         "pos", "count", "param_indices", "params", "names", "device", "dtype", "numel", "offsets",
         "flat", "views", "view_ptrs", "comm", "as_view", "sparse", "_hook_buffer", "_hook_views", "padded",
-        "flat_padded", "comm_padded", "plan", "pooled", "_dtypes", "lazy", "_wire",
+        "flat_padded", "comm_padded", "plan", "pooled", "_dtypes", "lazy", "_wire", "grad_layouts",
     )  # fmt: skip
 
     def __init__(
@@ -115,6 +116,8 @@ class GradBucket:
         self.count = count
         self.param_indices = param_indices
         self.params = params
+        #: What the views take their shapes and strides from (:func:`gradient_layouts`).
+        self.grad_layouts = gradient_layouts(params)
         self.names = names
         self.as_view = as_view
         self.sparse = sparse
@@ -156,7 +159,7 @@ class GradBucket:
         else:
             self.flat_padded = _padded_empty(0 if sparse else total, 0 if sparse else self.padded, flat_dtype, self.device)
         self.flat = self.flat_padded[:total] if self.padded > total else self.flat_padded
-        self.views = [] if sparse else ops.bucket_views(self.flat, self.params)
+        self.views = [] if sparse else ops.bucket_views(self.flat, self.grad_layouts)
         self.view_ptrs = [v.data_ptr() for v in self.views]
         self.comm_padded = _padded_empty(total, self.padded, wire_dtype, self.device) if separate_wire else self.flat_padded
         self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
@@ -191,7 +194,7 @@ class GradBucket:
             self.comm_padded[total:].zero_()
         self.flat = self.flat_padded[:total]
         self.comm = self.comm_padded[:total]
-        self.views = ops.bucket_views(self.flat, self.params)
+        self.views = ops.bucket_views(self.flat, self.grad_layouts)
         self.view_ptrs = [v.data_ptr() for v in self.views]
 
     def detach(self) -> None:
@@ -265,7 +268,7 @@ class GradBucket:
         if hb is None:
             return self.views
         if self._hook_views is None:
-            self._hook_views = ops.bucket_views(hb, self.params)
+            self._hook_views = ops.bucket_views(hb, self.grad_layouts)
         return self._hook_views
 
     def parameters(self) -> List[torch.Tensor]:
@@ -427,6 +430,17 @@ class GradBucket:
         for_each_run(keep, self.offsets, self.numel, run)
 
 
+def gradient_layouts(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Tensors laid out as autograd lays out each parameter's gradient, for the bucket views to copy.
+
+    A dense parameter's gradient takes its strides (channels_last stays
+    channels_last); any other parameter's (a strided slice, say) is
+    contiguous. That is AccumulateGrad's layout contract, which torch DDP's
+    bucket views follow too. Other parameters stand in as meta tensors.
+    """
+    return [p if is_dense(p) else torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
+
+
 def _memory_order(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``g`` (a gradient of ``p``) as a 1-D tensor in ``p``'s memory order."""
     if g.stride() != p.stride() and g.numel() > 1:
@@ -547,7 +561,7 @@ class MainGradBucket(GradBucket):
             return  # no buffer until one is attached (or materialized)
         self.flat_padded = torch.zeros(self.padded, dtype=self.main_dtype, device=dev)  # the accumulation starts at 0
         self.flat = self.flat_padded[:total] if self.padded > total else self.flat_padded
-        self.views = ops.bucket_views(self.flat, self.params)
+        self.views = ops.bucket_views(self.flat, self.grad_layouts)
         self.view_ptrs = [v.data_ptr() for v in self.views]
         self.comm_padded = _padded_empty(total, self.padded, wire_dtype, dev) if narrower else self.flat_padded
         self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
