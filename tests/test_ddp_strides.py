@@ -154,7 +154,9 @@ def sharded_refusal_worker(rank: int, world_size: int) -> None:
         model = Sliced(seed=0)
         ddp = fastcoll.DDP(model, bucket_cap_mb=1e-4)
         before = [p.detach().clone() for p in model.parameters()]
-        with pytest.raises(ValueError, match=r"ShardedOptimizer: parameter 'w1' \(shape \(16, 10\), strides \(20, 2\)\) is not dense"):
+        with pytest.raises(
+            ValueError, match=r"ShardedOptimizer: parameter 'w1' \(shape \(16, 10\), strides \(20, 2\)\) is not dense"
+        ):
             fastcoll.ShardedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=0.1), ddp, grads=grads)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), f"{grads}: a parameter changed"
         for p in model.parameters():  # what the message says to do
