@@ -99,8 +99,9 @@ class ShardedOptimizer(CheckpointMethods, torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a torch optimizer or ``model`` not a fastcoll.DDP.
         ValueError: a class that does not update elementwise, an optimizer
             that already stepped, a parameter that is not synchronized by
-            ``model`` or not dense (a strided slice), ``grads`` not one of "full"/"sharded", ``master_dtype`` not float32, ``grad_buffers="pool"``
-            with ``grads="full"`` or ``gradient_as_bucket_view=True``, ``pool_buffers``/``accumulate`` without it.
+            ``model`` or not dense (a strided slice), ``grads`` not one of "full"/"sharded", ``master_dtype`` not
+            float32, ``grad_buffers="pool"`` with ``grads="full"`` or ``gradient_as_bucket_view=True``,
+            ``pool_buffers``/``accumulate`` without it.
         RuntimeError: ``model`` has a comm hook, ``bucket_cap_mb="auto"`` or sparse gradients, or another
             ShardedOptimizer divides it already.
     """
