@@ -12,7 +12,7 @@ through the reducer's collective listener or by counting calls into
 Covered: fastcoll.DDP's default step, comm hooks (allreduce_hook,
 fp16_compress_hook, PowerSGD with one bucket), comm_dtype fp16/bf16 (also with
 gradient_as_bucket_view), sparse gradients, join(), the buffer broadcast,
-gradient_as_bucket_view, find_unused_parameters, static_graph,
+gradient_as_bucket_view, parameters that are not dense, find_unused_parameters, static_graph,
 compute_grad_norm / clip_grad_norm_ / check_nonfinite, set_gradient_divisor
 with a CUDA tensor, the fastcoll.dist helpers; the ops under CUDA graph
 capture (tables of 32/120/512 chunks, replays with new inputs, the 512/513
@@ -397,6 +397,31 @@ def test_gradient_as_bucket_view(pg):
 
     buckets = _train(fast, ref, "net", 4, set_to_none=False, check=views)
     assert len(_bucket_reductions(seen)) == sum(buckets)
+    fast.close()
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copies", "bucket-view"])
+def test_non_dense_parameters(pg, view):
+    """Strided slices as parameters (contiguous gradients and bucket views, as torch DDP's): same gradients."""
+    from test_ddp_strides import Sliced, _batch
+
+    kwargs = {"gradient_as_bucket_view": view, "bucket_cap_mb": 1e-4, "device_ids": _ids()}
+    fast = fastcoll.DDP(Sliced(seed=0, device=DEVICE), **kwargs)
+    ref = TorchDDP(Sliced(seed=0, device=DEVICE), **kwargs)
+    assert not fast.module.w1.is_contiguous() and not fast.module.w2.is_contiguous()
+    seen: List[Any] = []
+    fast.reducer.add_collective_listener(seen.append)
+    of = torch.optim.SGD(fast.parameters(), lr=0.1, momentum=0.9)
+    ot = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        for mod, opt in ((fast, of), (ref, ot)):
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            _loss(mod(_batch(0, step).to(DEVICE))).backward()
+        _assert_grads(fast, ref, f"step {step}")
+        of.step()
+        ot.step()
+    _sync()
+    assert len(_bucket_reductions(seen)) >= 4, "the buckets were not reduced through the process group"
     fast.close()
 
 

@@ -22,16 +22,17 @@ STEPS = 4
 class Sliced(nn.Module):
     """Two linear layers and a scale whose weights are non-dense views (``dense=True``: contiguous copies)."""
 
-    def __init__(self, seed: int, dense: bool = False):
+    def __init__(self, seed: int, dense: bool = False, device: str = "cpu"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        w1 = (0.3 * torch.randn(16, 20, generator=g))[:, ::2]  # every other column: strides (20, 2)
-        w2 = (0.3 * torch.randn(3, 24, generator=g))[:, 4:20]  # a block of columns: strides (24, 1), 16 wide
-        scale = (torch.randn(3, 8, generator=g) / 3)[:, ::4]  # used in some iterations only
+        # Sliced on the device: Module.to() would make them contiguous.
+        w1 = (0.3 * torch.randn(16, 20, generator=g)).to(device)[:, ::2]  # every other column: strides (20, 2)
+        w2 = (0.3 * torch.randn(3, 24, generator=g)).to(device)[:, 4:20]  # a block of columns: strides (24, 1)
+        scale = (torch.randn(3, 8, generator=g) / 3).to(device)[:, ::4]  # used in some iterations only
         if dense:
             w1, w2, scale = w1.contiguous(), w2.contiguous(), scale.contiguous()
         self.w1, self.w2, self.scale = nn.Parameter(w1), nn.Parameter(w2), nn.Parameter(scale)
-        self.b1 = nn.Parameter(torch.randn(16, generator=g))
+        self.b1 = nn.Parameter(torch.randn(16, generator=g).to(device))
 
     def forward(self, x: torch.Tensor, use_scale: bool = True) -> torch.Tensor:
         # .contiguous(): the same matmuls (and roundings) as the dense copy's; the gradients reach the slices as they are
