@@ -698,6 +698,38 @@ def test_wrapping_a_ddp_again_warns_on_every_rank():
     run_ranks(rewrap_worker, 2, timeout=120)
 
 
+def create_graph_worker(rank, world_size):
+    """backward(create_graph=True): the gradients are the average over ranks, and a warning on every rank says that
+    their graph is each rank's own (torch DDP warns of the same); a plain backward warns of nothing."""
+    import warnings
+
+    for view in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        ddp = fastcoll.DDP(model, gradient_as_bucket_view=view)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+        local = torch.autograd.grad(model(x).pow(3).mean(), [model.weight, model.bias])
+        expected = []
+        for g in local:
+            everyone = [torch.empty_like(g) for _ in range(world_size)]
+            dist.all_gather(everyone, g.contiguous())
+            expected.append(sum(everyone) / world_size)
+        for create_graph in (True, False):
+            ddp.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ddp(x).pow(3).mean().backward(create_graph=create_graph)
+            said = [str(w.message) for w in caught if str(w.message).startswith("fastcoll.DDP: backward(create_graph")]
+            assert len(said) == create_graph, f"view={view} create_graph={create_graph} (rank {rank}): {said}"
+            for p, e in zip((model.weight, model.bias), expected):
+                torch.testing.assert_close(p.grad.detach(), e, msg=lambda m: f"view={view} create_graph={create_graph}: {m}")
+        ddp.close()
+
+
+def test_backward_with_create_graph_warns_on_every_rank_and_averages():
+    run_ranks(create_graph_worker, 2, timeout=120)
+
+
 def test_bad_arguments():
     run_ranks(bad_args_worker, 2, timeout=60)
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -121,6 +122,17 @@ def _make_hook(ref: "weakref.ReferenceType[Reducer]", idx: int, lock: Optional[t
                         r._on_idle_grad(idx)
 
     return hook
+
+
+def _warn_if_create_graph(grad: Optional[torch.Tensor]) -> None:
+    """Warn (as torch DDP does) when a backward builds a graph of its gradients: ``backward(create_graph=True)``."""
+    if grad is not None and grad.requires_grad:
+        warnings.warn(
+            "fastcoll.DDP: backward(create_graph=True): the gradients are averaged across ranks, but their autograd "
+            "graph is each rank's own: a higher-order gradient taken through them is not synchronized and does not "
+            "see the averaging (torch DDP warns of the same)",
+            stacklevel=3,
+        )
 
 
 def _register_hooks(reducer: "Reducer") -> List[Any]:
@@ -301,7 +313,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation
     def _on_grad(self, idx: int) -> None:
         """Hook body: parameter ``idx``'s gradient has been accumulated."""
         if self._phase is not _BACKWARD:
-            self._start_backward()
+            self._start_backward(idx)
         usage = self.usage
         observed = self._set.order.observed
         if usage.learning_static_graph:
@@ -331,7 +343,8 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation
         if left == 0 and pos == self._next_bucket:
             self._advance()
 
-    def _start_backward(self) -> None:
+    def _start_backward(self, idx: int) -> None:
+        """The first gradient hook of a backward (parameter ``idx``'s)."""
         self.ensure_buffers()  # (a backward without the wrapper's forward)
         first = self._phase is _ARMED  # not a second backward after an unfinished one
         if first:
@@ -349,6 +362,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation
             self.health.begin_iteration()
             self.timeline.backward_start()
             self.comm.state.begin_backward()
+            _warn_if_create_graph(self.params[idx].grad)
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         if first:
             usage = self.usage
