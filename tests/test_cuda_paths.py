@@ -377,7 +377,7 @@ def test_buffer_broadcast(pg, calls):
     # (checked right after a broadcast: the forward that follows one updates the BatchNorm statistics).
     fast._sync_buffers(0)
     _sync()
-    for m in fast._buffer_broadcast.messages:
+    for m in fast._buffer_sync.broadcast.messages:
         for section, tensors in m.fused:
             assert torch.equal(section, torch.cat([t.reshape(-1) for t in tensors])), [t.dtype for t in tensors]
         for section, t in m.copied:

@@ -123,6 +123,15 @@ class TorchMembers:
     use_side_stream_for_tensor_copies = False
     is_multi_device_module = False
 
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before each forward (torch 2.13's alias of ``forward_sync_buffers``)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = bool(value)
+
     def __getattr__(self, name: str) -> Any:
         instead = TORCH_ONLY_ATTRIBUTES.get(name)
         if instead is not None:
@@ -143,7 +152,7 @@ class TorchMembers:
     @property
     def modules_buffers(self) -> List[torch.Tensor]:
         """The buffers broadcast before each forward (torch DDP's name)."""
-        return list(self._buffers_to_sync)
+        return list(self._buffer_sync.current())
 
     @property
     def named_module_buffers(self) -> Dict[str, torch.Tensor]:
@@ -153,7 +162,7 @@ class TorchMembers:
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers from rank 0."""
-        return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync)
+        return bool(self.require_forward_param_sync and self.forward_sync_buffers and self._buffer_sync)
 
     def _remove_autograd_hooks(self) -> None:
         """Remove the reducer's autograd hooks (torch DDP's name for :meth:`fastcoll.DDP.close`)."""

@@ -115,7 +115,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         ddp.reducer.prepare_layout()
-        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffers_to_sync:
+        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._buffer_sync:
             ddp._sync_buffers(ddp._join.common_rank(False))
         training = ddp._join.receive_requires_sync()
         should_sync = training > 0

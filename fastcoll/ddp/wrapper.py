@@ -30,9 +30,11 @@ from .arguments import (
     resolve_process_group,
     warn_at_construction,
 )
-from .broadcast import DEFAULT_CAP_BYTES, CoalescedBroadcast, broadcast_coalesced
+from .broadcast import DEFAULT_CAP_BYTES, broadcast_coalesced
+from .buffers import ModuleBuffers
 from .comm_hooks import CommHookRegistration
 from .compat import TorchMembers
+from .conversions import ConversionGuard
 from .health import GradHealthMethods
 from .inspection import SyncInspection
 from .join import JoinState, JoinSupport
@@ -60,7 +62,15 @@ def _move_to(obj: Any, device: torch.device) -> Any:
 
 
 class DDP(
-    PicklingSupport, CommHookRegistration, JoinSupport, GradHealthMethods, SyncInspection, LoggingData, TorchMembers, TorchDDP
+    PicklingSupport,
+    CommHookRegistration,
+    JoinSupport,
+    GradHealthMethods,
+    SyncInspection,
+    LoggingData,
+    TorchMembers,
+    ConversionGuard,
+    TorchDDP,
 ):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
 
@@ -250,15 +260,6 @@ class DDP(
         if static_graph:
             self._set_static_graph()
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Whether buffers are broadcast from rank 0 before each forward (torch 2.13's alias of ``forward_sync_buffers``)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = bool(value)
-
     def _named_parameters(self) -> List[Tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
 
@@ -271,8 +272,7 @@ class DDP(
         self._module_parameters = [p for _, p in named]  # torch DDP's name for them
         self.is_multi_device_module = len({p.device for p in self._module_parameters}) > 1
         self._params_to_sync = self._module_parameters
-        self._buffers_to_sync = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
-        self._buffer_broadcast = CoalescedBroadcast(self._buffers_to_sync, self.broadcast_bucket_size)
+        self._buffer_sync = ModuleBuffers(self.module, self.parameters_to_ignore, self.broadcast_bucket_size)
         # As in torch DDP: the weights of embeddings built with sparse=True get sparse gradients.
         sparse_ids = {id(m.weight) for m in self.module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         self.reducer = Reducer(
@@ -299,7 +299,7 @@ class DDP(
         """What init_sync and the end of join() broadcast: the parameters, and the buffers if ``buffers``."""
         states = [p.detach() for p in self._params_to_sync]
         if buffers:
-            states += [b.detach() for b in self._buffers_to_sync]
+            states += [b.detach() for b in self._buffer_sync.current()]
         return states
 
     # ------------------------------------------------------------ construction
@@ -366,10 +366,11 @@ class DDP(
         if join:
             self._join.notify()
         if torch.is_grad_enabled():
+            self._refuse_converted()
             self.reducer.prepare_for_forward()
         elif join:
             self.reducer.prepare_layout()  # joined ranks replay layout changes whatever the grad mode
-        if self.require_forward_param_sync and self.forward_sync_buffers and self._buffers_to_sync:
+        if self.require_forward_param_sync and self.forward_sync_buffers and self._buffer_sync:
             # Under join, rank 0 may have joined with stale buffers: the highest active rank is the source.
             self._sync_buffers(self._join.common_rank(True) if join else 0)
         if self.verify_replicas_every and not join and torch.is_grad_enabled():
@@ -403,7 +404,7 @@ class DDP(
     def _sync_buffers(self, group_src: int = 0) -> None:
         """Broadcast the module's buffers from group rank ``group_src``."""
         with torch.no_grad():
-            self._buffer_broadcast(self.process_group, group_src, self.stall_timeout)
+            self._buffer_sync(self.process_group, group_src, self.stall_timeout)
 
     # ------------------------------------------------------------------ public
 

@@ -1,0 +1,114 @@
+"""What a module does to its tensors after it was wrapped.
+
+Buffers a module replaces (``self.mean = 0.9 * self.mean + ...`` in a forward, or
+``ddp.double()``) are broadcast as the module holds them now, as torch DDP reads
+them again before every broadcast. Parameters cast or moved after wrapping are
+refused at the next forward that can be followed by a synchronized backward,
+naming them; torch DDP then stops averaging them without a word.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastcoll
+
+
+class Reassigning(nn.Module):
+    """A linear layer with buffers its forward replaces instead of updating in place, and a BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)  # a new tensor every forward
+        self.seen = self.seen + x.shape[0]
+        return self.bn(self.lin(x - self.mean))
+
+
+def _batch(rank: int, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank)).to(dtype)
+
+
+def _buffers(model: nn.Module) -> dict:
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def buffers_worker(rank: int, world_size: int) -> None:
+    """Per rank, the buffers after training, after ``ddp.double()`` and forwards without gradients: torch DDP's."""
+    results = []
+    for wrap in (TorchDDP, fastcoll.DDP):
+        torch.manual_seed(0)
+        model = Reassigning()
+        ddp = wrap(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            ddp(_batch(rank, step)).square().mean().backward()
+            opt.step()
+        trained = _buffers(model)
+        current = [id(b) for b in ddp.modules_buffers] == [id(b) for _, b in model.named_buffers()]
+        ddp.double()  # buffers become new tensors; parameters too (refused for training, not for inference)
+        with torch.no_grad():
+            for step in range(3, 5):
+                ddp(_batch(rank, step, torch.float64))
+        results.append((trained, _buffers(model), current))
+    (torch_trained, torch_cast, _), (fast_trained, fast_cast, fast_current) = results
+    for stage, ref, got in (("training", torch_trained, fast_trained), ("after double()", torch_cast, fast_cast)):
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), f"rank {rank}, {stage}: buffer {name} {got[name]} vs torch DDP {ref[name]}"
+    assert fast_current, "modules_buffers is not the buffers the module holds"
+
+
+def test_replaced_buffers_are_broadcast_as_torch_ddp_does():
+    run_ranks(buffers_worker, 2, timeout=120)
+
+
+CONVERSIONS = {
+    "ddp.double()": lambda ddp, model: ddp.double(),
+    "module.double()": lambda ddp, model: model.double(),
+    "module.head.half()": lambda ddp, model: model[2].half(),
+}
+
+
+def conversion_worker(rank: int, world_size: int, how: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    ddp = fastcoll.DDP(model)
+    ddp(_batch(rank, 0)).sum().backward()
+    CONVERSIONS[how](ddp, model)
+    dtype = model[0].weight.dtype
+    with torch.no_grad():
+        if how != "module.head.half()":  # (a float16 head on the CPU after float32 layers: no forward to run)
+            ddp(_batch(rank, 1, dtype))  # inference still runs
+    with pytest.raises(
+        RuntimeError, match=r"cast or moved after the model was wrapped: '2\.bias' \(float(64|16) on cpu, was float32"
+    ):
+        ddp(_batch(rank, 2, dtype))
+    ddp.float()  # back to the buckets' dtype: trains again
+    ddp(_batch(rank, 3)).sum().backward()
+    ddp.close()
+
+
+@pytest.mark.parametrize("how", list(CONVERSIONS))
+def test_parameters_cast_after_wrapping_are_refused_at_the_next_training_forward(how):
+    run_ranks(conversion_worker, 2, how, timeout=120)
+
+
+def same_conversion_worker(rank: int, world_size: int) -> None:
+    ddp = fastcoll.DDP(nn.Linear(4, 3))
+    ddp.float().to("cpu").share_memory()
+    ddp(_batch(rank, 0)).sum().backward()
+    ddp.close()
+
+
+def test_a_conversion_to_the_same_dtype_and_device_is_not_refused():
+    run_ranks(same_conversion_worker, 2, timeout=60)
