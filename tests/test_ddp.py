@@ -730,6 +730,37 @@ def test_backward_with_create_graph_warns_on_every_rank_and_averages():
     run_ranks(create_graph_worker, 2, timeout=120)
 
 
+def unwrapped_worker(rank, world_size):
+    """Gradients through the unwrapped module before any forward through the wrapper: one warning on every rank
+    (torch DDP leaves them unaveraged silently); none once the wrapper's forward has run, nor under no_sync()."""
+    import warnings
+
+    def warned(run):
+        model = nn.Linear(4, 3)
+        ddp = fastcoll.DDP(model)
+        x = torch.randn(5, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                run(model, ddp, x)
+        ddp.close()
+        return [str(w.message) for w in caught if "no forward has gone through the DDP wrapper" in str(w.message)]
+
+    def no_sync(model, ddp, x):
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+
+    assert len(warned(lambda model, ddp, x: model(x).sum().backward())) == 1
+    assert len(warned(lambda model, ddp, x: ddp.module(x).sum().backward())) == 1
+    assert warned(lambda model, ddp, x: ddp(x).sum().backward()) == []
+    assert warned(no_sync) == []
+    assert warned(lambda model, ddp, x: (ddp(x).sum().backward(), model(x).sum().backward())) == []
+
+
+def test_gradients_without_a_wrapper_forward_warn_once_on_every_rank():
+    run_ranks(unwrapped_worker, 2, timeout=120)
+
+
 def test_bad_arguments():
     run_ranks(bad_args_worker, 2, timeout=60)
 

@@ -2,9 +2,9 @@
 
 Buffers a module replaces (``self.mean = 0.9 * self.mean + ...`` in a forward, or
 ``ddp.double()``) are broadcast as the module holds them now, as torch DDP reads
-them again before every broadcast. Parameters cast or moved after wrapping are
-refused at the next forward that can be followed by a synchronized backward,
-naming them; torch DDP then stops averaging them without a word.
+them again before every broadcast. Parameters cast, moved or replaced after
+wrapping are refused, naming them (fastcoll.ddp.module_changes); torch DDP then
+stops averaging them without a word.
 """
 
 from __future__ import annotations
@@ -112,3 +112,41 @@ def same_conversion_worker(rank: int, world_size: int) -> None:
 
 def test_a_conversion_to_the_same_dtype_and_device_is_not_refused():
     run_ranks(same_conversion_worker, 2, timeout=60)
+
+
+class WithSpare(nn.Module):
+    """Two linear layers and one the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out, self.spare = nn.Linear(4, 4), nn.Linear(4, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+def replaced_worker(rank: int, world_size: int, find_unused: bool) -> None:
+    """``module.weight = nn.Parameter(...)`` after wrapping: refused, naming it. With find_unused_parameters at the
+    end of the forward that uses it, before its backward (the spare layer, unused and not replaced, is not refused);
+    else at the next forward, instead of an unfinished reduction naming the old parameter."""
+    torch.manual_seed(0)
+    model = WithSpare() if find_unused else nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    ddp = fastcoll.DDP(model, find_unused_parameters=find_unused)
+    for step in range(2):
+        ddp(_batch(rank, step)).sum().backward()
+    if find_unused:
+        model.out.weight = nn.Parameter(torch.ones(3, 4))
+        with pytest.raises(RuntimeError, match=r"replaced by other tensors after the model was wrapped: 'out\.weight'\."):
+            ddp(_batch(rank, 2))
+        assert model.out.weight.grad is None
+    else:
+        model[2].weight = nn.Parameter(torch.ones(3, 4))
+        ddp(_batch(rank, 2)).sum().backward()  # the old weight's gradient never comes
+        with pytest.raises(RuntimeError, match=r"replaced by other tensors after the model was wrapped: '2\.weight'\."):
+            ddp(_batch(rank, 3))
+    ddp.close()
+
+
+@pytest.mark.parametrize("find_unused", [True, False], ids=["find_unused", "all_used"])
+def test_replaced_parameters_are_refused(find_unused):
+    run_ranks(replaced_worker, 2, find_unused, timeout=120)

@@ -18,7 +18,7 @@ class PicklingSupport:
     Expects the wrapper's ``_build()`` (the reducer and the buffer broadcast) and ``static_graph``.
     """
 
-    _UNPICKLED = ("process_group", "reducer", "_buffer_sync", "_join")
+    _UNPICKLED = ("process_group", "reducer", "_buffer_sync", "_join", "_slots")
 
     def __getstate__(self) -> Dict[str, Any]:
         """The picklable state, as torch DDP's: without the process group, the reducer and its hooks, or a comm hook."""

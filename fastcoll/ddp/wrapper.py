@@ -34,11 +34,11 @@ from .broadcast import DEFAULT_CAP_BYTES, broadcast_coalesced
 from .buffers import ModuleBuffers
 from .comm_hooks import CommHookRegistration
 from .compat import TorchMembers
-from .conversions import ConversionGuard
 from .health import GradHealthMethods
 from .inspection import SyncInspection
 from .join import JoinState, JoinSupport
 from .logging_data import LoggingData
+from .module_changes import ModuleChanges
 from .pickling import PicklingSupport
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -69,7 +69,7 @@ class DDP(
     SyncInspection,
     LoggingData,
     TorchMembers,
-    ConversionGuard,
+    ModuleChanges,
     TorchDDP,
 ):
     """Data-parallel wrapper with torch DistributedDataParallel's interface.
@@ -366,7 +366,7 @@ class DDP(
         if join:
             self._join.notify()
         if torch.is_grad_enabled():
-            self._refuse_converted()
+            self._refuse_changed_parameters()
             self.reducer.prepare_for_forward()
         elif join:
             self.reducer.prepare_layout()  # joined ranks replay layout changes whatever the grad mode
@@ -397,6 +397,7 @@ class DDP(
             elif reducer.divisor != reducer.world_size:
                 reducer.divisor = float(reducer.world_size)
             reducer.prepare_for_backward(output if self.find_unused_parameters and not self.static_graph else None)
+            self._refuse_replaced(reducer.usage.unused)  # (found with find_unused_parameters: before the backward)
         else:
             self.require_forward_param_sync = False
         return output

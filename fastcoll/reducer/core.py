@@ -285,6 +285,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation
         """
         if self.reducing:
             self._raise_unfinished()
+        self.forwarded = True
         if self.kept is not None:
             self.kept.reconcile(at_step=False)  # resets since the last backward (the guards stay in .grad)
         self.prepare_layout()

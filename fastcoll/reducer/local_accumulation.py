@@ -8,6 +8,7 @@ micro-batch.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, List, Optional
 
 import torch
@@ -33,11 +34,16 @@ class LocalAccumulation:
         self._idle_arrived: List[int] = []  # parameters that no_sync backward added into their main gradients already
         #: A backward under ``no_sync`` left local gradients that no synchronized backward has reduced yet.
         self.unsynchronized = False
+        #: A forward through the wrapper has run with gradients enabled (:meth:`prepare_for_forward`), or the
+        #: warning of :meth:`_warn_never_forwarded` was given.
+        self.forwarded = False
 
     def _on_idle_grad(self, idx: int) -> None:
         """Hook body between synchronized backwards (``no_sync``): count the use; a large 16-bit gradient goes into
         its float32 main gradient now, the others at the end of the backward (:meth:`_accumulate_idle`)."""
         self.unsynchronized = True
+        if not self.forwarded:
+            self._warn_never_forwarded()
         if self.usage.tracking_use:
             self.usage.local_used[idx] = 1
         if not self.main_buckets:
@@ -52,6 +58,17 @@ class LocalAccumulation:
         slot = self._eager_slots[idx]
         if slot is not None and self._set.buckets[self._bucket_of[idx]].accumulate_one(self._slot_pos[idx], slot):
             self._idle_arrived.append(idx)
+
+    def _warn_never_forwarded(self) -> None:
+        """Once: gradients arrive and no forward has gone through the wrapper (the unwrapped module was called)."""
+        self.forwarded = True
+        warnings.warn(
+            "fastcoll.DDP: a backward computed gradients of the wrapped module's parameters, but no forward has gone "
+            "through the DDP wrapper yet: was the unwrapped module called (model(x) instead of ddp(x), or "
+            "ddp.module(x))? Such gradients are not averaged across ranks (torch DDP does not average them either); "
+            "they are added into the next synchronized backward's. Run the forward through the wrapper",
+            stacklevel=4,
+        )
 
     def _accumulate_idle(self) -> None:
         """End of a ``no_sync`` backward: its 16-bit gradients not added yet go into the float32 main gradients."""

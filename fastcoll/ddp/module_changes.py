@@ -1,0 +1,105 @@
+"""Parameters the user changed after the model was wrapped: cast, moved, or replaced.
+
+The buckets are laid out for the parameters' dtype and device at construction,
+and the gradient hooks sit on the parameter objects of that moment. torch DDP
+documents that parameters must not change after wrapping; when they do, it
+stops averaging them without a word (after ``ddp.double()``, or
+``module.weight = nn.Parameter(...)`` with ``find_unused_parameters=True``, each
+rank keeps its own gradients). fastcoll refuses instead, naming the parameters:
+
+* cast or moved (``ddp.double()``, ``model.half()``, ``ddp.to(device)``): at the
+  next forward that can be followed by a synchronized backward; a forward
+  without gradients (inference) still runs. A conversion of the wrapper is seen
+  whole; one of the inner module (which the wrapper does not see) when it
+  reaches the first parameter of a bucket, as a cast of the whole model does;
+* replaced by another tensor: a replaced parameter gets no gradient, so it is
+  looked for among those that got none: at the end of the forward with
+  ``find_unused_parameters=True`` (before the backward), else at the next
+  forward, which would otherwise report the reduction unfinished.
+
+Buffers follow any change (:mod:`fastcoll.ddp.buffers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..ops.dtypes import dtype_name
+
+__all__ = ["ModuleChanges"]
+
+
+class ModuleChanges:
+    """Mixin of :class:`fastcoll.DDP` (expects its ``module`` and ``reducer``): the checks above."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        self.__dict__["_applied"] = True
+        return out
+
+    def _refuse_changed_parameters(self) -> None:
+        """Before a forward that can be followed by a synchronized backward: raise for cast, moved or replaced ones.
+
+        Raises:
+            RuntimeError: naming the parameters.
+        """
+        reducer = self.reducer  # type: ignore[attr-defined]
+        buckets = reducer.buckets
+        # After a conversion through the wrapper, every parameter; else each bucket's first.
+        if self.__dict__.get("_applied") or any(b.params[0].dtype != b.dtype for b in buckets if b.params):
+            changed = [
+                f"'{name}' ({dtype_name(p.dtype)} on {p.device}, was {dtype_name(b.dtype)} on {b.device})"
+                for b in buckets
+                for name, p in zip(b.names, b.params)
+                if p.dtype != b.dtype or p.device != b.device
+            ]
+            if changed:
+                raise RuntimeError(
+                    f"fastcoll.DDP: parameters were cast or moved after the model was wrapped: {_few(changed)}. Their "
+                    "gradients would be reduced in buckets of the old dtype and device. Cast or move the model before "
+                    "wrapping it (torch DDP requires the same); a forward without gradients (inference) still runs"
+                )
+            self.__dict__["_applied"] = False  # (converted to the same dtype and device)
+        if reducer.reducing:
+            self._refuse_replaced(reducer.usage.unfinished())
+
+    def _refuse_replaced(self, indices: Sequence[int]) -> None:
+        """Raise when a parameter of ``indices`` (reducer indices) is no longer where the module keeps it.
+
+        Raises:
+            RuntimeError: naming the parameters.
+        """
+        if not indices:
+            return
+        params, slots = self.reducer.params, self._parameter_slots()  # type: ignore[attr-defined]
+        gone = [i for i in indices if not slots.get(i) or any(o._parameters.get(n) is not params[i] for o, n in slots[i])]
+        if gone:
+            names = _few([repr(self.reducer.names[i]) for i in gone])  # type: ignore[attr-defined]
+            raise RuntimeError(
+                f"fastcoll.DDP: parameters replaced by other tensors after the model was wrapped: {names}. The gradient "
+                "hooks and buckets belong to the old parameters, so the new ones would not be averaged across ranks "
+                "(torch DDP would not average them either, without a word). Copy new values into a parameter in place "
+                "(with torch.no_grad(): p.copy_(value)), or wrap the module after changing it"
+            )
+
+    def _parameter_slots(self) -> Dict[int, List[Tuple[nn.Module, str]]]:
+        """Per reducer index, the (module, attribute) pairs holding that parameter, read once per reducer."""
+        kept = self.__dict__.get("_slots")
+        reducer = self.reducer  # type: ignore[attr-defined]
+        if kept is None or kept[0] is not reducer:
+            index = {id(p): i for i, p in enumerate(reducer.params)}
+            table: Dict[int, List[Tuple[nn.Module, str]]] = {}
+            for owner in self.module.modules():  # type: ignore[attr-defined]
+                for name, p in owner._parameters.items():
+                    if id(p) in index:
+                        table.setdefault(index[id(p)], []).append((owner, name))
+            kept = self.__dict__["_slots"] = (reducer, table)
+        return kept[1]
+
+
+def _few(items: List[str]) -> str:
+    """The first four of ``items``, and how many more."""
+    return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
