@@ -150,3 +150,19 @@ def replaced_worker(rank: int, world_size: int, find_unused: bool) -> None:
 @pytest.mark.parametrize("find_unused", [True, False], ids=["find_unused", "all_used"])
 def test_replaced_parameters_are_refused(find_unused):
     run_ranks(replaced_worker, 2, find_unused, timeout=120)
+
+
+def frozen_worker(rank: int, world_size: int) -> None:
+    """A parameter frozen after wrapping (without find_unused_parameters): the next forward names it as frozen."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    ddp = fastcoll.DDP(model)
+    ddp(_batch(rank, 0)).sum().backward()
+    model[0].weight.requires_grad_(False)
+    ddp(_batch(rank, 1)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"stopped requiring gradients after the model was wrapped: '0\.weight'\."):
+        ddp(_batch(rank, 2))
+    ddp.close()
+
+
+def test_parameters_frozen_after_wrapping_are_named():
+    run_ranks(frozen_worker, 2, timeout=60)

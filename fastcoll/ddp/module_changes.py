@@ -15,7 +15,9 @@ rank keeps its own gradients). fastcoll refuses instead, naming the parameters:
 * replaced by another tensor: a replaced parameter gets no gradient, so it is
   looked for among those that got none: at the end of the forward with
   ``find_unused_parameters=True`` (before the backward), else at the next
-  forward, which would otherwise report the reduction unfinished.
+  forward, which would otherwise report the reduction unfinished;
+* frozen (``requires_grad_(False)``) without ``find_unused_parameters``: named
+  at the next forward, where the reduction would be reported unfinished.
 
 Buffers follow any change (:mod:`fastcoll.ddp.buffers`).
 """
@@ -63,8 +65,17 @@ class ModuleChanges:
                     "wrapping it (torch DDP requires the same); a forward without gradients (inference) still runs"
                 )
             self.__dict__["_applied"] = False  # (converted to the same dtype and device)
-        if reducer.reducing:
-            self._refuse_replaced(reducer.usage.unfinished())
+        if reducer.reducing:  # a gradient missing: replaced, or frozen, since wrapping?
+            missing = reducer.usage.unfinished()
+            self._refuse_replaced(missing)
+            frozen = [repr(reducer.names[i]) for i in missing if not reducer.params[i].requires_grad]
+            if frozen:
+                raise RuntimeError(
+                    f"fastcoll.DDP: parameters stopped requiring gradients after the model was wrapped: {_few(frozen)}. "
+                    "Each synchronized backward waits for a gradient of every parameter the model was wrapped with: "
+                    "freeze them before wrapping, or pass find_unused_parameters=True (a frozen parameter then counts "
+                    "as unused)"
+                )
 
     def _refuse_replaced(self, indices: Sequence[int]) -> None:
         """Raise when a parameter of ``indices`` (reducer indices) is no longer where the module keeps it.
