@@ -72,6 +72,32 @@ def test_replaced_buffers_are_broadcast_as_torch_ddp_does():
     run_ranks(buffers_worker, 2, timeout=120)
 
 
+def join_buffers_worker(rank: int, world_size: int) -> None:
+    """Uneven inputs under join(): the replaced buffers are broadcast from the rank still training, and the final
+    state from the last one to finish, as torch DDP's."""
+    results = []
+    for wrap in (TorchDDP, fastcoll.DDP):
+        torch.manual_seed(0)
+        model = Reassigning()
+        ddp = wrap(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with ddp.join():
+            for step in range(3 + rank):
+                opt.zero_grad()
+                ddp(_batch(rank, step)).square().mean().backward()
+                opt.step()
+        results.append((_buffers(model), [p.detach().clone() for p in model.parameters()]))
+    (tb, tp), (fb, fp) = results
+    for name in tb:
+        assert torch.equal(fb[name], tb[name]), f"rank {rank}: buffer {name} {fb[name]} vs torch DDP {tb[name]}"
+    for k, (a, b) in enumerate(zip(fp, tp)):
+        torch.testing.assert_close(a, b, msg=lambda m: f"rank {rank}: parameter {k}: {m}")
+
+
+def test_replaced_buffers_under_join_as_torch_ddp():
+    run_ranks(join_buffers_worker, 2, timeout=120)
+
+
 CONVERSIONS = {
     "ddp.double()": lambda ddp, model: ddp.double(),
     "module.double()": lambda ddp, model: model.double(),
