@@ -192,3 +192,38 @@ def frozen_worker(rank: int, world_size: int) -> None:
 
 def test_parameters_frozen_after_wrapping_are_named():
     run_ranks(frozen_worker, 2, timeout=60)
+
+
+def unfrozen_worker(rank: int, world_size: int) -> None:
+    """A layer frozen at wrapping and unfrozen later: refused at the next training forward, naming it (torch DDP leaves
+    its gradients each rank's own). Wrapped trainable with find_unused_parameters, it can be frozen and unfrozen: the
+    gradients are averaged (equal on every rank)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[0].requires_grad_(False)
+    ddp = fastcoll.DDP(model)
+    ddp(_batch(rank, 0)).sum().backward()
+    model[0].requires_grad_(True)
+    with pytest.raises(
+        RuntimeError, match=r"require gradients now that did not when the model was wrapped: '0\.weight', '0\.bias'\."
+    ):
+        ddp(_batch(rank, 1))
+    with torch.no_grad():
+        ddp(_batch(rank, 1))  # inference still runs
+    ddp.close()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    ddp = fastcoll.DDP(model, find_unused_parameters=True)
+    model[0].requires_grad_(False)
+    ddp(_batch(rank, 0)).sum().backward()
+    model[0].requires_grad_(True)
+    ddp.zero_grad()
+    ddp(_batch(rank, 1)).sum().backward()
+    everyone = [torch.empty_like(model[0].weight.grad) for _ in range(world_size)]
+    torch.distributed.all_gather(everyone, model[0].weight.grad)
+    assert all(torch.equal(g, everyone[0]) for g in everyone), "the unfrozen layer's gradients differ across ranks"
+    ddp.close()
+
+
+def test_parameters_unfrozen_after_wrapping_are_refused():
+    run_ranks(unfrozen_worker, 2, timeout=60)

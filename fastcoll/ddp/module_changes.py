@@ -17,7 +17,11 @@ rank keeps its own gradients). fastcoll refuses instead, naming the parameters:
   ``find_unused_parameters=True`` (before the backward), else at the next
   forward, which would otherwise report the reduction unfinished;
 * frozen (``requires_grad_(False)``) without ``find_unused_parameters``: named
-  at the next forward, where the reduction would be reported unfinished.
+  at the next forward, where the reduction would be reported unfinished;
+* unfrozen: a parameter that did not require gradients at construction has no
+  hook and no bucket, so its gradients stay each rank's own (torch DDP's rule,
+  applied silently): refused at the next forward that can be followed by a
+  synchronized backward (a check of those parameters' ``requires_grad``).
 
 Buffers follow any change (:mod:`fastcoll.ddp.buffers`).
 """
@@ -65,6 +69,16 @@ class ModuleChanges:
                     "wrapping it (torch DDP requires the same); a forward without gradients (inference) still runs"
                 )
             self.__dict__["_applied"] = False  # (converted to the same dtype and device)
+        outside, _ = self._parameter_slots()
+        thawed = [repr(n) for n, p in outside if p.requires_grad]
+        if thawed:
+            raise RuntimeError(
+                f"fastcoll.DDP: parameters require gradients now that did not when the model was wrapped: {_few(thawed)}. "
+                "Only parameters that required gradients at construction are averaged (torch DDP's rule too, applied "
+                "without a word), so theirs would differ across ranks. Wrap the model again after unfreezing them "
+                "(ddp.close(); ddp = fastcoll.DDP(ddp.module, ...)), or wrap it with them trainable and pass "
+                "find_unused_parameters=True (a parameter frozen after wrapping then counts as unused)"
+            )
         if reducer.reducing:  # a gradient missing: replaced, or frozen, since wrapping?
             missing = reducer.usage.unfinished()
             self._refuse_replaced(missing)
@@ -85,7 +99,7 @@ class ModuleChanges:
         """
         if not indices:
             return
-        params, slots = self.reducer.params, self._parameter_slots()  # type: ignore[attr-defined]
+        params, slots = self.reducer.params, self._parameter_slots()[1]  # type: ignore[attr-defined]
         gone = [i for i in indices if not slots.get(i) or any(o._parameters.get(n) is not params[i] for o, n in slots[i])]
         if gone:
             names = _few([repr(self.reducer.names[i]) for i in gone])  # type: ignore[attr-defined]
@@ -96,8 +110,9 @@ class ModuleChanges:
                 "(with torch.no_grad(): p.copy_(value)), or wrap the module after changing it"
             )
 
-    def _parameter_slots(self) -> Dict[int, List[Tuple[nn.Module, str]]]:
-        """Per reducer index, the (module, attribute) pairs holding that parameter, read once per reducer."""
+    def _parameter_slots(self) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[int, List[Tuple[nn.Module, str]]]]:
+        """Read once per reducer: the module's parameters it does not average (neither ignored nor trainable at
+        construction), by name; and per reducer index, the (module, attribute) pairs holding that parameter."""
         kept = self.__dict__.get("_slots")
         reducer = self.reducer  # type: ignore[attr-defined]
         if kept is None or kept[0] is not reducer:
@@ -107,8 +122,10 @@ class ModuleChanges:
                 for name, p in owner._parameters.items():
                     if id(p) in index:
                         table.setdefault(index[id(p)], []).append((owner, name))
-            kept = self.__dict__["_slots"] = (reducer, table)
-        return kept[1]
+            ignored = self.parameters_to_ignore  # type: ignore[attr-defined]
+            outside = [(n, p) for n, p in self.module.named_parameters() if id(p) not in index and n not in ignored]  # type: ignore[attr-defined]
+            kept = self.__dict__["_slots"] = (reducer, outside, table)
+        return kept[1], kept[2]
 
 
 def _few(items: List[str]) -> str:
