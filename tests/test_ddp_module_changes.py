@@ -9,6 +9,8 @@ stops averaging them without a word.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from multiproc import run_ranks
@@ -42,18 +44,25 @@ def _buffers(model: nn.Module) -> dict:
     return {n: b.clone() for n, b in model.named_buffers()}
 
 
+def _train_reassigning(wrap, rank: int, steps: int, join: bool = False):
+    """``steps`` SGD steps of :class:`Reassigning` under ``wrap`` (inside ``join()`` if ``join``); (model, wrapper)."""
+    torch.manual_seed(0)
+    model = Reassigning()
+    ddp = wrap(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join() if join else contextlib.nullcontext():
+        for step in range(steps):
+            opt.zero_grad()
+            ddp(_batch(rank, step)).square().mean().backward()
+            opt.step()
+    return model, ddp
+
+
 def buffers_worker(rank: int, world_size: int) -> None:
     """Per rank, the buffers after training, after ``ddp.double()`` and forwards without gradients: torch DDP's."""
     results = []
     for wrap in (TorchDDP, fastcoll.DDP):
-        torch.manual_seed(0)
-        model = Reassigning()
-        ddp = wrap(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(3):
-            opt.zero_grad()
-            ddp(_batch(rank, step)).square().mean().backward()
-            opt.step()
+        model, ddp = _train_reassigning(wrap, rank, 3)
         trained = _buffers(model)
         current = [id(b) for b in ddp.modules_buffers] == [id(b) for _, b in model.named_buffers()]
         ddp.double()  # buffers become new tensors; parameters too (refused for training, not for inference)
@@ -77,15 +86,7 @@ def join_buffers_worker(rank: int, world_size: int) -> None:
     state from the last one to finish, as torch DDP's."""
     results = []
     for wrap in (TorchDDP, fastcoll.DDP):
-        torch.manual_seed(0)
-        model = Reassigning()
-        ddp = wrap(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        with ddp.join():
-            for step in range(3 + rank):
-                opt.zero_grad()
-                ddp(_batch(rank, step)).square().mean().backward()
-                opt.step()
+        model, _ = _train_reassigning(wrap, rank, 3 + rank, join=True)
         results.append((_buffers(model), [p.detach().clone() for p in model.parameters()]))
     (tb, tp), (fb, fp) = results
     for name in tb:

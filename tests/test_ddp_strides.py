@@ -8,6 +8,8 @@ parameter does not have in one block: it refuses it, on every rank, naming it, b
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from multiproc import run_ranks
@@ -116,7 +118,7 @@ def _train(rank: int, dense: bool, kwargs: dict, loop: str) -> list:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     norms = []
     steps = STEPS - rank if loop == "join" else STEPS  # uneven inputs: join() shadows the missing iterations
-    with ddp.join() if loop == "join" else _nothing():
+    with ddp.join() if loop == "join" else contextlib.nullcontext():
         for step in range(steps):
             opt.zero_grad(set_to_none=step % 2 == 0)
             if loop == "no_sync" and step % 2 == 0:
@@ -128,14 +130,6 @@ def _train(rank: int, dense: bool, kwargs: dict, loop: str) -> list:
             opt.step()
     ddp.close()
     return [p.detach().clone() for p in model.parameters()] + [torch.tensor(norms)]
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def modes_worker(rank: int, world_size: int) -> None:
