@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .broadcast import CoalescedBroadcast
+from .module_changes import tensor_slots
 
 __all__ = ["ModuleBuffers"]
 
@@ -43,14 +44,12 @@ class ModuleBuffers:
         slots: List[Tuple[nn.Module, str]] = []
         tensors: List[torch.Tensor] = []
         seen = set()
-        for prefix, owner in self._module.named_modules():
-            for name, t in owner._buffers.items():
-                full = f"{prefix}.{name}" if prefix else name
-                if t is None or full in self._ignored or id(t) in seen:  # named_buffers()' rules
-                    continue
-                seen.add(id(t))
-                slots.append((owner, name))
-                tensors.append(t)
+        for full, owner, name, t in tensor_slots(self._module, "_buffers"):
+            if full in self._ignored or id(t) in seen:  # named_buffers()' rules
+                continue
+            seen.add(id(t))
+            slots.append((owner, name))
+            tensors.append(t)
         self._slots, self._tensors = slots, tensors
         self._broadcast = CoalescedBroadcast(tensors, self._cap_bytes)
 

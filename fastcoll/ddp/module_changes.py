@@ -28,14 +28,14 @@ Buffers follow any change (:mod:`fastcoll.ddp.buffers`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..ops.dtypes import dtype_name
 
-__all__ = ["ModuleChanges"]
+__all__ = ["ModuleChanges", "tensor_slots"]
 
 
 class ModuleChanges:
@@ -117,15 +117,27 @@ class ModuleChanges:
         reducer = self.reducer  # type: ignore[attr-defined]
         if kept is None or kept[0] is not reducer:
             index = {id(p): i for i, p in enumerate(reducer.params)}
-            table: Dict[int, List[Tuple[nn.Module, str]]] = {}
-            for owner in self.module.modules():  # type: ignore[attr-defined]
-                for name, p in owner._parameters.items():
-                    if id(p) in index:
-                        table.setdefault(index[id(p)], []).append((owner, name))
             ignored = self.parameters_to_ignore  # type: ignore[attr-defined]
-            outside = [(n, p) for n, p in self.module.named_parameters() if id(p) not in index and n not in ignored]  # type: ignore[attr-defined]
+            table: Dict[int, List[Tuple[nn.Module, str]]] = {}
+            outside, seen = [], set()
+            for full, owner, name, p in tensor_slots(self.module, "_parameters"):  # type: ignore[attr-defined]
+                if id(p) in index:
+                    table.setdefault(index[id(p)], []).append((owner, name))
+                elif id(p) not in seen and full not in ignored:  # named_parameters()' first name
+                    outside.append((full, p))
+                seen.add(id(p))
             kept = self.__dict__["_slots"] = (reducer, outside, table)
         return kept[1], kept[2]
+
+
+def tensor_slots(module: nn.Module, kind: str) -> Iterator[Tuple[str, nn.Module, str, torch.Tensor]]:
+    """Every place ``module`` keeps a tensor of ``kind`` (``"_parameters"`` or ``"_buffers"``), None entries left out:
+    ``(qualified name, owning module, attribute, tensor)``, in ``named_parameters()`` / ``named_buffers()`` order,
+    a tensor held in several places once per place."""
+    for prefix, owner in module.named_modules():
+        for name, t in getattr(owner, kind).items():
+            if t is not None:
+                yield (f"{prefix}.{name}" if prefix else name), owner, name, t
 
 
 def _few(items: List[str]) -> str:

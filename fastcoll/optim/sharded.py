@@ -592,7 +592,8 @@ def _stepped(reducer: Any, groups: List[List[torch.Tensor]], index_of: Dict[int,
     """Per reducer parameter, whether the optimizer steps it.
 
     Raises:
-        ValueError: an optimizer parameter with a gradient that the model does not synchronize, or (sharded
+        ValueError: an optimizer parameter with a gradient that the model does not synchronize, a stepped one that
+            is not dense (no block of memory to divide into ranges), or (sharded
             gradients) a synchronized parameter the optimizer does not step (its full gradient exists nowhere).
     """
     stepped = [False] * len(reducer.params)
