@@ -104,6 +104,9 @@ class Communicator:
         # send and one receive of a half each (.p2p: half the traffic, the same sum), and the all-gather in-place
         # broadcasts (no temporaries, half the time of gloo's own on 25 MiB).
         self.in_place_emulation = self.active and dist.is_available() and dist.is_initialized() and _is_gloo(group)
+        #: The backend runs each collective on a thread of its own that records into the torch profiler of the thread
+        #: that issued it (gloo): a collective still running when that profiler stops corrupts the process's heap.
+        self.records_on_own_threads = self.in_place_emulation
         self.rank = dist.get_rank(group) if self.active and dist.is_available() and dist.is_initialized() else 0
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:

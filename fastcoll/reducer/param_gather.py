@@ -51,6 +51,7 @@ __all__ = ["ParamGather"]
 
 _ns = time.perf_counter_ns
 _is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+_profiler_recording: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 
 class ParamGather:
@@ -181,8 +182,13 @@ class ParamGather:
         return stage
 
     def end_step(self) -> None:
-        """After every bucket's all-gather was issued: without overlap, wait for them all."""
-        if not self.overlap:
+        """After every bucket's all-gather was issued: without overlap, wait for them all.
+
+        With overlap too while torch's profiler records on this thread and the backend runs the all-gathers on threads
+        that record into it (gloo): a profiler stopped with one still running (a schedule's ``prof.step()`` right
+        after the optimizer's) crashes the process, in torch.
+        """
+        if not self.overlap or (self.comm.records_on_own_threads and _profiler_recording()):
             self.finish()
 
     # ------------------------------------------------------------------- wait
