@@ -22,6 +22,7 @@ all-reduce, the layout broadcast) goes through :class:`Communicator`, which
 from __future__ import annotations
 
 import pickle
+import weakref
 from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
@@ -107,6 +108,9 @@ class Communicator:
         #: The backend runs each collective on a thread of its own that records into the torch profiler of the thread
         #: that issued it (gloo): a collective still running when that profiler stops corrupts the process's heap.
         self.records_on_own_threads = self.in_place_emulation
+        # An emulated collective's handle is a future over the Works it is made of. gloo completes a Work's future
+        # before the Work itself (whose end it records into that profiler then): :meth:`wait` waits for them too.
+        self._works_behind: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
         self.rank = dist.get_rank(group) if self.active and dist.is_available() and dist.is_initialized() else 0
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
@@ -155,7 +159,7 @@ class Communicator:
                 work = dist.all_reduce(inp, group=self.group, async_op=True)
                 own = inp[self.rank * out.numel() : (self.rank + 1) * out.numel()]
                 if own.data_ptr() != out.data_ptr():
-                    work = work.get_future().then(lambda _f: out.copy_(own))
+                    work = self._behind(work.get_future().then(lambda _f: out.copy_(own)), [work])
         else:
             work = _REDUCE_SCATTER(out, inp, group=self.group, async_op=True)
         if self.guard is not None:
@@ -197,7 +201,7 @@ class Communicator:
                 dist.broadcast(out[r * n : (r + 1) * n], group=self.group, group_src=r, async_op=True)
                 for r in range(self.world_size)
             ]
-            work = torch.futures.collect_all([w.get_future() for w in works])
+            work = self._behind(torch.futures.collect_all([w.get_future() for w in works]), works)
         else:
             work = _ALL_GATHER(out, inp, group=self.group, async_op=True)
         if self.guard is not None:
@@ -223,9 +227,16 @@ class Communicator:
         stall timeout; raises :class:`fastcoll.stall.StallError` on a stall
         or a dead peer (every live rank raises, with the same first line).
         """
-        if self.guard is None:
-            return handle.wait()
-        return self.guard.wait(handle, what)
+        out = handle.wait() if self.guard is None else self.guard.wait(handle, what)
+        behind = self._works_behind.pop(handle, ()) if isinstance(handle, torch._C.Future) and self._works_behind else ()
+        for w in behind:
+            w.wait()  # finished already, or about to: ends its record in a profiler before that profiler may stop
+        return out
+
+    def _behind(self, fut: Any, works: List[Any]) -> Any:
+        """``fut``, a future over ``works``: :meth:`wait` returns once the Works have finished too."""
+        self._works_behind[fut] = works
+        return fut
 
     def check(self) -> None:
         """Raise the watchdog's :class:`fastcoll.stall.StallError` if it fired (cheap; no-op when unprotected or blocking)."""
