@@ -22,8 +22,7 @@ all-reduce, the layout broadcast) goes through :class:`Communicator`, which
 from __future__ import annotations
 
 import pickle
-import weakref
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -110,7 +109,7 @@ class Communicator:
         self.records_on_own_threads = self.in_place_emulation
         # An emulated collective's handle is a future over the Works it is made of. gloo completes a Work's future
         # before the Work itself (whose end it records into that profiler then): :meth:`wait` waits for them too.
-        self._works_behind: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+        self._works_behind: Dict[int, Tuple[Any, List[Any]]] = {}  # id(future) -> (future, its Works)
         self.rank = dist.get_rank(group) if self.active and dist.is_available() and dist.is_initialized() else 0
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
@@ -228,14 +227,16 @@ class Communicator:
         or a dead peer (every live rank raises, with the same first line).
         """
         out = handle.wait() if self.guard is None else self.guard.wait(handle, what)
-        behind = self._works_behind.pop(handle, ()) if isinstance(handle, torch._C.Future) and self._works_behind else ()
-        for w in behind:
+        behind = self._works_behind.pop(id(handle), None) if self._works_behind else None
+        for w in behind[1] if behind is not None else ():
             w.wait()  # finished already, or about to: ends its record in a profiler before that profiler may stop
         return out
 
     def _behind(self, fut: Any, works: List[Any]) -> Any:
         """``fut``, a future over ``works``: :meth:`wait` returns once the Works have finished too."""
-        self._works_behind[fut] = works
+        if len(self._works_behind) > 1024:  # handles dropped unwaited (a failed step): their Works ended long ago
+            self._works_behind.clear()
+        self._works_behind[id(fut)] = (fut, works)  # the future kept with its id: no other handle can take that id
         return fut
 
     def check(self) -> None:
