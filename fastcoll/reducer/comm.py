@@ -104,13 +104,16 @@ class Communicator:
         # send and one receive of a half each (.p2p: half the traffic, the same sum), and the all-gather in-place
         # broadcasts (no temporaries, half the time of gloo's own on 25 MiB).
         self.in_place_emulation = self.active and dist.is_available() and dist.is_initialized() and _is_gloo(group)
-        #: The backend runs each collective on a thread of its own that records into the torch profiler of the thread
-        #: that issued it (gloo): a collective still running when that profiler stops corrupts the process's heap.
-        self.records_on_own_threads = self.in_place_emulation
         # An emulated collective's handle is a future over the Works it is made of. gloo completes a Work's future
         # before the Work itself (whose end it records into that profiler then): :meth:`wait` waits for them too.
         self._works_behind: Dict[int, Tuple[Any, List[Any]]] = {}  # id(future) -> (future, its Works)
         self.rank = dist.get_rank(group) if self.active and dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def records_on_own_threads(self) -> bool:
+        """The backend runs each collective on a thread of its own that records into the torch profiler of the thread
+        that issued it (gloo): a collective still running when that profiler stops corrupts the process's heap."""
+        return self.in_place_emulation
 
     def add_listener(self, fn: Callable[[Collective], None]) -> Callable[[], None]:
         """Call ``fn(collective)`` for every collective issued from now on; returns a function that removes it."""
@@ -227,9 +230,9 @@ class Communicator:
         or a dead peer (every live rank raises, with the same first line).
         """
         out = handle.wait() if self.guard is None else self.guard.wait(handle, what)
-        behind = self._works_behind.pop(id(handle), None) if self._works_behind else None
-        for w in behind[1] if behind is not None else ():
-            w.wait()  # finished already, or about to: ends its record in a profiler before that profiler may stop
+        if self._works_behind:
+            for w in self._works_behind.pop(id(handle), (None, ()))[1]:
+                w.wait()  # finished already, or about to: ends its record in a profiler before that profiler may stop
         return out
 
     def _behind(self, fut: Any, works: List[Any]) -> Any:

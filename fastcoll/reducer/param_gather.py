@@ -45,13 +45,13 @@ from torch import nn
 from .. import ops
 from .._backref import BackRef
 from .bucket import MainGradBucket, for_each_run
+from .timeline import profiler_active
 from .usage import unreachable_parameters
 
 __all__ = ["ParamGather"]
 
 _ns = time.perf_counter_ns
 _is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
-_profiler_recording: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 
 class ParamGather:
@@ -188,7 +188,7 @@ class ParamGather:
         that record into it (gloo): a profiler stopped with one still running (a schedule's ``prof.step()`` right
         after the optimizer's) crashes the process, in torch.
         """
-        if not self.overlap or (self.comm.records_on_own_threads and _profiler_recording()):
+        if not self.overlap or (self.comm.records_on_own_threads and profiler_active()):
             self.finish()
 
     # ------------------------------------------------------------------- wait
