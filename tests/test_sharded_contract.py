@@ -493,6 +493,20 @@ def p_clip_grad_value(new: Callable[..., Run]) -> Obs:
     return _train(new(), between=between)
 
 
+def p_grad_div(new: Callable[..., Run]) -> Obs:
+    """Every p.grad divided in place by a number, a 0-dim tensor or (foreach) per tensor (a loop averaging by hand)."""
+
+    def between(r: Run, step: int) -> None:
+        grads = [p.grad for p in r.model.parameters() if p.grad is not None]
+        if step % 2:
+            torch._foreach_div_(grads, [float(k + 2) for k in range(len(grads))])
+        else:
+            for g in grads:
+                g.div_(torch.tensor(4.0) if step else 4)
+
+    return _train(new(), between=between)
+
+
 def _scaler_pattern(clip: bool) -> Callable[[Callable[..., Run]], Obs]:
     """GradScaler: scale(loss).backward(); unscale_(opt); [torch's clip]; step(opt); update()."""
 
@@ -741,7 +755,8 @@ PATTERNS: Dict[str, tuple] = {
     "current_timm_model_ema_v3": (p_timm_ema, False, False, False),
     "overlap_opt_in_current_after_forward": (p_overlap_opt_in, False, False, False),
     "clip_torch_over_param_groups": (p_torch_clip, "sharded", True, True),
-    "clip_grad_value": (p_clip_grad_value, "sharded", False, False),
+    "clip_grad_value": (p_clip_grad_value, False, False, False),
+    "grad_div": (p_grad_div, False, False, False),
     "grad_scaler": (_scaler_pattern(False), False, False, False),
     "grad_scaler_torch_clip": (_scaler_pattern(True), "sharded", True, False),
     "state_per_param": (p_state_per_param, True, False, False),

@@ -13,9 +13,16 @@ gradient values this rank holds the operations torch's optimizer-side code
 performs on gradients, and refuses every other one with an error that names
 the way to do what was asked:
 
-* ``GradScaler.unscale_`` (``_amp_foreach_non_finite_check_and_unscale_``),
-  multiplications by a scalar (clipping's ``mul_`` / ``_foreach_mul_``),
-  ``zero_()`` (``zero_grad(set_to_none=False)``, which also starts a new
+* ``GradScaler.unscale_`` (``_amp_foreach_non_finite_check_and_unscale_``):
+  on the values this rank holds, its non-finite flag then agreed by every
+  rank when each holds a range (one all-reduce of the flag);
+* in-place elementwise operations with scalar operands: ``mul_`` / ``div_``
+  (clipping's ``_foreach_mul_``, averaging by hand), ``clamp_`` /
+  ``clamp_min_`` / ``clamp_max_`` (``torch.nn.utils.clip_grad_value_``),
+  ``nan_to_num_``, and their ``_foreach_`` forms: on the values this rank
+  holds, which is what they do to those values in the whole gradient (an
+  operand shaped like the gradient is refused: it would meet other elements);
+* ``zero_()`` (``zero_grad(set_to_none=False)``, which also starts a new
   accumulation): on the values this rank holds;
 * norms (``torch.nn.utils.clip_grad_norm_``, ``p.grad.norm()``): where this
   rank holds the whole gradient (main gradients with ``grads="full"``), the
@@ -58,6 +65,8 @@ class GradientBook:
         where: What holds the gradients, for messages.
         advice: What to do instead, for messages.
         dtypes: Per parameter index, the dtype of its held values where it is not the parameter's (main gradients).
+        agree: ``agree(found_inf)``: make GradScaler's non-finite flag of this rank's values every rank's verdict
+            (in place, on every rank); None when every rank holds the whole gradients (``complete``).
     """
 
     def __init__(
@@ -69,6 +78,7 @@ class GradientBook:
         where: str,
         advice: str,
         dtypes: Optional[Dict[int, torch.dtype]] = None,
+        agree: Optional[Callable[[torch.Tensor], None]] = None,
     ):
         self.held = held
         self.complete = complete
@@ -77,6 +87,7 @@ class GradientBook:
         self.where = where
         self.advice = advice
         self.dtypes = dict(dtypes or {})
+        self.agree = agree
 
     def refuse(self, index: int, op: str) -> RuntimeError:
         return RuntimeError(MESSAGE.format(name=f"'{self.names[index]}'", where=self.where, op=op, advice=self.advice))
@@ -158,34 +169,57 @@ def _expand(tensors: Sequence[Any]) -> List[torch.Tensor]:
 
 
 def _unscale(func: Any, args: tuple, kwargs: dict) -> None:
+    """GradScaler's unscale and non-finite check, on the held values; with ranges, the flag agreed by every rank
+    (each checked its own range, torch's check reads the whole gradients: one rank's overflow skips every rank's step)."""
     grads, found_inf, inv_scale = args
     held = _expand(grads)
     if held:
         func(held, found_inf, inv_scale)
+    guard = next((t for t in grads if is_guard(t)), None)
+    if guard is not None and guard.book.agree is not None:
+        guard.book.agree(found_inf)
 
 
-def _foreach_mul(func: Any, args: tuple, kwargs: dict) -> None:
-    tensors, other = args[0], args[1]
-    if isinstance(other, (list, tuple)):  # one factor per tensor
-        pairs = [(t, f) for t, f in zip(tensors, other)]
-        for t, f in pairs:
-            for h in t.book.held(t.index) if is_guard(t) else [t]:
-                h.mul_(f)
-        return None
-    held = _expand(tensors)
-    if held:
-        func(held, other, **kwargs)
-    return None
+def _operands_are_scalars(func: Any, guard: Any, operands: Sequence[Any]) -> None:
+    """Raise unless every operand (besides the guard itself) is a number, None or a one-element tensor.
+
+    The held values are a range of the flattened gradient: an operand shaped like the gradient
+    would meet the wrong elements (or broadcast across them), so only scalars apply elementwise.
+    """
+    for o in _flat_args(operands):
+        if is_guard(o) or (isinstance(o, torch.Tensor) and o.numel() != 1):
+            raise guard.book.refuse(guard.index, func.__name__.split(".")[0] + " with a tensor operand")
 
 
-def _mul(func: Any, args: tuple, kwargs: dict) -> Any:
-    self, other = args[0], args[1]
-    if not is_guard(self) or is_guard(other):
-        guard = self if is_guard(self) else other
+def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An in-place elementwise operation with scalar operands (``mul_``, ``div_``, ``clamp_``, ``nan_to_num_``, ...):
+    on each tensor holding this rank's values, which is what it does to those values in the whole gradient."""
+    self = args[0]
+    if not is_guard(self):  # a guard only as an operand of a plain tensor's operation
+        guard = next(a for a in _flat_args(args[1:]) if is_guard(a))
         raise guard.book.refuse(guard.index, func.__name__.split(".")[0])
+    _operands_are_scalars(func, self, list(args[1:]) + list(kwargs.values()))
     for h in self.book.held(self.index):
-        func(h, other, **kwargs)
+        func(h, *args[1:], **kwargs)
     return self
+
+
+def _foreach_elementwise(func: Any, args: tuple, kwargs: dict) -> None:
+    """The ``_foreach_`` form of :func:`_elementwise`: one scalar for all tensors, or one per tensor."""
+    tensors, rest = args[0], args[1:]
+    per_tensor = bool(rest) and isinstance(rest[0], (list, tuple))
+    for i, t in enumerate(tensors):
+        if is_guard(t):
+            _operands_are_scalars(func, t, [rest[0][i]] if per_tensor else list(rest) + list(kwargs.values()))
+    held, operands = [], []
+    for i, t in enumerate(tensors):
+        mine = t.book.held(t.index) if is_guard(t) else [t]
+        held.extend(mine)
+        if per_tensor:
+            operands.extend([rest[0][i]] * len(mine))
+    if held:
+        func(held, *((operands,) + rest[1:] if per_tensor else rest), **kwargs)
+    return None
 
 
 def _zero(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -234,14 +268,17 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     return n.to(dtype) if dtype is not None else n
 
 
+#: In-place elementwise operations whose operands are scalars (:func:`_elementwise`), and their ``_foreach_`` forms.
+_ELEMENTWISE = ("mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "nan_to_num_")
+
 _HANDLERS = {
     "_amp_foreach_non_finite_check_and_unscale_.default": _unscale,
-    "_foreach_mul_.Scalar": _foreach_mul,
-    "_foreach_mul_.Tensor": _foreach_mul,
-    "_foreach_mul_.List": _foreach_mul,
-    "_foreach_mul_.ScalarList": _foreach_mul,
-    "mul_.Tensor": _mul,
-    "mul_.Scalar": _mul,
+    **{f"{op}.{o}": _elementwise for op in _ELEMENTWISE for o in ("default", "Scalar", "Tensor", "Scalar_mode", "Tensor_mode")},
+    **{
+        f"_foreach_{op}.{o}": _foreach_elementwise
+        for op in ("mul_", "div_", "clamp_min_", "clamp_max_")
+        for o in ("Scalar", "Tensor", "List", "ScalarList")
+    },
     "zero_.default": _zero,
     "_foreach_zero_.default": _foreach_zero,
     "_foreach_norm.Scalar": _foreach_norm,

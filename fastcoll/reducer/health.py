@@ -79,16 +79,12 @@ class GradHealth:
         self.norm: Optional[torch.Tensor] = None  # the last synchronized backward's norm (0-dim float32)
         self._snapshot: Optional[List[Tuple[int, int]]] = None  # (id, version) of each gradient when the norm was taken
         self.blame: List[Tuple[int, List[Tuple[str, int]]]] = []  # this rank's findings: (bucket, [(name, count)])
-        #: Keep the total of every synchronized backward (:attr:`total`) for a sharded optimizer.
-        self.keep_total = False
-        #: With ``keep_total``: the last synchronized backward's total over every rank (float64), for the optimizer.
-        self.total: Optional[torch.Tensor] = None
         #: The tensors whose versions the norm's snapshot records (the kept ranges when sharded; else the .grad).
         self.watched: Optional[Callable[[], List[Optional[torch.Tensor]]]] = None
 
     @property
     def active(self) -> bool:
-        return self.compute_norm or self.check_nonfinite or self.keep_total
+        return self.compute_norm or self.check_nonfinite
 
     def resize(self, n_buckets: int) -> None:
         """Allocate the slots for a layout of ``n_buckets`` buckets."""
@@ -158,8 +154,6 @@ class GradHealth:
         total = self.sums.sum().reshape(1)
         if over_ranks is not None:
             over_ranks(total)
-        if self.keep_total:
-            self.total = total
         total = total.reshape(())
         if self.compute_norm:  # the check alone needs only the total
             self.norm = total.sqrt().to(torch.float32)

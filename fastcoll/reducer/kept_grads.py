@@ -11,10 +11,9 @@ reduced gradient of a parameter is, per this rank's piece of it:
 
 The first two are "guarded": after every synchronized backward their
 parameters' ``.grad`` holds a :class:`~fastcoll.reducer.grad_guard.ShardedGradient`
-(GradScaler, clipping and ``zero_()`` act on the kept values through it), a
-non-finite value anywhere makes every rank's kept values non-finite too (each
-rank's GradScaler sees its own values only, and all must skip the same
-steps), and torch's ways of resetting a gradient are followed: a guard that
+(GradScaler, clipping and ``zero_()`` act on the kept values through it; with
+ranges, GradScaler's non-finite flag is agreed by every rank, since each sees
+its own values only and all must skip the same steps), and torch's ways of resetting a gradient are followed: a guard that
 left ``.grad`` (``model.zero_grad()``, ``p.grad = None``) resets that
 parameter's kept gradient, seen at the next forward, backward or step. The
 guards stay in ``.grad`` through the forward (a reset between a forward and
@@ -27,7 +26,6 @@ A parameter that no rank used since the last reset has no gradient, as a
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Collection, Dict, List, Optional
 
@@ -104,7 +102,8 @@ class KeptGradients:
         # The guards in .grad hold the book: its callbacks hold this object weakly (no cycle through the guards).
         held, reset = weak_method(self.held_of, _ORPHANED), weak_method(self.reset_param, _ORPHANED)
         main_dtypes = {i: b.main_dtype for b in reducer.buckets if b.pos in self.main for i in b.param_indices}
-        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice, main_dtypes)
+        agree = weak_method(self.agree_found_inf, _ORPHANED) if self.sharded else None
+        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice, main_dtypes, agree)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
         # Before a guarded parameter's gradient is accumulated (the guard must not be accumulated into).
@@ -173,7 +172,7 @@ class KeptGradients:
     # ------------------------------------------------- end of synchronized backward
 
     def after_backward(self) -> None:
-        """Guards in ``.grad``; a non-finite total puts an inf into every rank's first kept value."""
+        """Guards in ``.grad``."""
         r = self.reducer
         used = r.usage.global_used
         params = r.params
@@ -185,16 +184,15 @@ class KeptGradients:
                 guard = ShardedGradient(params[i], self.book, i)
                 params[i].grad = guard
                 self.placed[i] = guard
-        total = r.health.total
-        if total is None:
-            return
-        bad = ~torch.isfinite(total)
-        for i in self.guarded:
-            for g in self.held_of(i):
-                if g.numel():
-                    first = g[:1]  # one element per rank is enough for its GradScaler to see it
-                    first.copy_(torch.where(bad, torch.full_like(first, math.inf), first))
-                    return
+
+    def agree_found_inf(self, found_inf: torch.Tensor) -> None:
+        """GradScaler's non-finite flag of this rank's ranges (``found_inf``, in place): 1 on every rank if it is on any.
+
+        Called by ``GradScaler.unscale_`` through the guards, on every rank alike (one small all-reduce).
+        """
+        comm = self.reducer.comm
+        comm.wait(comm.all_reduce(found_inf, "GradScaler's non-finite check"), "GradScaler's non-finite check")
+        found_inf.clamp_(max=1.0)
 
     def after_local_backward(self, arrived: List[int]) -> None:
         """After a ``no_sync`` backward added the 16-bit gradients of ``arrived`` into the float32 buckets.

@@ -99,8 +99,6 @@ class ReducerSharding:
         if pool_buffers and sharded_grads:
             self._pool_bound = int(pool_buffers)
             self.accumulate = accumulate
-        # The optimizer agrees on non-finite gradients from the total when it steps ranges of them (GradScaler).
-        self.health.keep_total = bool(sharded_grads or self.main_buckets)
         # The buckets again, padded to be divided, each with its odd-sized parameters last (the others aligned).
         nbytes = [p.numel() * p.element_size() for p in self.params]
         s = self._set  # pooled: the caps count the pooled buffers' bytes, a parameter above the cap alone (.pool)
