@@ -7,7 +7,8 @@ same tolerances, same bf16 reference: the fastcoll model on its canonical route)
 * Lightning ``Trainer`` (automatic optimization): ``optimizer.step(closure)``
   with ``zero_grad()`` and ``torch.nn.utils.clip_grad_norm_`` over the
   parameters of ``optimizer.param_groups`` (``gradient_clip_val``) inside the
-  closure, a per-step scheduler from ``configure_optimizers``, gradient
+  closure (``torch.nn.utils.clip_grad_value_`` with ``gradient_clip_algorithm="value"``),
+  a per-step scheduler from ``configure_optimizers``, gradient
   accumulation through the wrapper's ``no_sync``; the fastcoll run uses the
   ``fastcoll_ddp`` strategy and wraps its optimizer in ``configure_optimizers``.
 * transformers' ``Trainer`` inner loop, by hand: AdamW with the decay /
@@ -228,8 +229,12 @@ def _checkpointed(reentrant: bool) -> Callable[[Callable[..., Run]], Obs]:
 # --------------------------------------------------------------------------- Lightning's Trainer
 
 
-def lightning_trainer(new: Callable[..., Run], accumulate_grad_batches: int = 1) -> Obs:
-    """Trainer.fit with gradient_clip_val and a per-step scheduler; the fastcoll run on the fastcoll_ddp strategy."""
+def lightning_trainer(new: Callable[..., Run], accumulate_grad_batches: int = 1, clip_algorithm: str = "norm") -> Obs:
+    """Trainer.fit with gradient_clip_val and a per-step scheduler; the fastcoll run on the fastcoll_ddp strategy.
+
+    ``clip_algorithm="value"``: Lightning clips with ``torch.nn.utils.clip_grad_value_`` (at a value small enough
+    to clamp many gradient elements).
+    """
     pl = pytest.importorskip("lightning.pytorch")
     import fastcoll.integrations.lightning as fl
 
@@ -275,7 +280,8 @@ def lightning_trainer(new: Callable[..., Run], accumulate_grad_batches: int = 1)
         num_nodes=1,
         strategy=strategy,
         max_epochs=1,
-        gradient_clip_val=0.05,
+        gradient_clip_val=0.05 if clip_algorithm == "norm" else 0.002,
+        gradient_clip_algorithm=clip_algorithm,
         accumulate_grad_batches=accumulate_grad_batches,
         logger=False,
         enable_checkpointing=False,
@@ -300,6 +306,10 @@ def lightning_trainer_accumulating(new: Callable[..., Run]) -> Obs:
     return lightning_trainer(new, accumulate_grad_batches=2)
 
 
+def lightning_trainer_clip_by_value(new: Callable[..., Run]) -> Obs:
+    return lightning_trainer(new, clip_algorithm="value")
+
+
 # name -> (pattern, refusal allowed, rounding, bf16), as test_sharded_contract.PATTERNS
 LOOPS: Dict[str, tuple] = {
     # Accelerator.clip_grad_norm_ is torch's clip over p.grad: with grads="sharded" a refusal naming fastcoll is allowed
@@ -318,6 +328,8 @@ LOOPS: Dict[str, tuple] = {
     # gradient_clip_val: torch's clip over p.grad, allowed to refuse with grads="sharded"
     "lightning_trainer_clip_and_scheduler": (lightning_trainer, "sharded", True, False),
     "lightning_trainer_accumulate_grad_batches": (lightning_trainer_accumulating, "sharded", True, False),
+    # gradient_clip_algorithm="value": torch.nn.utils.clip_grad_value_ over p.grad, elementwise: no refusal
+    "lightning_trainer_clip_by_value": (lightning_trainer_clip_by_value, False, False, False),
 }
 
 CASES = [

@@ -13,9 +13,9 @@ Two ways to get the gradients:
   pieces of them.
 * ``grads="sharded"``: each bucket is reduce-scattered; the reduced values
   live only in this rank's range (:attr:`Reducer.shard_grads`), which the
-  pieces' ``.grad`` view. ``p.grad`` then refuses to be read
-  (:mod:`.grad_guard`); ``param_groups`` hold the pieces, so
-  ``torch.amp.GradScaler`` unscales and checks exactly this rank's range.
+  pieces' ``.grad`` view. ``p.grad`` is then a guard
+  (:mod:`fastcoll.reducer.grad_guard`) through which ``torch.amp.GradScaler``
+  unscales and checks this rank's range (the flag agreed across the ranks).
 """
 
 from __future__ import annotations
