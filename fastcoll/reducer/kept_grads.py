@@ -68,6 +68,12 @@ def _remove_all(handles: List[Any]) -> None:
         h.remove()
 
 
+_CONSUMED = (
+    "fastcoll: the float32 main gradient of {names} is gone: the optimizer's step() consumed it (its memory holds the "
+    "parameters' all-gather), where torch's .grad would still hold it, so {what} cannot read it. Read, clip or scale "
+    "gradients between backward and step(), and reset them (opt.zero_grad()) before another step()"
+)
+
 _ORPHANED = (
     "fastcoll: this .grad belongs to a fastcoll.DDP that was deleted, and its synchronized values with it; "
     "reset it with p.grad = None (or module.zero_grad())"
@@ -106,6 +112,8 @@ class KeptGradients:
         self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice, main_dtypes, agree)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
+        #: Per main-gradient bucket the step consumed, the parameters whose gradients were reset since (zeros).
+        self.reset_since_step: Dict[int, set] = {}
         # Before a guarded parameter's gradient is accumulated (the guard must not be accumulated into).
         arriving = _arriving_hook(weakref.ref(self))
         handles = [reducer.params[i].register_hook(arriving) for i in self.guarded if reducer.params[i].requires_grad]
@@ -123,6 +131,7 @@ class KeptGradients:
             return shards.grads[pos][pc.at : pc.at + pc.numel] if shards.readable() else None
         if pos in self.main:
             b = r.buckets[pos]
+            self._refuse_consumed(b, [pc.param], "step()")
             off = b.offsets[r._set.slot_pos[pc.param]]
             return b.flat[off + pc.lo : off + pc.hi]
         g = memory_order_grad(r.params[pc.param])
@@ -139,6 +148,7 @@ class KeptGradients:
         for bs, pcs in zip(layout.buckets, layout.pieces):
             if bs.pos in self.main:
                 b = r.buckets[bs.pos]
+                self._refuse_consumed(b, b.param_indices, "the gradients' norm")
                 out.append(b.flat_padded[bs.start : bs.start + bs.shard])
                 continue
             for pc in pcs:
@@ -154,14 +164,42 @@ class KeptGradients:
         r = self.reducer
         if not self.sharded:  # float32 main gradients: the parameter's whole slot of its bucket
             b = r.buckets[r._set.bucket_of[i]]
+            self._refuse_consumed(b, [i], "p.grad")
             off = b.offsets[r._set.slot_pos[i]]
             return [b.flat[off : off + r.params[i].numel()]]
         return [g for pos, pc in self.pieces_of.get(i, ()) for g in [self.source(pos, pc)] if g is not None]
 
     def reset_param(self, i: int) -> None:
         """Parameter ``i``'s gradient was zeroed in place: the values behind it are zeros from now on."""
+        r = self.reducer
+        b = None if self.sharded or i not in self.guarded_set else r.buckets[r._set.bucket_of[i]]
+        if b is not None and getattr(b, "consumed", False):
+            self._reset_consumed(b, i)
+            return
         for g in self.held_of(i):
             g.zero_()
+
+    def _refuse_consumed(self, b: Any, params: List[int], what: str) -> None:
+        """Raise when the step consumed main-gradient bucket ``b`` and a used one of ``params`` was not reset since."""
+        if not getattr(b, "consumed", False):
+            return
+        done = self.reset_since_step.get(b.pos, ())
+        lost = [i for i in params if self.used[i] and i not in done]
+        if lost:
+            names = ", ".join(repr(self.reducer.names[i]) for i in lost[:4]) + (" ..." if len(lost) > 4 else "")
+            raise RuntimeError(_CONSUMED.format(names=names, what=what))
+
+    def _reset_consumed(self, b: Any, i: int) -> None:
+        """Reset parameter ``i`` of a bucket the step consumed: its memory is zeros once the bucket's all-gather is
+        written (done now); when every used parameter of the bucket was reset, it accumulates again."""
+        gather = self.reducer.param_gather
+        if gather is not None:
+            gather.wait([b.pos])
+        done = self.reset_since_step.setdefault(b.pos, set())
+        done.add(i)
+        if all(j in done or not self.used[j] for j in b.param_indices):
+            b.consumed = False
+            del self.reset_since_step[b.pos]
 
     def _forget(self, i: int) -> None:
         """Parameter ``i``'s gradient was set to None: it has none until a backward gives it one again."""
@@ -303,5 +341,6 @@ class KeptGradients:
         r.zero_main_grads(busy)
         for b in r.main_buckets:  # a busy one is zeroed once its all-gather is written: accumulating then is right
             b.consumed = False
+        self.reset_since_step = {}
         self.used = [False] * len(self.used)
         r.unsynchronized = False
