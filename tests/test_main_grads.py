@@ -120,41 +120,46 @@ def two_syncs_worker(rank: int, world: int, grads: str, odd: bool) -> list:
     return got
 
 
-def consumed_worker(rank: int, world: int, overlap: bool) -> dict:
+def consumed_worker(rank: int, world: int, grads: str, overlap: bool) -> dict:
     """After step() consumed the main gradients (their memory held the staged all-gather, ``Scale(odd=True)``).
 
     torch's ``.grad`` still holds the gradients there. fastcoll no longer has them: every read (a norm, torch's
     clipping, a scaling, a second step() without backward) must raise, naming the parameter, before anything is
-    stepped (the run ends where the run without those calls does); a reset (the unwrapped module's
-    ``zero_grad(set_to_none=False)``) is what torch's is, so training goes on as after ``opt.zero_grad()``.
+    stepped (the run ends where the run without those calls does; with ``grads="sharded"`` the range reduced in
+    place in the main-gradient bucket is gone the same way, and norms are ``opt.clip_grad_norm_``'s); a reset (the
+    unwrapped module's ``zero_grad(set_to_none=False)``) is what torch's is, so training goes on as after
+    ``opt.zero_grad()``.
     """
     out: dict = {}
     runs = {}
     for how in ("opt", "opt, refused calls after the first step", "module"):
         model = Scale(odd=True)
         ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
-        opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), ddp, grads="full",
+        opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), ddp, grads=grads,
                                         master_dtype=torch.float32, overlap_param_gather=overlap)  # fmt: skip
+        norm = (lambda: model.u.grad.norm()) if grads == "full" else (lambda: opt.clip_grad_norm_(1e9))
         for step in range(3):
             ddp(_contribution(rank, step)).backward()
-            out[f"norm before step {step}"] = float(model.u.grad.norm())
+            out[f"norm before step {step}"] = float(norm())
             opt.step()
             if how.startswith("opt, refused") and step == 0:  # (with overlap: while the all-gathers are in flight)
                 attempts = {
-                    "a norm": lambda: model.u.grad.norm(),
-                    "torch's clipping": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+                    "a norm": norm,
+                    "clipping": lambda: (torch.nn.utils.clip_grad_norm_ if grads == "full" else opt.clip_grad_norm_)(
+                        *([model.parameters()] if grads == "full" else []), 1.0
+                    ),
                     "a scaling": lambda: model.v.grad.mul_(0.5),
                     "a second step": opt.step,
                 }
                 for name, attempt in attempts.items():
-                    with pytest.raises(RuntimeError, match=r"fastcoll: the float32 main gradient of '[uvw]' is gone"):
+                    with pytest.raises(RuntimeError, match=r"fastcoll: the float32 main gradients of '[uvw]'.* are gone"):
                         attempt()
                         print(f"{name} was not refused")
             if how.startswith("opt"):
                 opt.zero_grad(set_to_none=False)
             else:
                 model.zero_grad(set_to_none=False)
-                assert float(model.u.grad.norm()) == 0.0  # zeros, as torch's reset .grad
+                assert float(norm()) == 0.0  # zeros, as torch's reset .grad
         opt.finish_param_sync()
         runs[how] = [p.detach().clone() for p in model.parameters()]
         ddp.close()
@@ -163,8 +168,9 @@ def consumed_worker(rank: int, world: int, overlap: bool) -> dict:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
-def test_main_gradients_consumed_by_the_step_are_refused_not_read(overlap):
-    for out in run_ranks(consumed_worker, 2, overlap, timeout=60):
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+def test_main_gradients_consumed_by_the_step_are_refused_not_read(grads, overlap):
+    for out in run_ranks(consumed_worker, 2, grads, overlap, timeout=60):
         assert all(out["same ends"].values()), out
         assert all(v > 0 for k, v in out.items() if k.startswith("norm before")), out
 

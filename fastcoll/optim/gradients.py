@@ -39,7 +39,12 @@ class PieceGradients:
         self.from_reduction = bool(self.kept.guarded)
 
     def attach(self) -> None:
-        """Set each piece's ``.grad`` (a view of its source, or a cast copy when the dtypes differ)."""
+        """Set each piece's ``.grad`` (a view of its source, or a cast copy when the dtypes differ).
+
+        Raises:
+            RuntimeError: on every rank, before any is set, when the last step consumed main gradients not reset since.
+        """
+        self.kept.refuse_gone("step()")
         for (pos, pc), t in zip(self.pieces, self.tensors):
             g = self.kept.source(pos, pc)
             t.grad = None if g is None else (g if g.dtype == t.dtype else g.to(t.dtype))

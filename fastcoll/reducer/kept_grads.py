@@ -69,9 +69,9 @@ def _remove_all(handles: List[Any]) -> None:
 
 
 _CONSUMED = (
-    "fastcoll: the float32 main gradient of {names} is gone: the optimizer's step() consumed it (its memory holds the "
-    "parameters' all-gather), where torch's .grad would still hold it, so {what} cannot read it. Read, clip or scale "
-    "gradients between backward and step(), and reset them (opt.zero_grad()) before another step()"
+    "fastcoll: the float32 main gradients of {names} are gone: the optimizer's step() consumed them (their memory "
+    "holds the parameters' all-gather), where torch's .grad would still hold them, so {what} cannot read them. Read, "
+    "clip or scale gradients between backward and step(), and reset them (opt.zero_grad()) before another step()"
 )
 
 _ORPHANED = (
@@ -131,7 +131,6 @@ class KeptGradients:
             return shards.grads[pos][pc.at : pc.at + pc.numel] if shards.readable() else None
         if pos in self.main:
             b = r.buckets[pos]
-            self._refuse_consumed(b, [pc.param], "step()")
             off = b.offsets[r._set.slot_pos[pc.param]]
             return b.flat[off + pc.lo : off + pc.hi]
         g = memory_order_grad(r.params[pc.param])
@@ -140,6 +139,7 @@ class KeptGradients:
     def own_ranges(self) -> List[torch.Tensor]:
         """The reduced gradients of this rank's range of every bucket (every parameter's, stepped or not)."""
         r = self.reducer
+        self.refuse_gone("the gradients' norm")
         if self.sharded:
             shards = r.shard_grads
             return [g for g in shards.ranges() if g is not None and g.numel()] if shards.readable() else []
@@ -148,7 +148,6 @@ class KeptGradients:
         for bs, pcs in zip(layout.buckets, layout.pieces):
             if bs.pos in self.main:
                 b = r.buckets[bs.pos]
-                self._refuse_consumed(b, b.param_indices, "the gradients' norm")
                 out.append(b.flat_padded[bs.start : bs.start + bs.shard])
                 continue
             for pc in pcs:
@@ -162,9 +161,9 @@ class KeptGradients:
         if i not in self.guarded_set or not self.used[i]:
             return []
         r = self.reducer
+        b = r.buckets[r._set.bucket_of[i]]
+        self._refuse_consumed(b, [i], "p.grad")  # on every rank, whether or not it holds a piece of the parameter
         if not self.sharded:  # float32 main gradients: the parameter's whole slot of its bucket
-            b = r.buckets[r._set.bucket_of[i]]
-            self._refuse_consumed(b, [i], "p.grad")
             off = b.offsets[r._set.slot_pos[i]]
             return [b.flat[off : off + r.params[i].numel()]]
         return [g for pos, pc in self.pieces_of.get(i, ()) for g in [self.source(pos, pc)] if g is not None]
@@ -172,16 +171,30 @@ class KeptGradients:
     def reset_param(self, i: int) -> None:
         """Parameter ``i``'s gradient was zeroed in place: the values behind it are zeros from now on."""
         r = self.reducer
-        b = None if self.sharded or i not in self.guarded_set else r.buckets[r._set.bucket_of[i]]
-        if b is not None and getattr(b, "consumed", False):
+        b = r.buckets[r._set.bucket_of[i]] if i in self.guarded_set else None
+        if b is not None and self._gone(b):
             self._reset_consumed(b, i)
             return
         for g in self.held_of(i):
             g.zero_()
 
+    def _gone(self, b: Any) -> bool:
+        """The step consumed main-gradient bucket ``b``, whose memory held the kept gradients (its own, or with
+        reduce-scattered buckets this rank's range, reduced in place)."""
+        if not getattr(b, "consumed", False):
+            return False
+        return not self.sharded or b.pos in self.reducer.shard_grads.in_place
+
+    def refuse_gone(self, what: str) -> None:
+        """Raise, on every rank alike, when ``what`` (reading every kept gradient: a step, a norm) would meet main
+        gradients the step consumed and no reset followed."""
+        for pos in self.main:
+            b = self.reducer.buckets[pos]
+            self._refuse_consumed(b, b.param_indices, what)
+
     def _refuse_consumed(self, b: Any, params: List[int], what: str) -> None:
         """Raise when the step consumed main-gradient bucket ``b`` and a used one of ``params`` was not reset since."""
-        if not getattr(b, "consumed", False):
+        if not self._gone(b):
             return
         done = self.reset_since_step.get(b.pos, ())
         lost = [i for i in params if self.used[i] and i not in done]
