@@ -196,7 +196,7 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
     on each tensor holding this rank's values, which is what it does to those values in the whole gradient."""
     self = args[0]
     if not is_guard(self):  # a guard only as an operand of a plain tensor's operation
-        guard = next(a for a in _flat_args(args[1:]) if is_guard(a))
+        guard = next(a for a in _flat_args(list(args[1:]) + list(kwargs.values())) if is_guard(a))
         raise guard.book.refuse(guard.index, func.__name__.split(".")[0])
     _operands_are_scalars(func, self, list(args[1:]) + list(kwargs.values()))
     for h in self.book.held(self.index):
