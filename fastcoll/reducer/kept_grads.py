@@ -14,8 +14,9 @@ parameters' ``.grad`` holds a :class:`~fastcoll.reducer.grad_guard.ShardedGradie
 (GradScaler, clipping and ``zero_()`` act on the kept values through it; with
 ranges, GradScaler's non-finite flag is agreed by every rank, since each sees
 its own values only and all must skip the same steps), and torch's ways of
-resetting a gradient are followed: a guard that left ``.grad`` (``model.zero_grad()``, ``p.grad = None``) resets that
-parameter's kept gradient, seen at the next forward, backward or step. The
+resetting a gradient are followed: a guard that left ``.grad``
+(``model.zero_grad()``, ``p.grad = None``) resets that parameter's kept
+gradient, seen at the next forward, backward or step. The
 guards stay in ``.grad`` through the forward (a reset between a forward and
 its backward is seen too) and leave it when a backward first reaches a
 parameter: a hook that runs before each guarded parameter's gradient is
