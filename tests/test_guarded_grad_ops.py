@@ -223,3 +223,72 @@ def scaler_worker(rank: int, world: int, case: str) -> List[float]:
 def test_grad_scaler_checks_what_torch_checks_on_every_rank(case):
     scales = run_ranks(scaler_worker, 2, case, timeout=120)
     assert scales[0] == scales[1] and scales[0] == sorted(scales[0]), scales  # no step skipped: the scale only grew
+
+
+# --------------------------------------------------------------------------- whole main gradients
+
+
+def _unitwise_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.norm(2) if x.ndim <= 1 else x.norm(2, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def _adaptive_clip(params: List[torch.Tensor], grad_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """timm's adaptive gradient clipping (``timm.utils.agc.adaptive_clip_grad``), reading gradients with ``grad_of``."""
+    for p in params:
+        g = grad_of(p).detach()
+        max_norm = _unitwise_norm(p.detach()).clamp_(min=1e-3).mul_(0.01)
+        grad_norm = _unitwise_norm(g)
+        clipped = g * (max_norm / grad_norm.clamp(min=1e-6))
+        grad_of(p).detach().copy_(torch.where(grad_norm < max_norm, g, clipped))
+
+
+def whole_worker(rank: int, world: int) -> Dict[str, bool]:
+    """bf16 with float32 main gradients and grads="full": every rank holds whole gradients, so any operation on
+    ``p.grad`` runs on the float32 main gradient, as ``ddp.main_grad(p)`` shows it (reads, copy_, a full-shaped
+    operand, norms along dimensions); a change of shape is refused. With grads="sharded" the same reads raise."""
+    out: Dict[str, bool] = {}
+    runs = {}
+    for route in ("p.grad", "main_grad"):
+        model = Net(True)
+        ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, bucket_cap_mb=0.0002)
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = fastcoll.ShardedOptimizer(inner, ddp, grads="full", master_dtype=torch.float32)
+
+        def grad_of(p: torch.Tensor) -> torch.Tensor:
+            return ddp.main_grad(p) if route == "main_grad" and p.dtype == BF16 else p.grad
+
+        for step in range(STEPS):
+            opt.zero_grad()
+            ddp(torch.nan_to_num(_batch(step, rank, world), posinf=1.0)).pow(2).mean().backward()
+            if route == "p.grad" and step == 0:
+                w, main = model.a.weight, ddp.main_grad(model.a.weight)
+                out["abs().max()"] = torch.equal(w.grad.abs().max(), main.abs().max())
+                out["clone()"] = torch.equal(w.grad.clone(), main) and w.grad.clone().dtype == torch.float32
+                out["isfinite"] = bool(torch.isfinite(w.grad).all())
+                out["norm(dim=1)"] = torch.equal(w.grad.norm(dim=1), main.norm(dim=1))
+                out["view(-1)[:3]"] = torch.equal(w.grad.view(-1)[:3], main.view(-1)[:3])
+                with pytest.raises(RuntimeError, match="fastcoll.*'a.weight'.*changes its shape"):
+                    w.grad.t_()
+            noise = torch.linspace(-1e-3, 1e-3, model.b.weight.numel()).view_as(model.b.weight)
+            grad_of(model.b.weight).add_(noise)  # a full-shaped operand
+            _adaptive_clip(list(model.parameters()), grad_of)
+            opt.step()
+        opt.finish_param_sync()
+        runs[route] = [p.detach().clone() for p in model.parameters()]
+        ddp.close()
+    out["trained as on main_grad"] = all(torch.equal(a, b) for a, b in zip(runs["p.grad"], runs["main_grad"]))
+    model = Net(True)
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32, bucket_cap_mb=0.0002)
+    opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters()), ddp, grads="sharded", master_dtype=torch.float32)
+    ddp(_batch(0, rank, world)).pow(2).mean().backward()
+    for name, read in {"clone": lambda g: g.clone(), "abs": lambda g: g.abs(), "norm(dim=1)": lambda g: g.norm(dim=1)}.items():
+        with pytest.raises(RuntimeError, match="fastcoll.*'a.weight'.*each hold a range"):
+            read(model.a.weight.grad)
+            print(f"sharded {name} was not refused")
+    ddp.close()
+    return out
+
+
+def test_whole_main_gradients_take_any_operation_ranges_refuse():
+    for out in run_ranks(whole_worker, 2, timeout=120):
+        assert all(out.values()), out

@@ -28,7 +28,11 @@ the way to do what was asked:
   rank holds the whole gradient (main gradients with ``grads="full"``), the
   norm of those float32 values; with reduce-scattered buckets a norm would
   need the other ranks' ranges, so it raises with the advice given by whoever
-  divided the buckets.
+  divided the buckets;
+* any other operation: where this rank holds the whole gradient, on it, as a
+  float32 tensor shaped like the parameter (reads, ``copy_``, operands shaped
+  like the gradient, norms along dimensions; a change of shape is refused);
+  with reduce-scattered buckets it raises.
 
 Its ``dtype`` is that of the values it stands for: float32 over float32 main
 gradients (a 16-bit parameter's gradient is stepped in float32), so that
@@ -67,6 +71,8 @@ class GradientBook:
         dtypes: Per parameter index, the dtype of its held values where it is not the parameter's (main gradients).
         agree: ``agree(found_inf)``: make GradScaler's non-finite flag of this rank's values every rank's verdict
             (in place, on every rank); None when every rank holds the whole gradients (``complete``).
+        whole: ``whole(i)``: where every rank holds the whole gradients, parameter ``i``'s as a tensor shaped like
+            it (a new view each call, or None: it has none); operations without a rule of their own then run on it.
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class GradientBook:
         advice: str,
         dtypes: Optional[Dict[int, torch.dtype]] = None,
         agree: Optional[Callable[[torch.Tensor], None]] = None,
+        whole: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
     ):
         self.held = held
         self.complete = complete
@@ -88,6 +95,7 @@ class GradientBook:
         self.advice = advice
         self.dtypes = dict(dtypes or {})
         self.agree = agree
+        self.whole = whole
 
     def refuse(self, index: int, op: str) -> RuntimeError:
         return RuntimeError(MESSAGE.format(name=f"'{self.names[index]}'", where=self.where, op=op, advice=self.advice))
@@ -134,10 +142,32 @@ class ShardedGradient(torch.Tensor):
             return handler(func, args, kwargs)
         if name in _HARMLESS:
             return args[0]
-        guard = next((a for a in _flat_args(args) if is_guard(a)), None)
-        if guard is None:  # not reached: dispatch found a guard among the arguments
-            raise RuntimeError(f"fastcoll: unexpected dispatch of {name}")
-        raise guard.book.refuse(guard.index, name.split(".")[0])
+        return _on_whole(func, args, kwargs)
+
+
+def _on_whole(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` with each guard replaced by the whole gradient it stands for (an in-place result on a guard is that
+    guard); raises for a guard whose book holds a range only (or no gradient)."""
+    swapped: Dict[int, Any] = {}
+
+    def swap(a: Any) -> Any:
+        if is_guard(a):
+            t = a.book.whole(a.index) if a.book.whole is not None else None
+            if t is None:
+                raise a.book.refuse(a.index, func.__name__.split(".")[0])
+            swapped[id(t)] = a
+            return t
+        if isinstance(a, (list, tuple)) and any(is_guard(x) for x in a):
+            return [swap(x) for x in a]
+        return a
+
+    out = func(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+    guard = swapped.get(id(out)) if isinstance(out, torch.Tensor) else None
+    if guard is None:
+        return out
+    if out.shape != guard.shape or out.stride() != guard.stride():  # (t_, squeeze_, ...: a .grad cannot change shape)
+        raise guard.book.refuse(guard.index, func.__name__.split(".")[0] + ", which changes its shape,")
+    return guard
 
 
 def _own_dtype(t: torch.Tensor) -> torch.dtype:
@@ -195,9 +225,8 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
     """An in-place elementwise operation with scalar operands (``mul_``, ``div_``, ``clamp_``, ``nan_to_num_``, ...):
     on each tensor holding this rank's values, which is what it does to those values in the whole gradient."""
     self = args[0]
-    if not is_guard(self):  # a guard only as an operand of a plain tensor's operation
-        guard = next(a for a in _flat_args(list(args[1:]) + list(kwargs.values())) if is_guard(a))
-        raise guard.book.refuse(guard.index, func.__name__.split(".")[0])
+    if not is_guard(self) or self.book.whole is not None:  # a guard as an operand, or one holding the whole gradient
+        return _on_whole(func, args, kwargs)
     _operands_are_scalars(func, self, list(args[1:]) + list(kwargs.values()))
     for h in self.book.held(self.index):
         func(h, *args[1:], **kwargs)
@@ -207,6 +236,8 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
 def _foreach_elementwise(func: Any, args: tuple, kwargs: dict) -> None:
     """The ``_foreach_`` form of :func:`_elementwise`: one scalar for all tensors, or one per tensor."""
     tensors, rest = args[0], args[1:]
+    if all(t.book.whole is not None for t in tensors if is_guard(t)):
+        return _on_whole(func, args, kwargs)
     per_tensor = bool(rest) and isinstance(rest[0], (list, tuple))
     for i, t in enumerate(tensors):
         if is_guard(t):
@@ -258,6 +289,8 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> List[torch.Tensor]:
 
 def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     self = args[0]
+    if self.book.whole is not None:
+        return _on_whole(func, args, kwargs)
     ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)

@@ -110,7 +110,8 @@ class KeptGradients:
         held, reset = weak_method(self.held_of, _ORPHANED), weak_method(self.reset_param, _ORPHANED)
         main_dtypes = {i: b.main_dtype for b in reducer.buckets if b.pos in self.main for i in b.param_indices}
         agree = weak_method(self.agree_found_inf, _ORPHANED) if self.sharded else None
-        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice, main_dtypes, agree)
+        whole = None if self.sharded else weak_method(self.whole_of, _ORPHANED)
+        self.book = GradientBook(held, not self.sharded, reset, reducer.names, where, advice, main_dtypes, agree, whole)
         #: The guard put into each parameter's ``.grad`` after the last synchronized backward.
         self.placed: Dict[int, ShardedGradient] = {}
         #: Per main-gradient bucket the step consumed, the parameters whose gradients were reset since (zeros).
@@ -168,6 +169,14 @@ class KeptGradients:
             off = b.offsets[r._set.slot_pos[i]]
             return [b.flat[off : off + r.params[i].numel()]]
         return [g for pos, pc in self.pieces_of.get(i, ()) for g in [self.source(pos, pc)] if g is not None]
+
+    def whole_of(self, i: int) -> Optional[torch.Tensor]:
+        """Unsharded main gradients: parameter ``i``'s, shaped like it (a new view of its bucket), or None: it has none."""
+        if not self.held_of(i):  # (raises where the step consumed it)
+            return None
+        r = self.reducer
+        v = r.buckets[r._set.bucket_of[i]].views[r._set.slot_pos[i]]
+        return v.as_strided(v.size(), v.stride())
 
     def reset_param(self, i: int) -> None:
         """Parameter ``i``'s gradient was zeroed in place: the values behind it are zeros from now on."""
