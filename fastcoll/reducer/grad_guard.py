@@ -239,12 +239,17 @@ def _foreach_elementwise(func: Any, args: tuple, kwargs: dict) -> None:
     if all(t.book.whole is not None for t in tensors if is_guard(t)):
         return _on_whole(func, args, kwargs)
     per_tensor = bool(rest) and isinstance(rest[0], (list, tuple))
+    guards = [t for t in tensors if is_guard(t)]
+    if guards and not per_tensor:  # one set of operands for all: checked once
+        _operands_are_scalars(func, guards[0], list(rest) + list(kwargs.values()))
+    held, operands = [], []  # (nothing is written before every guard's values and operands passed)
     for i, t in enumerate(tensors):
         if is_guard(t):
-            _operands_are_scalars(func, t, [rest[0][i]] if per_tensor else list(rest) + list(kwargs.values()))
-    held, operands = [], []
-    for i, t in enumerate(tensors):
-        mine = t.book.held(t.index) if is_guard(t) else [t]
+            if per_tensor:
+                _operands_are_scalars(func, t, [rest[0][i]])
+            mine = t.book.held(t.index)
+        else:
+            mine = [t]
         held.extend(mine)
         if per_tensor:
             operands.extend([rest[0][i]] * len(mine))

@@ -191,7 +191,7 @@ class KeptGradients:
     def _gone(self, b: Any) -> bool:
         """The step consumed main-gradient bucket ``b``, whose memory held the kept gradients (its own, or with
         reduce-scattered buckets this rank's range, reduced in place)."""
-        if not getattr(b, "consumed", False):
+        if not (isinstance(b, MainGradBucket) and b.consumed):
             return False
         return not self.sharded or b.pos in self.reducer.shard_grads.in_place
 
