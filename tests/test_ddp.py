@@ -601,9 +601,9 @@ def bad_args_worker(rank, world_size):
             self.b = nn.Linear(2, 2, device="meta")
 
     _expect(ValueError, "one device type", lambda: fastcoll.DDP(TwoDevices()))
-    cplx = nn.Module()
-    cplx.w = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
-    _expect(TypeError, "complex64", lambda: fastcoll.DDP(cplx))
+    fp8 = nn.Module()
+    fp8.w = nn.Parameter(torch.zeros(2, dtype=torch.float8_e4m3fn))
+    _expect(TypeError, "float8_e4m3fn", lambda: fastcoll.DDP(fp8))
     _expect(TypeError, "process_group", lambda: fastcoll.DDP(mk(), process_group="nccl"))
     # A bad argument on one rank only: every rank raises the same error, naming the rank; nobody hangs.
     _expect(ValueError, "rank 1: bucket_cap_mb must be", lambda: fastcoll.DDP(mk(), bucket_cap_mb=0 if rank == 1 else None))

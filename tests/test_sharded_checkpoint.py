@@ -8,6 +8,7 @@ process) must end where an uninterrupted run ends, up to float32 rounding.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -166,3 +167,41 @@ def test_sharded_state_dicts_hold_only_their_rank_and_cover_every_element():
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), (k, covered)  # no gap, no overlap
     with pytest.raises(ValueError, match=r"3-rank run are needed, got ranks \[0, 1\]"):
         ckpt.full_from_sharded(sds[:2])
+
+
+class HalfAndFloat(nn.Module):
+    """A bfloat16 layer, then a LayerNorm kept in float32 (as mixed-precision recipes keep norms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x.to(torch.bfloat16)).float()).pow(2).sum()
+
+
+def mixed_dtypes_worker(rank: int, world: int) -> list:
+    """No master weights: each parameter's optimizer state keeps its dtype in opt.state_dict(), as torch's does."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = HalfAndFloat()
+    ref = copy.deepcopy(model)
+    ddp, tdp = fastcoll.DDP(model), DistributedDataParallel(ref)
+    opt = fastcoll.ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ddp)
+    plain = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, o in ((ddp, opt), (tdp, plain)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+    got, want = opt.state_dict()["state"], plain.state_dict()["state"]
+    return [f"{k} {key}: {got[k][key].dtype} vs {v.dtype}" for k, st in want.items() for key, v in st.items()
+            if got[k][key].dtype != v.dtype or not torch.equal(got[k][key], v)]  # fmt: skip
+
+
+def test_state_dict_keeps_each_parameters_state_dtype():
+    for r, diffs in enumerate(run_ranks(mixed_dtypes_worker, 2)):
+        assert diffs == [], f"rank {r}: {diffs}"

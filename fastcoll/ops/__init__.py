@@ -15,6 +15,10 @@ of squares of what it wrote (``sumsq``, for a gradient norm); and
 deterministic: the same inputs give the same bits whatever the number of
 threads.
 
+Complex tensors go into a complex flat buffer (and back) as their real views:
+each element is its real and imaginary parts, two numbers of the matching
+floating dtype, under the same rules.
+
 ``flatten_accumulate`` is the accumulating variant for fp32 "main
 gradients" (Megatron's grad_reduce_in_fp32): it adds ``scale * tensor`` into
 each tensor's slot of a wider flat buffer, one fused multiply-add per element.
@@ -62,6 +66,34 @@ _direct = loader._C if loader._C is not None and _knobs.eager_direct() else None
 def _listed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """``tensors`` as a list or tuple: an iterator must survive a direct call that defers to torch.ops."""
     return tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+
+
+def _real(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], into_flat: bool) -> tuple:
+    """A complex ``flat`` and its ``tensors`` as real views (each element two floats, in the same memory), so that the
+    kernels move complex values as their real and imaginary parts; both unchanged when ``flat`` is not complex.
+
+    ``into_flat``: ``flat`` is written and ``tensors`` read (else the reverse). A lazily conjugated source is read as
+    its values; a conjugated destination has no real view to write through and is refused.
+    """
+    if not (isinstance(flat, torch.Tensor) and flat.is_complex()):
+        return flat, tensors
+    for i, t in enumerate(tensors):
+        if not (isinstance(t, torch.Tensor) and t.is_complex()):
+            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"fastcoll.{op}: tensors[{i}] is {what} but the flat buffer is {flat.dtype}; "
+                            "complex and real tensors cannot share a flat buffer")  # fmt: skip
+    dest = [("out", flat)] if into_flat else list(enumerate(tensors))
+    for where, t in dest:
+        if t.is_conj():
+            where = f"tensors[{where}]" if isinstance(where, int) else where
+            raise TypeError(f"fastcoll.{op}: {where} is a lazily conjugated view (is_conj()); it cannot be written "
+                            "in place through its real view: pass a tensor without the conjugate bit")  # fmt: skip
+    if into_flat:
+        tensors = [t.resolve_conj() for t in tensors]
+    else:
+        flat = flat.resolve_conj()
+    real = torch.view_as_real(flat)
+    return real.view(-1) if flat.dim() == 1 else real, [torch.view_as_real(t) for t in tensors]
 
 
 def _run(op: str, *args) -> None:
@@ -162,7 +194,7 @@ def flatten_scale(
 
     Args:
         tensors: Dense tensors of float32/float16/bfloat16/float64, on ``out``'s
-            device; zero-element tensors are skipped.
+            device (complex64/complex128 into a complex ``out``); zero-element tensors are skipped.
         out: 1-D contiguous tensor whose numel equals the sum of the inputs'.
         scale: Factor applied to every element; 1.0 is a pure copy.
         scale_by: Optional float32 or float64 tensor of 1 element on ``out``'s
@@ -188,12 +220,13 @@ def flatten_scale(
             tensor index (or ``scale_by`` / ``nonfinite``), before anything is
             written.
     """
-    tensors = _listed(tensors)
+    result = out
+    out, tensors = _real("flatten_scale", out, _listed(tensors), True)
     if scale_by is None and nonfinite is None:
         _run_planned("flatten_scale", plan, tensors, out, float(scale))
     else:
         _run("flatten_scale_ex", tensors, out, float(scale), scale_by, nonfinite)
-    return out
+    return result
 
 
 def flatten_accumulate(
@@ -220,7 +253,8 @@ def flatten_accumulate(
 
     Args:
         tensors: Dense tensors of float32/float16/bfloat16/float64, on ``out``'s
-            device; zero-element tensors are skipped and the list may be empty.
+            device (complex64/complex128 into a complex ``out``); zero-element tensors are
+            skipped and the list may be empty.
             A tensor may be exactly its own slot of ``out`` (same dtype; the
             slot becomes ``(1 + scale) * x``); any other overlap with ``out``
             is an error.
@@ -241,9 +275,10 @@ def flatten_accumulate(
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
             tensor index (or ``out`` / ``nonfinite``), before anything is written.
     """
-    tensors = _listed(tensors)
+    result = out
+    out, tensors = _real("flatten_accumulate", out, _listed(tensors), True)
     _run("flatten_accumulate", tensors, out, float(scale), nonfinite)
-    return out
+    return result
 
 
 def sum_chunks(chunks: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -296,7 +331,8 @@ def unflatten_scale(
 
     Args:
         flat: 1-D contiguous source tensor.
-        tensors: Dense, mutually non-overlapping destinations on ``flat``'s device.
+        tensors: Dense, mutually non-overlapping destinations on ``flat``'s device (complex
+            ones from a complex ``flat``).
         scale: Factor applied to every element; 1.0 is a pure copy.
         sumsq: Optional float64 tensor of 1 element on ``flat``'s device. It is
             overwritten with the sum of ``x * x`` over every element written,
@@ -312,7 +348,7 @@ def unflatten_scale(
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
             tensor index (or ``sumsq``), before anything is written.
     """
-    tensors = _listed(tensors)
+    flat, tensors = _real("unflatten_scale", flat, _listed(tensors), False)
     if sumsq is None:
         _run_planned("unflatten_scale", plan, flat, tensors, float(scale))
     else:
@@ -329,7 +365,7 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] 
 
     Args:
         tensors: Dense tensors of float32/float16/bfloat16/float64, all on one
-            device; they may alias one another.
+            device (complex ones: both parts); they may alias one another.
         out: Optional float64 tensor of 1 element on that device, overwritten
             with the sum. By default a new 0-d tensor.
 
@@ -340,7 +376,7 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] 
         ValueError, TypeError, RuntimeError: on bad input (including an empty
             list), naming the offending tensor index or ``out``.
     """
-    tensors = list(tensors)
+    tensors = [torch.view_as_real(t.resolve_conj()) if isinstance(t, torch.Tensor) and t.is_complex() else t for t in tensors]
     if out is None:
         device = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else torch.device("cpu")
         out = torch.empty((), dtype=torch.float64, device=device)

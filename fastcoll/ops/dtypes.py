@@ -12,11 +12,15 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = [
-    "SUPPORTED_DTYPES", "COMM_DTYPES", "dtype_name", "is_dense", "is_fusable", "check_comm_dtype", "check_comm_accum_dtype",
+    "SUPPORTED_DTYPES", "COMPLEX_DTYPES", "COMM_DTYPES", "dtype_name", "is_dense", "is_fusable", "check_comm_dtype",
+    "check_comm_accum_dtype",
 ]  # fmt: skip
 
 #: Floating dtypes the fused ops read and write (in the C++ table's order).
 SUPPORTED_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+#: Complex dtypes the fused ops move as their real views (two of the matching floating dtype per element).
+COMPLEX_DTYPES: Tuple[torch.dtype, ...] = (torch.complex64, torch.complex128)
 
 #: Wire dtypes ``comm_dtype`` accepts (None: the gradients' own dtype).
 COMM_DTYPES: Tuple[Optional[torch.dtype], ...] = (None, torch.float16, torch.bfloat16)

@@ -106,9 +106,10 @@ def _full_state_dict(opt: Any) -> Dict[str, Any]:
     opt._push_hyperparameters()
     r = opt.reducer
     index_of_param = {i: k for k, i in enumerate(opt._order_index) if i is not None}
-    # Small metadata first: which parameters have state, each elementwise key's dtype, the per-parameter values.
+    # Small metadata first: which parameters have state, each elementwise key's dtype per bucket (a model's buckets
+    # can differ: float32 LayerNorms beside bfloat16 layers, complex parameters), the per-parameter values.
     mine: Dict[int, Dict[str, Any]] = {}
-    keys: Dict[str, torch.dtype] = {}
+    keys: Dict[Tuple[int, str], torch.dtype] = {}
     has: Dict[str, List[int]] = {}  # key -> parameters with that elementwise entry
     pieces_by_bucket: Dict[int, List[Tuple[Any, Dict[str, Any]]]] = {}
     for pos, pc, st in _piece_states(opt):
@@ -116,18 +117,23 @@ def _full_state_dict(opt: Any) -> Dict[str, Any]:
         entry = mine.setdefault(pc.param, {})
         for k, v in st.items():
             if _is_elementwise(v, pc.numel):
-                keys[k] = v.dtype
+                keys[(pos, k)] = v.dtype
                 has.setdefault(k, []).append(pc.param)
             else:
                 entry[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
     gathered = r.comm.all_gather_object((mine, keys, has), "optimizer state_dict(): which state each rank holds")
     scalars: Dict[int, Dict[str, Any]] = {}
-    all_keys: Dict[str, torch.dtype] = {}
+    all_keys: Dict[Tuple[int, str], torch.dtype] = {}
     with_key: Dict[str, set] = {}
     for m, ks, hs in gathered:
         for i, entry in m.items():
             scalars.setdefault(i, {}).update(entry)
-        all_keys.update(ks)
+        for (pos, k), dtype in ks.items():
+            if all_keys.setdefault((pos, k), dtype) != dtype:  # every rank sees the same union: all raise alike
+                raise RuntimeError(
+                    f"fastcoll.ShardedOptimizer.state_dict(): the optimizer state '{k}' of bucket {pos} is "
+                    f"{all_keys[(pos, k)]} on some pieces and {dtype} on others; one bucket's state must share a dtype"
+                )
         for k, ps in hs.items():
             with_key.setdefault(k, set()).update(ps)
     # Elementwise entries: one all-gather per bucket and key of every rank's range.
@@ -137,8 +143,9 @@ def _full_state_dict(opt: Any) -> Dict[str, Any]:
         with_state = [i for i in b.param_indices if i in scalars]
         if not with_state or not bs.padded:
             continue
-        for key in sorted(all_keys):
-            buf = torch.zeros(bs.padded, dtype=all_keys[key], device=b.device)
+        for key in sorted(k for pos, k in all_keys if pos == bs.pos):
+            dtype = all_keys[(bs.pos, key)]
+            buf = torch.zeros(bs.padded, dtype=dtype, device=b.device)
             own = buf[bs.start : bs.start + bs.shard]
             for pc, st in pieces_by_bucket.get(bs.pos, []):
                 if key in st:
@@ -148,7 +155,7 @@ def _full_state_dict(opt: Any) -> Dict[str, Any]:
             for i, off in zip(b.param_indices, b.offsets):
                 if i in scalars and i in with_key.get(key, ()):
                     p = r.params[i]
-                    out = torch.empty_like(p, dtype=all_keys[key])
+                    out = torch.empty_like(p, dtype=dtype)
                     flat_view(out).copy_(buf[off : off + p.numel()])
                     full[i][key] = out
     state = {index_of_param[i]: st for i, st in full.items()}

@@ -68,7 +68,7 @@ def hook_result(hook: Callable, bucket: Any, value: Any) -> torch.Tensor:
         value = value[0]
     if (
         not isinstance(value, torch.Tensor)
-        or not value.is_floating_point()
+        or not (value.is_floating_point() or value.is_complex())
         or value.numel() != bucket.numel
         or value.device != bucket.device
     ):
