@@ -116,7 +116,8 @@ OLDEST_TORCH ?= 2.6.0
 OLDEST_VENV  ?= $(HOME)/.cache/fastcoll/oldest-venv
 OLDEST_TESTS ?= tests/test_ops.py tests/test_ops_health.py tests/test_ops_accumulate.py tests/test_checksum.py tests/test_ddp.py \
   tests/test_ddp_hooks.py tests/test_ddp_members.py tests/test_dist.py tests/test_grad_health.py tests/test_ddp_stall.py \
-  tests/test_ddp_strides.py tests/test_ddp_module_changes.py tests/test_comm_profiler.py tests/test_guarded_grad_ops.py
+  tests/test_ddp_strides.py tests/test_ddp_module_changes.py tests/test_comm_profiler.py tests/test_guarded_grad_ops.py \
+  tests/test_ops_complex.py tests/test_ddp_complex.py
 OLDEST_TREE  := build/oldest/tree
 # Hypothesis examples in the op tests there, as a fraction of `make test`'s (tests/test_ops.py, examples()):
 # the same kernels on the same inputs; there they check the build and the dispatch against torch 2.6.

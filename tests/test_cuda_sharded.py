@@ -137,3 +137,31 @@ def test_grad_buffer_pool_equals_persistent_buffers(pg, layout, accumulate):  # 
         fast.close()
     for i, (a, b) in enumerate(zip(final["persistent"], final["pool"])):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"{layout}/{accumulate} parameter {i}: {m}")
+
+
+@pytest.mark.parametrize("grads", ["full", "sharded"])
+def test_complex_parameters_through_nccl(pg, grads):  # noqa: F811
+    """Complex buckets through NCCL: its all-reduce, reduce-scatter and all-gather (fastcoll hands them real views)."""
+    from test_ddp_complex import Spectral, _x
+
+    base = Spectral().to(DEVICE)
+    fast = fastcoll.DDP(copy.deepcopy(base), device_ids=_ids(), bucket_cap_mb=0.0004, first_bucket_mb=0.0002)
+    ref = TorchDDP(copy.deepcopy(base), device_ids=_ids())
+    seen = []
+    fast.reducer.add_collective_listener(seen.append)
+    opt = fastcoll.ShardedOptimizer(_adamw(fast.parameters()), fast, grads=grads)
+    ref_opt = _adamw(ref.parameters())
+    for step in range(STEPS):
+        x = _x(step, 0).to(DEVICE)
+        for model, o in ((fast, opt), (ref, ref_opt)):
+            o.zero_grad()
+            model(x).backward()
+            o.step()
+    opt.finish_param_sync()
+    _sync()
+    for (name, p), q in zip(fast.module.named_parameters(), ref.module.parameters()):
+        assert p.dtype == q.dtype, name
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{grads} '{name}': {m}")
+    complex_kinds = {c.kind for c in seen if c.dtype.is_complex}
+    assert "all_gather" in complex_kinds and ("reduce_scatter" if grads == "sharded" else "all_reduce") in complex_kinds, seen
+    fast.close()
