@@ -19,7 +19,15 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP  # bound now:
 from ..bucketing import AUTO, MIB, bucket_caps_from_mb
 from ..distributed._agree import agree
 from ..distributed.backends import backend_name, bound_device, pick_comm_device
-from ..ops.dtypes import COMPLEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_NAMES, check_comm_accum_dtype, check_comm_dtype, dtype_name
+from ..ops.dtypes import (
+    COMPLEX_DTYPES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_NAMES,
+    check_comm_accum_dtype,
+    check_comm_dtype,
+    check_complex_wire,
+    dtype_name,
+)
 from ..stall import resolve_stall_timeout
 from .compat import check_torch_features
 
@@ -213,14 +221,9 @@ def check_arguments(
                 f"fastcoll.DDP: parameter '{n}' has dtype {p.dtype}; trainable parameters must be one of {SUPPORTED_NAMES} "
                 "(or complex64 / complex128)"
             )
-        if p.is_complex() and comm_dtype is not None:
-            raise ValueError(
-                f"fastcoll.DDP: parameter '{n}' is {dtype_name(p.dtype)}, and comm_dtype={comm_dtype} would send its "
-                "gradient as 16-bit real numbers; complex gradients are reduced in their own dtype: leave comm_dtype "
-                "None (or freeze or wrap the complex parameters separately)"
-            )
         if p.layout != torch.strided:  # any strides are fine (a non-dense one's gradient is contiguous)
             raise ValueError(f"fastcoll.DDP: parameter '{n}' has layout {p.layout}; parameters must be strided tensors")
+    check_complex_wire(trainable, comm_dtype)
     return caps, cap_bytes, first_bytes, device_type, ids, out
 
 

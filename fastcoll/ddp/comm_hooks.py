@@ -34,7 +34,9 @@ class CommHookRegistration:
         divided by the world size (the hook divides). The future's value, one
         tensor (or a list holding one) with the bucket's number of elements
         in any floating dtype, is written back into the gradients by one fused
-        unpack that casts on the way. torch's hooks (allreduce, fp16/bf16
+        unpack that casts on the way. A bucket of complex parameters shows
+        its buffer as torch DDP does, as the floats it holds (twice as many),
+        and takes them back. torch's hooks (allreduce, fp16/bf16
         compress and wrappers, PowerSGD, post-local SGD, noop) run unchanged.
 
         Only one hook per module (this, ``_register_builtin_comm_hook`` or

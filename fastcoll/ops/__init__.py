@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .. import _knobs
-from . import loader, reference
+from . import dtypes, loader, reference
 
 __all__ = [
     "BucketPlan",
@@ -92,8 +92,7 @@ def _real(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], into_fla
         tensors = [t.resolve_conj() for t in tensors]
     else:
         flat = flat.resolve_conj()
-    real = torch.view_as_real(flat)
-    return real.view(-1) if flat.dim() == 1 else real, [torch.view_as_real(t) for t in tensors]
+    return dtypes.as_real(flat), [torch.view_as_real(t) for t in tensors]
 
 
 def _run(op: str, *args) -> None:

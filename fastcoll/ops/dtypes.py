@@ -7,13 +7,13 @@ call this dtype in a message?" asks here. The C++ side has the same table in
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
 __all__ = [
     "SUPPORTED_DTYPES", "COMPLEX_DTYPES", "COMM_DTYPES", "dtype_name", "is_dense", "is_fusable", "check_comm_dtype",
-    "check_comm_accum_dtype",
+    "as_real", "check_complex_wire", "check_comm_accum_dtype",
 ]  # fmt: skip
 
 #: Floating dtypes the fused ops read and write (in the C++ table's order).
@@ -60,6 +60,31 @@ def check_comm_dtype(comm_dtype: object, who: str = "fastcoll.DDP") -> None:
     """Raise ValueError unless ``comm_dtype`` is None, ``torch.float16`` or ``torch.bfloat16``."""
     if not any(comm_dtype is d for d in COMM_DTYPES):
         raise ValueError(f"{who}: comm_dtype must be None, torch.float16 or torch.bfloat16, got {comm_dtype!r}")
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the floats it holds (``torch.view_as_real``; a 1-D one stays 1-D); others unchanged."""
+    if not t.is_complex():
+        return t
+    real = torch.view_as_real(t)
+    return real.view(-1) if t.dim() == 1 else real
+
+
+def check_complex_wire(named: Iterable[Tuple[str, torch.Tensor]], comm_dtype: object, who: str = "fastcoll.DDP") -> None:
+    """Raise ValueError naming the first complex tensor of ``named`` when ``comm_dtype`` is a 16-bit wire.
+
+    A 16-bit real wire would carry complex gradients as real numbers (torch's compress hooks drop the imaginary
+    parts); complex buckets are reduced in their own dtype.
+    """
+    if comm_dtype is None:
+        return
+    for n, p in named:
+        if p.is_complex():
+            raise ValueError(
+                f"{who}: parameter '{n}' is {dtype_name(p.dtype)}, and comm_dtype={comm_dtype} would send its gradient "
+                "as 16-bit real numbers; complex gradients are reduced in their own dtype: leave comm_dtype None "
+                "(or freeze or wrap the complex parameters separately)"
+            )
 
 
 def check_comm_accum_dtype(comm_accum_dtype: object, comm_dtype: object, who: str = "fastcoll.DDP") -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..ops.dtypes import is_dense
+from ..ops.dtypes import as_real, is_dense
 
 __all__ = ["GradBucket", "PackArgs", "for_each_run", "pack_range"]
 
@@ -255,21 +255,27 @@ class GradBucket:
         return self.pos == self.count - 1
 
     def buffer(self) -> torch.Tensor:
-        """The flat 1-D bucket buffer (the one given to :meth:`set_buffer`, if any, in the current hook call)."""
+        """The flat 1-D bucket buffer (the one given to :meth:`set_buffer`, if any, in the current hook call).
+
+        A bucket of complex parameters shows it as torch DDP does: the floats it holds (twice as many).
+        """
         hb = self._hook_buffer
-        return self.flat if hb is None else hb
+        return as_real(self.flat) if hb is None else hb
 
     def gradients(self) -> List[torch.Tensor]:
-        """Parameter-shaped views of :meth:`buffer`, in :meth:`parameters` order.
+        """Parameter-shaped views of :meth:`buffer`, in :meth:`parameters` order (complex ones as their real views).
 
         Writing into them writes into :meth:`buffer` (PowerSGD relies on this).
         """
         hb = self._hook_buffer
         if hb is None:
-            return self.views
-        if self._hook_views is None:
-            self._hook_views = ops.bucket_views(hb, self.grad_layouts)
-        return self._hook_views
+            views = self.views
+        else:
+            if self._hook_views is None:
+                flat = torch.view_as_complex(hb.view(-1, 2)) if self.dtype.is_complex else hb
+                self._hook_views = ops.bucket_views(flat, self.grad_layouts)
+            views = self._hook_views
+        return [torch.view_as_real(v) for v in views] if self.dtype.is_complex else views
 
     def parameters(self) -> List[torch.Tensor]:
         """The bucket's parameters."""
@@ -285,7 +291,7 @@ class GradBucket:
             TypeError: ``buffer`` is not a tensor.
             ValueError: ``buffer`` is not 1-D contiguous with the bucket's element count.
         """
-        check_set_buffer(buffer, self.numel, self.pos)
+        check_set_buffer(buffer, self.numel * (2 if self.dtype.is_complex else 1), self.pos)
         self._hook_buffer = buffer
         self._hook_views = None
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed._agree import bytes_to_tensor, tensor_to_bytes
+from ..ops.dtypes import as_real
 from ..stall import SyncState, guard_for, state_for
 from . import p2p
 
@@ -51,12 +52,6 @@ DONE = Done()
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn).
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """A complex 1-D buffer as the floats it holds: torch.distributed views complex tensors as real in its
-    all-reduce, all-to-all and broadcast, not in every backend's reduce-scatter and all-gather."""
-    return torch.view_as_real(t).view(-1) if t.is_complex() else t
 
 
 class Collective(NamedTuple):
@@ -169,7 +164,9 @@ class Communicator:
                 if own.data_ptr() != out.data_ptr():
                     work = self._behind(work.get_future().then(lambda _f: out.copy_(own)), [work])
         else:
-            work = _REDUCE_SCATTER(_real(out), _real(inp), group=self.group, async_op=True)
+            # Complex buckets as their floats: torch.distributed views complex tensors as real in its all-reduce,
+            # all-to-all and broadcast, not in every backend's reduce-scatter and all-gather.
+            work = _REDUCE_SCATTER(as_real(out), as_real(inp), group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work
@@ -186,7 +183,7 @@ class Communicator:
             out.copy_(inp)
             return DONE
         gseq = self._record("all_to_all", what, inp)
-        work = dist.all_to_all_single(_real(out), _real(inp), group=self.group, async_op=True)
+        work = dist.all_to_all_single(as_real(out), as_real(inp), group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work
@@ -211,7 +208,7 @@ class Communicator:
             ]
             work = self._behind(torch.futures.collect_all([w.get_future() for w in works]), works)
         else:
-            work = _ALL_GATHER(_real(out), _real(inp), group=self.group, async_op=True)
+            work = _ALL_GATHER(as_real(out), as_real(inp), group=self.group, async_op=True)
         if self.guard is not None:
             self.guard.issued(work, gseq, what)
         return work

@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..ops.dtypes import as_real
+
 __all__ = [
     "call_hook",
     "check_comm_hook",
@@ -66,6 +68,10 @@ def hook_result(hook: Callable, bucket: Any, value: Any) -> torch.Tensor:
     """The hook's future value for ``bucket`` as a flat tensor to write back, checked."""
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
+    n = bucket.numel
+    if bucket.dtype.is_complex and isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 2 * n:
+        # torch's hooks reduce a complex bucket's buffer() as its floats: read them as complex values again
+        value = torch.view_as_complex(value.reshape(-1, 2).to(as_real(bucket.flat).dtype))
     if (
         not isinstance(value, torch.Tensor)
         or not (value.is_floating_point() or value.is_complex())
@@ -74,7 +80,8 @@ def hook_result(hook: Callable, bucket: Any, value: Any) -> torch.Tensor:
     ):
         raise TypeError(
             f"{_WHO}: the comm hook {hook_name(hook)} completed bucket {bucket.pos} with "
-            f"{describe_value(value)}; expected one floating-point tensor of {bucket.numel} elements on "
+            f"{describe_value(value)}; expected one floating-point tensor of "
+            f"{f'{2 * n} (the real view of its {n} complex elements)' if bucket.dtype.is_complex else n} elements on "
             f"{bucket.device} (or a list holding exactly one)"
         )
     flat = bucket.flat

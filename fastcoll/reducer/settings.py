@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..bucketing import assign_buckets
-from ..ops.dtypes import check_comm_accum_dtype, check_comm_dtype
+from ..ops.dtypes import check_comm_accum_dtype, check_comm_dtype, check_complex_wire
 from .bucket import PackArgs
 from .comm import Collective
 from .health import check_divisor, inverse_divisor
@@ -99,6 +99,7 @@ class ReducerSettings:
     def set_comm_dtype(self, comm_dtype: Optional[torch.dtype]) -> None:
         """Change the wire dtype (reallocates the bucket buffers, keeping the layout); between iterations only."""
         check_comm_dtype(comm_dtype)
+        check_complex_wire(zip(self.names, self.params), comm_dtype)
         self._check_idle("change comm_dtype")
         if comm_dtype != self.comm_dtype:
             self._check_unsharded("change comm_dtype")
