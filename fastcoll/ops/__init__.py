@@ -68,15 +68,17 @@ def _listed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     return tensors if isinstance(tensors, (list, tuple)) else list(tensors)
 
 
+_COMPLEX = frozenset(dtypes.COMPLEX_DTYPES)
+
+
 def _real(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], into_flat: bool) -> tuple:
     """A complex ``flat`` and its ``tensors`` as real views (each element two floats, in the same memory), so that the
-    kernels move complex values as their real and imaginary parts; both unchanged when ``flat`` is not complex.
+    kernels move complex values as their real and imaginary parts. Callers test ``flat.dtype in _COMPLEX`` first
+    (inline: the hot path of every bucket's pack and write-back pays one set lookup).
 
     ``into_flat``: ``flat`` is written and ``tensors`` read (else the reverse). A lazily conjugated source is read as
     its values; a conjugated destination has no real view to write through and is refused.
     """
-    if not (isinstance(flat, torch.Tensor) and flat.is_complex()):
-        return flat, tensors
     for i, t in enumerate(tensors):
         if not (isinstance(t, torch.Tensor) and t.is_complex()):
             what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
@@ -89,8 +91,8 @@ def _real(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], into_fla
             raise TypeError(f"fastcoll.{op}: {where} is a lazily conjugated view (is_conj()); it cannot be written "
                             "in place through its real view: pass a tensor without the conjugate bit")  # fmt: skip
     if into_flat:
-        tensors = [t.resolve_conj() for t in tensors]
-    else:
+        tensors = [t.resolve_conj() if t.is_conj() else t for t in tensors]
+    elif flat.is_conj():
         flat = flat.resolve_conj()
     return dtypes.as_real(flat), [torch.view_as_real(t) for t in tensors]
 
@@ -219,8 +221,9 @@ def flatten_scale(
             tensor index (or ``scale_by`` / ``nonfinite``), before anything is
             written.
     """
-    result = out
-    out, tensors = _real("flatten_scale", out, _listed(tensors), True)
+    result, tensors = out, _listed(tensors)
+    if getattr(out, "dtype", None) in _COMPLEX:
+        out, tensors = _real("flatten_scale", out, tensors, True)
     if scale_by is None and nonfinite is None:
         _run_planned("flatten_scale", plan, tensors, out, float(scale))
     else:
@@ -274,8 +277,9 @@ def flatten_accumulate(
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
             tensor index (or ``out`` / ``nonfinite``), before anything is written.
     """
-    result = out
-    out, tensors = _real("flatten_accumulate", out, _listed(tensors), True)
+    result, tensors = out, _listed(tensors)
+    if getattr(out, "dtype", None) in _COMPLEX:
+        out, tensors = _real("flatten_accumulate", out, tensors, True)
     _run("flatten_accumulate", tensors, out, float(scale), nonfinite)
     return result
 
@@ -347,7 +351,9 @@ def unflatten_scale(
         ValueError, TypeError, RuntimeError: on bad input, naming the offending
             tensor index (or ``sumsq``), before anything is written.
     """
-    flat, tensors = _real("unflatten_scale", flat, _listed(tensors), False)
+    tensors = _listed(tensors)
+    if getattr(flat, "dtype", None) in _COMPLEX:
+        flat, tensors = _real("unflatten_scale", flat, tensors, False)
     if sumsq is None:
         _run_planned("unflatten_scale", plan, flat, tensors, float(scale))
     else:
@@ -375,7 +381,7 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] 
         ValueError, TypeError, RuntimeError: on bad input (including an empty
             list), naming the offending tensor index or ``out``.
     """
-    tensors = [torch.view_as_real(t.resolve_conj()) if isinstance(t, torch.Tensor) and t.is_complex() else t for t in tensors]
+    tensors = [torch.view_as_real(t.resolve_conj()) if getattr(t, "dtype", None) in _COMPLEX else t for t in tensors]
     if out is None:
         device = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else torch.device("cpu")
         out = torch.empty((), dtype=torch.float64, device=device)
