@@ -89,6 +89,94 @@ def test_micro_batches_accumulate_in_float32(world):
     assert abs(float(theirs[0][0]) - expected) > 1.0, (theirs[0], expected)  # bfloat16 accumulation is measurably off
 
 
+class Chain(nn.Module):
+    """Two bfloat16 layers in one bucket: backward reaches ``second`` first, then ``first``."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(6, 5, bias=False, dtype=BF16)
+        self.second = nn.Linear(5, 3, bias=False, dtype=BF16)
+
+    def forward(self, x):
+        return self.second(self.first(x)).float().square().sum()
+
+
+def written_main_grads_worker(rank: int, world: int, when: str, eager: bool) -> dict:
+    """What a write into a main gradient does (``model.main_grad(p)`` is a float32 view of its bucket).
+
+    ``"between"``: written after zero_grad, before the backward: it is part of what the backward reduces, as
+    when every gradient was added into the bucket and the sum scaled at the pack (the bucket is not taken for
+    zeros: its version counter moved). ``"during"``: written by a hook in the synchronized backward after the
+    bucket's first gradient was added times 1/world_size: refused (the write would escape the scale).
+    ``eager``: every gradient is added as soon as it is final (else these small ones wait for the bucket's pack).
+    """
+    if eager:
+        os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1"
+    torch.manual_seed(0)
+    model = Chain()
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), ddp, grads="full")
+    x = torch.randn(4, 6, dtype=BF16, generator=torch.Generator().manual_seed(rank))
+    ddp(x).backward()
+    plain = {n: ddp.main_grad(p).clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    if when == "between":
+        for p in model.parameters():
+            ddp.main_grad(p).fill_(float(rank + 1))
+        ddp(x).backward()
+        return {"plain": plain, "written": {n: ddp.main_grad(p).clone() for n, p in model.named_parameters()}}
+
+    def write(grad):
+        ddp.main_grad(model.second.weight).add_(1.0)  # its gradient was added (times 1/2) already
+
+    model.first.weight.register_hook(write)
+    with pytest.raises(RuntimeError, match=r"main gradients of bucket 0 were written during a synchronized backward"):
+        ddp(x).backward()
+    return {}
+
+
+def scaled_as_added_worker(rank: int, world: int, eager: bool) -> list:
+    """A backward into zeroed main gradients adds each gradient times 1/world_size (no pass scaling the sum after);
+    one after a ``no_sync`` micro-batch of zero gradients adds them as they are and scales the sum. Bit for bit
+    the same main gradients, reduced at 3 ranks (1/3 is inexact)."""
+    if eager:
+        os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1"
+    torch.manual_seed(0)
+    model = Chain()
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), ddp, grads="full")
+    x = torch.randn(4, 6, dtype=BF16, generator=torch.Generator().manual_seed(rank)) * 3
+    out = []
+    for zero_micro_batch in (False, True):
+        opt.zero_grad()
+        if zero_micro_batch:
+            with ddp.no_sync():
+                (ddp(x) * 0.0).backward()
+        ddp(x).backward()
+        out.append([ddp.main_grad(p).clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_main_gradients_scaled_as_added_equal_the_scaled_sum_bitwise(eager):
+    for direct, accumulated in run_ranks(scaled_as_added_worker, 3, eager, timeout=60):
+        for a, b in zip(direct, accumulated):
+            assert a.abs().max() > 0
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (a, b)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_main_gradients_written_between_iterations_are_reduced(eager):
+    out = run_ranks(written_main_grads_worker, 2, "between", eager, timeout=60)
+    for got in out:
+        for n, g in got["written"].items():  # each rank wrote rank + 1: their mean, 1.5, joins the mean gradient
+            assert torch.allclose(g, got["plain"][n] + 1.5, rtol=0, atol=1e-5), (n, g, got["plain"][n])
+
+
+def test_main_gradients_written_during_a_synchronized_backward_are_refused():
+    run_ranks(written_main_grads_worker, 2, "during", True, timeout=60)
+
+
 def _piece_grads(opt) -> list:
     """This rank's kept gradients of the optimizer's pieces (what its next step() reads)."""
     kept = [opt.reducer.kept.source(pos, pc) for pos, pc in opt._pieces]

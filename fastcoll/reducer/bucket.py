@@ -551,12 +551,17 @@ class MainGradBucket(GradBucket):
     ``zero()`` starts a new accumulation.
     """
 
-    __slots__ = ("main_dtype", "consumed")
+    __slots__ = ("main_dtype", "consumed", "_zeroed_at", "_scaled")
 
     def __init__(self, *args: Any, main_dtype: torch.dtype = torch.float32, **kwargs: Any):
         self.main_dtype = main_dtype
         #: A sharded optimizer stepped with them and reused their memory (zeroed by ``zero()``).
         self.consumed = False
+        #: The buffer's version counter right after it was zeroed, while nothing was added since (else None).
+        self._zeroed_at: Optional[int] = None
+        #: This synchronized backward adds its gradients times this factor (1/divisor), having begun on zeros, and
+        #: the buffer's version counter then (fastcoll's kernels move none: another write would be missed by the factor).
+        self._scaled: Optional[Tuple[float, int]] = None
         super().__init__(*args, **kwargs)
 
     def _allocate(self, wire_dtype: Optional[torch.dtype], buffer: Optional[torch.Tensor]) -> None:
@@ -571,54 +576,110 @@ class MainGradBucket(GradBucket):
         self.view_ptrs = [v.data_ptr() for v in self.views]
         self.comm_padded = _padded_empty(total, self.padded, wire_dtype, dev) if narrower else self.flat_padded
         self.comm = self.comm_padded[:total] if self.padded > total else self.comm_padded
+        self._zeroed()
 
     def zero(self) -> None:
         """Forget the accumulated gradients (nothing to do for a pooled bucket without its buffer)."""
         self.flat_padded.zero_()
         self.consumed = False
+        self._zeroed()
 
-    def accumulate(self, nonfinite: Optional[torch.Tensor] = None) -> List[int]:
+    def _zeroed(self) -> None:
+        self._scaled = None
+        self._zeroed_at = None if self.flat_padded.is_inference() else self.flat_padded._version
+
+    def _wire_is_flat(self) -> bool:
+        """The reduction sends ``flat`` itself (no narrower wire buffer)."""
+        return self.comm is self.flat or (self.comm.dtype == self.flat.dtype and self.comm.data_ptr() == self.flat.data_ptr())
+
+    def _adding(self) -> None:
+        """Gradients are added outside a synchronized backward: the buffer no longer holds zeros."""
+        self._zeroed_at = self._scaled = None
+
+    def _factor(self, how: "PackArgs") -> Optional[float]:
+        """In a synchronized backward, the factor its gradients are added with: 1/divisor when the buffer held zeros
+        at its start (then ``0 + x / divisor`` is the scaled sum, bit for bit, and :meth:`pack` scales nothing);
+        None: they are added as they are, and the sum is scaled at :meth:`pack`.
+
+        Zeros are known by the buffer's version counter, unchanged since :meth:`zero` (a write through a
+        view of it, e.g. ``main_grad(p).add_``, moves it) with nothing added since by this bucket.
+        """
+        if self._scaled is None and self._zeroed_at is not None:
+            zeros = self.flat_padded._version == self._zeroed_at
+            self._zeroed_at = None
+            if zeros and how.scale_by is None and self._wire_is_flat():
+                self._scaled = (how.scale, self.flat_padded._version)
+        return None if self._scaled is None else self._scaled[0]
+
+    def _check_scaled(self, how: "PackArgs") -> None:
+        """Before the pack of a backward whose gradients were added times their factor: nothing else wrote the buffer."""
+        factor, version = self._scaled  # type: ignore[misc]
+        if self.flat_padded._version != version:
+            self._zeroed_at = self._scaled = None
+            raise RuntimeError(
+                f"fastcoll.DDP: the float32 main gradients of bucket {self.pos} were written during a synchronized "
+                "backward (e.g. through model.main_grad(p)): they are reduced as the backward adds them, so write them "
+                "between iterations, not while a backward is under way"
+            )
+        if factor != how.scale:
+            raise RuntimeError(f"fastcoll internal error: bucket {self.pos} added gradients times {factor}, packs {how.scale}")
+
+    def accumulate(self, nonfinite: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> List[int]:
         """Add the present 16-bit gradients into their float32 slots (one fused call per run) and release them.
+
+        ``scale``: in a synchronized backward, the factor from :meth:`_factor` (None: added as they are).
 
         Returns:
             The reducer indices of the parameters whose gradients were added.
         """
+        if scale is None:
+            self._adding()
         grads = [p.grad for p in self.params]
         present = [g is not None for g in grads]
         if not any(present):
             return []
+        s = 1.0 if scale is None else scale
         with torch.no_grad():
             for_each_run(
                 present, self.offsets, self.numel,
-                lambda a, b, lo, hi: ops.flatten_accumulate(grads[a:b], self.flat[lo:hi], nonfinite=nonfinite),
+                lambda a, b, lo, hi: ops.flatten_accumulate(grads[a:b], self.flat[lo:hi], s, nonfinite=nonfinite),
             )  # fmt: skip
         for p, has in zip(self.params, present):
             if has:
                 p.grad = None
         return [i for i, has in zip(self.param_indices, present) if has]
 
-    def accumulate_one(self, k: int, slot: torch.Tensor, nonfinite: Optional[torch.Tensor] = None) -> bool:
+    def accumulate_one(
+        self, k: int, slot: torch.Tensor, nonfinite: Optional[torch.Tensor] = None, scale: Optional[float] = None
+    ) -> bool:
         """Add parameter ``k``'s final 16-bit gradient into ``slot`` (its float32 slice of ``flat``) and release it.
 
         :meth:`accumulate` then adds only the gradients not added yet. Returns True when there was one to add.
+        ``scale``: as :meth:`accumulate`'s.
         """
+        if scale is None:
+            self._adding()
         p = self.params[k]
         if p.grad is None:
             return False
         with torch.no_grad():
-            ops.flatten_accumulate([p.grad], slot, nonfinite=nonfinite)
+            ops.flatten_accumulate([p.grad], slot, 1.0 if scale is None else scale, nonfinite=nonfinite)
         p.grad = None
         return True
 
     def pack_one(self, k: int, slot: torch.Tensor, how: "PackArgs") -> bool:
         """:meth:`accumulate_one` in a synchronized backward (the scale by 1/divisor applies to the whole sum at
-        :meth:`pack`)."""
-        return self.accumulate_one(k, slot, how.nonfinite)
+        :meth:`pack`, or to each gradient as it is added into zeros: :meth:`_factor`)."""
+        return self.accumulate_one(k, slot, how.nonfinite, self._factor(how))
 
     def pack(self, how: "PackArgs", done: Optional[Sequence[int]] = None) -> None:
         """Accumulate this backward's gradients, then scale the sum by 1/divisor into the wire buffer (in place in float32)."""
-        self.accumulate(how.nonfinite)
-        if not self.numel:
+        factor = self._factor(how)
+        if factor is not None:
+            self._check_scaled(how)
+        self.accumulate(how.nonfinite, factor)
+        self._zeroed_at = self._scaled = None  # it holds the scaled sum
+        if not self.numel or factor is not None:
             return
         with torch.no_grad():
             if self.comm is not self.flat:

@@ -358,7 +358,7 @@ class KeptGradients:
         busy: Collection[int] = gather.borrowing() if gather is not None else ()
         self.placed = {}
         if r.shard_grads is not None:
-            r.shard_grads.zero(busy)
+            r.shard_grads.zero()  # (the in-place ranges with their buckets, next)
             if release:
                 r.shard_grads.release()
         r.zero_main_grads(busy)

@@ -22,7 +22,7 @@ replayed one only waits). The reducer never asks which way a bucket goes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -191,17 +191,18 @@ class ShardGrads:
         #: The ranges are zeros not written yet (``zero_grad(set_to_none=False)``): a read writes them
         #: (:meth:`readable`), a synchronized backward writes its gradients as into empty ranges.
         self.zeros = False
+        #: Per in-place bucket reduced since its last zeroing: the parts of its buffer outside the range, which
+        #: hold this rank's share of the others' ranges (zeroed by the bucket's zeroing, or before a backward).
+        self._rest: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def zero(self, busy: Collection[int] = ()) -> None:
+    def zero(self) -> None:
         """Forget the kept gradients (the next synchronized backward writes them afresh).
 
-        ``busy``: in-place buckets whose memory is in use now (it is zeroed when released).
+        The in-place ranges are not touched here: they are zeroed with their buckets, which the caller zeroes
+        next (:meth:`Reducer.zero_main_grads`; a bucket whose memory an all-gather uses, once it is written).
         """
         self.filled = self.zeros = False
-        self._aside = {}
-        for pos in self.in_place:
-            if pos not in busy:
-                self.grads[pos].zero_()
+        self._aside, self._rest = {}, {}
 
     def zero_lazily(self) -> None:
         """``zero_grad(set_to_none=False)``: every range holds zeros, written only if read before a backward."""
@@ -239,12 +240,24 @@ class ShardGrads:
         """Every bucket's range in bucket order (None: released)."""
         return list(self.grads.values())
 
+    def reduced_in_place(self, pos: int, padded: torch.Tensor) -> None:
+        """In-place bucket ``pos`` (whose whole buffer is ``padded``) was reduced: outside its range it holds the
+        others' partial sums until a zeroing (the bucket's, or :meth:`set_aside` before a backward adds to it)."""
+        g = self.grads[pos]
+        start = g.storage_offset() - padded.storage_offset()
+        self._rest[pos] = (padded[:start], padded[start + g.numel() :])
+
     def set_aside(self) -> None:
-        """Before backwards accumulate into in-place buckets whose range still holds reduced gradients: move them out.
+        """Before backwards accumulate into in-place buckets: the parts outside their ranges zeroed where a reduction
+        left partial sums there, and ranges still holding reduced gradients moved out.
 
         Pending zeros need no keeping: the synchronized backward writes the ranges as empty ones.
         """
         self.zeros = False
+        for before, after in self._rest.values():
+            before.zero_()
+            after.zero_()
+        self._rest = {}
         if self.filled and not self._aside:
             for pos in self.in_place:
                 g = self.grads[pos]
@@ -280,10 +293,7 @@ class _Scattered(InFlight):
             elif self.out is not self.target:
                 self.target.copy_(self.out)
             if b.pos in self.shards.in_place:
-                # The rest of the bucket held this rank's share of the others' ranges: the next backward starts at 0.
-                start = self.target.storage_offset() - b.flat_padded.storage_offset()
-                b.flat_padded[:start].zero_()
-                b.flat_padded[start + self.target.numel() :].zero_()
+                self.shards.reduced_in_place(b.pos, b.flat_padded)  # (the next backward or zero_grad zeroes the rest)
                 aside = self.shards.take_aside(b.pos)
                 if aside is not None:
                     self.target.add_(aside)
