@@ -101,6 +101,18 @@ class Chain(nn.Module):
         return self.second(self.first(x)).float().square().sum()
 
 
+def _chain(rank: int, eager: bool):
+    """A :class:`Chain` with float32 main gradients (an SGD with lr 0 around it), and this rank's input.
+    ``eager``: every gradient is added as soon as it is final (else these small ones wait for the bucket's pack)."""
+    if eager:
+        os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1"
+    torch.manual_seed(0)
+    model = Chain()
+    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
+    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), ddp, grads="full")
+    return model, ddp, opt, torch.randn(4, 6, dtype=BF16, generator=torch.Generator().manual_seed(rank)) * 3
+
+
 def written_main_grads_worker(rank: int, world: int, when: str, eager: bool) -> dict:
     """What a write into a main gradient does (``model.main_grad(p)`` is a float32 view of its bucket).
 
@@ -108,15 +120,8 @@ def written_main_grads_worker(rank: int, world: int, when: str, eager: bool) -> 
     when every gradient was added into the bucket and the sum scaled at the pack (the bucket is not taken for
     zeros: its version counter moved). ``"during"``: written by a hook in the synchronized backward after the
     bucket's first gradient was added times 1/world_size: refused (the write would escape the scale).
-    ``eager``: every gradient is added as soon as it is final (else these small ones wait for the bucket's pack).
     """
-    if eager:
-        os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1"
-    torch.manual_seed(0)
-    model = Chain()
-    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
-    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), ddp, grads="full")
-    x = torch.randn(4, 6, dtype=BF16, generator=torch.Generator().manual_seed(rank))
+    model, ddp, opt, x = _chain(rank, eager)
     ddp(x).backward()
     plain = {n: ddp.main_grad(p).clone() for n, p in model.named_parameters()}
     opt.zero_grad()
@@ -139,13 +144,7 @@ def scaled_as_added_worker(rank: int, world: int, eager: bool) -> list:
     """A backward into zeroed main gradients adds each gradient times 1/world_size (no pass scaling the sum after);
     one after a ``no_sync`` micro-batch of zero gradients adds them as they are and scales the sum. Bit for bit
     the same main gradients, reduced at 3 ranks (1/3 is inexact)."""
-    if eager:
-        os.environ["FASTCOLL_EARLY_PACK_MIN_NUMEL"] = "1"
-    torch.manual_seed(0)
-    model = Chain()
-    ddp = fastcoll.DDP(model, main_grad_dtype=torch.float32)
-    opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), ddp, grads="full")
-    x = torch.randn(4, 6, dtype=BF16, generator=torch.Generator().manual_seed(rank)) * 3
+    model, ddp, opt, x = _chain(rank, eager)
     out = []
     for zero_micro_batch in (False, True):
         opt.zero_grad()
