@@ -592,8 +592,8 @@ class MainGradBucket(GradBucket):
         """The reduction sends ``flat`` itself (no narrower wire buffer)."""
         return self.comm is self.flat or (self.comm.dtype == self.flat.dtype and self.comm.data_ptr() == self.flat.data_ptr())
 
-    def _adding(self) -> None:
-        """Gradients are added outside a synchronized backward: the buffer no longer holds zeros."""
+    def _not_zeros(self) -> None:
+        """The buffer no longer holds zeros (gradients added outside a synchronized backward, or its pack done)."""
         self._zeroed_at = self._scaled = None
 
     def _factor(self, how: "PackArgs") -> Optional[float]:
@@ -615,7 +615,7 @@ class MainGradBucket(GradBucket):
         """Before the pack of a backward whose gradients were added times their factor: nothing else wrote the buffer."""
         factor, version = self._scaled  # type: ignore[misc]
         if self.flat_padded._version != version:
-            self._zeroed_at = self._scaled = None
+            self._not_zeros()
             raise RuntimeError(
                 f"fastcoll.DDP: the float32 main gradients of bucket {self.pos} were written during a synchronized "
                 "backward (e.g. through model.main_grad(p)): they are reduced as the backward adds them, so write them "
@@ -633,7 +633,7 @@ class MainGradBucket(GradBucket):
             The reducer indices of the parameters whose gradients were added.
         """
         if scale is None:
-            self._adding()
+            self._not_zeros()
         grads = [p.grad for p in self.params]
         present = [g is not None for g in grads]
         if not any(present):
@@ -658,7 +658,7 @@ class MainGradBucket(GradBucket):
         ``scale``: as :meth:`accumulate`'s.
         """
         if scale is None:
-            self._adding()
+            self._not_zeros()
         p = self.params[k]
         if p.grad is None:
             return False
@@ -678,7 +678,7 @@ class MainGradBucket(GradBucket):
         if factor is not None:
             self._check_scaled(how)
         self.accumulate(how.nonfinite, factor)
-        self._zeroed_at = self._scaled = None  # it holds the scaled sum
+        self._not_zeros()  # it holds the scaled sum
         if not self.numel or factor is not None:
             return
         with torch.no_grad():
