@@ -146,9 +146,7 @@ def wrap(kind: str, module: Any, device: str, **kw: Any) -> Any:
     """``torch`` DDP or (any other ``kind``) ``fastcoll.DDP`` around ``module``, on the current GPU with CUDA."""
     if device == "cuda":
         kw["device_ids"] = [torch.cuda.current_device()]
-    if kind == "torch":
-        return DistributedDataParallel(module, **kw)
-    return fastcoll.DDP(module, **kw)
+    return (DistributedDataParallel if kind == "torch" else fastcoll.DDP)(module, **kw)
 
 
 def torch_bucket_sizes(wrapper: Any, *keys: str) -> Optional[List[int]]:
@@ -181,7 +179,6 @@ try:
     _LIBC: Any = ctypes.CDLL("libc.so.6")
 except OSError:  # pragma: no cover (not glibc)
     _LIBC = None
-
 
 #: glibc allocator settings a rank can start with (``cfg["malloc"]``): mallopt's (parameter, value) pairs and their line.
 #: "keep": freed heap memory stays with the process, as a caching allocator's would. Every step drops its gradients and
@@ -272,7 +269,15 @@ class MemoryProbe:
             return None
         with _kineto_quiet():
             prof.__exit__(None, None, None)
-        return _tensor_peak(prof)
+        from torch._C._profiler import _EventType
+
+        stack, totals = list(prof.profiler.kineto_results.experimental_event_tree())[::-1], []
+        while stack:  # the event tree in pre-order: each CPU allocation's running total and block size
+            node = stack.pop()
+            stack.extend(node.children[::-1])
+            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+                totals.append((node.extra_fields.total_allocated, node.extra_fields.alloc_size))
+        return max(t for t, _ in totals) - (totals[0][0] - totals[0][1]) if totals else 0
 
 
 @contextlib.contextmanager
@@ -298,23 +303,6 @@ def _count_every_thread() -> None:
         ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-def _tensor_peak(prof: Any) -> int:
-    """The most bytes CPU tensors held at once during ``prof`` (profile_memory), above what they held at its first record."""
-    from torch._C._profiler import _EventType
-
-    def walk(nodes: Any) -> Iterator[Any]:
-        for n in nodes:
-            yield n
-            yield from walk(n.children)
-
-    totals = [(f.total_allocated, f.alloc_size) for n in walk(prof.profiler.kineto_results.experimental_event_tree())
-              if n.tag == _EventType.Allocation for f in [n.extra_fields] if f.device.type == "cpu"]  # fmt: skip
-    if not totals:
-        return 0
-    first_total, first_size = totals[0]
-    return max(t for t, _ in totals) - (first_total - first_size)
-
-
 class LiveBytes:
     """Bytes the C heap has handed out and not taken back (glibc ``mallinfo2``), sampled between the phases of a step.
 
@@ -335,10 +323,8 @@ class LiveBytes:
 
     def read(self) -> Optional[int]:
         """Bytes alive in the C heap now (None off glibc)."""
-        if self._fn is None:
-            return None
-        info = self._fn()
-        return int(info.uordblks + info.hblkhd)
+        info = self._fn() if self._fn is not None else None
+        return None if info is None else int(info.uordblks + info.hblkhd)
 
     def sample(self, phase: Optional[str] = None) -> None:
         """Note the bytes alive now above the base, if the most so far (in all, and in ``by_phase[phase]``)."""
@@ -384,10 +370,9 @@ def timed_rounds(
     cpu: Dict[str, List[float]] = {}
 
     def slowest_rank(samples: Dict[str, List[float]], done: int) -> bool:  # the round's samples become the slowest rank's
-        names = list(samples)
-        last = all_max([samples[n][-1] for n in names] + [cpu[n][-1] for n in names], device)
-        for i, n in enumerate(names):
-            samples[n][-1], cpu[n][-1] = last[i], last[len(names) + i]
+        last = all_max([samples[n][-1] for n in samples] + [cpu[n][-1] for n in samples], device)
+        for i, n in enumerate(samples):
+            samples[n][-1], cpu[n][-1] = last[i], last[len(samples) + i]
         return enough_rounds(samples, done, lo, hi, checks)
 
     wall = measure_interleaved(fns, device, 0, hi, inner, on_sample=tick, stop=slowest_rank, before=before, after=after,
@@ -451,9 +436,8 @@ def memory_phase(me: "Rank", build: Callable[[Optional[LiveBytes]], Built], step
     """One method's memory on this rank, in the order every memory phase keeps; every rank's fields, ``{"ranks": [...]}``.
 
     :func:`warm_up` on ``warm()`` if given, the probe started (``tensors``: recording tensor bytes too; and, with
-    ``live``, on the CPU a :class:`LiveBytes`),
-    the method built (``build(heap)``: its step samples the heap) and ``steps`` steps taken; then ``read(probe, heap,
-    built)`` returns this rank's fields, ``probe.peak()`` among them.
+    ``live``, on the CPU a :class:`LiveBytes`), the method built (``build(heap)``: its step samples the heap) and
+    ``steps`` steps taken; then ``read(probe, heap, built)`` returns this rank's fields, ``probe.peak()`` among them.
     """
     if warm is not None:
         warm_up(warm)
@@ -472,7 +456,9 @@ class Rank:
     """One rank of a measurement (the first argument of the function :func:`run_ranks` runs).
 
     As a context manager it sets the device and intra-op threads, joins the process group over the FileStore, and tears
-    it down after (collecting garbage first, so that wrappers go while their process group is alive).
+    it down after (collecting garbage first, so that wrappers go while their process group is alive). Rank 0 reports
+    progress to the parent: ``tick(n)`` (units of work done), ``describe(text)`` (the bar's text) and ``row(label,
+    rows)`` (a row finished: the parent prints a line with the time left).
     """
 
     def __init__(self, rank: int, ws: int, store_path: str, out_path: str, progress_q: Any, cfg: Dict[str, Any]):
@@ -502,15 +488,12 @@ class Rank:
             self._q.put((what, value))
 
     def tick(self, n: int = 1) -> None:
-        """``n`` units of work done (rank 0 reports them)."""
         self._put("advance", n)
 
     def describe(self, text: str) -> None:
-        """What the ranks are doing now (the progress bar's text)."""
         self._put("describe", text)
 
     def row(self, label: str, rows: Optional[int] = None) -> None:
-        """A row finished: the parent prints a line with the time left."""
         self._put("row", (label, rows))
 
     def save(self, result: Dict[str, Any]) -> None:
@@ -555,14 +538,21 @@ def run_ranks(
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))
         _QUEUE.append(ctx.Queue())
-    progress_q = _QUEUE[0]
+
+    def drain() -> None:  # the progress reports so far, to ``prog``
+        with contextlib.suppress(queue.Empty):
+            while True:
+                what, value = _QUEUE[0].get_nowait()
+                if prog is not None:
+                    prog.apply(what, value)
+
     with tempfile.TemporaryDirectory(prefix="fastcoll_bench_") as tmpdir:
         out_path = os.path.join(tmpdir, "result.json")
-        procs = tmp.start_processes(_rank_main, args=(ws, os.path.join(tmpdir, "store"), out_path, progress_q, fn, cfg, args),
+        procs = tmp.start_processes(_rank_main, args=(ws, os.path.join(tmpdir, "store"), out_path, _QUEUE[0], fn, cfg, args),
                                     nprocs=ws, join=False, start_method="forkserver")  # fmt: skip
         written_at: Optional[float] = None
         while not procs.join(timeout=0.2):
-            _drain(progress_q, prog)
+            drain()
             if written_at is None and os.path.exists(out_path):
                 written_at = time.perf_counter()
             if written_at is not None and time.perf_counter() - written_at > GRACE_S:
@@ -571,16 +561,6 @@ def run_ranks(
                         p.kill()
                 report.say(f"[yellow]rank processes still alive {GRACE_S:.0f} s after their result: killed[/yellow]")
                 break
-        _drain(progress_q, prog)
+        drain()
         with open(out_path) as f:
             return json.load(f)
-
-
-def _drain(progress_q: Any, prog: Any) -> None:
-    while True:
-        try:
-            what, value = progress_q.get_nowait()
-        except queue.Empty:
-            return
-        if prog is not None:
-            prog.apply(what, value)
