@@ -71,29 +71,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def load_average() -> Optional[List[float]]:
-    """The 1, 5 and 15 minute load averages (how busy the machine was), or None."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):  # pragma: no cover
-        return None
-
-
 def machine_info(device: str = "cpu") -> Dict[str, object]:
     """What the numbers were measured on: recorded with every JSON result."""
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None  # how busy the machine was
     info: Dict[str, object] = {
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu_model(),
-        "cpus_available": available_cpus(),
-        "load_average": load_average(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "fastcoll_build": fastcoll.build_info(),
-        "fastcoll_implementation": fastcoll.ops.implementation(),
-    }
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "hostname": platform.node(),
+        "platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_model(),
+        "cpus_available": available_cpus(), "load_average": load, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "fastcoll_build": fastcoll.build_info(), "fastcoll_implementation": fastcoll.ops.implementation(),
+    }  # fmt: skip
     if device == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
@@ -130,9 +116,7 @@ def fmt_pct(x: Optional[float]) -> str:
 
 def mib(nbytes: Optional[float]) -> str:
     """Bytes in MiB, two decimals below 10 MiB; ``-`` when missing."""
-    if nbytes is None:
-        return "-"
-    return f"{nbytes / MiB:.1f}" if abs(nbytes) >= 10 * MiB or nbytes == 0 else f"{nbytes / MiB:.2f}"
+    return "-" if nbytes is None else f"{nbytes / MiB:.{1 if abs(nbytes) >= 10 * MiB or nbytes == 0 else 2}f}"
 
 
 def per_rank_mib(values: Optional[Sequence[Optional[float]]]) -> str:
@@ -215,8 +199,10 @@ def targets_table(title: str, targets: Sequence[Dict[str, Any]], caption: str = 
     table(title, ["target", "value (interval) verdict", "target", "interval"], body, caption)
 
 
-def targets_summary(name: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> None:
-    """One line of verdict counts, then one line per target that is not met; ``named``: (where, target) pairs."""
+def conclude(name: str, path: Path, payload: Dict[str, Any], named: Sequence[Tuple[str, Dict[str, Any]]] = ()) -> Path:
+    """The end of a benchmark: a line of the verdict counts of ``named`` ((where, target) pairs) and one per target not
+    met; the JSON at ``path`` (``payload`` with the machine, the layout version, and the tables and notes printed since
+    the last one); the targets' chart beside it."""
     counts = count_verdicts(t for _, t in named)
     if named:
         say(f"[bold]{name} targets (reported, never asserted):[/bold] {counts[MET]} met, {counts[MISSED]} missed, "
@@ -224,25 +210,13 @@ def targets_summary(name: str, named: Sequence[Tuple[str, Dict[str, Any]]]) -> N
     for w, t in named:
         if t["verdict"] != MET:
             say(f"  {w}: {target_cell(t, lambda v: '-' if v is None else f'{v:.3g}')} (target {t['op']} {t['threshold']})")
-
-
-def conclude(name: str, path: Path, payload: Dict[str, Any], named: Sequence[Tuple[str, Dict[str, Any]]] = ()) -> Path:
-    """The targets' summary (:func:`targets_summary`), the JSON at ``path`` and the targets' chart beside it."""
-    targets_summary(name, named)
     device = payload.get("config", {}).get("device", "cpu")
-    write_json(path, payload, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": JSON_VERSION, "machine": machine_info(device), **payload, **_RECORD}, indent=1,
+                               default=str) + "\n")  # fmt: skip
+    _RECORD["tables"], _RECORD["notes"] = [], []
     png = targets_chart(path.with_suffix(".png"), f"fastcoll {name} ({device}): targets", named)
     say(f"wrote {path}" + (f" and {png}" if png else ""), record=False)
-    return path
-
-
-def write_json(path: Path, payload: Dict[str, Any], device: str = "cpu") -> Path:
-    """Write ``payload`` with the machine, the layout version and the tables and notes printed since the last write."""
-    data = {"version": JSON_VERSION, "machine": machine_info(device), **payload, **_RECORD}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    _RECORD["tables"], _RECORD["notes"] = [], []
     return path
 
 
