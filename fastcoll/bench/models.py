@@ -46,18 +46,14 @@ def ddp_buckets(
     ``index``, ``cap``, ``names``, ``shapes`` and ``bytes``.
     """
     buckets: List[Dict[str, Any]] = []
-    names, shapes, size = [], [], 0
-    for name, shape in reversed(list(params)):
-        names.append(name)
-        shapes.append(tuple(shape))
-        size += math.prod(shape) * element_size
-        limit = first_cap if not buckets else cap
-        if size >= limit:
-            buckets.append({"index": len(buckets), "cap": limit, "names": names, "shapes": shapes, "bytes": size})
-            names, shapes, size = [], [], 0
-    if names:
-        buckets.append({"index": len(buckets), "cap": first_cap if not buckets else cap, "names": names, "shapes": shapes,
-                        "bytes": size})  # fmt: skip
+    params = list(params)[::-1]
+    for i, (name, shape) in enumerate(params):
+        if i == 0 or buckets[-1]["bytes"] >= buckets[-1]["cap"]:  # the last bucket reached its cap: open the next
+            buckets.append({"index": len(buckets), "cap": cap if buckets else first_cap, "names": [], "shapes": [], "bytes": 0})
+        b = buckets[-1]
+        b["names"].append(name)
+        b["shapes"].append(tuple(shape))
+        b["bytes"] += math.prod(shape) * element_size
     return buckets
 
 
