@@ -93,10 +93,12 @@ def _row(rank: runner.Rank, function: str, case: str, fns: Dict[str, Callable[[]
 
 
 def _ranks(rank: runner.Rank) -> Dict[str, Any]:
-    ws, r, g = rank.ws, rank.rank, torch.Generator().manual_seed(rank.rank)
-    n = 4 if rank.cfg["grad_shapes"] else 16  # smoke: 4
+    """One rank: the dicts' rows, then the gradients'; every method checked against a plain per-tensor mean first."""
+    ws, r, cfg = rank.ws, rank.rank, rank.cfg
+    g = torch.Generator().manual_seed(r)
+    n = 4 if cfg["grad_shapes"] else 16  # smoke: 4
     cases = {f"loss dict, {n} scalars": {f"loss_{i}": torch.rand((), generator=g) for i in range(n)}}
-    if not rank.cfg["grad_shapes"]:  # fastcoll accepts any key order; the others need the same: odd ranks reverse it
+    if not cfg["grad_shapes"]:  # fastcoll accepts any key order; the others need the same: odd ranks reverse it
         keys, g = [f"metric_{i}" for i in range(64)], torch.Generator().manual_seed(1000 + r)
         cases["metric dict, 64 x 80"] = {k: torch.rand(80, generator=g) for k in (keys[::-1] if r % 2 else keys)}
     rows = []
@@ -106,26 +108,19 @@ def _ranks(rank: runner.Rank) -> Dict[str, Any]:
             "per-tensor": lambda d=d: per_tensor_dict(d, ws),
             "seed cat+split": lambda d=d: seed_dict(d, ws),
         }
-        reference = {k: v.float().clone() for k, v in d.items()}
-        for k in sorted(reference):  # the plain per-tensor mean every method is checked against
-            torch.distributed.all_reduce(reference[k])
-            reference[k] = reference[k] / ws
+        reference = per_tensor_dict(d, ws)  # the plain per-tensor mean
         checks = {m: all(_close(fn()[k], reference[k]) for k in d) for m, fn in fns.items()}  # type: ignore[index]
-        rows.append(_row(rank, "all_reduce_dict", name, fns, checks, rank.cfg["dict_inner"]))
-    return {"rows": rows + [_bench_grads(rank)]}
-
-
-def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
-    ws = rank.ws
-    shapes = [s for _, s in models.model_shapes()[MODEL]][: rank.cfg["grad_shapes"]]
-    g = torch.Generator().manual_seed(rank.rank)
+        rows.append(_row(rank, "all_reduce_dict", name, fns, checks, cfg["dict_inner"]))
+    # the gradients
+    shapes = [s for _, s in models.model_shapes()[MODEL]][: cfg["grad_shapes"]]
+    g = torch.Generator().manual_seed(r)
     params = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
     originals = [torch.randn(s, generator=g) for s in shapes]
     reference = [o.clone() for o in originals]
-    for r in reference:  # the plain per-tensor mean every method is checked against
-        dist.all_reduce(r)
-        r.div_(ws)
-    fns: Dict[str, Callable[[], object]] = {
+    for t in reference:  # the plain per-tensor mean
+        dist.all_reduce(t)
+        t.div_(ws)
+    fns = {
         "fastcoll": lambda: fd.allreduce_grads(params),
         "fastcoll 25MiB": lambda: fd.allreduce_grads(params, bucket_size_mb=25),
         "per-tensor": lambda: per_tensor_grads(params, ws),
@@ -136,11 +131,10 @@ def _bench_grads(rank: runner.Rank) -> Dict[str, Any]:
         for p, o in zip(params, originals):
             p.grad = o.clone()
         fn()
-        checks[method] = all(_close(p.grad, r) for p, r in zip(params, reference))
+        checks[method] = all(_close(p.grad, t) for p, t in zip(params, reference))
     # every rank now holds the same averaged gradients: averaging again leaves them unchanged
-    numel = sum(p.numel() for p in params)
-    name = f"{MODEL} grads, {len(params)} tensors, {numel * 4 / models.MiB:.1f} MiB"
-    return _row(rank, "allreduce_grads", name, fns, checks, rank.cfg["grad_inner"])
+    case = f"{MODEL} grads, {len(params)} tensors, {sum(p.numel() for p in params) * 4 / models.MiB:.1f} MiB"
+    return {"rows": rows + [_row(rank, "allreduce_grads", case, fns, checks, cfg["grad_inner"])]}
 
 
 def run(args: Any) -> int:
@@ -149,8 +143,7 @@ def run(args: Any) -> int:
         report.say("[yellow]fastcoll.bench dist: runs on gloo CPU ranks; --device cuda is ignored[/yellow]")
     cfg = {**CONFIGS[args.level], "threads": runner.threads_per_rank(args, WORLD_SIZE), "level": args.level,
            "smoke": args.level == "smoke", "quick": args.level != "full"}  # fmt: skip
-    rows = 2 if cfg["smoke"] else 3
-    with report.progress("dist", rows * len(GRAD_METHODS) * cfg["reps"]) as prog:
+    with report.progress("dist", (2 if cfg["smoke"] else 3) * len(GRAD_METHODS) * cfg["reps"]) as prog:  # rows x methods x rounds
         result = runner.run_ranks(_ranks, cfg, (), WORLD_SIZE, prog)
     body = []
     for row in result["rows"]:

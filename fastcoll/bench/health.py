@@ -26,8 +26,6 @@ from ..ops import loader
 from . import models, report, runner, stats
 from .models import MiB, ModelSpec
 
-CPU_WORLD_SIZES = (2, 1)
-CUDA_WORLD_SIZES = (1,)
 CLIP_FRACTION = 0.5  # max_norm = this times the measured gradient norm, so clipping scales
 CLIP_TARGET = 0.75  # fastcoll clipping cost / torch clipping cost, ResNet-50 and GPT-2 shapes
 CLIP_TARGET_MODELS = ("resnet50", "gpt2_small")
@@ -36,17 +34,12 @@ NONFINITE_TARGET = 0.02  # check_nonfinite=True: at most 2%
 OPS_TARGET = 1.05  # unflatten_scale with sumsq / without, 25 MiB fp32 bucket, 1 thread
 HEALTH_OPS = ("flatten_scale_ex", "unflatten_scale_ex", "sum_of_squares")
 
-# method -> (wrapper it runs on, how it clips)
-METHODS: Dict[str, Tuple[str, Optional[str]]] = {
-    "torch": ("torch", None),
-    "torch+clip": ("torch", "torch"),
-    "fastcoll": ("fastcoll", None),
-    "fastcoll+torch clip": ("fastcoll", "torch"),
-    "fastcoll norm": ("fastcoll_norm", None),
-    "fastcoll norm+clip": ("fastcoll_norm", "fastcoll"),
-    "fastcoll nonfinite": ("fastcoll_nonfinite", None),
-    "fastcoll again": ("fastcoll_again", None),
-}
+METHODS: Dict[str, Tuple[str, Optional[str]]] = {  # method -> (wrapper it runs on, how it clips)
+    "torch": ("torch", None), "torch+clip": ("torch", "torch"),
+    "fastcoll": ("fastcoll", None), "fastcoll+torch clip": ("fastcoll", "torch"),
+    "fastcoll norm": ("fastcoll_norm", None), "fastcoll norm+clip": ("fastcoll_norm", "fastcoll"),
+    "fastcoll nonfinite": ("fastcoll_nonfinite", None), "fastcoll again": ("fastcoll_again", None),
+}  # fmt: skip
 WRAPPERS = {
     "torch": "torch.nn.parallel.DistributedDataParallel(module)",
     "fastcoll": "fastcoll.DDP(module)  (compute_grad_norm=False, check_nonfinite=False)",
@@ -58,40 +51,12 @@ CLIPS = {
     "torch": "torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=True)",
     "fastcoll": "model.clip_grad_norm_(max_norm)  (norm fused into the write-back: one scaling pass)",
 }
-# cost name -> (method with the feature, method without it)
-COSTS = {
-    "clip torch": ("torch+clip", "torch"),
-    "clip fastcoll": ("fastcoll norm+clip", "fastcoll"),
+COSTS = {  # cost name -> (method with the feature, method without it)
+    "clip torch": ("torch+clip", "torch"), "clip fastcoll": ("fastcoll norm+clip", "fastcoll"),
     "clip torch on fastcoll": ("fastcoll+torch clip", "fastcoll"),
     "scaling pass fastcoll": ("fastcoll norm+clip", "fastcoll norm"),
-    "norm": ("fastcoll norm", "fastcoll"),
-    "nonfinite": ("fastcoll nonfinite", "fastcoll"),
-    "A/A": ("fastcoll again", "fastcoll"),
-}
-
-
-def health_ops_implementation() -> str:
-    """``extension`` when the compiled library has the health ops, else which of them run the pure-PyTorch reference."""
-    if ops.implementation() != "extension":
-        return "reference (pure PyTorch): the extension is not loaded"
-    missing = [n for n in HEALTH_OPS if n in loader.REFERENCE_OPS]
-    if missing:
-        return f"reference (pure PyTorch) for {', '.join(missing)}: the extension was built before them"
-    return "extension"
-
-
-def extension_file() -> Optional[Dict[str, Any]]:
-    """Path, size and modification time of the compiled extension's file, read when called (so: at load time)."""
-    mod = getattr(loader, "_C", None)
-    path = getattr(mod, "__file__", None)
-    if not path:
-        return None
-    st = os.stat(path)
-    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.st_mtime))
-    return {"path": os.path.relpath(path, report.repo_root()), "bytes": st.st_size, "modified": when}
-
-
-# Configuration
+    "norm": ("fastcoll norm", "fastcoll"), "nonfinite": ("fastcoll nonfinite", "fastcoll"), "A/A": ("fastcoll again", "fastcoll"),
+}  # fmt: skip
 CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-finite and clip targets resolve
     "smoke": dict(reps=2, max_reps=2, reps_large=2, max_large=2, setup_steps=2, target_s=0.0, max_inner=1, ops_reps=3,
                   ops_target_s=0.0),
@@ -100,21 +65,27 @@ CONFIGS = {  # rounds: reps..max_reps (GPT-2: reps_large..) until the norm, non-
     "full": dict(reps=21, max_reps=41, reps_large=21, max_large=31, setup_steps=3, target_s=0.1, max_inner=200, ops_reps=25,
                  ops_target_s=0.1),
 }  # fmt: skip
+_target = functools.partial(stats.target, op="le", interval="90% bootstrap (rounds)")
+
+
+def extension_file() -> Optional[Dict[str, Any]]:
+    """Path, size and modification time of the compiled extension's file, read when called (so: at load time)."""
+    path = getattr(getattr(loader, "_C", None), "__file__", None)
+    if not path:
+        return None
+    st = os.stat(path)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.st_mtime))
+    return {"path": os.path.relpath(path, report.repo_root()), "bytes": st.st_size, "modified": when}
 
 
 def _reps_for(spec: ModelSpec, cfg: Dict[str, Any]) -> Tuple[int, int]:
     return (cfg["reps_large"], cfg["max_large"]) if spec.name == "gpt2_small" else (cfg["reps"], cfg["max_reps"])
 
 
-_target = functools.partial(stats.target, op="le", interval="90% bootstrap (rounds)")
-
-
 # The ops-level rows (parent process, 1 intra-op thread)
 def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved.
-
-    On ResNet-50's 25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB); 1/64 of it for --smoke.
-    """
+    """``unflatten_scale`` with/without ``sumsq`` and ``flatten_scale`` with/without ``nonfinite``, interleaved, on ResNet-50's
+    25 MiB float32 DDP bucket (the one whose size is closest to 25 MiB; 1/64 of it for --smoke)."""
     device, buckets = cfg["device"], models.ddp_buckets(models.model_shapes()["resnet50"])
     b = min((b for b in buckets if b["cap"] == models.BUCKET_CAP), key=lambda b: abs(b["bytes"] - models.BUCKET_CAP))
     shapes = [tuple(s) if not cfg["smoke"] else (max(1, math.prod(s) // 64),) for s in b["shapes"]]
@@ -123,33 +94,26 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     dests = [torch.empty_like(g) for g in grads]
     n = sum(g.numel() for g in grads)
-    flat = torch.randn(n, generator=gen).to(device)
-    bucket = torch.empty(n, device=device)
-    sumsq = torch.zeros(1, dtype=torch.float64, device=device)
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    pairs = {
-        "unflatten_scale": {
-            "plain": lambda: ops.unflatten_scale(flat, dests),
-            "health": lambda: ops.unflatten_scale(flat, dests, sumsq=sumsq),
-            "with": "sumsq=s (float64 sum of squares of the written values)",
-        },
-        "flatten_scale": {
-            "plain": lambda: ops.flatten_scale(grads, bucket, 0.5),
-            "health": lambda: ops.flatten_scale(grads, bucket, 0.5, nonfinite=flag),
-            "with": "nonfinite=flag (NaN/Inf flag of the packed values)",
-        },
-    }
+    flat, bucket = torch.randn(n, generator=gen).to(device), torch.empty(n, device=device)
+    sumsq, flag = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+    pairs = {  # op -> (without the health output, with it, what it adds)
+        "unflatten_scale": (lambda: ops.unflatten_scale(flat, dests), lambda: ops.unflatten_scale(flat, dests, sumsq=sumsq),
+                            "sumsq=s (float64 sum of squares of the written values)"),
+        "flatten_scale": (lambda: ops.flatten_scale(grads, bucket, 0.5),
+                          lambda: ops.flatten_scale(grads, bucket, 0.5, nonfinite=flag),
+                          "nonfinite=flag (NaN/Inf flag of the packed values)"),
+    }  # fmt: skip
     # Correctness first: the health variant writes the same bits and the right sum.
     ops.unflatten_scale(flat, dests, sumsq=sumsq)
     want = sum(float(torch.sum(d.double() * d.double())) for d in dests)
-    sumsq_ok = math.isclose(float(sumsq), want, rel_tol=1e-9)
+    checks = {"unflatten_scale": {"sumsq matches float64": math.isclose(float(sumsq), want, rel_tol=1e-9)}}
     ops.flatten_scale(grads, bucket, 0.5, nonfinite=flag)
-    flag_ok = int(flag) == 0
+    checks["flatten_scale"] = {"flag clear": int(flag) == 0}
 
     rows, threads = [], 1 if device == "cpu" else None
     with runner.num_threads(1) if device == "cpu" else contextlib.nullcontext():
-        for op, p in pairs.items():
-            fns = {"plain": p["plain"], "health": p["health"]}
+        for op, (plain, health, added) in pairs.items():
+            fns = {"plain": plain, "health": health}
             for fn in fns.values():
                 runner.run_steps(fn, 3)
             inner = max(runner.calibrate(f, device, cfg["ops_target_s"], 1000) for f in fns.values())
@@ -157,31 +121,26 @@ def bench_ops_rows(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
             summary = {k: stats.summarize(s) for k, s in samples.items()}
             ratio = summary["health"]["median_s"] / summary["plain"]["median_s"]
             ci = stats.bootstrap_ci(stats.median_ratio("health", "plain"), samples, paired=True)
-            check = {"sumsq matches float64": sumsq_ok} if op == "unflatten_scale" else {"flag clear": flag_ok}
-            rows.append({"op": op, "with": p["with"], "bucket": name, "bytes": 4 * n, "threads": threads, "inner": inner,
+            rows.append({"op": op, "with": added, "bucket": name, "bytes": 4 * n, "threads": threads, "inner": inner,
                          "methods": summary, "samples": samples, "paired": stats.paired_cost(samples["health"], samples["plain"]),
-                         "ratio": ratio, "check": check,
+                         "ratio": ratio, "check": checks[op],
                          "targets": {"health/plain": _target(ratio, OPS_TARGET, ci)}})  # fmt: skip
     return rows
 
 
 # The ranks
 def make_wrapper(kind: str, module: nn.Module, device: str) -> nn.Module:
+    """The wrapper of :data:`WRAPPERS` ``[kind]`` around ``module``."""
     flags = {"fastcoll_norm": {"compute_grad_norm": True}, "fastcoll_nonfinite": {"check_nonfinite": True}}
     return runner.wrap(kind, module, device, **flags.get(kind, {}))
 
 
-def make_step(
-    wrapper: nn.Module, clip: Optional[str], spec: ModelSpec, x: torch.Tensor, max_norm: List[float]
-) -> Callable[[], Optional[torch.Tensor]]:
+def make_step(wrapper: nn.Module, clip: str | None, spec: ModelSpec, x: torch.Tensor, max_norm: List[float]) -> Callable[[], Any]:
     """One step: zero_grad + forward + loss + backward, then the clipping; returns the norm clipping saw (or None)."""
     module = wrapper.module
     params = [p for p in module.parameters() if p.requires_grad]
-    clip_now: Callable[[], Any] = {
-        None: lambda: None,
-        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm[0], foreach=True),
-        "fastcoll": lambda: wrapper.clip_grad_norm_(max_norm[0]),
-    }[clip]
+    clip_now = {None: lambda: None, "fastcoll": lambda: wrapper.clip_grad_norm_(max_norm[0]),
+                "torch": lambda: torch.nn.utils.clip_grad_norm_(params, max_norm[0], foreach=True)}[clip]  # fmt: skip
 
     def step() -> Optional[torch.Tensor]:
         module.zero_grad(set_to_none=True)
@@ -193,21 +152,19 @@ def make_step(
 
 def global_norm(module: nn.Module) -> float:
     """The L2 norm of the module's gradients, in float64."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return math.sqrt(sum(float(torch.sum(g.double() * g.double())) for g in grads))
+    return math.sqrt(sum(float(torch.sum(p.grad.double() * p.grad.double())) for p in module.parameters() if p.grad is not None))
 
 
 def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
-    rank, ws, cfg, tick, device = me.rank, me.ws, me.cfg, me.tick, me.device
+    """One model on this rank: the warm-up, the clipping checks, then the timed rounds of every method."""
+    cfg, tick, device = me.cfg, me.tick, me.device
     started = time.perf_counter()
     storage = models.build_storage(spec, device)  # synthetic models: every wrapper shares the weights
-    x = models.make_input(spec, rank, device)
+    x = models.make_input(spec, me.rank, device)
     wrappers = {kind: make_wrapper(kind, models.build_model(spec, device, storage), device) for kind in WRAPPERS}
     max_norm = [float("inf")]
     steps = {m: make_step(wrappers[w], clip, spec, x, max_norm) for m, (w, clip) in METHODS.items()}
-
-    def drop_grads(method: str) -> None:
-        wrappers[METHODS[method][0]].module.zero_grad(set_to_none=True)
+    drop_grads = lambda method: wrappers[METHODS[method][0]].module.zero_grad(set_to_none=True)  # noqa: E731
 
     # Warm-up of each wrapper (its bucket rebuild), one step of each method (the slowest sets inner), then max_norm.
     for kind in WRAPPERS:
@@ -221,12 +178,9 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
     norm = global_norm(wrappers["torch"].module)
     max_norm[0] = CLIP_FRACTION * norm
 
-    # Checks against the float64 norm of the synchronized gradients: the norm each clipping saw, the clipped norm, and
-    # fastcoll's clipped gradients against torch's. torch's foreach norm sums in float32 (relative error up to ~1e-4
-    # over 10^8 elements here); fastcoll's sums are float64.
-    torch_norm = float(steps["torch+clip"]())
-    fc_norm = float(steps["fastcoll norm+clip"]())
-    fc_torch_norm = float(steps["fastcoll+torch clip"]())
+    # Checks against the float64 norm of the synchronized gradients: the norm each clipping saw, the clipped norm, fastcoll's
+    # clipped gradients against torch's. torch's foreach norm sums in float32 (relative error up to ~1e-4 over 10^8 elements).
+    torch_norm, fc_norm, fc_torch_norm = (float(steps[m]()) for m in ("torch+clip", "fastcoll norm+clip", "fastcoll+torch clip"))
     after = global_norm(wrappers["fastcoll_norm"].module)
     grads = models.compare_grads(wrappers["fastcoll_norm"].module, wrappers["torch"].module, rtol=1e-3)
     rel = lambda a, b: abs(a - b) / max(abs(b), 1e-30)  # noqa: E731
@@ -236,65 +190,52 @@ def bench_model(spec: ModelSpec, me: runner.Rank) -> Dict[str, Any]:
               # torch's contract: the gradients are scaled by max_norm / (norm + 1e-6)
               "clipped": fc_norm > max_norm[0] and rel(after, fc_norm * max_norm[0] / (fc_norm + 1e-6)) <= 1e-5,
               "grads fastcoll vs torch after clip": grads}  # fmt: skip
-    checks["ok"] = bool(checks["clipped"] and checks["rel err fastcoll"] <= 1e-6 and checks["rel err torch"] <= 1e-3
-                        and grads["close"])  # fmt: skip
+    checks["ok"] = bool(checks["clipped"] and rel(fc_norm, norm) <= 1e-6 and rel(torch_norm, norm) <= 1e-3 and grads["close"])
     for m in METHODS:
         drop_grads(m)
     gc.collect()
 
     n_inner = me.inner(slowest)
-    lo, hi = _reps_for(spec, cfg)
     goals = [(functools.partial(_target_value, name=n), thr, "le") for n, thr in _thresholds(spec.name).items()]
-    samples, cpu_samples = runner.timed_rounds(steps, n_inner, lo, hi, goals, device, tick, after=drop_grads)
+    samples, cpu_samples = runner.timed_rounds(steps, n_inner, *_reps_for(spec, cfg), goals, device, tick, after=drop_grads)
     params = [p for p in wrappers["fastcoll"].module.parameters() if p.requires_grad]
     buckets = len(wrappers["fastcoll"].bucket_info())
     steps.clear()
     wrappers.clear()
-    storage = None  # noqa: F841 (the shared weights go before the next model is built)
+    del storage  # the shared weights go before the next model is built
     gc.collect()
-    return {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "world_size": ws, "params": len(params),
+    return {"model": spec.name, "label": spec.label, "synthetic": spec.synthetic, "world_size": me.ws, "params": len(params),
             "numel": sum(p.numel() for p in params), "buckets": buckets, "inner": n_inner,
             "elapsed_s": time.perf_counter() - started, **analyze(spec.name, samples),
             "cpu_time": analyze(spec.name, cpu_samples), "checks": checks}  # fmt: skip
 
 
-def _paired_median(samples: Dict[str, List[float]], cost: str) -> float:
-    a, b = COSTS[cost]
-    return statistics.median(x - y for x, y in zip(samples[a], samples[b]))
-
-
 def _target_value(samples: Dict[str, List[float]], name: str) -> Optional[float]:
     """One target's statistic: the fused norm's or the check's cost per fastcoll step, or fastcoll's clipping cost per torch's."""
+    paired = lambda cost: statistics.median(x - y for x, y in zip(samples[COSTS[cost][0]], samples[COSTS[cost][1]]))  # noqa: E731
     if name == "clip":
-        ct = _paired_median(samples, "clip torch")
-        return _paired_median(samples, "clip fastcoll") / ct if ct > 0 else None
-    return _paired_median(samples, name) / statistics.median(samples["fastcoll"])
+        ct = paired("clip torch")
+        return paired("clip fastcoll") / ct if ct > 0 else None
+    return paired(name) / statistics.median(samples["fastcoll"])
 
 
 def _thresholds(model: str) -> Dict[str, float]:
-    out = {"norm": NORM_TARGET, "nonfinite": NONFINITE_TARGET}
-    return {**out, "clip": CLIP_TARGET} if model in CLIP_TARGET_MODELS else out
+    return {"norm": NORM_TARGET, "nonfinite": NONFINITE_TARGET, **({"clip": CLIP_TARGET} if model in CLIP_TARGET_MODELS else {})}
 
 
 def analyze(model: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
-    """Per-method summaries, paired costs, the cost ratios and the targets of one model's samples.
-
-    Each target also carries the 90% bootstrap interval of its statistic (rounds resampled).
-    """
+    """Per-method summaries, paired costs, cost ratios and targets (with 90% bootstrap intervals, rounds resampled)."""
     summary = {m: stats.summarize(s) for m, s in samples.items()}
     costs = {name: stats.paired_cost(samples[a], samples[b]) for name, (a, b) in COSTS.items()}
-    base_fc = summary["fastcoll"]["median_s"]
-    ct, cf = costs["clip torch"]["median_s"], costs["clip fastcoll"]["median_s"]
     values = {name: _target_value(samples, name) for name in ("norm", "nonfinite", "clip")}
-    targets = {}
-    for name, threshold in _thresholds(model).items():
-        stat = functools.partial(_target_value, name=name)
-        ci = stats.bootstrap_ci(stat, samples, paired=True) if len(samples["fastcoll"]) > 1 else None
-        targets[name] = _target(values[name], threshold, ci)
+    ci = lambda name: stats.bootstrap_ci(functools.partial(_target_value, name=name), samples, paired=True)  # noqa: E731
+    targets = {name: _target(values[name], threshold, ci(name) if len(samples["fastcoll"]) > 1 else None)
+               for name, threshold in _thresholds(model).items()}  # fmt: skip
+    base_fc = summary["fastcoll"]["median_s"]
     ratios = {"clip fastcoll/torch": values["clip"], "norm/fastcoll step": values["norm"],
               "nonfinite/fastcoll step": values["nonfinite"], "A/A/fastcoll step": costs["A/A"]["median_s"] / base_fc,
-              "clip torch/torch step": ct / summary["torch"]["median_s"],
-              "clip fastcoll/fastcoll step": cf / base_fc}  # fmt: skip
+              "clip torch/torch step": costs["clip torch"]["median_s"] / summary["torch"]["median_s"],
+              "clip fastcoll/fastcoll step": costs["clip fastcoll"]["median_s"] / base_fc}  # fmt: skip
     return {"methods": summary, "samples": samples, "costs": costs, "ratios": ratios, "targets": targets}
 
 
@@ -311,22 +252,20 @@ def _ranks(me: runner.Rank, specs: List[ModelSpec]) -> Dict[str, Any]:
         me.describe(f"health, {ranks}: {spec.label}")
         rows.append(bench_model(spec, me))
         me.row(f"{spec.label}, {ranks}", len(specs) * len(me.cfg["world_sizes"]))
-    return {"rows": rows, "health_ops": health_ops_implementation(), "library": library}
+    missing = [n for n in HEALTH_OPS if n in loader.REFERENCE_OPS]  # the health ops that run the pure-PyTorch reference
+    health_ops = ("reference (pure PyTorch): the extension is not loaded" if ops.implementation() != "extension"
+                  else f"reference (pure PyTorch) for {', '.join(missing)}: the extension was built before them" if missing
+                  else "extension")  # fmt: skip
+    return {"rows": rows, "health_ops": health_ops, "library": library}
 
 
 # Entry points
 def measure(args: Any = None) -> Dict[str, Any]:
-    """Run the ops rows, then spawn the ranks for each world size; return the results.
-
-    Returns:
-        ``{"benchmark": "health", "config": {...}, "health_ops": ..., "ops": [row, ...], "results": [row, ...]}``; each
-        result row has the model, the world size, per method the timing summary (seconds) and raw samples, the paired
-        ``costs``, ``ratios``, ``targets`` and the clipping ``checks``.
-    """
+    """Run the ops rows, then the ranks for each world size: ``{"benchmark", "config", "health_ops", "ops", "results"}``; each
+    result row has per method the timing summary and samples, the paired ``costs``, ``ratios``, ``targets``, ``checks``."""
     cfg = runner.level_config(args, CONFIGS, 2 if args.device == "cpu" else 1)
-    del cfg["world_size"]  # the 1-rank pass (no communication) only in the full run:
-    full = list(CUDA_WORLD_SIZES) if args.device == "cuda" else list(CPU_WORLD_SIZES)
-    cfg["world_sizes"] = full if args.device == "cuda" or cfg["level"] == "full" else [2]
+    del cfg["world_size"]  # one NCCL rank; on CPU 2 gloo ranks, then (full run) the 1-rank pass without communication
+    cfg["world_sizes"] = [1] if args.device == "cuda" else [2, 1] if cfg["level"] == "full" else [2]
     smoke = [models.SMOKE_MLP, models.SMOKE_RESNET50, models.SMOKE_GPT2]
     specs = smoke if cfg["smoke"] else [models.MLP96, models.RESNET50, models.GPT2]
     ops_rows = bench_ops_rows(cfg)
@@ -377,6 +316,7 @@ def costs_table(rows: List[Dict[str, Any]], title: str, key: Optional[str]) -> N
 
 
 def print_results(payload: Dict[str, Any]) -> None:
+    """The step-time table, the costs tables (wall clock; CPU time on CPU) and the ops rows."""
     cfg, rows = payload["config"], payload["results"]
     body = [[r["label"] + (" *" if r["synthetic"] else ""), r["world_size"],
              *(report.fmt_time(r["methods"][k]["median_s"]) for k in METHODS)] for r in rows]  # fmt: skip

@@ -23,9 +23,8 @@ MODELS = ("resnet50", "gpt2_small", "bert_base")
 SYNTH_COUNTS = (1, 2, 64, 128, 160, 448, 1024)
 SYNTH_DTYPES = (torch.float32, torch.bfloat16)
 SYNTH_TOTAL = BUCKET_CAP // 4  # elements: a 25 MiB float32 bucket
-METHODS = ("floor", "fused", "per_param", "torch_utils", "foreach")
-METHOD_LABELS = {"floor": "floor", "fused": "fused", "per_param": "per-param", "torch_utils": "utils.flatten",
-                 "foreach": "foreach_copy"}  # fmt: skip
+METHOD_LABELS = dict(floor="floor", fused="fused", per_param="per-param", torch_utils="utils.flatten", foreach="foreach_copy")
+METHODS = tuple(METHOD_LABELS)
 METHOD_DESCRIPTIONS = {
     "floor": "two plain copies of the same bytes: bucket.copy_(src_flat), dst_flat.copy_(bucket)",
     "fused": "fastcoll.ops.flatten_scale(grads, bucket, 1/ws) + fastcoll.ops.unflatten_scale(bucket, grads)",
@@ -33,7 +32,9 @@ METHOD_DESCRIPTIONS = {
     "torch_utils": "torch._utils._flatten_dense_tensors(grads).div_(ws), copy_ of each _unflatten_dense_tensors view",
     "foreach": "torch._foreach_copy_(bucket_views, grads) + bucket.mul_(1/ws), torch._foreach_copy_(grads, bucket_views)",
 }
-# (numerator, denominator, op, threshold): ratios of median round trips
+# ratios of median round trips: the ones every row reports (numerator, denominator), then the targets (+ op, threshold)
+RATIOS = {"fused/floor": ("fused", "floor"), "floor/fused": ("floor", "fused"), "per-param/fused": ("per_param", "fused"),
+          "torch_utils/fused": ("torch_utils", "fused"), "foreach/fused": ("foreach", "fused")}  # fmt: skip
 CPU_TARGETS = {"fused/floor": ("fused", "floor", "le", 1.25), "per-param/fused": ("per_param", "fused", "ge", 1.5)}
 GPU_TARGETS = {"floor/fused": ("floor", "fused", "ge", 0.90), "per-param/fused": ("per_param", "fused", "ge", 5.0)}
 PAIR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -74,11 +75,8 @@ class Layout:
 
 
 def model_layouts(one_per_model: bool, names: Sequence[str] = MODELS) -> Tuple[List[Layout], List[str]]:
-    """The 25 MiB-cap buckets of the models, and a note on every bucket left out.
-
-    Left out: the first (1 MiB cap) bucket, buckets dominated by an embedding far beyond the cap, and repeats of an
-    identical bucket. ``one_per_model`` keeps the full bucket with the most tensors.
-    """
+    """The 25 MiB-cap buckets of the models, and a note on every one left out: the first (1 MiB cap), an embedding's far
+    beyond the cap, repeats of an identical one and, ``one_per_model``, all but the full one with the most tensors."""
     layouts: List[Layout] = []
     skipped: List[str] = []
     for model in names:
@@ -110,11 +108,9 @@ def model_layouts(one_per_model: bool, names: Sequence[str] = MODELS) -> Tuple[L
 
 def synthetic_layouts(counts: Sequence[int], total: int, dtypes: Sequence[torch.dtype] = SYNTH_DTYPES) -> List[Layout]:
     """``count`` equal 1-D tensors of ``total`` elements in all, per count and dtype."""
-    return [
-        Layout(f"synth {SHORT[d]} x{c}", "synthetic", equal_split(c, total), d, note=f"{c} equal 1-D tensors, {total:,} elements")
-        for d in dtypes
-        for c in counts
-    ]
+    return [Layout(f"synth {SHORT[d]} x{c}", "synthetic", equal_split(c, total), d,
+                   note=f"{c} equal 1-D tensors, {total:,} elements")
+            for d in dtypes for c in counts]  # fmt: skip
 
 
 def equal_split(count: int, total: int) -> List[Tuple[int, ...]]:
@@ -123,17 +119,10 @@ def equal_split(count: int, total: int) -> List[Tuple[int, ...]]:
     return [(base + (1 if i < extra else 0),) for i in range(count)]
 
 
-def shrunk(layout: Layout) -> Layout:
-    """The layout with every tensor 64 times smaller (``--smoke``)."""
-    return replace(layout, name=layout.name + " (x1/64)", shapes=[(max(1, math.prod(s) // 64),) for s in layout.shapes])
-
-
 # The methods
 def make_methods(layout: Layout, device: str) -> Dict[str, Tuple[Callable[[], Any], Callable[[], Any]]]:
-    """The (pack, unpack) halves of each method's round trip, checked to leave ``grads / ws`` in the destinations.
-
-    Each round trip unpacks into separate tensors of the gradients' layout, so every repetition sees the same values.
-    """
+    """The (pack, unpack) halves of each method's round trip, checked to leave ``grads / ws`` in the destinations (tensors
+    apart from the gradients, so every repetition sees the same values)."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     gen = torch.Generator().manual_seed(0)
@@ -145,28 +134,24 @@ def make_methods(layout: Layout, device: str) -> Dict[str, Tuple[Callable[[], An
     src = torch.randn(layout.numel, generator=gen, dtype=layout.dtype).to(device)
     dst = torch.empty_like(src)
     s = 1.0 / WORLD_SIZE
+    held: List[torch.Tensor] = []  # torch_utils' flat bucket, from its pack to its unpack
 
     def per_param_pack() -> None:
         for g, v in zip(grads, views):
             torch.mul(g, s, out=v)
 
-    def per_param_unpack() -> None:
-        for d, v in zip(dests, views):
+    def copy_to_dests(pieces: Sequence[torch.Tensor] = views) -> None:
+        for d, v in zip(dests, pieces):
             d.copy_(v)
-
-    held: List[torch.Tensor] = []
-
-    def utils_unpack() -> None:
-        for d, u in zip(dests, _unflatten_dense_tensors(held[0], grads)):
-            d.copy_(u)
 
     halves = {
         "floor": (lambda: bucket.copy_(src), lambda: dst.copy_(bucket)),
         "fused": (lambda: ops.flatten_scale(grads, bucket, s), lambda: ops.unflatten_scale(bucket, dests, 1.0)),
-        "per_param": (per_param_pack, per_param_unpack),
-        "torch_utils": (lambda: held.__setitem__(slice(None), [_flatten_dense_tensors(grads).div_(WORLD_SIZE)]), utils_unpack),
+        "per_param": (per_param_pack, copy_to_dests),
+        "torch_utils": (lambda: held.__setitem__(slice(None), [_flatten_dense_tensors(grads).div_(WORLD_SIZE)]),
+                        lambda: copy_to_dests(_unflatten_dense_tensors(held[0], grads))),
         "foreach": (lambda: (torch._foreach_copy_(views, grads), bucket.mul_(s)), lambda: torch._foreach_copy_(dests, views)),
-    }
+    }  # fmt: skip
 
     # the check: expected values first (with one tensor, _flatten_dense_tensors returns a view and div_ scales it in place)
     for name, (pack, unpack) in list(halves.items())[1:]:
@@ -175,9 +160,9 @@ def make_methods(layout: Layout, device: str) -> Dict[str, Tuple[Callable[[], An
             d.fill_(float("nan"))
         pack()
         unpack()
-        for i, (d, e) in enumerate(zip(dests, expected)):
-            if not torch.equal(d, e):
-                raise RuntimeError(f"benchmark method {name!r} produced a wrong result for tensor {i}")
+        wrong = [i for i, (d, e) in enumerate(zip(dests, expected)) if not torch.equal(d, e)]
+        if wrong:
+            raise RuntimeError(f"benchmark method {name!r} produced a wrong result for tensor {wrong[0]}")
     return halves
 
 
@@ -203,13 +188,6 @@ def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[
     goals = {k: v for k, v in goals.items() if layout.model == "resnet50" or (device == "cuda" and k == "floor/fused")}
     samples = _rounds(methods, device, cfg, goals.values(), prog)
     med = {m: statistics.median(xs) for m, xs in samples.items()}
-    ratios = {
-        "fused/floor": stats.ratio(med["fused"], med["floor"]),
-        "floor/fused": stats.ratio(med["floor"], med["fused"]),
-        "per-param/fused": stats.ratio(med["per_param"], med["fused"]),
-        "torch_utils/fused": stats.ratio(med["torch_utils"], med["fused"]),
-        "foreach/fused": stats.ratio(med["foreach"], med["fused"]),
-    }
     targets = {name: stats.ratio_target(samples, a, b, thr, op) for name, (a, b, op, thr) in goals.items()}
     kernels = None
     if device == "cuda":
@@ -219,10 +197,10 @@ def bench_layout(layout: Layout, device: str, threads: Optional[int], cfg: Dict[
         targets["launches"] = {"value": f"{fused['pack']}/{fused['unpack']}", "op": "eq", "threshold": "1/1", "pass": ok,
                                "verdict": stats.MET if ok else stats.MISSED, "ci90": None}  # fmt: skip
     return {
-        "layout": layout.name, "kind": layout.kind, "model": layout.model, "note": layout.note,
-        "dtype": str(layout.dtype).replace("torch.", ""), "tensors": len(layout.shapes), "numel": layout.numel,
-        "bytes": layout.nbytes, "device": device, "threads": threads,
-        "methods": {m: stats.summarize(xs) for m, xs in samples.items()}, "ratios": ratios,
+        "layout": layout.name, "kind": layout.kind, "model": layout.model, "note": layout.note, "dtype": str(layout.dtype)[6:],
+        "tensors": len(layout.shapes), "numel": layout.numel, "bytes": layout.nbytes, "device": device, "threads": threads,
+        "methods": {m: stats.summarize(xs) for m, xs in samples.items()},
+        "ratios": {name: stats.ratio(med[a], med[b]) for name, (a, b) in RATIOS.items()},
         "bandwidth_gb_s": {m: 4 * layout.nbytes / t / 1e9 for m, t in med.items() if t},  # read + write, both ways
         "kernels_per_direction": kernels, "targets": targets, **({"bucket": layout.meta} if layout.meta else {}),
     }  # fmt: skip
@@ -249,38 +227,30 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
     bucket = torch.empty(n, dtype=dst)
     copies = [(torch.empty(n, dtype=d), torch.randn(n, generator=gen, dtype=d)) for d in (src, dst)]
     scale = 1.0 / WORLD_SIZE
-
-    def fused() -> None:
-        ops.flatten_scale(grads, bucket, scale)
-        ops.unflatten_scale(bucket, dests, 1.0)
-
-    def floor() -> None:
-        for a, b in copies:
-            a.copy_(b)
-
+    fns = {"floor": lambda: [a.copy_(b) for a, b in copies],
+           "fused": lambda: (ops.flatten_scale(grads, bucket, scale), ops.unflatten_scale(bucket, dests, 1.0))}  # fmt: skip
     # check: the bucket holds (g * scale).to(dst) computed in float32 (float64 with a float64 side), the dests that
     # cast back, within the coarser dtype's tolerance (a kernel may round differently in the last bit)
     bucket.fill_(float("nan"))
-    fused()
+    fns["fused"]()
     opmath = torch.float64 if torch.float64 in (src, dst) else torch.float32
     rtol, atol = max(TOLERANCES[src], TOLERANCES[dst])
-    ok, exact, err = True, True, 0.0
-    for g, v, d in zip(grads, bucket.split([g.numel() for g in grads]), dests):
-        packed = (g.to(opmath) * scale).to(dst)
-        for got, want in ((v.view(g.shape), packed), (d, packed.to(src))):
-            exact = exact and torch.equal(got, want)
-            ok = ok and torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol)
-            err = max(err, (got.double() - want.double()).abs().max().item())
-    checks = {"ok": ok, "exact": exact, "max_abs_err": err, "rtol": rtol, "atol": atol}
-    if not ok:
+    packed = torch.cat([(g.to(opmath) * scale).to(dst).reshape(-1) for g in grads])
+    got_want = [(bucket, packed), (torch.cat([d.reshape(-1) for d in dests]), packed.to(src))]
+    got_want = [(got.double(), want.double()) for got, want in got_want]  # exact in float64: compared there
+    checks = {"ok": all(torch.allclose(got, want, rtol=rtol, atol=atol) for got, want in got_want),
+              "exact": all(torch.equal(got, want) for got, want in got_want),
+              "max_abs_err": max((got - want).abs().max().item() for got, want in got_want),
+              "rtol": rtol, "atol": atol}  # fmt: skip
+    if not checks["ok"]:
         raise RuntimeError(f"fused round trip {SHORT[src]} -> {SHORT[dst]} produced a wrong result: {checks}")
-    samples = _rounds({"floor": floor, "fused": fused}, "cpu", cfg, [("fused", "floor", "le", PAIR_TARGET)], prog)
+    samples = _rounds(fns, "cpu", cfg, [("fused", "floor", "le", PAIR_TARGET)], prog)
     t = stats.ratio_target(samples, "fused", "floor", PAIR_TARGET)
     moved = 2 * n * (src.itemsize + dst.itemsize)
-    name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+    names = [str(d)[6:] for d in (src, dst)]  # "torch.float32" -> "float32"
     return {
         "layout": layout.name, "kind": layout.kind, "model": layout.model, "tensors": len(layout.shapes), "numel": n,
-        "src": name(src), "dst": name(dst), "pair": f"{name(src)}->{name(dst)}", "threads": PAIR_THREADS,
+        "src": names[0], "dst": names[1], "pair": "->".join(names), "threads": PAIR_THREADS,
         "bytes_moved": moved, "methods": {m: stats.summarize(xs) for m, xs in samples.items()},
         "ratios": {"fused/floor": t["value"]}, "targets": {"fused/floor": t}, "checks": checks,
         "bandwidth_gb_s": {m: moved / statistics.median(xs) / 1e9 for m, xs in samples.items()},
@@ -288,26 +258,19 @@ def bench_pair(layout: Layout, src: torch.dtype, dst: torch.dtype, cfg: Dict[str
 
 
 # Output and entry
-def setting(device: str, threads: Optional[int]) -> str:
-    if device == "cuda":
-        return "CUDA" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
-    return f"CPU, {threads} thread{'s' if threads != 1 else ''}"
-
-
 def print_rows(label: str, rows: List[Dict[str, Any]], device: str) -> None:
-    goals = CPU_TARGETS if device == "cpu" else GPU_TARGETS
-    columns = ["layout", "tensors", "MiB", *(METHOD_LABELS[m] for m in METHODS), "fused/floor", "per-param/fused",
-               "fused GB/s", *(f"{k} ({'≤' if g[2] == 'le' else '≥'}{g[3]})" for k, g in goals.items())]  # fmt: skip
-    if device == "cuda":
-        columns.append("launches fused (per-param)")
+    """The table of one setting's layouts."""
+    goals, cuda = CPU_TARGETS if device == "cpu" else GPU_TARGETS, device == "cuda"
+    columns = ["layout", "tensors", "MiB", *(METHOD_LABELS[m] for m in METHODS), "fused/floor", "per-param/fused", "fused GB/s",
+               *(f"{k} ({'≤' if g[2] == 'le' else '≥'}{g[3]})" for k, g in goals.items()),
+               *(["launches fused (per-param)"] if cuda else [])]  # fmt: skip
     body = []
     for r in rows:
-        line = [r["layout"], r["tensors"], f"{r['bytes'] / MiB:.1f}"]
-        line += [report.fmt_time(r["methods"][m]["median_s"]) for m in METHODS]
-        line += [report.fmt_ratio(r["ratios"]["fused/floor"]), report.fmt_ratio(r["ratios"]["per-param/fused"])]
-        line += [f"{r['bandwidth_gb_s'].get('fused', float('nan')):.1f}"]
-        line += [report.target_cell(r["targets"].get(k)) if k in r["targets"] else "" for k in goals]
-        if device == "cuda":
+        times = [report.fmt_time(r["methods"][m]["median_s"]) for m in METHODS]
+        line = [r["layout"], r["tensors"], f"{r['bytes'] / MiB:.1f}", *times, report.fmt_ratio(r["ratios"]["fused/floor"]),
+                report.fmt_ratio(r["ratios"]["per-param/fused"]), f"{r['bandwidth_gb_s'].get('fused', float('nan')):.1f}",
+                *(report.target_cell(r["targets"].get(k)) if k in r["targets"] else "" for k in goals)]  # fmt: skip
+        if cuda:
             k = r["kernels_per_direction"]
             line.append(f"{k['fused']['pack']}/{k['fused']['unpack']} ({k['per_param']['pack']}/{k['per_param']['unpack']})")
         body.append(line)
@@ -316,36 +279,21 @@ def print_rows(label: str, rows: List[Dict[str, Any]], device: str) -> None:
     report.table(f"fastcoll ops: {label}", columns, body, caption)
 
 
-def print_pairs(rows: List[Dict[str, Any]], layouts: List[Layout]) -> None:
-    columns = ["grads → bucket"]
-    for lay in layouts:
-        columns += [f"{lay.kind} floor", f"{lay.kind} fused", f"{lay.kind} fused/floor (≤{PAIR_TARGET}x)"]
-    by_pair: Dict[str, List[str]] = {}
-    for r in rows:
-        src, dst = getattr(torch, r["src"]), getattr(torch, r["dst"])
-        line = by_pair.setdefault(r["pair"], [f"{SHORT[src]} → {SHORT[dst]}"])
-        line += [report.fmt_time(r["methods"][m]["median_s"]) for m in ("floor", "fused")]
-        line.append(report.target_cell(r["targets"]["fused/floor"]))
-    caption = (
-        f"median round trip at {PAIR_THREADS} thread: fused = flatten_scale into a bucket of the second dtype + "
-        "unflatten_scale back; floor = a plain copy of the same elements in each dtype\n"
-        + "\n".join(f"{lay.kind}: {lay.name}, {len(lay.shapes)} tensors, {lay.numel:,} elements" for lay in layouts)
-    )
-    report.table(f"fastcoll ops: dtype pairs, CPU, {PAIR_THREADS} thread", columns, list(by_pair.values()), caption)
-
-
 def run(args: Any) -> int:
     """``python -m fastcoll.bench ops``: tables, ``benchmarks/out/ops_<device>.json`` and a chart."""
     device, level = args.device, args.level
-    cfg = CONFIGS[level]
+    cfg, smoke = CONFIGS[level], level == "smoke"
     if ops.implementation() != "extension":
         report.say("[yellow]fastcoll.bench ops: the C++ extension is not loaded; 'fused' is the pure-PyTorch reference[/yellow]")
-    layouts, skipped = model_layouts(level != "full", ("resnet50",) if level == "smoke" else MODELS)
-    layouts = [shrunk(lay) for lay in layouts] if level == "smoke" else layouts
-    layouts += synthetic_layouts(cfg["counts"], cfg["synth_total"])
-    settings: List[Optional[int]] = [None] if device == "cuda" else runner.thread_counts(args)[: 1 if level == "smoke" else None]
+    layouts, skipped = model_layouts(level != "full", ("resnet50",) if smoke else MODELS)
     bucket = next(lay for lay in model_layouts(False, ("resnet50",))[0] if lay.meta["bucket_index"] == 2)  # "resnet50 b2"
-    bucket = shrunk(bucket) if level == "smoke" else bucket
+    if smoke:  # every tensor 64 times smaller
+        *layouts, bucket = [replace(lay, name=lay.name + " (x1/64)", shapes=[(max(1, math.prod(s) // 64),) for s in lay.shapes])
+                            for lay in [*layouts, bucket]]  # fmt: skip
+    layouts += synthetic_layouts(cfg["counts"], cfg["synth_total"])
+    settings: List[Optional[int]] = [None] if device == "cuda" else runner.thread_counts(args)[: 1 if smoke else None]
+    gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" and torch.cuda.is_available() else ""
+    setting = {t: f"CUDA{gpu}" if device == "cuda" else f"CPU, {t} thread{'s' if t != 1 else ''}" for t in settings}
     synth = Layout("synth x64", "synthetic", equal_split(64, bucket.numel), note=f"64 tensors, as many elements as {bucket.name}")
     pair_layouts = ([bucket] if level != "full" else [bucket, synth]) if device == "cpu" else []
     report.table("DDP buckets benchmarked (reverse parameter order; first cap 1 MiB, then 25 MiB)",
@@ -360,10 +308,10 @@ def run(args: Any) -> int:
         for threads in settings:
             with runner.num_threads(threads or torch.get_num_threads()):
                 for layout in layouts:
-                    prog.describe(f"ops, {setting(device, threads)}: {layout.name}")
+                    prog.describe(f"ops, {setting[threads]}: {layout.name}")
                     results.append(bench_layout(layout, device, threads, cfg, prog))
-            prog.row(setting(device, threads), len(settings) + bool(pair_layouts))
-            print_rows(setting(device, threads), results[-len(layouts) :], device)
+            prog.row(setting[threads], len(settings) + bool(pair_layouts))
+            print_rows(setting[threads], results[-len(layouts) :], device)
         with runner.num_threads(PAIR_THREADS):
             for src, dst in PAIRS if pair_layouts else []:
                 for layout in pair_layouts:
@@ -371,12 +319,23 @@ def run(args: Any) -> int:
                     pairs.append(bench_pair(layout, src, dst, cfg, prog))
         if pairs:
             prog.row("dtype pairs", len(settings) + 1)
-            print_pairs(pairs, pair_layouts)
     torch.set_flush_denormal(False) if flush else None
-    targets = [(f"{setting(r['device'], r['threads'])}, {r['layout']}: {k}", t) for r in results for k, t in r["targets"].items()]
+    if pairs:  # their table: a row per pair, three columns per layout
+        by_pair: Dict[str, List[str]] = {}
+        for r in pairs:
+            line = by_pair.setdefault(r["pair"], [" → ".join(SHORT[getattr(torch, r[k])] for k in ("src", "dst"))])
+            line += [report.fmt_time(r["methods"][m]["median_s"]) for m in ("floor", "fused")]
+            line.append(report.target_cell(r["targets"]["fused/floor"]))
+        columns = [f"{lay.kind} {c}" for lay in pair_layouts for c in ("floor", "fused", f"fused/floor (≤{PAIR_TARGET}x)")]
+        caption = (f"median round trip at {PAIR_THREADS} thread: fused = flatten_scale into a bucket of the second dtype + "
+                   "unflatten_scale back; floor = a plain copy of the same elements in each dtype")  # fmt: skip
+        caption += "".join(f"\n{lay.kind}: {lay.name}, {len(lay.shapes)} tensors, {lay.numel:,} elements" for lay in pair_layouts)
+        report.table(f"fastcoll ops: dtype pairs, CPU, {PAIR_THREADS} thread", ["grads → bucket", *columns],
+                     list(by_pair.values()), caption)  # fmt: skip
+    targets = [(f"{setting[r['threads']]}, {r['layout']}: {k}", t) for r in results for k, t in r["targets"].items()]
     targets += [(f"dtype pair {r['pair']}, {r['layout']}", r["targets"]["fused/floor"]) for r in pairs]
     config = {
-        "device": device, "threads": settings, "level": level, "quick": level != "full", "smoke": level == "smoke", **cfg,
+        "device": device, "threads": settings, "level": level, "quick": level != "full", "smoke": smoke, **cfg,
         "world_size": WORLD_SIZE, "first_bucket_cap": models.FIRST_BUCKET_CAP, "bucket_cap": BUCKET_CAP,
         "synthetic_total_elements": cfg["synth_total"], "methods": METHOD_DESCRIPTIONS, "not_benchmarked": skipped,
         "dtype_pairs": {"dtypes": [str(d)[6:] for d in PAIR_DTYPES], "threads": PAIR_THREADS,

@@ -18,8 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
-from torch import nn
-
 from ..reducer.autotune import autotune_steps
 from ..reducer.timeline import LANES
 from . import models, report, runner, stats
@@ -27,9 +25,9 @@ from . import models, report, runner, stats
 CPU_WORLD_SIZE = 2
 CUDA_WORLD_SIZE = 1
 FIXED_CAPS_MB = (1, 5, 25, 100)
-DEFAULT_CAP_MB = 25
 FIXED_METHODS = tuple(f"{c} MiB" for c in FIXED_CAPS_MB)
 METHODS = ("torch", *FIXED_METHODS, "auto")
+BUCKET_CAPS = {**{m: float(c) for m, c in zip(FIXED_METHODS, FIXED_CAPS_MB)}, "auto": "auto"}  # fastcoll.DDP's bucket_cap_mb
 METHOD_DESCRIPTIONS = {
     "torch": "torch.nn.parallel.DistributedDataParallel(module) (bucket_cap_mb=25)",
     **{f"{c} MiB": f"fastcoll.DDP(module, bucket_cap_mb={c})" for c in FIXED_CAPS_MB},
@@ -37,19 +35,16 @@ METHOD_DESCRIPTIONS = {
 }
 AUTO_VS_BEST_FIXED = 1.05  # auto's step <= 1.05x the best fixed cap's
 AUTO_VS_TORCH = 1.0  # auto's step <= 1.0x torch DDP's default
-TIMELINE_LAYOUTS = (f"{DEFAULT_CAP_MB} MiB", "auto")  # the layouts whose timelines are charted
+TIMELINE_LAYOUTS = ("25 MiB", "auto")  # the layouts whose timelines are charted: the default cap and the tuned one
 SMOKE_AUTOTUNE_STEPS = "12"
 
 #: Gantt chart colours per lane kind (fastcoll.reducer.timeline.LANES): two shades alternating per bucket, the legend.
 LANE_COLOURS = {
-    "forward": ("#d9d9d9", "#d9d9d9", "forward"),
-    "backward": ("#8c8c8c", "#8c8c8c", "backward compute"),
-    "exposed": ("#e34a33", "#e34a33", "exposed sync"),
-    "ready": ("#a1d99b", "#41ab5d", "gradients ready (first-last)"),
-    "pack": ("#fdae6b", "#e6550d", "pack"),
-    "comm": ("#9ecae1", "#3182bd", "communication"),
+    "forward": ("#d9d9d9", "#d9d9d9", "forward"), "backward": ("#8c8c8c", "#8c8c8c", "backward compute"),
+    "exposed": ("#e34a33", "#e34a33", "exposed sync"), "ready": ("#a1d99b", "#41ab5d", "gradients ready (first-last)"),
+    "pack": ("#fdae6b", "#e6550d", "pack"), "comm": ("#9ecae1", "#3182bd", "communication"),
     "write-back": ("#bcbddc", "#756bb1", "write-back"),
-}
+}  # fmt: skip
 #: The bucket lanes of the Gantt chart: colour kind, and the record's start and end fields.
 BUCKET_LANES = (("ready", "ready_first_us", "ready_last_us"), ("pack", "pack_start_us", "pack_end_us"),
                 ("comm", "issued_us", "completed_us"), ("write-back", "writeback_start_us", "writeback_end_us"))  # fmt: skip
@@ -74,26 +69,9 @@ def model_specs(cfg: dict[str, Any]) -> list[Any]:
     return [models.MLP96, models.CONVBN, models.ENCODER, models.RESNET50, models.GPT2]
 
 
-def autotune_env(cfg: dict[str, Any]) -> dict[str, str]:
-    """Environment for the ranks: a short tuning under ``--smoke`` (unless FASTCOLL_AUTOTUNE_STEPS is set)."""
-    if cfg["smoke"] and "FASTCOLL_AUTOTUNE_STEPS" not in os.environ:
-        return {"FASTCOLL_AUTOTUNE_STEPS": SMOKE_AUTOTUNE_STEPS}
-    return {}
-
-
-def make_wrapper(method: str, module: nn.Module, device: str) -> nn.Module:
-    if method == "torch":
-        return runner.wrap("torch", module, device)
-    return runner.wrap("fastcoll", module, device, bucket_cap_mb="auto" if method == "auto" else float(method.split()[0]),
-                       record_timeline=True)  # fmt: skip
-
-
 def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
-    """Samples per method: as many as ``budget_s`` of one model's sampling allows, within ``[reps, max_reps]``.
-
-    Steps vary by 10-30% on a 2-core machine: 10 samples leave a median uncertain by about 5%, as much as the target to
-    resolve; 30 or more bring the 90% interval of a ratio to about +-3%.
-    """
+    """Samples per method: as many as ``budget_s`` of one model's sampling allows, within ``[reps, max_reps]`` (steps vary by
+    10-30% on 2 cores: 10 samples leave a median uncertain by about 5%; 30 or more bring a ratio's 90% interval to +-3%)."""
     fit = int(cfg["budget_s"] / (len(METHODS) * max(sample_s, 1e-6)))
     return max(cfg["reps"], min(cfg["max_reps"], fit))
 
@@ -103,12 +81,11 @@ def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int],
     device = cfg["device"]
     storage = models.build_storage(spec, device)
     x = models.make_input(spec, rank, device)
-    wrappers: dict[str, nn.Module] = {}
-    steps: dict[str, Callable[[], None]] = {}
-    setup_s: dict[str, float] = {}
+    wrappers, steps, setup_s = {}, {}, {}  # per method: the wrapper, its step, the seconds of its last setup step
     tune_steps = autotune_steps() + 5
     for method in METHODS:
-        wrapper = make_wrapper(method, models.build_model(spec, device, storage), device)
+        fastcoll = {"bucket_cap_mb": BUCKET_CAPS[method], "record_timeline": True} if method != "torch" else {}
+        wrapper = runner.wrap("fastcoll" if fastcoll else "torch", models.build_model(spec, device, storage), device, **fastcoll)
         step = models.backward_step(spec, wrapper, x)
         runner.run_steps(step, (tune_steps if method == "auto" else cfg["setup_steps"]) - 1)  # the rebuild, auto's tuning
         setup_s[method] = runner.time_calls(step, 1, device)
@@ -151,11 +128,8 @@ def _ranks(me: runner.Rank) -> dict[str, Any]:
 
 # Results
 def representative(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[int | None, list[dict[str, Any] | None]]:
-    """The iteration to chart: the one (present on every rank) whose slowest rank's exposed sync is the median.
-
-    Returns:
-        Its iteration number and each rank's record of it (None where a rank lacks it).
-    """
+    """The iteration to chart (present on every rank, its slowest rank's exposed sync the median) and each rank's record
+    of it (None where a rank lacks it)."""
     by_num, exposed = _slowest_exposed(per_rank)
     if not exposed:
         return None, [None] * len(per_rank)
@@ -182,102 +156,59 @@ def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     best = min(FIXED_METHODS, key=lambda m: med[m])
     samples, how = row.get("samples_s") or {}, "90% bootstrap (rounds)"
     best_fixed = lambda s: stats.ratio(statistics.median(s["auto"]), min(statistics.median(s[m]) for m in FIXED_METHODS))  # noqa: E731
-    stat = {"auto vs best fixed": best_fixed, "auto vs torch": stats.median_ratio("auto", "torch")}
-    ci = {k: stats.bootstrap_ci(f, samples, paired=True) if samples else None for k, f in stat.items()}
     row["best_fixed"] = best
     row["ratios"] = {"auto/best fixed": stats.ratio(med["auto"], med[best]), "auto/torch": stats.ratio(med["auto"], med["torch"]),
                      "25 MiB/torch": stats.ratio(med["25 MiB"], med["torch"])}  # fmt: skip
-    goals = {"auto vs best fixed": ("auto/best fixed", AUTO_VS_BEST_FIXED), "auto vs torch": ("auto/torch", AUTO_VS_TORCH)}
-    row["targets"] = {k: stats.target(row["ratios"][r], thr, ci[k], "le", how) for k, (r, thr) in goals.items()}
+    goals = {"auto vs best fixed": ("auto/best fixed", AUTO_VS_BEST_FIXED, best_fixed),  # target -> (ratio, threshold, statistic)
+             "auto vs torch": ("auto/torch", AUTO_VS_TORCH, stats.median_ratio("auto", "torch"))}  # fmt: skip
+    ci = {k: stats.bootstrap_ci(stat, samples, paired=True) if samples else None for k, (_, _, stat) in goals.items()}
+    row["targets"] = {k: stats.target(row["ratios"][r], thr, ci[k], "le", how) for k, (r, thr, _) in goals.items()}
     chosen = next((r for r in row.get("tuning_report") or [] if r.get("chosen")), None)
     row["auto_choice"] = chosen["label"] if chosen else None
     row["exposed_sync_s"] = {m: exposed_median_s(lay["timeline"]) for m, lay in row["layouts"].items()}
     return row
 
 
-def merge_traces(events_by_layout: dict[str, Sequence[Sequence[dict[str, Any]]]], out: Path) -> Path | None:
-    """Write one Chrome trace of every layout and rank: ``traceEvents`` of each rank's trace, as process ``<layout>, rank r``.
-
-    Args:
-        events_by_layout: Layout name -> per rank, the ``traceEvents`` of its ``export_chrome_trace`` file. Process ids
-            are offset by 100 per layout.
-        out: The JSON file to write.
-
-    Returns:
-        ``out``, or None when there was no event at all.
-    """
-    events: list[dict[str, Any]] = []
-    for j, (layout, per_rank) in enumerate(events_by_layout.items()):
-        for rank_events in per_rank:
-            for ev in rank_events:
-                ev = dict(ev)
-                ev["pid"] = 100 * j + int(ev.get("pid", 0))
-                if ev.get("ph") == "M" and ev.get("name") == "process_name":
-                    ev["args"] = {"name": f"{layout}, {ev.get('args', {}).get('name', '')}"}
-                elif ev.get("ph") == "M" and ev.get("name") == "process_sort_index":
-                    ev["args"] = {"sort_index": ev["pid"]}
-                events.append(ev)
-    if not events:
-        return None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "fastcoll.bench timeline"}}, f)
-    return out
-
-
 # Gantt chart
 def _spans(it: dict[str, Any]) -> list[tuple[int, str, int, float, float]]:
-    """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record."""
-    out: list[tuple[int, str, int, float, float]] = []
-
-    def add(lane: int, kind: str, k: int, a: float | None, b: float | None) -> None:
-        if a is not None and b is not None and b >= a:
-            out.append((lane, kind, k, a / 1e3, b / 1e3))
-
-    add(0, "forward", -1, it.get("forward_start_us"), it.get("backward_start_us"))
-    add(0, "backward", -1, it.get("backward_start_us"), it.get("backward_end_us"))
+    """``(lane, colour kind, bucket or -1, start_ms, end_ms)`` of one iteration record (the spans it has both ends of)."""
     end = it.get("backward_end_us")
-    if end is not None:
-        add(0, "exposed", -1, end, end + it.get("exposed_sync_us", 0.0))
-    for b in it.get("buckets", []):
-        for lane, (kind, start, end) in enumerate(BUCKET_LANES, 1):
-            add(lane, kind, b["bucket"], b.get(start), b.get(end))
-    return out
+    spans = [(0, "forward", -1, it.get("forward_start_us"), it.get("backward_start_us")),
+             (0, "backward", -1, it.get("backward_start_us"), end),
+             (0, "exposed", -1, end, None if end is None else end + it.get("exposed_sync_us", 0.0))]  # fmt: skip
+    spans += [(lane, kind, bucket["bucket"], bucket.get(start), bucket.get(stop))
+              for bucket in it.get("buckets", []) for lane, (kind, start, stop) in enumerate(BUCKET_LANES, 1)]  # fmt: skip
+    return [(lane, kind, k, a / 1e3, b / 1e3) for lane, kind, k, a, b in spans if a is not None and b is not None and b >= a]
 
 
 def gantt_chart(path: Path, title: str, panels: dict[str, Sequence[dict[str, Any] | None]]) -> Path | None:
-    """Draw one iteration per rank per panel as a Gantt chart (PNG); None without matplotlib.
+    """Draw one iteration per rank per panel as a Gantt chart (PNG at ``path``); None without matplotlib.
 
-    Args:
-        path: Where to write the PNG.
-        title: The figure's title.
-        panels: Panel title (e.g. ``"default 25 MiB: 3 buckets"``) -> per rank, one record of
-            :meth:`fastcoll.reducer.timeline.Timeline.iterations` (None: that rank has none). Each rank gets the lanes
-            of :data:`fastcoll.reducer.timeline.LANES`; times in ms from the backward start; the exposed sync time is
-            the red bar after the backward.
+    ``panels``: panel title -> per rank, one record of :meth:`fastcoll.reducer.timeline.Timeline.iterations` (None: that
+    rank has none). Each rank gets the lanes of :data:`fastcoll.reducer.timeline.LANES`; times in ms from the backward
+    start; the exposed sync time is the red bar after the backward.
     """
     plt = report.pyplot()
     if plt is None or not panels:
         return None
     from matplotlib.patches import Patch
 
-    nl = len(LANES)
-    ranks_max = max(len(v) for v in panels.values()) or 1
-    fig, axes = plt.subplots(
-        len(panels), 1, figsize=(12, 0.32 * (nl + 1) * ranks_max * len(panels) + 1.6 * len(panels)), squeeze=False
-    )
-    xmin = min((s[3] for recs in panels.values() for it in recs if it for s in _spans(it)), default=0.0)
-    xmax = max((s[4] for recs in panels.values() for it in recs if it for s in _spans(it)), default=1.0)
-    for ax, (name, recs) in zip(axes[:, 0], panels.items()):
-        for r, it in enumerate(recs):  # rank r's lanes are r * (nl + 1) + lane
-            for lane, kind, k, a, b in _spans(it) if it is not None else []:
-                colour, y = LANE_COLOURS[kind][k % 2 if k >= 0 else 0], r * (nl + 1) + lane
+    per_rank = len(LANES) + 1  # a rank's lanes and a gap: rank r's lane l is at r * per_rank + l
+    spans = {name: [_spans(it) if it else [] for it in recs] for name, recs in panels.items()}
+    every = [s for ranks in spans.values() for rank_spans in ranks for s in rank_spans]
+    xmin, xmax = min((s[3] for s in every), default=0.0), max((s[4] for s in every), default=1.0)
+    height = 0.32 * per_rank * (max(len(recs) for recs in panels.values()) or 1) * len(panels) + 1.6 * len(panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, height), squeeze=False)
+    for ax, (name, ranks) in zip(axes[:, 0], spans.items()):
+        for r, rank_spans in enumerate(ranks):
+            for lane, kind, k, a, b in rank_spans:
+                colour, y = LANE_COLOURS[kind][k % 2 if k >= 0 else 0], r * per_rank + lane
                 ax.broken_barh([(a, max(b - a, (xmax - xmin) * 1e-4))], (y - 0.4, 0.8), facecolors=colour)
                 if kind == "comm" and (b - a) > 0.04 * (xmax - xmin):
                     ax.text((a + b) / 2, y, str(k), ha="center", va="center", fontsize=6)
-        lanes = [(r * (nl + 1) + lane, f"rank {r} · {name}") for r in range(len(recs)) for lane, name in enumerate(LANES)]
+        lanes = [(r * per_rank + lane, f"rank {r} · {label}") for r in range(len(ranks)) for lane, label in enumerate(LANES)]
         ax.set_yticks([y for y, _ in lanes], [label for _, label in lanes], fontsize=7)
-        ax.set_ylim(len(recs) * (nl + 1) - 1, -1)
+        ax.set_ylim(len(ranks) * per_rank - 1, -1)
         ax.set_xlim(xmin - 0.01 * (xmax - xmin), xmax + 0.01 * (xmax - xmin))
         ax.set_title(name, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
@@ -305,11 +236,12 @@ def measure(args: Any = None) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark and return its results (rows summarized, each layout with its trace events)."""
     cfg = _config(args, args.device)
     specs = model_specs(cfg)
-    rank_cfg = {**cfg, "malloc": "keep", "freeze": True, "env": autotune_env(cfg)}
+    short_tuning = cfg["smoke"] and "FASTCOLL_AUTOTUNE_STEPS" not in os.environ  # --smoke: unless the steps are set
+    env = {"FASTCOLL_AUTOTUNE_STEPS": SMOKE_AUTOTUNE_STEPS} if short_tuning else {}
     with report.progress("timeline", len(specs) * len(METHODS) * (cfg["max_reps"] + 1)) as prog:
-        result = runner.run_ranks(_ranks, rank_cfg, (), cfg["world_size"], prog)
+        result = runner.run_ranks(_ranks, {**cfg, "malloc": "keep", "freeze": True, "env": env}, (), cfg["world_size"], prog)
     rows = [summarize_row(r) for r in result["rows"]]
-    config = {**cfg, "autotune_steps": int(autotune_env(cfg).get("FASTCOLL_AUTOTUNE_STEPS") or autotune_steps()),
+    config = {**cfg, "autotune_steps": int(env.get("FASTCOLL_AUTOTUNE_STEPS") or autotune_steps()),
               "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,
               "step": "module.zero_grad(set_to_none=True); loss(wrapper(x)).backward()  (no optimizer step)",
               "targets": f"auto step <= {AUTO_VS_BEST_FIXED}x the best fixed cap's and <= {AUTO_VS_TORCH}x torch DDP's",
@@ -322,12 +254,26 @@ def _layout_name(row: dict[str, Any], method: str) -> str:
 
 
 def write_traces(path_for: Callable[[str], Path], payload: dict[str, Any]) -> list[Path]:
-    """One merged Chrome trace per model (every rank, both layouts), taking the events out of ``payload``; returns the paths."""
+    """One merged Chrome trace per model (every rank, both layouts), taking the events out of ``payload``; returns the paths.
+
+    Each rank's ``traceEvents`` of a layout become the process ``<layout>, rank r``; process ids offset by 100 per layout.
+    """
     written = []
     for row in payload["results"]:
-        by_layout = {_layout_name(row, m): lay.pop("trace_events", []) for m, lay in row["layouts"].items()}
-        out = merge_traces(by_layout, path_for(row["model"]))
-        if out is not None:
+        events: list[dict[str, Any]] = []
+        for j, (method, lay) in enumerate(row["layouts"].items()):
+            for ev in (ev for rank_events in lay.pop("trace_events", []) for ev in rank_events):
+                ev = {**ev, "pid": 100 * j + int(ev.get("pid", 0))}
+                if ev.get("ph") == "M" and ev.get("name") == "process_name":
+                    ev["args"] = {"name": f"{_layout_name(row, method)}, {ev.get('args', {}).get('name', '')}"}
+                elif ev.get("ph") == "M" and ev.get("name") == "process_sort_index":
+                    ev["args"] = {"sort_index": ev["pid"]}
+                events.append(ev)
+        if events:
+            out = path_for(row["model"])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "fastcoll.bench timeline"}}
+            out.write_text(json.dumps(trace))
             written.append(out)
     return written
 
@@ -356,11 +302,10 @@ def print_results(payload: dict[str, Any]) -> None:
                  "exposed sync = end of backward compute to the last gradient written back (model.sync_timeline(); "
                  "median over the last recorded iterations of the slowest rank).")  # fmt: skip
     for r in payload["results"]:
-        tried = [x for x in r.get("tuning_report") or [] if not x.get("pruned")]
+        tried = [f"{x['label']}{' (chosen)' if x.get('chosen') else ''} {report.fmt_time(x.get('step_median_s'))}"
+                 for x in r.get("tuning_report") or [] if not x.get("pruned")]  # fmt: skip
         if tried:
-            alts = ", ".join(f"{x['label']}{' (chosen)' if x.get('chosen') else ''} {report.fmt_time(x.get('step_median_s'))}"
-                             for x in tried)  # fmt: skip
-            report.say(f"[dim]{r['label']}: auto tried {alts}[/dim]")
+            report.say(f"[dim]{r['label']}: auto tried {', '.join(tried)}[/dim]")
 
 
 def run(args: Any = None) -> int:

@@ -1,12 +1,10 @@
 """ZeRO-1: ``fastcoll.ShardedOptimizer`` against torch's ZeroRedundancyOptimizer and DDP, with AdamW (docs/benchmarks.md).
 
-Methods: :data:`METHOD_DESCRIPTIONS` (2 gloo ranks on CPU, one NCCL rank per
-GPU; only ShardedOptimizer's public API). First memory, state, traffic and a
-check of the parameters against torch DDP + AdamW's, each (model, method) in a
-fresh process pair; then the step time, a model's methods side by side on
-shared weights, rounds until every step target resolves. Then the bfloat16
-section (:mod:`fastcoll.bench.zero_bf16`) and, on the CPU, the one-rounding
-section (:mod:`fastcoll.bench.zero_one_rounding`) and the ZeRO-2 pool section (:mod:`fastcoll.bench.zero_pool`).
+Methods: :data:`METHOD_DESCRIPTIONS` (2 gloo ranks on CPU, one NCCL rank per GPU; only ShardedOptimizer's public API).
+First memory, state, traffic and a check of the parameters against torch DDP + AdamW's, each (model, method) in a fresh
+process pair; then the step time, a model's methods side by side on shared weights, rounds until every step target
+resolves. Then the bfloat16 section (:mod:`fastcoll.bench.zero_bf16`) and, on the CPU, the one-rounding section
+(:mod:`fastcoll.bench.zero_one_rounding`) and the ZeRO-2 pool section (:mod:`fastcoll.bench.zero_pool`).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -62,9 +60,9 @@ def model_specs(level: str) -> List[ModelSpec]:
     return [models.MLP96, models.RESNET50] + ([models.GPT2] if level == "full" else [])
 
 
-def timing_groups(param_bytes: int, limit_bytes: int = GROUP_LIMIT_BYTES) -> List[Tuple[str, ...]]:
-    """The methods timed together in one process pair: all, or :data:`SPLIT_GROUPS` above ``limit_bytes``."""
-    return [METHODS] if param_bytes * (2.0 + sum(FOOTPRINT.values())) <= limit_bytes else [tuple(g) for g in SPLIT_GROUPS]
+def timing_groups(param_bytes: int) -> List[Tuple[str, ...]]:
+    """The methods timed together in one process pair: all, or :data:`SPLIT_GROUPS` above :data:`GROUP_LIMIT_BYTES`."""
+    return [METHODS] if param_bytes * (2.0 + sum(FOOTPRINT.values())) <= GROUP_LIMIT_BYTES else [tuple(g) for g in SPLIT_GROUPS]
 
 
 def step_goals(model: str, methods: Sequence[str]) -> List[Tuple[str, str, float]]:
@@ -73,12 +71,6 @@ def step_goals(model: str, methods: Sequence[str]) -> List[Tuple[str, str, float
     if model in STEP_VS_TORCH_MODELS:
         goals += [(m, "torch", STEP_VS_TORCH) for m in ("sharded", "overlap")]
     return [g for g in goals if g[0] in methods and g[1] in methods]
-
-
-def overlap_default() -> Optional[bool]:
-    """ShardedOptimizer's default ``overlap_param_gather`` in this checkout (None if it has no such argument)."""
-    p = inspect.signature(fastcoll.ShardedOptimizer).parameters.get("overlap_param_gather")
-    return None if p is None else bool(p.default)
 
 
 # Inside the ranks
@@ -95,14 +87,12 @@ def make_method(method: str, module: nn.Module, device: str) -> Tuple[nn.Module,
     return wrapper, torch.optim.AdamW(wrapper.parameters(), **adamw)
 
 
-def build(me: runner.Rank, spec: ModelSpec, method: str, storage: Any = None, x: Optional[torch.Tensor] = None,
-          sample: Callable[[], None] = lambda: None) -> runner.Built:  # fmt: skip
-    """``method`` on ``spec``'s model (on ``storage``'s weights, with input ``x``, if given); its step: zero_grad
-    (set_to_none=True), forward, loss, backward, step, ``sample()`` after each phase."""
+def build(me: runner.Rank, spec: ModelSpec, method: str, storage: Any = None, x: Optional[torch.Tensor] = None) -> runner.Built:
+    """``method`` on ``spec``'s model (on ``storage``'s weights, with input ``x``, if given) and its AdamW training step."""
     module = models.build_model(spec, me.device, storage, layered=True)
     wrapper, opt = make_method(method, module, me.device)
     x = models.make_input(spec, me.rank, me.device) if x is None else x
-    step = models.train_step(wrapper, opt, x, lambda out: models.loss_of(spec, out), lambda _phase: sample())
+    step = models.train_step(wrapper, opt, x, lambda out: models.loss_of(spec, out))
     return runner.Built(module, wrapper, opt, step)
 
 
@@ -112,16 +102,6 @@ def state_bytes(method: str, opt: torch.optim.Optimizer) -> int:
     return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def param_digest(module: nn.Module) -> List[float]:
-    """Float64 sum and sum of squares of every parameter (compared across methods after the same steps)."""
-    total = squares = 0.0
-    with torch.no_grad():
-        for p in module.parameters():
-            d = p.detach().double().view(-1)
-            total, squares = total + float(d.sum()), squares + float(torch.dot(d, d))
-    return [total, squares]
-
-
 def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
     """Phase 1 for one method: peak tensor and resident growth, state bytes, bytes sent per iteration, parameter digest."""
 
@@ -129,8 +109,12 @@ def _memory(me: runner.Rank, spec: ModelSpec, method: str) -> Dict[str, Any]:
         _, sent = runner.bytes_sent(lambda: (runner.run_steps(m.step, 1, m.opt), runner.synchronize(me.device)))
         buckets = len(m.wrapper.bucket_info()) if method not in ("torch", "zero") else None
         resident = probe.peak() if me.device == "cpu" else None
-        return {"peak_bytes": probe.tensor_peak(), "resident_peak_bytes": resident, "state_bytes": state_bytes(method, m.opt),
-                "sent_bytes": sent, "digest": param_digest(m.module), "buckets": buckets}  # fmt: skip
+        peak = probe.tensor_peak()  # stops the recording: the digest's float64 copies below do not count
+        with torch.no_grad():  # the digest: float64 sum and sum of squares of every parameter, compared across methods
+            flat = (p.detach().double().view(-1) for p in m.module.parameters())
+            sums = [(float(d.sum()), float(torch.dot(d, d))) for d in flat]
+        return {"peak_bytes": peak, "resident_peak_bytes": resident, "state_bytes": state_bytes(method, m.opt),
+                "sent_bytes": sent, "digest": [sum(s for s, _ in sums), sum(q for _, q in sums)], "buckets": buckets}  # fmt: skip
 
     return runner.memory_phase(me, lambda _heap: build(me, spec, method), me.cfg["setup_steps"], read,
                                lambda: build(me, models.WARMUP, method), tensors=True)  # fmt: skip
@@ -146,49 +130,40 @@ def _timing(me: runner.Rank, spec: ModelSpec, methods: Sequence[str]) -> Dict[st
 
 
 # Analysis
-step_ratio = stats.group_target
-
-
 def analyze(row: Dict[str, Any]) -> Dict[str, Any]:
     """Add per-method summaries, checks, resident margins, ratios and the targets to a model's row (in place)."""
-    groups, mem, ws = row["groups"], row["memory"], row["world_size"]
-    methods: Dict[str, Dict[str, Any]] = {}
-    for m in METHODS:
-        ranks = mem.get(m, {}).get("ranks") or []
-        methods[m] = stats.method_entry(groups, ranks, m, ("state_bytes", "peak_bytes", "resident_peak_bytes", "sent_bytes"))
-    row["methods"] = methods
-    ref = (mem.get("torch", {}).get("ranks") or [{}])[0].get("digest")
+    groups, ws = row["groups"], row["world_size"]
+    ranks = {m: row["memory"].get(m, {}).get("ranks") or [] for m in METHODS}
+    keys = ("state_bytes", "peak_bytes", "resident_peak_bytes", "sent_bytes")
+    methods = row["methods"] = {m: stats.method_entry(groups, ranks[m], m, keys) for m in METHODS}
+    ref = (ranks["torch"] or [{}])[0].get("digest")
     row["checks"] = {}
     for m in MEMORY_METHODS:
-        ranks = mem.get(m, {}).get("ranks") or []
-        if ranks and ref is not None:
-            rel = max(abs(a - b) / max(abs(b), 1e-30) for r in ranks for a, b in zip(r["digest"], ref))
+        if ranks[m] and ref is not None:
+            rel = max(abs(a - b) / max(abs(b), 1e-30) for r in ranks[m] for a, b in zip(r["digest"], ref))
             row["checks"][m] = {"max_rel_diff": rel, "ok": rel <= 1e-5}
-    targets: Dict[str, Any] = {}
-    t_state, t_peak = methods["torch"].get("state_bytes"), methods["torch"].get("peak_bytes")
+    t_state = methods["torch"].get("state_bytes")
+
+    def margins(m: str, key: str) -> Optional[List[float]]:
+        """Per rank: (torch DDP's ``key`` - ``m``'s) - the state ``m`` saves; None unless every rank measured both."""
+        base, mine, st = methods["torch"].get(key), methods[m].get(key), methods[m].get("state_bytes")
+        if not (t_state and st and base and mine) or None in base or None in mine:
+            return None
+        return [(b - v) - (ts - s) for b, v, ts, s in zip(base, mine, t_state, st)]
+
+    state, memory = {}, {}  # the targets: the state ones, then the step ones, then the memory ones
     for m in SHARDED:
-        st, pk = methods[m].get("state_bytes"), methods[m].get("peak_bytes")
-        if t_state and st:
-            targets[f"state {m}"] = stats.target(max(st) / (max(t_state) / ws), 1 + STATE_TOLERANCE)
-    for m, base, thr in step_goals(row["model"], METHODS):
-        targets[f"step {m}/{base}"] = step_ratio(groups, m, base, thr)
-    for m in SHARDED:
-        st, pk = methods[m].get("state_bytes"), methods[m].get("peak_bytes")
-        if t_state and st and t_peak and pk and None not in t_peak and None not in pk:
-            margins = [(tp - p) - (ts - s) for tp, p, ts, s in zip(t_peak, pk, t_state, st)]
-            slack = -STATE_TOLERANCE * min(ts - s for ts, s in zip(t_state, st))  # bookkeeping scalars, not the state
-            targets[f"memory {m}"] = stats.target(
-                min(margins), slack, (min(margins), max(margins)), "ge", "range over ranks", unit="bytes"
-            )
-    row["targets"] = targets
-    t_res = methods["torch"].get("resident_peak_bytes")
-    row["resident_margins"] = {}
-    for m in MEMORY_METHODS[1:]:  # the same margin in resident memory: what the C allocator keeps counts (no target)
-        rs, st = methods[m].get("resident_peak_bytes"), methods[m].get("state_bytes")
-        if t_res and rs and t_state and st and None not in t_res and None not in rs:
-            row["resident_margins"][m] = min((a - b) - (c - d) for a, b, c, d in zip(t_res, rs, t_state, st))
-    row["ratios"] = {f"{m}/torch": step_ratio(groups, m, "torch")["value"] for m in METHODS[1:]}
-    row["ratios"]["sharded/overlap"] = step_ratio(groups, "sharded", "overlap")["value"]  # what not overlapping costs
+        if t_state and methods[m].get("state_bytes"):
+            state[f"state {m}"] = stats.target(max(methods[m]["state_bytes"]) / (max(t_state) / ws), 1 + STATE_TOLERANCE)
+        if (peak := margins(m, "peak_bytes")) is not None:
+            slack = -STATE_TOLERANCE * min(ts - s for ts, s in zip(t_state, methods[m]["state_bytes"]))  # bookkeeping scalars
+            memory[f"memory {m}"] = stats.target(min(peak), slack, (min(peak), max(peak)), "ge", "range over ranks", unit="bytes")
+    steps = {f"step {m}/{base}": stats.group_target(groups, m, base, thr) for m, base, thr in step_goals(row["model"], METHODS)}
+    row["targets"] = {**state, **steps, **memory}
+    # the same margin in resident memory: what the C allocator keeps counts (no target)
+    row["resident_margins"] = {m: min(r) for m in MEMORY_METHODS[1:] if (r := margins(m, "resident_peak_bytes")) is not None}
+    row["ratios"] = {f"{m}/torch": stats.group_target(groups, m, "torch")["value"] for m in METHODS[1:]}
+    row["ratios"]["sharded/overlap"] = stats.group_target(groups, "sharded", "overlap")["value"]  # what not overlapping costs
     return row
 
 
@@ -206,44 +181,38 @@ def target_label(name: str) -> str:
 # Output and entry
 def print_results(payload: Dict[str, Any]) -> None:
     """The step table, the targets table and the memory table."""
-    cfg, rows = payload["config"], payload["results"]
-    body = []
-    for r in rows:
-        m = r["methods"]
-        line = [r["label"] + (" *" if r["synthetic"] else ""), *(report.fmt_time(m[k].get("median_s")) for k in METHODS)]
-        line += [report.fmt_ratio(r["ratios"]["sharded/overlap"]), " | ".join(f"{g['reps']} x {g['inner']}" for g in r["groups"])]
-        body.append(line)
+    cfg, rows, mib, per_rank = payload["config"], payload["results"], report.mib, report.per_rank_mib
+    body = [[r["label"] + (" *" if r["synthetic"] else ""), *(report.fmt_time(r["methods"][k].get("median_s")) for k in METHODS),
+             report.fmt_ratio(r["ratios"]["sharded/overlap"]), " | ".join(f"{g['reps']} x {g['inner']}" for g in r["groups"])]
+            for r in rows]  # fmt: skip
     adamw = ", ".join(f"{k}={v}" for k, v in cfg["adamw"].items())
     report.table(f"fastcoll zero: step time with AdamW ({cfg['device']})",
                  ["model", *(METHOD_LABELS[k] for k in METHODS), "sharded/overlap", "rounds x inner"], body,
                  f"{cfg['world_size']} {cfg['backend']} ranks, {cfg['threads']} thread(s) each; AdamW({adamw}); "
-                 "overlap_param_gather "
-                 f"default: {cfg['overlap_default']}. Median step of the slowest rank = zero_grad + forward + backward + "
-                 "step in steady state; rounds in rotating order until the step targets resolve. * synthetic: one "
-                 "module per parameter of the model's shapes, forward = one read of each.")  # fmt: skip
+                 f"overlap_param_gather default: {cfg['overlap_default']}. Median step of the slowest rank = zero_grad + "
+                 "forward + backward + step in steady state; rounds in rotating order until the step targets resolve. "
+                 "* synthetic: one module per parameter of the model's shapes, forward = one read of each.")  # fmt: skip
     body = []
     for r in rows:
         for i, (name, t) in enumerate(r["targets"].items()):
-            fmt = {"memory": report.mib, "state": lambda v: f"{v:.4f}"}.get(name.split()[0], report.fmt_ratio)
-            bound = report.mib(t["threshold"]) if name.startswith("memory") else t["threshold"]
-            thr = f"{'≥' if t['op'] == 'ge' else '≤'} {bound}"
-            body.append([r["label"] if i == 0 else "", target_label(name), report.target_cell(t, fmt), thr, t["interval"]])
-    columns = ["model", "target", "value (interval) verdict", "target", "interval"]
-    report.table(f"fastcoll zero: targets ({cfg['device']})", columns,
-                 body, "step: ratio of median steps; state: exact bytes, worst rank; memory: (torch DDP + AdamW's peak - "
-                 "this peak) - state saved, MiB, range over ranks, at least -1% of the state saved (peak: tensor bytes). "
+            fmt = {"memory": mib, "state": lambda v: f"{v:.4f}"}.get(name.split()[0], report.fmt_ratio)
+            bound = f"{'≥' if t['op'] == 'ge' else '≤'} {mib(t['threshold']) if name.startswith('memory') else t['threshold']}"
+            body.append([r["label"] if i == 0 else "", target_label(name), report.target_cell(t, fmt), bound, t["interval"]])
+    report.table(f"fastcoll zero: targets ({cfg['device']})", ["model", "target", "value (interval) verdict", "target",
+                 "interval"], body, "step: ratio of median steps; state: exact bytes, worst rank; memory: (torch DDP + AdamW's "
+                 "peak - this peak) - state saved, MiB, range over ranks, at least -1% of the state saved (peak: tensor bytes). "
                  "Reported, never asserted.")  # fmt: skip
     body = []
     for r in rows:
         m, t = r["methods"], r["methods"]["torch"]
         for k in MEMORY_METHODS:
-            st, pk, check = m[k].get("state_bytes"), m[k].get("peak_bytes"), r["checks"].get(k)
+            st, check = m[k].get("state_bytes"), r["checks"].get(k)
             saved = max(a - b for a, b in zip(t["state_bytes"], st)) if st and t.get("state_bytes") else None
             ok = "-" if check is None else "equal" if check["max_rel_diff"] == 0 else "close" if check["ok"] else "[red]DIFFER"
-            body.append([r["label"] if k == "torch" else "", METHOD_LABELS[k], report.per_rank_mib(st), report.per_rank_mib(pk),
-                         report.mib(saved), report.verdict_cell(r["targets"].get(f"memory {k}")) if k in SHARDED else "",
-                         report.per_rank_mib(m[k].get("resident_peak_bytes")), report.mib(r["resident_margins"].get(k)),
-                         report.per_rank_mib(m[k].get("sent_bytes")), ok])  # fmt: skip
+            body.append([r["label"] if k == "torch" else "", METHOD_LABELS[k], per_rank(st), per_rank(m[k].get("peak_bytes")),
+                         mib(saved), report.verdict_cell(r["targets"].get(f"memory {k}")) if k in SHARDED else "",
+                         per_rank(m[k].get("resident_peak_bytes")), mib(r["resident_margins"].get(k)),
+                         per_rank(m[k].get("sent_bytes")), ok])  # fmt: skip
     report.table(f"fastcoll zero: optimizer state, peak memory and traffic per rank ({cfg['device']})",
                  ["model", "method", "state MiB", "peak MiB", "saved", "memory target", "resident MiB", "resident margin",
                   "sent MiB", "params"],
@@ -264,7 +233,7 @@ def run(args: Any) -> int:
     ws = torch.cuda.device_count() if device == "cuda" else WORLD_SIZE
     cfg = runner.level_config(args, CONFIGS, ws, group_limit_bytes=GROUP_LIMIT_BYTES)
     specs = model_specs(args.level)
-    plans = [(s, models.param_count(s), timing_groups(4 * models.param_count(s))) for s in specs]
+    plans = [(s, n, timing_groups(4 * n)) for s in specs for n in [models.param_count(s)]]
     units = sum(len(MEMORY_METHODS) + sum(len(g) * (1 + cfg["max_reps_large" if s.name == "gpt2_small" else "max_reps"])
                                           for g in groups) for s, _, groups in plans)  # fmt: skip
     results, implementation = [], None
@@ -283,8 +252,9 @@ def run(args: Any) -> int:
                    "param_bytes": 4 * numel, "memory": memory, "groups": timed}  # fmt: skip
             results.append(analyze(row))
             prog.row(spec.label, len(plans))
+    overlap = inspect.signature(fastcoll.ShardedOptimizer).parameters.get("overlap_param_gather")  # None: no such argument
     config = {**cfg, "models": [dataclasses.asdict(s) for s in specs], "methods": METHOD_DESCRIPTIONS,
-              "adamw": models.adamw_kwargs(device), "overlap_default": overlap_default(),
+              "adamw": models.adamw_kwargs(device), "overlap_default": None if overlap is None else bool(overlap.default),
               "targets": {"state": f"optimizer state per rank <= (1 + {STATE_TOLERANCE}) x torch DDP + AdamW's / N",
                           "step vs zero": f"step <= {STEP_VS_ZERO}x ZeroRedundancyOptimizer's (full, sharded, overlap)",
                           "step vs torch": f"sharded step <= {STEP_VS_TORCH}x torch DDP + AdamW's ({STEP_VS_TORCH_MODELS})",

@@ -12,7 +12,7 @@ import dataclasses
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -49,17 +49,22 @@ MEMORY_VS_AUTOCAST = 0.6  # peak per rank <= this x autocast's
 STEP_VS_AUTOCAST = 1.1  # step <= this x autocast's
 DISTANCE_VS_BF16 = 0.1  # (c)'s weight distance from (a) <= this x (b)'s
 LOSS_GAP = 0.01  # |(c)'s final loss - (a)'s| <= this x (a)'s
-QUALITY_STEPS = 300
-QUALITY_STEPS_QUICK = 100  # --quick: 100 steps, (a), (b) and (c) (about 25 s instead of 90)
 QUALITY_LR = 1e-4
 QUALITY_MICRO_BATCHES = 4
 
 BF16 = torch.bfloat16
-CONFIGS = {  # rounds: reps..max_reps until the step target resolves
+CONFIGS = {  # rounds: reps..max_reps until the step target resolves; default: 100 quality steps, (a), (b) and (c) (~25 s)
     "smoke": dict(reps=2, max_reps=2, setup_steps=2, quality_steps=3, quality_runs=QUALITY_RUNS),
-    "default": dict(reps=5, max_reps=10, setup_steps=3, quality_steps=QUALITY_STEPS_QUICK, quality_runs=QUALITY_RUNS[:3]),
-    "full": dict(reps=6, max_reps=12, setup_steps=3, quality_steps=QUALITY_STEPS, quality_runs=QUALITY_RUNS),
+    "default": dict(reps=5, max_reps=10, setup_steps=3, quality_steps=100, quality_runs=QUALITY_RUNS[:3]),
+    "full": dict(reps=6, max_reps=12, setup_steps=3, quality_steps=300, quality_runs=QUALITY_RUNS),
 }
+#: The peaks a memory phase reads per rank, and their names in ``bytes_per_param``.
+PEAK_NAMES = {"peak_bytes": "peak", "tensor_peak_bytes": "tensor peak", "live_peak_bytes": "live"}
+#: Where the live heap is read: after zero_grad; at the model's last forward hook (inside autocast's region, its
+#: bfloat16 weight copies still cached); after the forward (the region ended); after backward; after step.
+PHASES = ("zero_grad", "forward end", "forward", "backward", "step")
+#: The warm-up's shapes: a few iterations on them first, so that the measured model pays no one-time costs.
+WARMUP = [(4, 3), (5,), (3, 2)]
 
 
 def config(args: Any) -> Dict[str, Any]:
@@ -77,38 +82,30 @@ def param_dtype(method: str) -> torch.dtype:
     return torch.float32 if method == "autocast" else BF16
 
 
+def forward_context(method: str, device: str) -> Any:
+    return torch.autocast(device, dtype=BF16) if method == "autocast" else contextlib.nullcontext()
+
+
 def build_model(shapes: Sequence[Sequence[int]], method: str, storage: Any = None, device: Any = "cpu") -> nn.Module:
     """GPT-2's shapes, one module each, whose forward is a row-wise dot product autocast runs in bfloat16."""
     return models.LayeredShapeModel(shapes, storage, device, param_dtype(method), matmul=True)
 
 
-def make_method(
-    method: str, module: nn.Module, device: str, ddp_kwargs: Optional[Dict[str, Any]] = None, **sharded_kwargs: Any
-) -> Tuple[nn.Module, torch.optim.Optimizer]:
-    """The wrapper and the optimizer of ``method`` (one of :data:`METHODS`) around ``module`` (already in its dtype).
-
-    The fastcoll methods pass ``ddp_kwargs`` to ``fastcoll.DDP`` and ``sharded_kwargs`` to ``ShardedOptimizer``.
-    """
-    adamw = models.adamw_kwargs(device, (torch.float32, BF16))
+def make_method(method: str, module: nn.Module, device: str, ddp_kwargs: Optional[Dict[str, Any]] = None,
+                **sharded_kwargs: Any) -> Tuple[nn.Module, torch.optim.Optimizer]:  # fmt: skip
+    """The wrapper and the optimizer of ``method`` (one of :data:`METHODS`) around ``module`` (already in its dtype); the
+    fastcoll methods pass ``ddp_kwargs`` to ``fastcoll.DDP`` and ``sharded_kwargs`` to ``ShardedOptimizer``."""
+    kind, kw = ("fastcoll", {"main_grad_dtype": torch.float32, **(ddp_kwargs or {})}) if method in FASTCOLL else ("torch", {})
+    wrapper = runner.wrap(kind, module, device, **kw)
+    opt = torch.optim.AdamW(wrapper.parameters(), **models.adamw_kwargs(device, (torch.float32, BF16)))
     if method in FASTCOLL:
-        wrapper: nn.Module = runner.wrap("fastcoll", module, device, main_grad_dtype=torch.float32, **(ddp_kwargs or {}))
-        opt: torch.optim.Optimizer = fastcoll.ShardedOptimizer(
-            torch.optim.AdamW(wrapper.parameters(), **adamw), wrapper, grads=method, master_dtype=torch.float32, **sharded_kwargs
-        )
-    else:
-        wrapper = runner.wrap("torch", module, device)
-        opt = torch.optim.AdamW(wrapper.parameters(), **adamw)
+        opt = fastcoll.ShardedOptimizer(opt, wrapper, grads=method, master_dtype=torch.float32, **sharded_kwargs)
     return wrapper, opt
-
-
-def forward_context(method: str, device: str) -> Any:
-    return torch.autocast(device, dtype=BF16) if method == "autocast" else contextlib.nullcontext()
 
 
 def build(me: runner.Rank, dims: Sequence[Sequence[int]], method: str, storage: Any = None, x: Optional[torch.Tensor] = None,
           sample: Callable[[str], None] = lambda phase: None) -> runner.Built:  # fmt: skip
-    """``method`` on the model of ``dims`` (on ``storage``'s weights, with input ``x``, if given); its step: one iteration
-    (the forward in autocast for ``autocast``), ``sample(phase)`` after each phase (live-heap readings)."""
+    """``method`` on the model of ``dims`` (``storage``'s weights and input ``x`` if given); its step calls ``sample(phase)``."""
     module = build_model(dims, method, storage, me.device)
     wrapper, opt = make_method(method, module, me.device)
     x = models.shape_input(len(dims), me.rank, me.device) if x is None else x
@@ -116,124 +113,82 @@ def build(me: runner.Rank, dims: Sequence[Sequence[int]], method: str, storage: 
     return runner.Built(module, wrapper, opt, step)
 
 
-# Phase 1: bytes per rank (a fresh process pair per method)
-def _storage_bytes(tensors: Sequence[Optional[torch.Tensor]], seen: Optional[set] = None) -> int:
-    """Bytes of the distinct storages of ``tensors`` (views counted once; ``seen``: storages counted elsewhere)."""
-    seen, total = set() if seen is None else seen, 0
-    for st in (t.untyped_storage() for t in tensors if t is not None and torch.is_tensor(t)):
-        if st.data_ptr() not in seen and st.nbytes() > 0:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
-
-
-def fastcoll_buffers(wrapper: nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
-    """fastcoll's gradient-side buffers: bucket storage, narrower wire buffers, kept ranges, all-gather stages.
-
-    These are internals (the byte accounting needs them); a layout this does not know counts as none.
-    """
-    try:
-        r = wrapper.reducer  # type: ignore[attr-defined]
-        out = [t for b in r.buckets for t in (getattr(b, "flat_padded", None), getattr(b, "comm_padded", None))]
-        if getattr(r, "shard_grads", None) is not None:
-            out += list(r.shard_grads.grads.values())
-        gather = getattr(r, "param_gather", None)  # the parameters' all-gather stages (the reducer's)
-        if gather is not None:
-            out += list(gather.stages.values())
-    except AttributeError:  # pragma: no cover (another internal layout)
-        return []
-    return [t for t in out if t is not None]
-
-
-def masters(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
-    """ShardedOptimizer's float32 master copies of this rank's pieces (none for a plain optimizer).
-
-    Internals (fastcoll.optim.piece_values): where they moved, this raises rather than count none.
-    """
-    if not isinstance(opt, fastcoll.ShardedOptimizer):
-        return []
-    values = opt._values  # type: ignore[attr-defined]
-    return [values.tensors[k] for k in values.master_ks]
-
-
 def account(
     method: str, module: nn.Module, wrapper: nn.Module, opt: torch.optim.Optimizer, grads: Sequence[torch.Tensor]
 ) -> Dict[str, int]:
-    """Bytes this rank holds, by kind (``grads``: the ``.grad`` tensors taken right after a backward)."""
+    """Bytes this rank holds, by kind (``grads``: the ``.grad`` tensors taken right after a backward); each storage is
+    counted once (views too), by the first kind that holds it."""
     seen: set = set()
-    params = _storage_bytes(list(module.parameters()), seen)
-    if method in FASTCOLL:
-        buckets = _storage_bytes(fastcoll_buffers(wrapper, opt), seen)
-    else:
-        sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")  # torch DDP's flat buckets, from its logging data
-        if sizes is None:  # torch's buckets hold every gradient once, in the parameters' dtype
-            sizes = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
-        buckets = int(sum(sizes))
-    dot_grad = _storage_bytes(list(grads), seen)
-    master = _storage_bytes(masters(opt), seen)
-    state = _storage_bytes([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)], seen)
-    return {"params": params, "grads": dot_grad, "buckets": buckets, "state": state, "masters": master,
-            "total": params + dot_grad + buckets + state + master}  # fmt: skip
 
+    def storage_bytes(tensors: Iterable[Any]) -> int:
+        new = {st.data_ptr(): st.nbytes() for st in (t.untyped_storage() for t in tensors if torch.is_tensor(t))
+               if st.data_ptr() not in seen and st.nbytes() > 0}  # fmt: skip
+        seen.update(new)
+        return sum(new.values())
 
-#: Where the live heap is read: after zero_grad; at the model's last forward hook (inside autocast's region, its
-#: bfloat16 weight copies still cached); after the forward (the region ended); after backward; after step.
-PHASES = ("zero_grad", "forward end", "forward", "backward", "step")
-#: The warm-up's shapes: a few iterations on them first, so that the measured model pays no one-time costs.
-WARMUP = [(4, 3), (5,), (3, 2)]
+    params = storage_bytes(module.parameters())
+    if method in FASTCOLL:  # fastcoll's internals: bucket storage, narrower wire buffers, kept ranges, all-gather stages
+        r = getattr(wrapper, "reducer", None)
+        shard, gather = getattr(r, "shard_grads", None), getattr(r, "param_gather", None)
+        buffers = [getattr(b, key, None) for b in getattr(r, "buckets", ()) for key in ("flat_padded", "comm_padded")]
+        buffers += [*(shard.grads.values() if shard is not None else ()), *(gather.stages.values() if gather is not None else ())]
+        buckets = storage_bytes(buffers)
+    else:  # torch DDP's flat buckets, from its logging data; else every gradient once, in the parameters' dtype
+        sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")
+        buckets = int(sum(sizes if sizes is not None else [p.numel() * p.element_size() for p in module.parameters()
+                                                           if p.requires_grad]))  # fmt: skip
+    dot_grad = storage_bytes(grads)
+    # ShardedOptimizer's float32 masters of this rank's pieces (internals: fastcoll.optim.piece_values)
+    values = opt._values if isinstance(opt, fastcoll.ShardedOptimizer) else None  # type: ignore[attr-defined]
+    master = storage_bytes([values.tensors[k] for k in values.master_ks] if values is not None else [])
+    state = storage_bytes(v for s in opt.state.values() for v in s.values())
+    held = {"params": params, "grads": dot_grad, "buckets": buckets, "state": state, "masters": master}
+    return {**held, "total": sum(held.values())}
 
 
 def _memory(me: runner.Rank, shapes: GPT2Shapes, method: str) -> Dict[str, Any]:
-    """Every rank's bytes by kind, peak resident growth, peak tensor bytes and live heap per phase for ``method``."""
+    """Phase 1, a fresh process pair per method: every rank's bytes by kind, peak resident growth, peak tensor bytes and
+    live heap per phase for ``method``."""
     kept: List[weakref.ref] = []  # weak: a reference would keep one step's gradients alive into the next backward
+    steps = me.cfg["setup_steps"] + 1
 
     def measured(live: Optional[runner.LiveBytes]) -> runner.Built:
         def sample(phase: str) -> None:
             if live is not None:
                 live.sample(phase)
             if phase == "backward":  # the gradients as backward leaves them (counted at the end, if still alive)
-                kept[:] = [weakref.ref(p.grad) for p in module.parameters() if p.grad is not None and not is_guard(p.grad)]
+                kept[:] = [weakref.ref(p.grad) for p in built.module.parameters() if p.grad is not None and not is_guard(p.grad)]
 
         built = build(me, [s for _, s in shapes.shapes()], method, sample=sample)
-        module = built.module
-        module.register_forward_hook(lambda *_: sample("forward end"))
+        built.module.register_forward_hook(lambda *_: sample("forward end"))
         return built
 
     def read(probe: runner.MemoryProbe, live: Optional[runner.LiveBytes], m: runner.Built) -> Dict[str, Any]:
         runner.synchronize(me.device)
         held = account(method, m.module, m.wrapper, m.opt, [g for ref in kept if (g := ref()) is not None])
-        kept.clear()
         has_live = live is not None and live.available
         return {"numel": sum(p.numel() for p in m.module.parameters()), "peak_bytes": probe.peak(),
-                "tensor_peak_bytes": probe.tensor_peak(),
-                "live_peak_bytes": live.peak if has_live else None,
-                "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None,
-                "held": held, "buckets": len(m.wrapper.bucket_info()) if hasattr(m.wrapper, "bucket_info") else None,
-                "iterations": me.cfg["setup_steps"] + 1}  # fmt: skip
+                "tensor_peak_bytes": probe.tensor_peak(), "live_peak_bytes": live.peak if has_live else None,
+                "live_by_phase": {p: live.by_phase.get(p, 0) for p in PHASES} if has_live else None, "held": held,
+                "buckets": len(m.wrapper.bucket_info()) if hasattr(m.wrapper, "bucket_info") else None,
+                "iterations": steps}  # fmt: skip
 
-    return runner.memory_phase(me, measured, me.cfg["setup_steps"] + 1, read, lambda: build(me, WARMUP, method), live=True,
-                               tensors=True)  # fmt: skip
+    return runner.memory_phase(me, measured, steps, read, lambda: build(me, WARMUP, method), live=True, tensors=True)
 
 
-# Phase 2: step time (the timed methods side by side in one process pair)
-def _timing(me: runner.Rank, shapes: GPT2Shapes, methods: Sequence[str]) -> Dict[str, Any]:
-    """The timed recipes side by side on shared weights (one copy per dtype), rounds until the step target resolves."""
+def _timing(me: runner.Rank, shapes: GPT2Shapes) -> Dict[str, Any]:
+    """Phase 2, step time: the timed recipes side by side in one process pair on shared weights (one copy per dtype),
+    rounds until the step target resolves."""
     dims = [s for _, s in shapes.shapes()]
-    storage: Dict[torch.dtype, List[torch.Tensor]] = {}
+    storage = {dtype: models.filled(dims, dtype, me.device) for dtype in (BF16, torch.float32)}
     x = models.shape_input(len(dims), me.rank, me.device)
-
-    def make(m: str) -> runner.Built:
-        dtype = param_dtype(m)
-        if dtype not in storage:  # one copy of the weights per dtype
-            storage[dtype] = models.filled(dims, dtype, me.device)
-        return build(me, dims, m, storage[dtype], x)
-
-    goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")] if "sharded" in methods else []
-    return runner.optimizer_rounds(me, methods, make, me.cfg["reps"], me.cfg["max_reps"], goal, inner=1)
+    goal = [(stats.median_ratio("sharded", "autocast"), STEP_VS_AUTOCAST, "le")]
+    return runner.optimizer_rounds(me, TIMED, lambda m: build(me, dims, m, storage[param_dtype(m)], x), me.cfg["reps"],
+                                   me.cfg["max_reps"], goal, inner=1)  # fmt: skip
 
 
-# Phase 3: quality (the tiny causal LM, every recipe in one process pair)
 def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
+    """Phase 3, quality: the tiny causal LM trained by every recipe in one process pair (rank 0 returns the runs)."""
     init, kw = tiny_lm.flat_weights(tiny_lm.TinyCausalLM()), {"lr": QUALITY_LR, "micro_batches": QUALITY_MICRO_BATCHES}
     fc = {n: {"recipe": "fastcoll", "grads": n} for n in FASTCOLL}  # the others: recipe = name
     runs = {n: {**fc.get(n, {"recipe": n}), "masters": True, **kw} for n in me.cfg["quality_runs"]}
@@ -241,96 +196,84 @@ def _quality(me: runner.Rank) -> Optional[Dict[str, Any]]:
     return {"steps": me.cfg["quality_steps"], "params": int(init.numel()), "runs": runs} if me.rank == 0 else None
 
 
-# Analysis
 def analyze(row: Dict[str, Any], quality: Optional[Dict[str, Any]], device: str = "cpu") -> Dict[str, Any]:
     """Per-method summaries, the ratios to ``autocast`` and the targets (in place; returns ``row``); on the CPU the peak of
     tensor bytes has a memory target of its own beside the resident growth's (on CUDA the two are one peak)."""
     mem, groups = row["memory"], row["groups"]
     methods: Dict[str, Dict[str, Any]] = {}
-    row["methods"] = methods
     for m in METHODS:
         ranks = mem.get(m, {}).get("ranks") or []
-        keys = ("held", "peak_bytes", "tensor_peak_bytes", "live_peak_bytes", "live_by_phase")
-        entry = methods[m] = stats.method_entry(groups, ranks, m, keys)
+        entry = methods[m] = stats.method_entry(groups, ranks, m, ("held", *PEAK_NAMES, "live_by_phase"))
         if ranks:
             numel = ranks[0]["numel"]
             bpp = entry["bytes_per_param"] = {k: max(r["held"][k] for r in ranks) / numel for k in ranks[0]["held"]}
             bpp["held"] = max(r["held"]["total"] for r in ranks) / numel
-            for key, name in (("peak_bytes", "peak"), ("tensor_peak_bytes", "tensor peak"), ("live_peak_bytes", "live")):
-                known = [p for p in entry[key] if p is not None]
-                bpp[name] = max(known) / numel if known else None
+            for key, name in PEAK_NAMES.items():  # the worst rank's
+                bpp[name] = max((p / numel for p in entry[key] if p is not None), default=None)
         entry["readme_bytes_per_param"] = README_BYTES_PER_PARAM[m][0]
 
-    targets: Dict[str, Any] = {}
-    base = methods["autocast"]
-    for m in FASTCOLL:
-        for key, kind in stats.PEAKS[: 2 if device == "cpu" else 1]:  # on CUDA both are the allocator's peak
-            what = f"peak {kind} per rank, {METHOD_LABELS[m]} / autocast's"
-            t = stats.worst_rank_target(methods[m].get(key), base.get(key), MEMORY_VS_AUTOCAST, what)
-            if t:
-                targets[f"{'memory' if key == 'peak_bytes' else 'tensor memory'} {m}/autocast"] = t
-        t = stats.group_target(groups, m, "autocast", STEP_VS_AUTOCAST, f"step, {METHOD_LABELS[m]} / autocast's")
-        if t["value"] is not None:
-            targets[f"step {m}/autocast"] = t
-    ratios: Dict[str, Any] = {}
+    base, targets, ratios = methods["autocast"], {}, {}
     for m in [m for m in METHODS if m != "autocast"]:
-        t = stats.group_target(groups, m, "autocast")
-        ratios[f"step {m}/autocast"] = {"value": t["value"], "ci90": t["ci90"]}
-        me = methods[m]
-        for what in ("peak_bytes", "tensor_peak_bytes", "live_peak_bytes"):
-            per_rank = stats.per_rank_ratios(me.get(what), base.get(what))
+        own = methods[m]
+        step = stats.group_target(groups, m, "autocast", STEP_VS_AUTOCAST, f"step, {METHOD_LABELS[m]} / autocast's")
+        ratios[f"step {m}/autocast"] = {"value": step["value"], "ci90": step["ci90"]}
+        for key in PEAK_NAMES:
+            per_rank = stats.per_rank_ratios(own.get(key), base.get(key))
             if per_rank:
-                ratios[f"{what} {m}/autocast"] = max(per_rank)
-        if me.get("held") and base.get("held"):
-            ratios[f"held {m}/autocast"] = max(x["total"] / y["total"] for x, y in zip(me["held"], base["held"]))
-    row["ratios"] = ratios
+                ratios[f"{key} {m}/autocast"] = max(per_rank)
+        if own.get("held") and base.get("held"):
+            ratios[f"held {m}/autocast"] = max(x["total"] / y["total"] for x, y in zip(own["held"], base["held"]))
+        if m not in FASTCOLL:
+            continue
+        for (key, kind), name in zip(stats.PEAKS[: 2 if device == "cpu" else 1], ("memory", "tensor memory")):  # CUDA: one peak
+            t = stats.worst_rank_target(own.get(key), base.get(key), MEMORY_VS_AUTOCAST,
+                                        f"peak {kind} per rank, {METHOD_LABELS[m]} / autocast's")  # fmt: skip
+            if t:
+                targets[f"{name} {m}/autocast"] = t
+        if step["value"] is not None:
+            targets[f"step {m}/autocast"] = step
     if quality is not None:
         runs, plain = quality["runs"], quality["runs"]["torch_bf16"]["weight_distance"]
-        for r, m in [(runs[m], m) for m in FASTCOLL if m in runs]:
-            share = r["weight_distance"] / plain if plain > 0 else None
-            r["distance_vs_bf16"] = share
+        for m in [m for m in FASTCOLL if m in runs]:
+            r = runs[m]
+            r["distance_vs_bf16"] = share = r["weight_distance"] / plain if plain > 0 else None
             targets[f"distance {m}/torch_bf16"] = stats.target(share, DISTANCE_VS_BF16, what=f"weight distance from float32, "
                                                                f"{QUALITY_LABELS[m]} / (b)'s")  # fmt: skip
             targets[f"loss {m}"] = stats.target(abs(r["loss_gap"]), LOSS_GAP,
                                                 what=f"relative final-loss gap from float32, {QUALITY_LABELS[m]}")  # fmt: skip
-    row["targets"] = targets
+    row.update(methods=methods, ratios=ratios, targets=targets)
     return row
 
 
-# Entry points
 def measure(args: Any = None) -> Dict[str, Any]:
     """Run the three phases; return ``{"benchmark": "zero_bf16", "config", "implementation", "results": [row], "quality"}``."""
-    device = args.device
-    cfg = config(args)
-    ws = cfg["world_size"]
-    shapes = model_shapes(cfg)
-    units = len(METHODS) + len(TIMED) * (cfg["max_reps"] + 1) + len(cfg["quality_runs"])
-    started = time.perf_counter()
-    with report.progress("zero bf16", units) as bar:
+    device, cfg, started = args.device, config(args), time.perf_counter()
+    ws, shapes = cfg["world_size"], model_shapes(cfg)
+    with report.progress("zero bf16", len(METHODS) + len(TIMED) * (cfg["max_reps"] + 1) + len(cfg["quality_runs"])) as bar:
         memory: Dict[str, Any] = {}
         for m in METHODS:
             bar.describe(f"zero bf16: {shapes.label}, memory of {METHOD_LABELS[m]}")
             memory[m] = runner.run_ranks(_memory, cfg, (shapes, m), ws, bar)
         bar.describe(f"zero bf16: {shapes.label}, timing {', '.join(METHOD_LABELS[m] for m in TIMED)}")
-        timed = runner.run_ranks(_timing, {**cfg, "malloc": "keep", "freeze": True}, (shapes, TIMED), ws, bar)
+        timed = runner.run_ranks(_timing, {**cfg, "malloc": "keep", "freeze": True}, (shapes,), ws, bar)
         implementation, malloc = timed.pop("implementation"), timed.pop("malloc")
         bar.describe(f"zero bf16: quality, the tiny causal LM ({len(cfg['quality_runs'])} runs)")
         quality = runner.run_ranks(_quality, {**cfg, "threads": 1, "backend": "gloo", "device": "cpu"}, (), 2, bar)
     row = {"model": shapes.name, "label": shapes.label, "shapes": dataclasses.asdict(shapes), "numel": shapes.numel(),
            "world_size": ws, "memory": memory, "groups": [timed]}  # fmt: skip
     analyze(row, quality, device)
-    cpu_memory = ("held: bytes of the distinct storages of the parameters, .grad after backward, buckets, optimizer state "
-                  "and masters; peak: growth of VmHWM over VmRSS before the model is built (fresh process pair per method, "
-                  "after a warm-up on tiny shapes and malloc_trim); tensor peak: the most bytes torch's tensors held at once "
-                  "(c10's running total as torch.profiler records it); live: glibc mallinfo2 after each phase")  # fmt: skip
     settings = {
         **cfg, "methods": METHOD_DESCRIPTIONS, "timed": list(TIMED), "adamw": models.adamw_kwargs(device, (torch.float32, BF16)),
         "model": "MatmulShapeModel: one module per parameter of GPT-2's shapes, forward = sum_i "
         "linalg.vecdot(W_i, ones(cols_i)).sum() * x_i (1-D: W_i.sum()), float32 terms",
-        "step": "opt.zero_grad(set_to_none=True); loss = wrapper(x) (autocast: in torch.autocast(bfloat16)); "
-        "loss.backward(); opt.step()  (steady state: an untimed lead-in iteration, timed iterations each waiting "
-        "for the previous one's all-gathers, the last all-gathers drained untimed)",
-        "memory": cpu_memory if device == "cpu" else "held bytes; peak: max_memory_allocated growth",
+        "step": "opt.zero_grad(set_to_none=True); loss = wrapper(x) (autocast: in torch.autocast(bfloat16)); loss.backward(); "
+        "opt.step()  (steady state: an untimed lead-in iteration, timed iterations each waiting for the previous one's "
+        "all-gathers, the last all-gathers drained untimed)",
+        "memory": "held: bytes of the distinct storages of the parameters, .grad after backward, buckets, optimizer state and "
+        "masters; peak: growth of VmHWM over VmRSS before the model is built (fresh process pair per method, after a warm-up "
+        "on tiny shapes and malloc_trim); tensor peak: the most bytes torch's tensors held at once (c10's running total as "
+        "torch.profiler records it); live: glibc mallinfo2 after each phase" if device == "cpu"
+        else "held bytes; peak: max_memory_allocated growth",
         "malloc_timing": malloc or "unchanged",
         "readme_bytes_per_param": {m: {"value": v, "how": how} for m, (v, how) in README_BYTES_PER_PARAM.items()},
         "quality_model": "tiny_lm.TinyCausalLM (2 pre-norm layers, d=32, 4 heads, vocabulary 32, 16 tokens), "
@@ -345,35 +288,30 @@ def measure(args: Any = None) -> Dict[str, Any]:
     return {"benchmark": "zero_bf16", "config": settings, "implementation": implementation, "results": [row], "quality": quality}
 
 
-# Output
 def print_results(payload: Dict[str, Any]) -> None:
     """Step times, bytes per rank by kind, live heap by phase, the quality runs and the targets."""
-    cfg, (row,), mib = payload["config"], payload["results"], report.mib
-    m, device, g = row["methods"], cfg["device"], row["groups"][0]
-    cells = [f"{row['label']} ({row['numel'] / 1e6:.1f} M)"]
-    cells += [report.fmt_time(m[k].get("median_s")) if k in TIMED else "not timed" for k in METHODS]
-    for k in ("bf16", "sharded"):
-        r = row["ratios"].get(f"step {k}/autocast") or {}
-        t = stats.target(r.get("value"), STEP_VS_AUTOCAST, r.get("ci90"))
-        cells.append(report.target_cell(t) if k == "sharded" else report.fmt_ratio(r.get("value")))
+    cfg, (row,), mib, per_rank = payload["config"], payload["results"], report.mib, report.per_rank_mib
+    m, device, ratios = row["methods"], cfg["device"], row["ratios"]
+    sharded = ratios["step sharded/autocast"]
+    cells = [f"{row['label']} ({row['numel'] / 1e6:.1f} M)",
+             *(report.fmt_time(m[k].get("median_s")) if k in TIMED else "not timed" for k in METHODS),
+             report.fmt_ratio(ratios["step bf16/autocast"]["value"]),
+             report.target_cell(stats.target(sharded["value"], STEP_VS_AUTOCAST, sharded["ci90"])),
+             row["groups"][0]["reps"]]  # fmt: skip
     adamw = ", ".join(f"{k}={v}" for k, v in cfg["adamw"].items())
     report.table(f"fastcoll zero bf16: step time with AdamW, bfloat16 recipes ({device})",
-                 ["model", *(METHOD_LABELS[k] for k in METHODS), "bf16/autocast", "sharded/autocast", "rounds"],
-                 [cells + [g["reps"]]],
+                 ["model", *(METHOD_LABELS[k] for k in METHODS), "bf16/autocast", "sharded/autocast", "rounds"], [cells],
                  f"{cfg['world_size']} {cfg['backend']} ranks; AdamW({adamw}); median step of the slowest rank, steady state, "
                  "rounds until the step target resolves (90% paired interval). grads=full is not timed: on gloo it "
                  "issues sharded's collectives.")  # fmt: skip
     body = []
-    for k in METHODS:
-        e = m[k]
+    for k, e in m.items():
         h = max(e.get("held") or [{}], key=lambda x: x.get("total", 0))
-        bpp, peak = e.get("bytes_per_param") or {}, row["ratios"].get(f"peak_bytes {k}/autocast")
         state = mib(h.get("state", 0) + h.get("masters", 0)) + (f" ({mib(h['masters'])})" if h.get("masters") else "")
-        body.append([METHOD_LABELS[k], mib(h.get("params")), mib(h.get("grads")), mib(h.get("buckets")), state,
-                     mib(h.get("total")),
-                     f"{bpp.get('held') or 0:.2f} ({e['readme_bytes_per_param']:.0f})", report.per_rank_mib(e.get("peak_bytes")),
-                     report.per_rank_mib(e.get("tensor_peak_bytes")), report.per_rank_mib(e.get("live_peak_bytes")),
-                     report.fmt_ratio(peak), report.fmt_ratio(row["ratios"].get(f"tensor_peak_bytes {k}/autocast"))])  # fmt: skip
+        body.append([METHOD_LABELS[k], *(mib(h.get(kind)) for kind in ("params", "grads", "buckets")), state, mib(h.get("total")),
+                     f"{(e.get('bytes_per_param') or {}).get('held') or 0:.2f} ({e['readme_bytes_per_param']:.0f})",
+                     *(per_rank(e.get(key)) for key in PEAK_NAMES),
+                     *(report.fmt_ratio(ratios.get(f"{key} {k}/autocast")) for key in list(PEAK_NAMES)[:2])])  # fmt: skip
     report.table(f"fastcoll zero bf16: bytes per rank, {row['label']} ({row['numel'] / 1e6:.1f} M parameters, {device})",
                  ["method", "params", ".grad", "buckets", "state (masters)", "held", "held B/P (README)", "peak (r0 / r1)",
                   "tensor peak (r0 / r1)", "live (r0 / r1)", "peak/autocast", "tensor peak/autocast"], body,
@@ -389,8 +327,7 @@ def print_results(payload: Dict[str, Any]) -> None:
         report.table(f"fastcoll zero bf16: live heap MiB after each phase (worst rank, {device})",
                      ["method", *(f"after {p}" for p in PHASES)], by_phase,
                      "at the forward's end autocast's bfloat16 weight copies are still cached, after it freed")  # fmt: skip
-    q = payload.get("quality")
-    if q:
+    if q := payload.get("quality"):
         body = [[QUALITY_LABELS[n], f"{r['final_loss']:.4f}", f"{r['loss_gap']:+.2%}", f"{r['weight_distance']:.2e}",
                  "-" if r.get("master_distance") is None else f"{r['master_distance']:.2e}",
                  "-" if r.get("distance_vs_bf16") is None else f"{r['distance_vs_bf16']:.3f}", f"{r['seconds']:.1f} s"]
@@ -398,11 +335,8 @@ def print_results(payload: Dict[str, Any]) -> None:
         report.table(f"fastcoll zero bf16: quality, tiny causal LM, {q['steps']} AdamW steps (2 gloo ranks)",
                      ["run", "final loss", "gap vs (a)", "weight distance", "master distance", "distance / (b)'s", "time"], body,
                      "distance: ||w - w(a)|| / ||w(a)|| over every parameter; master distance: the float32 masters'")  # fmt: skip
-    report.targets_table(
-        f"fastcoll zero bf16: targets ({device})",
-        list(row["targets"].values()),
-        "the issue's targets are sharded's; full's against the same levels for information",
-    )
+    report.targets_table(f"fastcoll zero bf16: targets ({device})", list(row["targets"].values()),
+                         "the issue's targets are sharded's; full's against the same levels for information")  # fmt: skip
 
 
 def json_path(args: Any, device: str) -> Path:

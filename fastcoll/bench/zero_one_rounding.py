@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -30,11 +30,8 @@ from . import report, runner, stats, tiny_lm
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 METHODS = ("bf16", "accum", "accum_rs")
-LABELS = {
-    "bf16": "bf16 all-reduce (comm_dtype)",
-    "accum": "one rounding, all-reduce (+ comm_accum_dtype)",
-    "accum_rs": 'one rounding, reduce-scatter (grads="sharded")',
-}
+LABELS = {"bf16": "bf16 all-reduce (comm_dtype)", "accum": "one rounding, all-reduce (+ comm_accum_dtype)",
+          "accum_rs": 'one rounding, reduce-scatter (grads="sharded")'}  # fmt: skip
 SHORT = {"bf16": "bf16 all-reduce", "accum": "1 rounding, AR", "accum_rs": "1 rounding, RS"}
 ULP_TARGET = 1.0  # the one-rounding paths: max distance <= 1 bf16 ulp of the exact mean, at every N
 LM_WORLD = 4
@@ -67,14 +64,13 @@ def gradients(rank: int, numel: int) -> torch.Tensor:
 
 def _reduced(method: str, rank: int, numel: int) -> torch.Tensor:
     """This rank's mean of every rank's gradient by ``method``, as float64."""
-    model = _Weights(numel)
-    x = gradients(rank, numel)
+    model, x = _Weights(numel), gradients(rank, numel)
+    accum = {} if method == "bf16" else {"comm_accum_dtype": F32}
     if method != "accum_rs":
-        kwargs = {"comm_accum_dtype": F32} if method == "accum" else {}
-        ddp = fastcoll.DDP(model, comm_dtype=BF16, **kwargs)
+        ddp = fastcoll.DDP(model, comm_dtype=BF16, **accum)
         ddp(x).backward()
         return model.w.grad.to(F64)
-    ddp = fastcoll.DDP(model, comm_dtype=BF16, comm_accum_dtype=F32, main_grad_dtype=F32)
+    ddp = fastcoll.DDP(model, comm_dtype=BF16, **accum, main_grad_dtype=F32)
     opt = fastcoll.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), ddp, grads="sharded", master_dtype=F32)
     ddp(x).backward()
     opt.step()  # the float32 master of w (zero) becomes exactly -(the rank's float32 range of the mean)
@@ -111,13 +107,12 @@ def _lm(me: runner.Rank, steps: int) -> None:
 def measure(args: Any) -> Dict[str, Any]:
     """Both parts; returns the payload (``results``: one row per N with its targets, ``quality``: the LM runs)."""
     cfg = {**CONFIGS[getattr(args, "level", "default")], "threads": 1, "backend": "gloo", "device": "cpu"}
-    started = time.perf_counter()
-    results: List[Dict[str, Any]] = []
+    started, results = time.perf_counter(), []
     with report.progress("zero one rounding", len(cfg["worlds"]) * len(METHODS) + len(LM_RUNS)) as bar:
         for n in cfg["worlds"]:
             bar.describe(f"zero one rounding: precision at {n} ranks")
             got = runner.run_ranks(_precision, cfg, (cfg["numel"],), n, bar)
-            got.pop("implementation", None), got.pop("malloc", None)
+            del got["implementation"], got["malloc"]
             targets = {f"max ulp {m}, {n} ranks": stats.target(got[m]["max_ulp"], ULP_TARGET,
                                                                what=f"{LABELS[m]}: max distance, bf16 ulps")
                        for m in METHODS[1:]}  # fmt: skip
@@ -126,7 +121,7 @@ def measure(args: Any) -> Dict[str, Any]:
         bar.describe(f"zero one rounding: the tiny causal LM at {LM_WORLD} ranks ({len(LM_RUNS)} runs)")
         quality = runner.run_ranks(_lm, cfg, (cfg["lm_steps"],), LM_WORLD, bar)
         bar.row("tiny LM", len(cfg["worlds"]) + 1)
-    quality.pop("implementation", None), quality.pop("malloc", None)
+    del quality["implementation"], quality["malloc"]
     settings = {**cfg, "methods": LABELS, "lm_runs": LM_RUNS, "lm_world_size": LM_WORLD,
                 "target": f"one-rounding paths: max distance <= {ULP_TARGET} bf16 ulp of the float64 mean at every N",
                 "elapsed_s": time.perf_counter() - started}  # fmt: skip
@@ -167,9 +162,7 @@ def chart(path: Path, payload: Dict[str, Any]) -> Optional[Path]:
         if key == "max_ulp":
             ax.axhline(ULP_TARGET, color="black", linewidth=0.8, linestyle="--")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(ns, [str(n) for n in ns])
-        ax.set_xlabel("ranks")
-        ax.set_ylabel(f"{key.split('_')[0]} distance, bf16 ulps")
+        ax.set(xticks=ns, xticklabels=[str(n) for n in ns], xlabel="ranks", ylabel=f"{key.split('_')[0]} distance, bf16 ulps")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("bf16 gradient reduction: distance from the float64 mean against the number of ranks")
@@ -184,7 +177,6 @@ def run_section(args: Any) -> int:
     print_results(payload)
     named = [(t["what"] + f" ({r['label']})", t) for r in payload["results"] for t in r["targets"].values()]
     path = report.conclude("one rounding", report.section_json_path(args, "zero", "one_rounding", "cpu"), payload, named)
-    png = chart(path.with_name(f"{path.stem}_vs_ranks.png"), payload)
-    if png:
+    if png := chart(path.with_name(f"{path.stem}_vs_ranks.png"), payload):
         report.say(f"wrote {png}", record=False)
     return 0
