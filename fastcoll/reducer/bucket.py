@@ -462,10 +462,13 @@ def pack_range(b: "GradBucket", lo: int, hi: int, out: torch.Tensor, how: "PackA
     A :class:`MainGradBucket`: ``out`` (float32) receives 0 + the 16-bit gradients, times the factor, then
     ``wire`` (when given) that cast to the wire dtype; another bucket: the gradients times the factor, cast
     to ``out``'s dtype. Missing gradients and padding are zeros. The arithmetic per element is the whole
-    pack's, so a bucket packed range by range holds the same values.
+    pack's, so a bucket packed range by range holds the same values: without a wire buffer or a divisor
+    tensor each gradient is added into the zeros times the factor (``0 + g * factor``, one pass, the bits of
+    the sum scaled after, as :meth:`MainGradBucket.pack` adds into zeroed buckets).
     """
     at = 0
     main = isinstance(b, MainGradBucket)
+    scaled = main and wire is None and how.scale_by is None
     with torch.no_grad():
         if main:
             out.zero_()
@@ -473,19 +476,17 @@ def pack_range(b: "GradBucket", lo: int, hi: int, out: torch.Tensor, how: "PackA
             part = out[at : at + n]
             if g is not None:
                 if main:
-                    ops.flatten_accumulate([g], part, nonfinite=how.nonfinite)
+                    ops.flatten_accumulate([g], part, how.scale if scaled else 1.0, nonfinite=how.nonfinite)
                 else:
                     how.flatten([g], part)
             elif not main:
                 part.zero_()
             at += n
-        if main:
+        if main and not scaled:
             if wire is not None:
                 how.flatten([out], wire)
-            elif how.scale_by is not None:
+            else:
                 out.mul_(how.scale_by.reshape(()).to(torch.float64) * how.scale)
-            elif how.scale != 1.0:
-                out.mul_(how.scale)
 
 
 def _aligned(nbytes: int, to: int = 64) -> int:
