@@ -465,16 +465,6 @@ def test_summarize_row_intervals():
     assert t["ci90"][0] < 1.0 < t["ci90"][1] and not t["resolved"]
 
 
-def test_sample_count_fills_the_budget_within_bounds():
-    from fastcoll.bench import timeline as bench
-
-    cfg = {"reps": 10, "max_reps": 100, "budget_s": 45.0}
-    n = len(bench.METHODS)
-    assert bench.sample_count(cfg, 45.0 / (n * 50)) == 50
-    assert bench.sample_count(cfg, 10.0) == 10  # slow steps: never below reps
-    assert bench.sample_count(cfg, 1e-4) == 100  # fast steps: never above max_reps
-
-
 def test_bench_cli_registration(capsys):
     from fastcoll.bench import __main__ as cli
     from fastcoll.bench import timeline as bench

@@ -49,10 +49,10 @@ LANE_COLOURS = {
 BUCKET_LANES = (("ready", "ready_first_us", "ready_last_us"), ("pack", "pack_start_us", "pack_end_us"),
                 ("comm", "issued_us", "completed_us"), ("write-back", "writeback_start_us", "writeback_end_us"))  # fmt: skip
 
-CONFIGS = {  # reps..max_reps samples per method, as many as budget_s of a model's sampling allows
-    "smoke": {"reps": 2, "max_reps": 2, "budget_s": 0.0, "setup_steps": 3, "target_s": 0.0, "max_inner": 1},
-    "default": {"reps": 5, "max_reps": 30, "budget_s": 10.0, "setup_steps": 3, "target_s": 0.03, "max_inner": 50},
-    "full": {"reps": 30, "max_reps": 100, "budget_s": 45.0, "setup_steps": 3, "target_s": 0.1, "max_inner": 200},
+CONFIGS = {  # rounds: reps..max_reps, until both targets resolve
+    "smoke": {"reps": 2, "max_reps": 2, "setup_steps": 3, "target_s": 0.0, "max_inner": 1},
+    "default": {"reps": 6, "max_reps": 20, "setup_steps": 3, "target_s": 0.03, "max_inner": 50},
+    "full": {"reps": 30, "max_reps": 100, "setup_steps": 3, "target_s": 0.1, "max_inner": 200},
 }
 
 
@@ -69,34 +69,34 @@ def model_specs(cfg: dict[str, Any]) -> list[Any]:
     return [models.MLP96, models.CONVBN, models.ENCODER, models.RESNET50, models.GPT2]
 
 
-def sample_count(cfg: dict[str, Any], sample_s: float) -> int:
-    """Samples per method: as many as ``budget_s`` of one model's sampling allows, within ``[reps, max_reps]`` (steps vary by
-    10-30% on 2 cores: 10 samples leave a median uncertain by about 5%; 30 or more bring a ratio's 90% interval to +-3%)."""
-    fit = int(cfg["budget_s"] / (len(METHODS) * max(sample_s, 1e-6)))
-    return max(cfg["reps"], min(cfg["max_reps"], fit))
+def best_fixed_ratio(samples: stats.Samples) -> float | None:
+    """auto's median step over the best fixed cap's."""
+    return stats.ratio(statistics.median(samples["auto"]), min(statistics.median(samples[m]) for m in FIXED_METHODS))
 
 
-def bench_model(spec: Any, rank: int, cfg: dict[str, Any], tick: Callable[[int], None]) -> dict[str, Any]:
+#: The targets: name -> (the ratio it reports, its threshold, the statistic of its interval and of when to stop sampling).
+GOALS = {"auto vs best fixed": ("auto/best fixed", AUTO_VS_BEST_FIXED, best_fixed_ratio),
+         "auto vs torch": ("auto/torch", AUTO_VS_TORCH, stats.median_ratio("auto", "torch"))}  # fmt: skip
+
+
+def bench_model(spec: Any, me: runner.Rank) -> dict[str, Any]:
     """One model on this rank: the sweep, then the timelines and tuning report (gathered from every rank)."""
-    device = cfg["device"]
+    device = me.device
     storage = models.build_storage(spec, device)
-    x = models.make_input(spec, rank, device)
+    x = models.make_input(spec, me.rank, device)
     wrappers, steps, setup_s = {}, {}, {}  # per method: the wrapper, its step, the seconds of its last setup step
     tune_steps = autotune_steps() + 5
     for method in METHODS:
         fastcoll = {"bucket_cap_mb": BUCKET_CAPS[method], "record_timeline": True} if method != "torch" else {}
         wrapper = runner.wrap("fastcoll" if fastcoll else "torch", models.build_model(spec, device, storage), device, **fastcoll)
         step = models.backward_step(spec, wrapper, x)
-        runner.run_steps(step, (tune_steps if method == "auto" else cfg["setup_steps"]) - 1)  # the rebuild, auto's tuning
+        runner.run_steps(step, (tune_steps if method == "auto" else me.cfg["setup_steps"]) - 1)  # the rebuild, auto's tuning
         setup_s[method] = runner.time_calls(step, 1, device)
         wrappers[method], steps[method] = wrapper, step
-        tick(1)
-    per_step = runner.all_max([max(setup_s.values())], device)[0]
-    inner = runner.inner_for(per_step, cfg["target_s"], cfg["max_inner"])
-    reps = sample_count(cfg, inner * per_step)  # the same on every rank: per_step is the slowest rank's
-    samples = runner.measure_interleaved(steps, device, warmup=0, reps=reps, inner=inner, on_sample=lambda: tick(1))
-    samples = {m: runner.all_max(s, device) for m, s in samples.items()}
-    tick((cfg["max_reps"] - reps) * len(METHODS))
+        me.tick()
+    inner = me.inner(max(setup_s.values()))
+    goals = [(stat, thr, "le") for _, thr, stat in GOALS.values()]
+    samples, _ = runner.timed_rounds(steps, inner, me.cfg["reps"], me.cfg["max_reps"], goals, device, me.tick)
 
     layouts: dict[str, Any] = {}
     for method in TIMELINE_LAYOUTS:
@@ -121,7 +121,7 @@ def _ranks(me: runner.Rank) -> dict[str, Any]:
     rows, specs = [], model_specs(me.cfg)
     for spec in specs:
         me.describe(f"timeline: {spec.label}")
-        rows.append(bench_model(spec, me.rank, me.cfg, me.tick))
+        rows.append(bench_model(spec, me))
         me.row(spec.label, len(specs))
     return {"rows": rows}
 
@@ -155,14 +155,11 @@ def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
     med = {m: st["median_s"] for m, st in row["methods"].items()}
     best = min(FIXED_METHODS, key=lambda m: med[m])
     samples, how = row.get("samples_s") or {}, "90% bootstrap (rounds)"
-    best_fixed = lambda s: stats.ratio(statistics.median(s["auto"]), min(statistics.median(s[m]) for m in FIXED_METHODS))  # noqa: E731
     row["best_fixed"] = best
     row["ratios"] = {"auto/best fixed": stats.ratio(med["auto"], med[best]), "auto/torch": stats.ratio(med["auto"], med["torch"]),
                      "25 MiB/torch": stats.ratio(med["25 MiB"], med["torch"])}  # fmt: skip
-    goals = {"auto vs best fixed": ("auto/best fixed", AUTO_VS_BEST_FIXED, best_fixed),  # target -> (ratio, threshold, statistic)
-             "auto vs torch": ("auto/torch", AUTO_VS_TORCH, stats.median_ratio("auto", "torch"))}  # fmt: skip
-    ci = {k: stats.bootstrap_ci(stat, samples, paired=True) if samples else None for k, (_, _, stat) in goals.items()}
-    row["targets"] = {k: stats.target(row["ratios"][r], thr, ci[k], "le", how) for k, (r, thr, _) in goals.items()}
+    ci = {k: stats.bootstrap_ci(stat, samples, paired=True) if samples else None for k, (_, _, stat) in GOALS.items()}
+    row["targets"] = {k: stats.target(row["ratios"][r], thr, ci[k], "le", how) for k, (r, thr, _) in GOALS.items()}
     chosen = next((r for r in row.get("tuning_report") or [] if r.get("chosen")), None)
     row["auto_choice"] = chosen["label"] if chosen else None
     row["exposed_sync_s"] = {m: exposed_median_s(lay["timeline"]) for m, lay in row["layouts"].items()}

@@ -12,7 +12,7 @@ import dataclasses
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch import nn
 import fastcoll
 
 from ..reducer.grad_guard import is_guard
+from ..reducer.sharding import storage_bytes
 from . import models, report, runner, stats, tiny_lm
 from .models import GPT2_QUICK, GPT2_SMALL, GPT2_SMOKE, GPT2Shapes
 
@@ -117,31 +118,21 @@ def account(
     method: str, module: nn.Module, wrapper: nn.Module, opt: torch.optim.Optimizer, grads: Sequence[torch.Tensor]
 ) -> Dict[str, int]:
     """Bytes this rank holds, by kind (``grads``: the ``.grad`` tensors taken right after a backward); each storage is
-    counted once (views too), by the first kind that holds it."""
+    counted once (views too), by the first kind that holds it. fastcoll's buffers: its ``memory_usage()``."""
     seen: set = set()
-
-    def storage_bytes(tensors: Iterable[Any]) -> int:
-        new = {st.data_ptr(): st.nbytes() for st in (t.untyped_storage() for t in tensors if torch.is_tensor(t))
-               if st.data_ptr() not in seen and st.nbytes() > 0}  # fmt: skip
-        seen.update(new)
-        return sum(new.values())
-
-    params = storage_bytes(module.parameters())
-    if method in FASTCOLL:  # fastcoll's internals: bucket storage, narrower wire buffers, kept ranges, all-gather stages
-        r = getattr(wrapper, "reducer", None)
-        shard, gather = getattr(r, "shard_grads", None), getattr(r, "param_gather", None)
-        buffers = [getattr(b, key, None) for b in getattr(r, "buckets", ()) for key in ("flat_padded", "comm_padded")]
-        buffers += [*(shard.grads.values() if shard is not None else ()), *(gather.stages.values() if gather is not None else ())]
-        buckets = storage_bytes(buffers)
+    params = storage_bytes(module.parameters(), seen)
+    if method in FASTCOLL:  # bucket storage, narrower wire buffers, kept ranges, all-gather stages
+        buckets = sum(wrapper.memory_usage().values())
     else:  # torch DDP's flat buckets, from its logging data; else every gradient once, in the parameters' dtype
         sizes = runner.torch_bucket_sizes(wrapper, "bucket_sizes")
         buckets = int(sum(sizes if sizes is not None else [p.numel() * p.element_size() for p in module.parameters()
                                                            if p.requires_grad]))  # fmt: skip
-    dot_grad = storage_bytes(grads)
-    # ShardedOptimizer's float32 masters of this rank's pieces (internals: fastcoll.optim.piece_values)
-    values = opt._values if isinstance(opt, fastcoll.ShardedOptimizer) else None  # type: ignore[attr-defined]
-    master = storage_bytes([values.tensors[k] for k in values.master_ks] if values is not None else [])
-    state = storage_bytes(v for s in opt.state.values() for v in s.values())
+    dot_grad = storage_bytes(grads, seen)
+    if isinstance(opt, fastcoll.ShardedOptimizer):
+        usage = opt.memory_usage()
+        master, state = usage["masters"], usage["state"]
+    else:
+        master, state = 0, storage_bytes((v for s in opt.state.values() for v in s.values()), seen)
     held = {"params": params, "grads": dot_grad, "buckets": buckets, "state": state, "masters": master}
     return {**held, "total": sum(held.values())}
 

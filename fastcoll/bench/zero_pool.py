@@ -60,7 +60,7 @@ def _memory(me: runner.Rank, shapes: models.GPT2Shapes, method: str) -> Dict[str
 
     def read(probe: runner.MemoryProbe, _live: Any, m: runner.Built) -> Dict[str, Any]:
         held = zero_bf16.account("sharded", m.module, m.wrapper, m.opt, [])
-        held["pool"] = m.opt.grad_pool.nbytes if m.opt.grad_pool is not None else 0
+        held["pool"] = m.opt.memory_usage()["grad_pool"]
         held["total"] += held["pool"]
         return {"numel": sum(p.numel() for p in m.module.parameters()), "peak_bytes": probe.peak(),
                 "tensor_peak_bytes": probe.tensor_peak(), "held": held}  # fmt: skip

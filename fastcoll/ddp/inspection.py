@@ -20,6 +20,18 @@ class SyncInspection:
         Reflects the rebuilt (and, with ``bucket_cap_mb="auto"``, the tuned) layout."""
         return self.reducer.bucket_info()
 
+    def memory_usage(self) -> Dict[str, int]:
+        """Bytes of the buffers fastcoll holds for this model now, beyond its parameters and ``.grad`` tensors, by kind.
+
+        ``buckets`` (the flat gradient buckets: float32 with ``main_grad_dtype``, in ``comm_dtype`` when it is
+        narrower, unless ``gradient_as_bucket_view=True``, where they hold the ``.grad`` views), ``comm_buffers``
+        (then the separate wire buffers of ``comm_dtype``), and once a :class:`fastcoll.ShardedOptimizer` divides the buckets,
+        ``grad_ranges`` (this rank's ranges of the reduced gradients, ``grads="sharded"``) and
+        ``param_stages`` (the parameters' all-gather stages). Each storage is counted once; the optimizer's
+        own (masters, state, the ZeRO-2 pool) are :meth:`fastcoll.ShardedOptimizer.memory_usage`'s.
+        """
+        return self.reducer.memory_usage()
+
     def sync_timeline(self) -> List[Dict[str, Any]]:
         """The last synchronized iterations' events (up to 8), oldest first.
 

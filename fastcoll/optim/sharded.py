@@ -28,6 +28,7 @@ from torch import nn
 
 from ..ops.dtypes import is_dense
 from ..reducer.pool import ACCUMULATE
+from ..reducer.sharding import storage_bytes
 from ..reducer.shards import Piece
 from .checkpoint import CheckpointMethods
 from .clip import clip_grad_norm
@@ -342,6 +343,20 @@ class ShardedOptimizer(CheckpointMethods, torch.optim.Optimizer):
         """
         r = self.reducer
         return [r.names[i] for i, s in enumerate(self._stepped) if s and i not in self._buffers.moved]
+
+    def memory_usage(self) -> Dict[str, int]:
+        """Bytes this rank's optimizer holds now, by kind; each storage counted once.
+
+        ``masters``: the float32 master weights of this rank's pieces (``master_dtype``); ``state``: the wrapped
+        optimizer's state tensors (of this rank's pieces); ``grad_pool``: the pool's buffers allocated so far
+        (``grad_buffers="pool"``). The buffers of the model's reducer are :meth:`fastcoll.DDP.memory_usage`'s.
+        """
+        seen: set = set()
+        values = self._values
+        masters = storage_bytes([values.tensors[k] for k in values.master_ks], seen)
+        state = storage_bytes((v for st in self.state.values() for v in st.values()), seen)
+        pool = self.reducer.pool
+        return {"masters": masters, "state": state, "grad_pool": pool.nbytes if pool is not None else 0}
 
     def finish_param_sync(self) -> None:
         """Wait for the parameters' all-gathers of the last step and write them into the parameters."""

@@ -10,7 +10,7 @@ nobody back.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Dict, Optional, Sequence
+from typing import Any, Collection, Dict, Iterable, Optional, Sequence, Set
 
 import torch
 
@@ -21,13 +21,23 @@ from .pool import GradBufferPool, pooled_layout
 from .reduction import ShardGrads
 from .shards import ShardLayout, aligned_first
 
-__all__ = ["ReducerSharding"]
+__all__ = ["ReducerSharding", "storage_bytes"]
+
+
+def storage_bytes(tensors: Iterable[Any], seen: Set[int]) -> int:
+    """Bytes of the storages of ``tensors`` not in ``seen`` (data pointers; each counted once, views too), added to it."""
+    new = {st.data_ptr(): st.nbytes() for st in (t.untyped_storage() for t in tensors if torch.is_tensor(t))
+           if st.data_ptr() not in seen and st.nbytes() > 0}  # fmt: skip
+    seen.update(new)
+    return sum(new.values())
 
 
 class ReducerSharding:
     """The sharded side of :class:`~fastcoll.reducer.core.Reducer` (a mixin: it uses the reducer's state)."""
 
     shards: Optional[ShardLayout]
+    buckets: list
+    params: list
     shard_grads: Optional[ShardGrads]
     kept: Optional[KeptGradients]
     param_gather: Optional[ParamGather]
@@ -52,6 +62,23 @@ class ReducerSharding:
         #: The gradients kept outside ``.grad`` once sharded (:meth:`shard`), and the parameters' all-gathers.
         self.kept = None
         self.param_gather = None
+
+    def memory_usage(self) -> Dict[str, int]:
+        """Bytes of the buffers this reducer holds now, by kind; each storage counted once, by the first kind holding it.
+
+        ``buckets``: the flat bucket buffers (float32 with main gradients; with the pool, those lent now);
+        ``comm_buffers``: wire buffers apart from them (a narrower ``comm_dtype`` with gradients as bucket views);
+        ``grad_ranges``: this rank's ranges of the
+        reduced gradients (``grads="sharded"``); ``param_stages``: the all-gather stages of the parameters (not the
+        parameters' own storage, where a flat parameter buffer receives the all-gather).
+        """
+        seen: Set[int] = set()
+        storage_bytes(self.params, seen)  # the parameters' own storages are not the reducer's (a flat parameter buffer)
+        kept, gather = self.shard_grads, self.param_gather
+        kinds = {"buckets": [b.flat_padded for b in self.buckets], "comm_buffers": [b.comm_padded for b in self.buckets],
+                 "grad_ranges": list(kept.grads.values()) if kept is not None else [],
+                 "param_stages": list(gather.stages.values()) if gather is not None else []}  # fmt: skip
+        return {kind: storage_bytes(tensors, seen) for kind, tensors in kinds.items()}
 
     def shard(
         self, sharded_grads: bool, advice: str = "", pool_buffers: int = 0, accumulate: Optional[str] = None
