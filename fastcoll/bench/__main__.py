@@ -20,9 +20,9 @@ from typing import List, Optional
 import torch
 
 SUBCOMMANDS = ("ops", "ddp", "dist", "timeline", "health", "zero")
-#: Seconds each benchmark took in a default run on the 2-core box at load average 20 (2026-11-27); ``all`` scales
-#: them by its pace so far to estimate the time left, so only their proportions matter after the first benchmark.
-TYPICAL_S = {"ops": 271, "ddp": 584, "dist": 145, "timeline": 89, "health": 311, "zero": 596}
+#: Seconds each benchmark took in a default run on the quiet 2-core box (2026-12-02); ``all`` scales them by its pace
+#: so far to estimate the time left, so only their proportions matter after the first benchmark.
+TYPICAL_S = {"ops": 19, "ddp": 47, "dist": 31, "timeline": 38, "health": 99, "zero": 110}
 
 
 def _threads(value: str):
