@@ -116,6 +116,12 @@ struct AccumulateFns {
   AccumulateCheckFn accumulate_check;
 };
 
+// CPU sum of received chunks (cpu/copy_scale.h, sum_chunks): for the columns
+// begin <= i < end of a [rows, n] 16-bit array, out[i] = float(scale * (in[0][i]
+// + ... + in[rows-1][i])), the adds and the multiply in double in row order,
+// stored as float32 or rounded once more to the input's 16-bit dtype.
+using SumChunksFn = void (*)(const void* in, void* out, int64_t rows, int64_t n, int64_t begin, int64_t end, double scale);
+
 // The build of the CPU inner loops in use (cpu/cpu_isa.cpp): the best this CPU
 // runs, or the one FASTCOLL_CPU_ISA names ("default", "avx2", "avx512bf16";
 // a name the CPU cannot run is an error). Read once, at the first call.

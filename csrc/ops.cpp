@@ -353,8 +353,8 @@ TORCH_LIBRARY(fastcoll, m) {
   // fp32 main gradients: out[slot] = out[slot] + scale * tensor, one fused multiply-add
   // (definition in fastcoll/ops/__init__.py; CPU: csrc/cpu/accumulate_cpu.cpp).
   m.def("flatten_accumulate(Tensor[] tensors, Tensor(a!) out, float scale=1.0, Tensor(b!)? nonfinite=None) -> ()");
-  // One-rounding reduction: out = cast(scale * (chunks[0] + ... + chunks[N-1])), summed in float32 in row
-  // order (definition in fastcoll/ops/__init__.py; CPU: csrc/cpu/sum_chunks_cpu.cpp).
+  // One-rounding reduction: out = cast(float(scale * (chunks[0] + ... + chunks[N-1]))), summed in float64 in
+  // row order, rounded once to float32 (definition in fastcoll/ops/__init__.py; CPU: csrc/cpu/sum_chunks_cpu.cpp).
   m.def("sum_chunks(Tensor chunks, Tensor(a!) out, float scale=1.0) -> ()");
   // Replica verification: one int64 hash per tensor (definition in csrc/cpu/checksum_cpu.cpp).
   m.def("checksum(Tensor[] tensors) -> Tensor");

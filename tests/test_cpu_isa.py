@@ -1,7 +1,8 @@
 """The builds of the CPU inner loops (default, AVX2, AVX2 + AVX-512 BF16) store the same bits (NaN payloads aside).
 
 flatten_accumulate is in the probe too: its fused multiply-add (VFMADD in the vector builds, std::fma
-in the baseline build and the scalar tails) rounds once in every build.
+in the baseline build and the scalar tails) rounds once in every build; so is sum_chunks (float64
+sums the compiler vectorizes per build).
 
 ``FASTCOLL_CPU_ISA`` picks a build for a process (``fastcoll.build_info()["cpu_isa"]``
 says which runs). Each build this CPU can run computes the same ops on the
@@ -92,6 +93,14 @@ _PROBE = textwrap.dedent(
                 flag = torch.zeros(1, dtype=torch.int32)
                 ops.flatten_accumulate([torch.nan_to_num(v, 0.0, 0.0, 0.0) for v in grads], main, scale, nonfinite=flag)
                 out.append(digest(main) + str(int(flag)))
+    for src in (torch.bfloat16, torch.float16):  # sum_chunks: every row count's tail, both outputs
+        for rows, n in ((1, 17), (2, 4099), (3, 257), (8, 1000)):
+            chunks = values(rows * n, src).view(rows, n)
+            for dst in (torch.float32, src):
+                for scale in (1.0, 0.125, 1 / 3):
+                    got = torch.empty(n, dtype=dst)
+                    ops.sum_chunks(chunks, got, scale)
+                    out.append(digest(got))
     print("\\n".join(out))
     """
 )
@@ -119,7 +128,7 @@ def test_every_build_stores_the_same_bits():
         pytest.skip(f"this CPU runs only the {isas[0]} build")
     results = {isa: _run_probe(isa) for isa in isas}
     reference = results[isas[0]]
-    assert len(reference) == 4 * 4 * 3 * 6
+    assert len(reference) == 4 * 4 * 3 * 6 + 2 * 4 * 2 * 3
     for isa in isas[1:]:
         diff = [i for i, (a, b) in enumerate(zip(reference, results[isa])) if a != b]
         assert not diff, f"{isa} differs from {isas[0]} in results {diff[:10]} (of {len(reference)})"

@@ -316,7 +316,7 @@ def test_comm_dtype_matches_torch_compress_hook(pg, dtype, view):
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
-def test_comm_accum_dtype_sums_in_float32(pg, dtype, view):
+def test_comm_accum_dtype_rounds_once(pg, dtype, view):
     """16-bit chunks through NCCL's all_to_all, summed by the fused sum_chunks kernel, then an all-gather.
 
     At one rank each value is rounded to 16 bits once, as torch's compress hook does, so the two agree within

@@ -86,9 +86,9 @@ def _bf16_hook(state, bucket):
 def _accum_hook(wire: torch.dtype):
     """torch's side of ``comm_dtype=wire, comm_accum_dtype=torch.float32``: fastcoll's arithmetic, element by element.
 
-    Every rank's 16-bit values (unscaled) are gathered, summed in float32 in
-    rank order, multiplied by float32(1/world size) and rounded once to
-    ``wire`` (fastcoll's all-gather of its rounded ranges is exact: no
+    Every rank's 16-bit values (unscaled) are gathered, summed in float64 in
+    rank order, multiplied by 1/world size, rounded once to float32 and from
+    there to ``wire`` (fastcoll's all-gather of its rounded ranges is exact: no
     second rounding shows). A rank that has joined runs this hook on zeros,
     as fastcoll's joined rank replays its all-to-all and all-gather.
     """
@@ -98,10 +98,10 @@ def _accum_hook(wire: torch.dtype):
         mine = bucket.buffer().to(wire)
         parts = [torch.empty_like(mine) for _ in range(ws)]
         dist.all_gather(parts, mine)
-        acc = parts[0].float()
+        acc = parts[0].double()
         for part in parts[1:]:
-            acc = acc + part.float()
-        reduced = (acc * torch.tensor(1.0 / ws, dtype=torch.float32)).to(wire).to(bucket.buffer().dtype)
+            acc = acc + part.double()
+        reduced = (acc * (1.0 / ws)).float().to(wire).to(bucket.buffer().dtype)
         fut = torch.futures.Future()
         fut.set_result(reduced)
         return fut
@@ -193,8 +193,8 @@ def matrix_worker(rank: int, world_size: int, combos: list, tolerance: dict) -> 
     three contributions in an order that depends on where an element sits in
     the buffer, so bucket layouts that differ from torch's change the last bits.
     The one-rounding wires sum in rank order on both sides: bitwise at any N
-    (a float32 sum of three 16-bit values is exact unless their exponents lie
-    far apart, so there the order itself rarely shows; the scaling and the
+    (a float64 sum of three 16-bit values is exact unless their exponents lie
+    very far apart, so the order itself does not show; the scaling and the
     rounding do: scaling before the sum, as the plain 16-bit wire does, fails).
     """
     names = [n for n, _ in Net(0).named_parameters()]

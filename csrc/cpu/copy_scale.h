@@ -14,8 +14,9 @@
 // The baseline build's "streaming" variants are its regular loops.
 //
 // The copies of the gradient-health ops, which observe the values they store
-// (sum of squares, non-finite check), and flatten_accumulate's loops are here
-// too, compiled with each build; see the bottom of the file.
+// (sum of squares, non-finite check), flatten_accumulate's loops and
+// sum_chunks' are here too, compiled with each build; see the bottom of the
+// file.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -933,6 +934,37 @@ AccumulateFns pick_accumulate(at::ScalarType src, at::ScalarType dst) {
       fns.accumulate != nullptr, "fastcoll internal error: no CPU accumulate kernel for ", src, " -> ", dst,
       ". Please report this");
   return fns;
+}
+
+// sum_chunks (SumChunksFn): plain loops over blocks of columns, each row's
+// block read once, in row order, which the compiler vectorizes for this
+// build's target (4 doubles per AVX2 vector). Each step is one IEEE operation
+// (double add, one double multiply, the conversions) and no add follows the
+// multiply, so nothing can be contracted: every build stores the same bits.
+template <typename In, typename Out>
+void sum_chunks_columns(const void* in_, void* out_, int64_t rows, int64_t n, int64_t begin, int64_t end, double scale) {
+  const In* in = static_cast<const In*>(in_);
+  Out* out = static_cast<Out*>(out_);
+  constexpr int64_t kBlock = 256;
+  double acc[kBlock];
+  for (int64_t lo = begin; lo < end; lo += kBlock) {
+    const int64_t m = std::min(kBlock, end - lo);
+    const In* row = in + lo;
+    for (int64_t j = 0; j < m; ++j) acc[j] = static_cast<double>(static_cast<float>(row[j]));
+    for (int64_t r = 1; r < rows; ++r) {
+      row = in + r * n + lo;
+      for (int64_t j = 0; j < m; ++j) acc[j] = acc[j] + static_cast<double>(static_cast<float>(row[j]));
+    }
+    for (int64_t j = 0; j < m; ++j) out[lo + j] = static_cast<Out>(static_cast<float>(acc[j] * scale));
+  }
+}
+
+// The sum of float16 or bfloat16 chunks into float32 (out_f32) or the chunks' dtype.
+SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32) {
+  if (in == at::kBFloat16) {
+    return out_f32 ? &sum_chunks_columns<c10::BFloat16, float> : &sum_chunks_columns<c10::BFloat16, c10::BFloat16>;
+  }
+  return out_f32 ? &sum_chunks_columns<c10::Half, float> : &sum_chunks_columns<c10::Half, c10::Half>;
 }
 
 }  // namespace FASTCOLL_CPU_NS

@@ -1,63 +1,56 @@
 // CPU kernel of fastcoll::sum_chunks: the local half of a reduce-scatter that
-// sends 16-bit values and accumulates in float32 (one rounding).
+// sends 16-bit values and rounds once.
 //
 // chunks is [N, n]: row r holds rank r's contribution to this rank's range.
-// For each element i: acc = float(chunks[0][i]); acc = acc + float(chunks[r][i])
-// for r = 1..N-1 (float32 adds, in row order); then acc * float(scale) (one
-// float32 multiply); then out[i] = acc (float32 out) or acc rounded once to
-// chunks' 16-bit dtype (round to nearest even, c10's conversion). No fused
-// multiply-add can form: every product is of a finished sum. at::parallel_for
-// splits the n columns; each element's arithmetic does not depend on the split.
+// For each element i: acc = double(chunks[0][i]); acc = acc + double(chunks[r][i])
+// for r = 1..N-1 (float64 adds in row order: exact while a column's values
+// span at most 45 - log2(N) binades, and for float16 up to 8192 rows); then
+// acc * scale (one float64 multiply, exact for a power of two); then
+// float(acc), the one rounding, stored as float32 or rounded to chunks' 16-bit
+// dtype (round to nearest even, c10's conversion). No fused multiply-add can
+// form: every product is of a finished sum. at::parallel_for splits the n
+// columns; each element's arithmetic does not depend on the split. The loop
+// is the inner-loop build's in use (cpu/copy_scale.h, cpu_isa.cpp): the same
+// bits from each.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-
-#include <algorithm>
 
 #include "fastcoll.h"
 
 namespace fastcoll {
+namespace cpu_default {
+SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32);
+}
+namespace cpu_avx2 {
+SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32);
+}
+namespace cpu_avx512bf16 {
+SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32);
+}
+
 namespace {
 
 constexpr int64_t kGrainElements = 16384;
 
-template <typename In, typename Out>
-void sum_rows(const In* in, Out* out, int64_t rows, int64_t n, float scale) {
-  at::parallel_for(0, n, kGrainElements, [&](int64_t begin, int64_t end) {
-    constexpr int64_t kBlock = 256;  // columns summed together: each row's block is read once, in order
-    float acc[kBlock];
-    for (int64_t lo = begin; lo < end; lo += kBlock) {
-      const int64_t m = std::min(kBlock, end - lo);
-      const In* row = in + lo;
-      for (int64_t j = 0; j < m; ++j) acc[j] = static_cast<float>(row[j]);
-      for (int64_t r = 1; r < rows; ++r) {
-        row = in + r * n + lo;
-        for (int64_t j = 0; j < m; ++j) acc[j] = acc[j] + static_cast<float>(row[j]);
-      }
-      for (int64_t j = 0; j < m; ++j) out[lo + j] = static_cast<Out>(acc[j] * scale);
-    }
-  });
-}
-
-template <typename In>
-void sum_into(const at::Tensor& chunks, const at::Tensor& out, float scale) {
-  const In* in = static_cast<const In*>(chunks.const_data_ptr());
-  const int64_t rows = chunks.size(0), n = chunks.size(1);
-  if (out.scalar_type() == at::kFloat) {
-    sum_rows(in, static_cast<float*>(out.data_ptr()), rows, n, scale);
-  } else {
-    sum_rows(in, static_cast<In*>(out.data_ptr()), rows, n, scale);
+SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32) {
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512Bf16:
+      return cpu_avx512bf16::pick_sum_chunks(in, out_f32);
+    case CpuIsa::kAvx2:
+      return cpu_avx2::pick_sum_chunks(in, out_f32);
+    default:
+      return cpu_default::pick_sum_chunks(in, out_f32);
   }
 }
 
 void sum_chunks_cpu(const at::Tensor& chunks, const at::Tensor& out, double scale) {
   check_sum_chunks(chunks, out);
   if (out.numel() == 0) return;
-  const auto s = static_cast<float>(scale);
-  if (chunks.scalar_type() == at::kBFloat16) {
-    sum_into<c10::BFloat16>(chunks, out, s);
-  } else {
-    sum_into<c10::Half>(chunks, out, s);
-  }
+  const SumChunksFn fn = pick_sum_chunks(chunks.scalar_type(), out.scalar_type() == at::kFloat);
+  const void* in = chunks.const_data_ptr();
+  void* dst = out.data_ptr();
+  const int64_t rows = chunks.size(0), n = chunks.size(1);
+  at::parallel_for(0, n, kGrainElements, [&](int64_t begin, int64_t end) { fn(in, dst, rows, n, begin, end, scale); });
 }
 
 }  // namespace

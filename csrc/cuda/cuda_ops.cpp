@@ -264,7 +264,7 @@ void sum_chunks_cuda(const at::Tensor& chunks, const at::Tensor& out, double sca
   if (out.numel() == 0) return;
   c10::cuda::CUDAGuard guard(out.device());
   const cuda_launch::SumChunksArgs args{
-      chunks.const_data_ptr(), out.data_ptr(), chunks.size(0), chunks.size(1), static_cast<float>(scale),
+      chunks.const_data_ptr(), out.data_ptr(), chunks.size(0), chunks.size(1), scale,
       chunks.scalar_type() == at::kBFloat16, out.scalar_type() == at::kFloat};
   raise_on_error(cuda_launch::launch_sum_chunks(args, current_stream()), op);
 }

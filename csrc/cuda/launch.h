@@ -61,15 +61,15 @@ cudaError_t launch_copy_scale(const Table& table, double scale, cudaStream_t str
 // `nonfinite`, a block that stored NaN or +-Inf writes 1 to nonfinite[0].
 cudaError_t launch_accumulate(const Table& table, double scale, int32_t* nonfinite, cudaStream_t stream) noexcept;
 
-// sum_chunks (csrc/cuda/sum_chunks_cuda.cu): out[i] = cast(scale * sum over r of chunks[r * n + i]),
-// summed in float32 in row order. chunks: rows x n 16-bit values (bfloat16 when bf16, else float16);
+// sum_chunks (csrc/cuda/sum_chunks_cuda.cu): out[i] = cast(float(scale * sum over r of chunks[r * n + i])),
+// summed and scaled in float64 in row order, rounded once to float32. chunks: rows x n 16-bit values (bfloat16 when bf16, else float16);
 // out: n float32 values (out_f32) or n of chunks' dtype. Checked by cuda_ops.cpp; n == 0 launches nothing.
 struct SumChunksArgs {
   const void* chunks;
   void* out;
   int64_t rows;
   int64_t n;
-  float scale;
+  double scale;
   bool bf16;
   bool out_f32;
 };

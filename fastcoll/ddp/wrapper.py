@@ -130,16 +130,17 @@ class DDP(
             sets ``comm_dtype=torch.float16``).
         comm_accum_dtype: None (the default: the all-reduce above), or
             ``torch.float32`` with a 16-bit ``comm_dtype``: 16-bit values on
-            the wire, summed in float32. Each bucket (padded to a multiple of
+            the wire, a float32 result. Each bucket (padded to a multiple of
             the world size, as a sharded optimizer's) is exchanged by an
             all-to-all of its N ranges (the bytes of a reduce-scatter); each
-            rank sums the N 16-bit contributions to its range in float32, in
-            rank order, times 1/divisor in float32
-            (:func:`fastcoll.ops.sum_chunks`), rounds once to the wire dtype,
-            and an all-gather completes the bucket: two roundings whatever
-            the world size, where a 16-bit ring rounds N-1 times. With
+            rank sums the N 16-bit contributions to its range in float64 (in
+            rank order: exact while an element's N values span at most
+            45 - log2(N) binades), times 1/divisor, rounds once to float32
+            and from there to the wire dtype (:func:`fastcoll.ops.sum_chunks`),
+            and an all-gather completes the bucket: two roundings to 16 bits
+            whatever the world size, where a 16-bit ring rounds N-1 times. With
             ``ShardedOptimizer(grads="sharded")`` the all-gather is not needed
-            and float32 main gradients receive the float32 sum: one rounding.
+            and float32 main gradients receive the sum rounded once to float32.
             The pack does not divide (16-bit gradients travel exactly; float16
             wire values are the undivided gradients, which must be within
             float16's range).

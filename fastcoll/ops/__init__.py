@@ -285,18 +285,21 @@ def flatten_accumulate(
 
 
 def sum_chunks(chunks: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Sum the 16-bit rows of ``chunks`` in float32, times ``scale``, into ``out``: one rounding at most.
+    """Sum the 16-bit rows of ``chunks``, times ``scale``, into ``out``, rounding once to float32.
 
     The local half of a reduce-scatter that carries 16-bit values and
-    accumulates in float32: ``chunks`` is what an ``all_to_all_single`` of N
-    equal ranges delivers to one rank (row ``r``: rank ``r``'s values of this
-    rank's range). For every element ``i``, in this order and in float32:
+    rounds once: ``chunks`` is what an ``all_to_all_single`` of N equal
+    ranges delivers to one rank (row ``r``: rank ``r``'s values of this
+    rank's range). For every element ``i``, in this order and in float64:
     ``acc = chunks[0, i]``, then ``acc = acc + chunks[r, i]`` for ``r = 1 ..
     N-1`` (a fixed rank order, so every rank and every run gives the same
-    bits), then ``acc * scale`` (``scale`` rounded to float32 first; one
-    multiply, never fused with an add); the result is stored as float32 or
-    rounded once (to nearest even) to ``chunks``' dtype. The kernels (CPU and
-    CUDA) and the reference (:mod:`fastcoll.ops.reference`) give the same bits.
+    bits; exact while a column's values span at most 45 - log2(N) binades,
+    and for float16 up to 8192 rows), then ``acc * scale`` (one multiply,
+    never fused with an add; exact for a power of two); then one rounding
+    (to nearest even) to float32, so that the result is the exact scaled
+    sum correctly rounded whenever the sum and the product were exact. It
+    is stored as float32 or rounded once more to ``chunks``' dtype. The kernels (CPU and CUDA) and the reference
+    (:mod:`fastcoll.ops.reference`) give the same bits.
 
     Args:
         chunks: Contiguous ``[N, n]`` float16 or bfloat16 tensor, ``N >= 1``.

@@ -495,20 +495,21 @@ def check_sum_chunks(chunks: torch.Tensor, out: torch.Tensor, overlap: bool = Tr
 
 
 def sum_chunks(chunks: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
-    """Reference ``fastcoll::sum_chunks``: float32 sum of the rows in row order, times float32(scale), cast once.
+    """Reference ``fastcoll::sum_chunks``: float64 sum of the rows in row order, times scale, rounded once to float32.
 
-    Each step is one IEEE float32 operation (torch's float32 add and multiply
-    round correctly), so this is the kernels' result bit for bit.
+    Each step is one IEEE float64 operation (torch's float64 add and multiply
+    round correctly), then one rounding to float32 and, for a 16-bit ``out``,
+    one more to its dtype, so this is the kernels' result bit for bit.
     """
     check_sum_chunks(chunks, out)
     if out.numel() == 0:
         return
     with torch.no_grad():
-        acc = chunks[0].to(torch.float32)
+        acc = chunks[0].to(torch.float64)
         for r in range(1, chunks.shape[0]):
-            acc = acc + chunks[r].to(torch.float32)
-        acc = acc * torch.tensor(scale, dtype=torch.float32, device=acc.device)
-        out.copy_(acc.to(out.dtype))
+            acc = acc + chunks[r].to(torch.float64)
+        acc = acc * torch.tensor(scale, dtype=torch.float64, device=acc.device)
+        out.copy_(acc.to(torch.float32).to(out.dtype))
 
 
 # ---------------------------------------------------------------------------

@@ -183,8 +183,8 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation
             not in ``.grad``.
         comm_accum_dtype: None, or ``torch.float32`` with a 16-bit
             ``comm_dtype``: each dense bucket's 16-bit values are exchanged by
-            an all-to-all and summed in float32 on the rank that owns each
-            range (:class:`~fastcoll.reducer.reduction.AccumAllReduce`,
+            an all-to-all and summed in float64, rounded once to float32, on
+            the rank that owns each range (:class:`~fastcoll.reducer.reduction.AccumAllReduce`,
             :class:`~fastcoll.reducer.reduction.AccumReduceScatter`): one
             rounding for a reduce-scatter, two for an all-reduce, whatever
             the world size.
@@ -238,7 +238,7 @@ class Reducer(ReducerSettings, ReducerLayout, ReducerSharding, LocalAccumulation
         self._init_local_accumulation()
         self._init_unsharded()
         self.comm_dtype: Optional[torch.dtype] = comm_dtype
-        #: None, or torch.float32: the dense buckets' 16-bit values are summed in float32 (:meth:`_index_reductions`).
+        #: None, or torch.float32: the dense buckets' 16-bit values are summed into float32 (:meth:`_index_reductions`).
         self.comm_accum_dtype: Optional[torch.dtype] = comm_accum_dtype
         self._sparse = [False] * n
         for i in sparse_params:

@@ -354,10 +354,10 @@ class ReduceScatter:
 
 
 def _wire_and_scale(how: PackArgs) -> Tuple[PackArgs, float]:
-    """The pack of a one-rounding reduction and the factor of its float32 sum.
+    """The pack of a one-rounding reduction and the factor of its sum.
 
     The pack only casts to the wire dtype (and checks for NaN/Inf); 1/divisor
-    is applied in float32 by the sum (:func:`fastcoll.ops.sum_chunks`), so
+    is applied by the sum, before its one rounding (:func:`fastcoll.ops.sum_chunks`), so
     16-bit gradients travel exactly as they are. A device divisor
     (``scale_by``) stays in the pack, as without ``comm_accum_dtype``.
     """
@@ -373,7 +373,7 @@ def _exchange(comm: Communicator, b: GradBucket, src: torch.Tensor) -> Tuple[tor
 
 
 def _sum_received(comm: Communicator, b: GradBucket, recv: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-    """The float32 sum of every rank's values of this rank's range, times ``scale``, into ``out`` (one rounding)."""
+    """The sum of every rank's values of this rank's range, times ``scale``, into ``out`` (one rounding to float32)."""
     with torch.no_grad():
         ops.sum_chunks(recv.view(comm.world_size, b.padded // comm.world_size), out, scale)
 
@@ -416,12 +416,13 @@ class _Gathered(_Reduced):
 
 
 class AccumAllReduce(AllReduce):
-    """All-reduce with 16-bit values on the wire, summed in float32 (``comm_accum_dtype``): two roundings whatever N.
+    """All-reduce with 16-bit values on the wire, summed exactly (``comm_accum_dtype``): two roundings whatever N.
 
     The pack casts to the 16-bit wire dtype (unscaled); an all-to-all sends
     each rank its range of every rank's bucket; :func:`fastcoll.ops.sum_chunks`
-    sums them in float32 in rank order, times 1/divisor, rounded once into
-    this rank's range of the wire buffer; an all-gather of the 16-bit ranges
+    sums them in float64 in rank order, times 1/divisor, rounds once to
+    float32 and from there to 16 bits into this rank's range of the wire
+    buffer; an all-gather of the 16-bit ranges
     (its second phase, :meth:`InFlight.settle`) completes the bucket, which
     is unpacked as after an all-reduce. A ring all-reduce in 16 bits rounds
     N-1 times.
@@ -481,7 +482,7 @@ class _ZeroGathered(_Gathered):
 
 
 class _ScatterSummed(_Scattered):
-    """The all-to-all of :class:`AccumReduceScatter`; at finish, the float32 sum into the range (then as a reduce-scatter)."""
+    """The all-to-all of :class:`AccumReduceScatter`; at finish, the sum into the range (then as a reduce-scatter)."""
 
     __slots__ = ("recv", "scale")
 
@@ -493,12 +494,12 @@ class _ScatterSummed(_Scattered):
 
 
 class AccumReduceScatter(ReduceScatter):
-    """Reduce-scatter with 16-bit values on the wire, summed in float32 (``comm_accum_dtype``): one rounding.
+    """Reduce-scatter with 16-bit values on the wire, summed exactly (``comm_accum_dtype``): one rounding.
 
     An all-to-all of the 16-bit bucket (the bytes of a reduce-scatter), then
     :func:`fastcoll.ops.sum_chunks` into this rank's range: float32 ranges
-    (main gradients, float32 parameters) receive the float32 sum itself, with
-    no rounding after the sum; 16-bit ranges receive it rounded once.
+    (main gradients, float32 parameters) receive the float64 sum rounded
+    once to float32; 16-bit ranges receive that rounded once more.
     """
 
     def start(self, b: GradBucket, how: PackArgs, done: Optional[Sequence[int]]) -> InFlight:
