@@ -129,6 +129,24 @@ enum class CpuIsa { kDefault = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
 CpuIsa cpu_isa();
 const char* cpu_isa_name(CpuIsa isa);
 
+// Declares a function of every build of the CPU inner loops (cpu_default,
+// cpu_avx2, cpu_avx512bf16: cpu/copy_scale.h); FASTCOLL_CALL_CPU_BUILD(fn, args)
+// calls the one of the build cpu_isa() selects.
+#define FASTCOLL_IN_EACH_CPU_BUILD(...)  \
+  namespace cpu_default {                \
+  __VA_ARGS__;                           \
+  }                                      \
+  namespace cpu_avx2 {                   \
+  __VA_ARGS__;                           \
+  }                                      \
+  namespace cpu_avx512bf16 {             \
+  __VA_ARGS__;                           \
+  }
+#define FASTCOLL_CALL_CPU_BUILD(fn, ...)                                                \
+  (::fastcoll::cpu_isa() == ::fastcoll::CpuIsa::kAvx512Bf16 ? cpu_avx512bf16::fn(__VA_ARGS__) \
+   : ::fastcoll::cpu_isa() == ::fastcoll::CpuIsa::kAvx2     ? cpu_avx2::fn(__VA_ARGS__)       \
+                                                            : cpu_default::fn(__VA_ARGS__))
+
 // CPU calls that write at least this many bytes use non-temporal (cache-
 // bypassing) stores. Set once at load by fastcoll/ops/stores.py (the machine's
 // cache, or FASTCOLL_CPU_STREAM_MIN_BYTES); 16 MiB until then.

@@ -22,27 +22,12 @@
 #include "fastcoll.h"
 
 namespace fastcoll {
-namespace cpu_default {
-AccumulateFns pick_accumulate(at::ScalarType src, at::ScalarType dst);
-}
-namespace cpu_avx2 {
-AccumulateFns pick_accumulate(at::ScalarType src, at::ScalarType dst);
-}
-namespace cpu_avx512bf16 {
-AccumulateFns pick_accumulate(at::ScalarType src, at::ScalarType dst);
-}
+FASTCOLL_IN_EACH_CPU_BUILD(AccumulateFns pick_accumulate(at::ScalarType src, at::ScalarType dst))
 
 namespace {
 
 AccumulateFns pick_accumulate(at::ScalarType src, at::ScalarType dst) {
-  switch (cpu_isa()) {
-    case CpuIsa::kAvx512Bf16:
-      return cpu_avx512bf16::pick_accumulate(src, dst);
-    case CpuIsa::kAvx2:
-      return cpu_avx2::pick_accumulate(src, dst);
-    default:
-      return cpu_default::pick_accumulate(src, dst);
-  }
+  return FASTCOLL_CALL_CPU_BUILD(pick_accumulate, src, dst);
 }
 
 // Elements below which splitting across threads costs more than it saves (flatten_scale's grain).

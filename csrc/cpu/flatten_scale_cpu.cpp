@@ -20,15 +20,7 @@
 #include "plan.h"
 
 namespace fastcoll {
-namespace cpu_default {
-CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
-}
-namespace cpu_avx2 {
-CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
-}
-namespace cpu_avx512bf16 {
-CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming);
-}
+FASTCOLL_IN_EACH_CPU_BUILD(CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming))
 
 namespace {
 
@@ -52,14 +44,7 @@ void set_cpu_stream_min_bytes(int64_t nbytes) {
 namespace {
 
 CopyFn pick_copy(at::ScalarType src, at::ScalarType dst, bool streaming) {
-  switch (cpu_isa()) {
-    case CpuIsa::kAvx512Bf16:
-      return cpu_avx512bf16::pick_copy(src, dst, streaming);
-    case CpuIsa::kAvx2:
-      return cpu_avx2::pick_copy(src, dst, streaming);
-    default:
-      return cpu_default::pick_copy(src, dst, streaming);
-  }
+  return FASTCOLL_CALL_CPU_BUILD(pick_copy, src, dst, streaming);
 }
 
 // Elements below which splitting across threads costs more than it saves.

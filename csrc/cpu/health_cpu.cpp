@@ -33,15 +33,7 @@
 #include "fastcoll.h"
 
 namespace fastcoll {
-namespace cpu_default {
-HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64);
-}
-namespace cpu_avx2 {
-HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64);
-}
-namespace cpu_avx512bf16 {
-HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64);
-}
+FASTCOLL_IN_EACH_CPU_BUILD(HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64))
 
 namespace {
 
@@ -62,14 +54,7 @@ void store_fence() {
 }
 
 HealthFns pick_health(at::ScalarType src, at::ScalarType dst, bool streaming, bool f64) {
-  switch (cpu_isa()) {
-    case CpuIsa::kAvx512Bf16:
-      return cpu_avx512bf16::pick_health(src, dst, streaming, f64);
-    case CpuIsa::kAvx2:
-      return cpu_avx2::pick_health(src, dst, streaming, f64);
-    default:
-      return cpu_default::pick_health(src, dst, streaming, f64);
-  }
+  return FASTCOLL_CALL_CPU_BUILD(pick_health, src, dst, streaming, f64);
 }
 
 bool is_double(at::ScalarType t) {

@@ -18,29 +18,14 @@
 #include "fastcoll.h"
 
 namespace fastcoll {
-namespace cpu_default {
-SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32);
-}
-namespace cpu_avx2 {
-SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32);
-}
-namespace cpu_avx512bf16 {
-SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32);
-}
+FASTCOLL_IN_EACH_CPU_BUILD(SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32))
 
 namespace {
 
 constexpr int64_t kGrainElements = 16384;
 
 SumChunksFn pick_sum_chunks(at::ScalarType in, bool out_f32) {
-  switch (cpu_isa()) {
-    case CpuIsa::kAvx512Bf16:
-      return cpu_avx512bf16::pick_sum_chunks(in, out_f32);
-    case CpuIsa::kAvx2:
-      return cpu_avx2::pick_sum_chunks(in, out_f32);
-    default:
-      return cpu_default::pick_sum_chunks(in, out_f32);
-  }
+  return FASTCOLL_CALL_CPU_BUILD(pick_sum_chunks, in, out_f32);
 }
 
 void sum_chunks_cpu(const at::Tensor& chunks, const at::Tensor& out, double scale) {
