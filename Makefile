@@ -146,7 +146,7 @@ oldest-build:
 	  assert i['extension'] and i['torch'].split('+')[0] == '$(OLDEST_TORCH)', i"
 
 # `make bench`: every benchmark, rounds until each target's 90% interval resolves (capped): about 10 minutes on a
-# 2-core machine; `make bench-full`: every row, higher caps (about 30-40 minutes). `make results` renders
+# 2-core machine; `make bench-full`: every row, higher caps (about 35 minutes). `make results` renders
 # benchmarks/RESULTS.md from the JSON they wrote (docs/benchmarks.md).
 bench: build
 	OMP_NUM_THREADS=1 $(VPY) -m fastcoll.bench all

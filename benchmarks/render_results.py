@@ -33,7 +33,7 @@ TITLES = {
     "health": "health: clipping, the fused norm, the non-finite check",
     "zero": "zero: ShardedOptimizer vs ZeroRedundancyOptimizer vs DDP",
     "zero_bf16": "zero bf16: main gradients + sharded float32 masters",
-    "zero_one_rounding": "zero one rounding: bf16 on the wire, summed in float32",
+    "zero_one_rounding": "zero one rounding: bf16 on the wire, rounded once",
     "zero_pool": "zero pool: gradient buffers from a pool (ZeRO-2)",
 }
 

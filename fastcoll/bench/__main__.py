@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default: cpu)")
     parser.add_argument("--threads", type=_threads, default=None, metavar="N|all",
                         help="intra-op threads (ops: default 1 and all; multi-rank benchmarks: per rank, default 1)")  # fmt: skip
-    parser.add_argument("--full", action="store_true", help="every row, more rounds (make bench-full: about 30 minutes)")
+    parser.add_argument("--full", action="store_true", help="every row, more rounds (make bench-full: about 35 minutes)")
     parser.add_argument("--quick", action="store_true", help="the default run (kept for old scripts)")
     parser.add_argument("--json", metavar="PATH", default=None, help="where to write the JSON (default benchmarks/out/"
                         "<benchmark>_<device>.json); with 'all', PATH's stem gets _<benchmark> appended")  # fmt: skip

@@ -1,14 +1,14 @@
-"""bfloat16 on the wire, summed in float32: how far reduced gradients land from the exact mean, against N.
+"""bfloat16 on the wire, rounded once: how far reduced gradients land from the exact mean, against N.
 
 The last section of ``python -m fastcoll.bench zero`` (docs/benchmarks.md). Two parts, on gloo CPU ranks:
 
 * precision: every rank holds bfloat16 gradients that are exact in bf16 (a bf16 model's), of both signs over 25 binades;
   each is averaged over N = 2, 4 and 8 ranks three ways: ``comm_dtype=torch.bfloat16`` (a bf16 all-reduce: gloo rounds
-  every partial sum), ``comm_accum_dtype=torch.float32`` (an all-to-all of the bf16 ranges, the float32 sum, one
-  rounding, an all-gather), and the same under ``ShardedOptimizer(grads="sharded")`` with float32 main gradients (the
-  rank's range keeps the float32 sum, read back through the float32 master weights of an SGD step from zero). The
-  distance from the float64 mean is counted in bf16 ulps of that mean, per element. Target: the one-rounding paths
-  within 1 ulp at every N.
+  every partial sum), ``comm_accum_dtype=torch.float32`` (an all-to-all of the bf16 ranges, the exact sum rounded to
+  float32, one rounding to bf16, an all-gather), and the same under ``ShardedOptimizer(grads="sharded")`` with float32
+  main gradients (the rank's range keeps the float32 value, read back through the float32 master weights of an SGD
+  step from zero). The distance from the float64 mean is counted in bf16 ulps of that mean, per element. Target: the
+  one-rounding paths within 1 ulp at every N.
 * the tiny causal LM of the bf16 section at 4 ranks, bf16 weights with float32 main gradients and sharded masters, with
   ``comm_dtype=torch.bfloat16`` with and without ``comm_accum_dtype=torch.float32``: the final weights' distance from
   the float32 run's (reported, no target).
@@ -106,7 +106,8 @@ def _lm(me: runner.Rank, steps: int) -> None:
 
 def measure(args: Any) -> Dict[str, Any]:
     """Both parts; returns the payload (``results``: one row per N with its targets, ``quality``: the LM runs)."""
-    cfg = {**CONFIGS[getattr(args, "level", "default")], "threads": 1, "backend": "gloo", "device": "cpu"}
+    level = getattr(args, "level", "default")
+    cfg = {**CONFIGS[level], "level": level, "threads": 1, "backend": "gloo", "device": "cpu"}
     started, results = time.perf_counter(), []
     with report.progress("zero one rounding", len(cfg["worlds"]) * len(METHODS) + len(LM_RUNS)) as bar:
         for n in cfg["worlds"]:

@@ -353,7 +353,7 @@ class ShardedOptimizer(CheckpointMethods, torch.optim.Optimizer):
         """
         seen: set = set()
         values = self._values
-        masters = storage_bytes([values.tensors[k] for k in values.master_ks], seen)
+        masters = storage_bytes(values.masters.values(), seen)
         state = storage_bytes((v for st in self.state.values() for v in st.values()), seen)
         pool = self.reducer.pool
         return {"masters": masters, "state": state, "grad_pool": pool.nbytes if pool is not None else 0}
