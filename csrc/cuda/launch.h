@@ -62,8 +62,9 @@ cudaError_t launch_copy_scale(const Table& table, double scale, cudaStream_t str
 cudaError_t launch_accumulate(const Table& table, double scale, int32_t* nonfinite, cudaStream_t stream) noexcept;
 
 // sum_chunks (csrc/cuda/sum_chunks_cuda.cu): out[i] = cast(float(scale * sum over r of chunks[r * n + i])),
-// summed and scaled in float64 in row order, rounded once to float32. chunks: rows x n 16-bit values (bfloat16 when bf16, else float16);
-// out: n float32 values (out_f32) or n of chunks' dtype. Checked by cuda_ops.cpp; n == 0 launches nothing.
+// summed and scaled in float64 in row order, rounded once to float32. chunks: rows x n 16-bit values
+// (bfloat16 when bf16, else float16); out: n float32 values (out_f32) or n of chunks' dtype. Checked by
+// cuda_ops.cpp; n == 0 launches nothing.
 struct SumChunksArgs {
   const void* chunks;
   void* out;
